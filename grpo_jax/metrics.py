@@ -1,0 +1,282 @@
+"""Rollout statistics, the pass@k estimator and the metric writers.
+
+Everything here runs on the host over numpy arrays that the trainer already
+fetched: rewards, completion texts, lengths. Metric keys are slash-separated
+(``rewards/mean``, ``rollout/pass_rate``, ``eval/pass_at_1``) and one JSON
+object per step goes to ``<workdir>/metrics.jsonl``; the same scalars go to
+TensorBoard event files under ``<workdir>/tensorboard``. Only process 0 writes.
+
+Shapes: B prompts, G completions per prompt, N = B*G rows grouped
+contiguously (rows b*G .. b*G+G-1 belong to prompt b).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+# ---------------------------------------------------------------------------
+# pass@k.
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, eq. 1).
+
+        pass@k = 1 - C(n - c, k) / C(n, k)
+
+    the probability that at least one of k samples drawn without replacement
+    from the n is correct. Computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), the
+    numerically stable product form of the paper's reference code.
+    """
+    if not (isinstance(n, (int, np.integer)) and isinstance(c, (int, np.integer))):
+        raise TypeError(f"n and c must be integers, got n={n!r}, c={c!r}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def mean_pass_at_k(correct_PxS: np.ndarray, k: int) -> float:
+    """Mean of :func:`pass_at_k` over P problems, each with S samples (bool [P, S])."""
+    correct_PxS = np.asarray(correct_PxS, dtype=bool)
+    if correct_PxS.ndim != 2 or correct_PxS.shape[0] == 0:
+        raise ValueError(f"correct must be [problems, samples], got shape {correct_PxS.shape}")
+    n = correct_PxS.shape[1]
+    return float(np.mean([pass_at_k(n, int(c), k) for c in correct_PxS.sum(1)]))
+
+
+# ---------------------------------------------------------------------------
+# Rollout statistics.
+
+
+def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
+    x = np.asarray(x, dtype=np.float64)
+    finite = x[np.isfinite(x)]
+    if finite.size == 0:
+        return {f"{prefix}/mean": float("nan"), f"{prefix}/std": float("nan")}
+    return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": float(finite.std())}
+
+
+def duplicate_fraction(completions: Sequence[str], G: int) -> float:
+    """Share of completions that repeat an earlier completion of the same group.
+
+    0 when all G completions of every group differ, (G-1)/G when each group
+    holds one text G times: a collapsed, non-exploring policy.
+    """
+    n = len(completions)
+    if n % G:
+        raise ValueError(f"{n} completions do not form whole groups of G={G}")
+    dups = 0
+    for b in range(n // G):
+        dups += G - len(set(completions[b * G : (b + 1) * G]))
+    return dups / max(n, 1)
+
+
+def rollout_metrics(
+    *,
+    total_N: np.ndarray,
+    per_reward: Mapping[str, np.ndarray],
+    errors: Mapping[str, int],
+    correct_N: np.ndarray,
+    lengths_N: np.ndarray,
+    truncated_N: np.ndarray,
+    completions: Sequence[str],
+    G: int,
+    invalid_N: np.ndarray | None = None,
+) -> dict[str, float]:
+    """The per-step statistics of one rollout batch of N = B*G completions.
+
+    Args:
+      total_N: weighted total reward per completion (NaN where unscored).
+      per_reward: each reward function's raw score per completion.
+      errors: number of completions each reward function failed to score.
+      correct_N: bool, the completion's answer is right (pass rate).
+      lengths_N: completion lengths in tokens (EOS included).
+      truncated_N: bool, the completion hit max_new_tokens without EOS.
+      completions: decoded completion texts (duplicate rate).
+      G: group size.
+      invalid_N: bool, no answer could be parsed (invalid format); omitted if None.
+    """
+    total_N = np.asarray(total_N, dtype=np.float64)
+    out = _stats("rewards", total_N)
+    for name, r_N in per_reward.items():
+        out.update(_stats(f"rewards/{name}", r_N))
+        out[f"rewards/{name}/errors"] = float(errors.get(name, 0))
+    out["rollout/pass_rate"] = float(np.mean(correct_N))
+    out["rollout/length_mean"] = float(np.mean(lengths_N))
+    out["rollout/length_max"] = float(np.max(lengths_N))
+    out["rollout/truncated_frac"] = float(np.mean(truncated_N))
+    if invalid_N is not None:
+        out["rollout/invalid_format_frac"] = float(np.mean(invalid_N))
+    out["rollout/duplicate_frac"] = duplicate_fraction(completions, G)
+    # Within-group variance over the finite rewards: zero variance, zero signal.
+    r_BxG = total_N.reshape(-1, G)
+    var_B = np.array(
+        [np.var(row[np.isfinite(row)]) if np.isfinite(row).any() else 0.0 for row in r_BxG]
+    )
+    out["rollout/group_reward_var"] = float(var_B.mean())
+    out["rollout/frac_zero_var_groups"] = float(np.mean(var_B <= 1e-12))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Writers.
+
+
+def _jsonable(v):
+    if isinstance(v, (np.generic, np.ndarray)):
+        v = v.item() if np.ndim(v) == 0 else v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN/inf; null marks "not a number this step".
+    return v
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard.
+
+    Sample completions go to ``<workdir>/samples/step_XXXXXXX.txt``. A writer
+    built with ``enabled=False`` (processes other than 0) does nothing.
+    """
+
+    def __init__(
+        self, workdir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True
+    ):
+        self.workdir = pathlib.Path(workdir)
+        self.enabled = enabled
+        self.path = self.workdir / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close().
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # Imported lazily: it is slow to import.
+
+            self._tb = SummaryWriter(str(self.workdir / "tensorboard"), flush_secs=30)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, int(step))
+
+    def write_samples(self, step: int, samples: Sequence[Mapping[str, object]]) -> None:
+        """Writes prompt / completion / reward triples as readable text."""
+        if not self.enabled:
+            return
+        d = self.workdir / "samples"
+        d.mkdir(exist_ok=True)
+        lines = []
+        for i, s in enumerate(samples):
+            lines.append(f"--- sample {i} ---")
+            for k, v in s.items():
+                lines.append(f"[{k}] {v}")
+        text = "\n".join(lines) + "\n"
+        (d / f"step_{int(step):07d}.txt").write_text(text)
+        if self._tb is not None:
+            self._tb.add_text("samples", "    " + text.replace("\n", "\n    "), int(step))
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._file.flush()
+            if self._tb is not None:
+                self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+            self.enabled = False
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All records of a metrics.jsonl file (skipping a torn last line from a kill)."""
+    records = []
+    p = pathlib.Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
+    """Drops records after ``last_step``: on resume they are recomputed exactly.
+
+    Records without a step-derived key survive; a torn line is dropped.
+    """
+    p = pathlib.Path(path)
+    if not p.exists():
+        return
+    keep = [r for r in read_metrics(p) if int(r.get("step", 0)) <= last_step]
+    tmp = p.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+    os.replace(tmp, p)
+
+
+class ProgressLine:
+    """A one-line console status refreshed in place (a plain log line when not a TTY)."""
+
+    KEYS = (
+        ("rewards/mean", "reward", "{:.3f}"),
+        ("rollout/pass_rate", "pass", "{:.2f}"),
+        ("train/kl", "kl", "{:.4f}"),
+        ("rollout/length_mean", "len", "{:.1f}"),
+        ("train/entropy", "ent", "{:.3f}"),
+        ("perf/sample_tokens_per_s", "samp tok/s", "{:.0f}"),
+        ("perf/train_tokens_per_s", "train tok/s", "{:.0f}"),
+        ("eval/pass_at_1", "eval pass@1", "{:.3f}"),
+    )
+
+    def __init__(self, total_steps: int, *, stream=None, enabled: bool = True, every: int = 1):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.enabled = enabled
+        self.every = max(1, every)
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def format(self, step: int, metrics: Mapping[str, float]) -> str:
+        parts = [f"step {step}/{self.total}"]
+        for key, label, fmt in self.KEYS:
+            v = metrics.get(key)
+            if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
+                parts.append(f"{label} {fmt.format(v)}")
+        parts.append(f"{time.perf_counter() - self.start:.0f}s")
+        return " | ".join(parts)
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        line = self.format(step, metrics)
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """Prints a full line without clobbering the progress line."""
+        if not self.enabled:
+            return
+        self.stream.write(("\n" if self.tty else "") + text + "\n")
+        self.stream.flush()

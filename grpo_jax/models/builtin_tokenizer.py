@@ -1,0 +1,71 @@
+"""The project's own character-level tokenizer, in Hugging Face format.
+
+The tiny CPU default needs a tokenizer that exists without a download: one
+token per character over printable ASCII and newline, plus four special
+tokens. It is built with the ``tokenizers`` library, wrapped as a
+``PreTrainedTokenizerFast`` and saved as a Hugging Face directory
+(``tokenizer.json`` + ``tokenizer_config.json``), so every consumer loads it
+the ordinary way, ``transformers.AutoTokenizer.from_pretrained(path)``.
+
+Ids are fixed (a vocabulary is part of a model's identity):
+
+  0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. ' ' .. '~' (ASCII 32-126), '\\n'
+
+Encoding with ``add_special_tokens=True`` prepends ``<bos>`` (as Llama's
+tokenizer does); decoding joins characters with nothing between them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARS = tuple(chr(i) for i in range(32, 127)) + ("\n",)
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+
+# A minimal chat template: each message's content on its own line, no roles.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
+def build_tokenizer():
+    """The character tokenizer as a ``transformers.PreTrainedTokenizerFast``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Every character (newline included) is its own pre-token, so WordLevel
+    # maps each to its id; anything outside the alphabet becomes <unk>.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def save_tokenizer(path: str | os.PathLike) -> pathlib.Path:
+    """Writes the tokenizer as a Hugging Face directory at ``path`` and returns it."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def ensure_tokenizer(path: str | os.PathLike) -> pathlib.Path:
+    """Saves the tokenizer at ``path`` unless a saved one is already there."""
+    path = pathlib.Path(path)
+    if not (path / "tokenizer.json").exists():
+        save_tokenizer(path)
+    return path

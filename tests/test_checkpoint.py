@@ -1,0 +1,58 @@
+"""The Orbax checkpoint wrapper: save, keep-N, restore exactly, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from grpo_jax.checkpoint import Checkpointer
+
+
+def _state(seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w": jax.random.normal(k1, (4, 3)), "b": {"x": jax.random.normal(k2, (3,))}}
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    opt_state = opt.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, opt_state = opt.update(grads, opt_state, params)
+    return params, opt_state
+
+
+def test_save_restore_roundtrip_and_keep(tmp_path):
+    ck = Checkpointer(tmp_path / "ckpt", keep=2, async_save=True)
+    assert ck.latest_step() is None
+    for step in (1, 2, 3):
+        params, opt_state = _state(step)
+        ck.save(step, params=params, opt_state=opt_state, meta={"iter": {"pos": step}, "s": "x"})
+    ck.wait()
+    assert ck.all_steps() == [2, 3]
+    ck.close()
+
+    ck = Checkpointer(tmp_path / "ckpt", keep=2)
+    like_p, like_o = _state(99)
+    params, opt_state, meta = ck.restore(params_like=like_p, opt_state_like=like_o)
+    want_p, want_o = _state(3)
+    assert meta == {"iter": {"pos": 3}, "s": "x", "step": 3}
+    for a, b in zip(
+        jax.tree.leaves((params, opt_state)), jax.tree.leaves((want_p, want_o)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(opt_state) == jax.tree.structure(want_o)
+    p2 = ck.restore_params(2, params_like=like_p)
+    np.testing.assert_array_equal(np.asarray(p2["w"]), np.asarray(_state(2)[0]["w"]))
+    assert ck.restore_meta(2)["iter"] == {"pos": 2}
+    with pytest.raises(
+        FileNotFoundError, match=r"no checkpoint for step 1 .*available steps: \[2, 3\]"
+    ):
+        ck.restore_params(1, params_like=like_p)
+    ck.close()
+
+
+def test_restore_empty_dir_errors(tmp_path):
+    ck = Checkpointer(tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="no checkpoint found in"):
+        ck.restore_meta()
+    ck.close()
+    with pytest.raises(ValueError, match="checkpoint.keep = 0"):
+        Checkpointer(tmp_path / "k", keep=0)
