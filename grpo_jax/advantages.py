@@ -28,6 +28,11 @@ def _valid_stats(rewards_BxG: jax.Array):
     return valid_BxG, r_BxG, n_Bx1, mean_Bx1, centered_BxG, jnp.sqrt(var_Bx1)
 
 
+def _safe_div(centered, std, eps):
+    # A zero std means every centred reward is 0: the advantage is 0 even at eps = 0.
+    return jnp.where(std > 0, centered / jnp.where(std > 0, std + eps, 1.0), 0.0)
+
+
 def group_advantages(
     rewards_BxG: jax.Array, *, eps: float = DEFAULT_EPS, scale: str = "group"
 ) -> jax.Array:
@@ -54,12 +59,12 @@ def group_advantages(
     """
     valid_BxG, r_BxG, _, _, centered_BxG, std_Bx1 = _valid_stats(rewards_BxG)
     if scale == "group":
-        adv_BxG = centered_BxG / (std_Bx1 + eps)
+        adv_BxG = _safe_div(centered_BxG, std_Bx1, eps)
     elif scale == "batch":
         n = jnp.maximum(valid_BxG.sum(), 1)
         batch_mean = r_BxG.sum() / n
         batch_var = (jnp.where(valid_BxG, r_BxG - batch_mean, 0.0) ** 2).sum() / n
-        adv_BxG = centered_BxG / (jnp.sqrt(batch_var) + eps)
+        adv_BxG = _safe_div(centered_BxG, jnp.sqrt(batch_var), eps)
     elif scale == "none":
         adv_BxG = centered_BxG
     else:

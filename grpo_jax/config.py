@@ -91,9 +91,7 @@ class GRPOConfig:
         check_range("grpo.mu", self.mu, lo=1, integer=True)
         check_choice("grpo.kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
         check_choice("grpo.reduction", self.reduction, losses.REDUCTIONS)
-        check_choice(
-            "grpo.advantage_estimator", self.advantage_estimator, advantages.ESTIMATORS
-        )
+        check_choice("grpo.advantage_estimator", self.advantage_estimator, advantages.ESTIMATORS)
         check_range("grpo.advantage_eps", self.advantage_eps, lo=0.0)
         check_range("grpo.temperature", self.temperature, lo=0.0, lo_open=True)
 

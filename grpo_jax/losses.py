@@ -97,9 +97,9 @@ def kl_k1(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
 def kl_k2(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
     """k2 = (log pi_theta - log pi_ref)^2 / 2: biased, low variance, >= 0.
 
-    Its gradient on on-policy samples equals the gradient of the true
-    KL(pi_theta || pi_ref) in expectation when used as a loss (the
-    "k1-in-reward" equivalent).
+    As a loss on on-policy samples its expected gradient,
+    E[(log pi_theta - log pi_ref) grad log pi_theta], is exactly
+    grad KL(pi_theta || pi_ref).
     """
     return 0.5 * (logps - ref_logps) ** 2
 
@@ -110,8 +110,11 @@ def kl_k3(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
     The default. With r = pi_ref / pi_theta and samples from pi_theta,
     E[r] = 1, so k3 = (r - 1) - log r is unbiased for KL(pi_theta || pi_ref),
     is >= 0 on every sample (x - 1 >= log x), and has far lower variance than
-    k1. Why it is the default: it is the estimator the GRPO paper uses, it is
-    never negative, and its gradient does pull pi_theta towards pi_ref.
+    k1. Why it is the default: it is the estimator the GRPO paper uses, its
+    value is never negative and unbiased, and, unlike k1, its gradient pulls
+    pi_theta towards pi_ref: as a loss on on-policy samples,
+    E[grad k3] = E[(1 - r) grad log pi_theta] = grad KL(pi_ref || pi_theta),
+    the reverse KL, which vanishes only at pi_theta = pi_ref.
     """
     log_r = ref_logps - logps
     return jnp.exp(log_r) - log_r - 1.0
@@ -143,6 +146,10 @@ REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
 
 # ---------------------------------------------------------------------------
 # The loss.
+
+
+def _at_least_f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -210,17 +217,17 @@ def grpo_loss(
     if beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
 
-    mask_NxT = mask_NxT.astype(jnp.float32)
-    logps_NxT = logps_NxT.astype(jnp.float32)
-    old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(jnp.float32))
-    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(jnp.float32))[:, None]
+    logps_NxT = _at_least_f32(logps_NxT)
+    mask_NxT = mask_NxT.astype(logps_NxT.dtype)
+    old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
+    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
     n_tokens_N = mask_NxT.sum(axis=1)
     # Padding positions may hold anything; zero the log-ratio there so that
     # exp() cannot overflow into NaN gradients.
     log_ratio_NxT = jnp.where(mask_NxT > 0, logps_NxT - old_logps_NxT, 0.0)
 
     if ref_logps_NxT is not None:
-        ref_NxT = jax.lax.stop_gradient(ref_logps_NxT.astype(jnp.float32))
+        ref_NxT = jax.lax.stop_gradient(ref_logps_NxT.astype(logps_NxT.dtype))
         ref_NxT = jnp.where(mask_NxT > 0, ref_NxT, logps_NxT)
         kl_NxT = KL_ESTIMATORS[kl_estimator](logps_NxT, ref_NxT)
     else:
@@ -260,12 +267,18 @@ def grpo_loss(
         high_NxT = (rho_NxT > hi) & (adv_Nx1 > 0)
 
     valid_NxT = stats_mask_NxT > 0
+    any_valid = valid_NxT.any()
     metrics = {
-        "clip_frac_low": _masked_mean(low_NxT.astype(jnp.float32), stats_mask_NxT),
-        "clip_frac_high": _masked_mean(high_NxT.astype(jnp.float32), stats_mask_NxT),
+        "clip_frac_low": _masked_mean(low_NxT.astype(mask_NxT.dtype), stats_mask_NxT),
+        "clip_frac_high": _masked_mean(high_NxT.astype(mask_NxT.dtype), stats_mask_NxT),
         "ratio_mean": _masked_mean(rho_stats_NxT, stats_mask_NxT),
-        "ratio_min": jnp.min(jnp.where(valid_NxT, rho_stats_NxT, jnp.inf)),
-        "ratio_max": jnp.max(jnp.where(valid_NxT, rho_stats_NxT, -jnp.inf)),
+        # 1.0 when no token is real, so an empty batch reports no movement.
+        "ratio_min": jnp.where(
+            any_valid, jnp.min(jnp.where(valid_NxT, rho_stats_NxT, jnp.inf)), 1.0
+        ),
+        "ratio_max": jnp.where(
+            any_valid, jnp.max(jnp.where(valid_NxT, rho_stats_NxT, -jnp.inf)), 1.0
+        ),
     }
     metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
     if ref_logps_NxT is not None:

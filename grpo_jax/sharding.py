@@ -20,8 +20,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
