@@ -1,5 +1,7 @@
 """GRPOConfig validation: every bad value names its key and what is allowed."""
 
+import dataclasses
+
 import pytest
 
 from grpo_jax.config import ConfigError, GRPOConfig
@@ -34,5 +36,5 @@ def test_bad_values_name_the_key(override, message):
 
 def test_frozen():
     c = GRPOConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.G = 3  # type: ignore[misc]
