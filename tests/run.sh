@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: makes .venv with the runtime and test requirements when it is missing,
+# lints, then runs the suite. Usage: bash tests/run.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ ! -x .venv/bin/python ]]; then
+  python3 -m venv .venv
+  # torch first and pinned: the CPU build, never a CUDA one (test-only dependency).
+  .venv/bin/pip install -q -r requirements-test.txt
+  .venv/bin/pip install -q -r requirements.txt -e .
+fi
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -q "$@"
