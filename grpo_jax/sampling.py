@@ -1,0 +1,513 @@
+"""Jitted KV-cache sampler: prefill a left-padded batch, then decode in a ``lax.while_loop``.
+
+Shapes: B prompts, G samples per prompt (``num_samples``), N = B*G rows grouped
+contiguously (row b*G + g is sample g of prompt b), P padded prompt length (a
+bucket), T = ``max_new_tokens`` completion slots, S = P + T KV-cache slots,
+V vocabulary, K candidate tokens kept by top-k / top-p.
+
+The sampler reads the policy's own parameter pytree (``nnx.split`` of the
+model), so the log-probs it records are pi_old's by construction:
+
+    logp_t = log softmax(logits_t / temperature)[o_t]
+
+over the *untruncated* vocabulary, whatever top-k / top-p did to the draw.
+That is exactly ``grpo_jax.losses.per_token_logps(logits, tokens,
+temperature=temperature)`` of a full forward pass over [prompt | completion]
+(DESIGN 2.2), so the GRPO ratio starts at exactly 1 on the first update.
+
+The draw itself follows the usual pipeline (Holtzman et al. 2020 for top-p,
+Fan et al. 2018 for top-k): scale by 1/temperature, keep the k largest
+logits, keep the smallest prefix of those (sorted by probability) whose
+renormalised mass reaches top_p, renormalise, sample. Greedy takes the argmax.
+
+Compilation: ``generate`` runs two jitted functions, ``prefill`` (the prompt's
+forward pass, filling the cache, drawing the first token) and ``decode`` (the
+while loop, donating its state). Both are compiled once per (graphdef,
+SamplingConfig, shapes, mesh); prompt lengths are bucketed by
+:func:`pad_prompts` so steady-state steps reuse the compiled code
+(:func:`compile_count` counts compilations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.config import ConfigError, check_range
+
+# ---------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are drawn.
+
+    Attributes:
+      max_new_tokens: T, completion slots per row (static: one compilation).
+      temperature: logits are divided by it before sampling and scoring (> 0).
+        Greedy decoding ignores it for the choice but still records log-probs
+        at this temperature.
+      top_k: keep the k most likely tokens; 0 switches it off.
+      top_p: keep the smallest set of most likely tokens whose probability
+        (after top-k, renormalised) reaches top_p; 1 switches it off.
+      greedy: take the argmax instead of sampling.
+      eos_ids: a row stops after emitting any of these ids (the EOS token is
+        part of the completion). Empty: every row runs to max_new_tokens.
+      pad_id: written after a row's end and to the left of short prompts.
+      prompt_buckets: allowed padded prompt lengths, increasing; a batch is
+        padded to the smallest bucket that holds its longest prompt.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+
+    def __post_init__(self):
+        # Lists from a config file become tuples so the config stays hashable
+        # (it is a static argument of the jitted sampler).
+        for name in ("eos_ids", "prompt_buckets"):
+            value = getattr(self, name)
+            if isinstance(value, (list, np.ndarray)):
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+            elif isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, (value,))
+            elif not isinstance(value, tuple):
+                raise ConfigError(
+                    f"config key 'sampling.{name}' = {value!r} must be a tuple of integers"
+                )
+        check_range("sampling.max_new_tokens", self.max_new_tokens, lo=1, integer=True)
+        check_range("sampling.temperature", self.temperature, lo=0.0, lo_open=True)
+        check_range("sampling.top_k", self.top_k, lo=0, integer=True)
+        check_range("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        if not isinstance(self.greedy, (bool, np.bool_)):
+            raise ConfigError(f"config key 'sampling.greedy' = {self.greedy!r} must be a bool")
+        for i, eos in enumerate(self.eos_ids):
+            check_range(f"sampling.eos_ids[{i}]", eos, lo=0, integer=True)
+        check_range("sampling.pad_id", self.pad_id, lo=0, integer=True)
+        if not self.prompt_buckets:
+            raise ConfigError("config key 'sampling.prompt_buckets' = () must not be empty")
+        for i, b in enumerate(self.prompt_buckets):
+            check_range(f"sampling.prompt_buckets[{i}]", b, lo=1, integer=True)
+        if any(a >= b for a, b in zip(self.prompt_buckets, self.prompt_buckets[1:])):
+            raise ConfigError(
+                f"config key 'sampling.prompt_buckets' = {self.prompt_buckets!r} "
+                "must be strictly increasing"
+            )
+
+
+# ---------------------------------------------------------------------------
+# Prompt padding.
+
+
+def pad_prompts(
+    token_lists: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    buckets: Sequence[int],
+    max_new_tokens: int = 0,
+    max_context: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads prompts to the smallest bucket that holds the longest one.
+
+    Left padding puts every prompt's last token in column P-1, so one
+    prefill's last logits start every row's completion, and every row's
+    completion starts in the same cache slot P.
+
+    Args:
+      token_lists: B prompts, each a non-empty list of token ids.
+      pad_id: id written in the padding (masked out everywhere).
+      buckets: increasing allowed lengths P.
+      max_new_tokens, max_context: when ``max_context`` (the model's maximum
+        sequence length) is given, a prompt whose length plus
+        ``max_new_tokens`` exceeds it is an error.
+
+    Returns:
+      (tokens_BxP int32, mask_BxP bool), mask True on real tokens.
+    """
+    if len(token_lists) == 0:
+        raise ValueError("pad_prompts got no prompts")
+    buckets = sorted(int(b) for b in buckets)
+    if not buckets:
+        raise ValueError("pad_prompts needs at least one bucket")
+    lengths = [len(t) for t in token_lists]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if n > buckets[-1]:
+            raise ValueError(
+                f"prompt {i} has {n} tokens, more than the largest prompt bucket "
+                f"{buckets[-1]} (buckets {buckets}); shorten it or add a bucket"
+            )
+        if max_context is not None and n + max_new_tokens > max_context:
+            raise ValueError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{n + max_new_tokens} positions, more than the model's max context "
+                f"{max_context}"
+            )
+    p = next(b for b in buckets if b >= max(lengths))
+    tokens_BxP = np.full((len(token_lists), p), pad_id, dtype=np.int32)
+    mask_BxP = np.zeros((len(token_lists), p), dtype=np.bool_)
+    for i, toks in enumerate(token_lists):
+        row = np.asarray(toks, dtype=np.int64)
+        if row.ndim != 1 or (row < 0).any() or (row > np.iinfo(np.int32).max).any():
+            raise ValueError(f"prompt {i} must be a flat list of non-negative token ids")
+        tokens_BxP[i, p - len(row) :] = row
+        mask_BxP[i, p - len(row) :] = True
+    return tokens_BxP, mask_BxP
+
+
+# ---------------------------------------------------------------------------
+# The sampling distribution (pure, per decode step).
+
+
+def candidates(
+    scaled_NxV: jax.Array, *, top_k: int = 0, top_p: float = 1.0
+) -> tuple[jax.Array, jax.Array | None]:
+    """The tokens a draw may pick, as (logits_NxK, ids_NxK); -inf marks dropped ones.
+
+    ``scaled_NxV`` holds logits / temperature. With neither filter on this is
+    (scaled_NxV, None): all V tokens, ids implicit. top-k alone costs one
+    ``lax.top_k`` (no sort of the vocabulary); top-p alone sorts the
+    vocabulary. top-p keeps candidate i (sorted by probability, descending,
+    renormalised over the top-k set) iff the mass strictly before it is below
+    top_p: the smallest prefix whose mass reaches top_p, never empty.
+    """
+    v = scaled_NxV.shape[-1]
+    if top_k <= 0 and top_p >= 1.0:
+        return scaled_NxV, None
+    k = v if top_k <= 0 else min(top_k, v)
+    logits_NxK, ids_NxK = jax.lax.top_k(scaled_NxV, k)
+    if top_p < 1.0:
+        probs_NxK = jax.nn.softmax(logits_NxK, axis=-1)
+        mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
+        logits_NxK = jnp.where(mass_before_NxK < top_p, logits_NxK, -jnp.inf)
+    return logits_NxK, ids_NxK
+
+
+def sample_step(
+    logits_NxV: jax.Array,
+    key: jax.Array,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row; returns (tokens_N int32, logps_N float32).
+
+    logps_N = log softmax(logits / temperature)[token] over the full,
+    untruncated vocabulary: the quantity the GRPO ratio needs, independent of
+    how top-k / top-p shaped the draw.
+    """
+    scaled_NxV = logits_NxV.astype(jnp.float32) / temperature
+    if greedy:
+        tokens_N = jnp.argmax(scaled_NxV, axis=-1)
+    else:
+        cand_NxK, ids_NxK = candidates(scaled_NxV, top_k=top_k, top_p=top_p)
+        choice_N = jax.random.categorical(key, cand_NxK, axis=-1)
+        if ids_NxK is None:
+            tokens_N = choice_N
+        else:
+            tokens_N = jnp.take_along_axis(ids_NxK, choice_N[:, None], axis=-1)[:, 0]
+    tokens_N = tokens_N.astype(jnp.int32)
+    picked_N = jnp.take_along_axis(scaled_NxV, tokens_N[:, None], axis=-1)[:, 0]
+    return tokens_N, picked_N - jax.nn.logsumexp(scaled_NxV, axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# The decode state machine.
+
+
+class DecodeState(NamedTuple):
+    """Carry of the decode loop; every array but ``step`` and ``key`` leads with N."""
+
+    step: jax.Array  # int32 []: completion tokens written so far (all rows)
+    last_tokens_N: jax.Array  # int32: token written at step-1, to be fed next
+    prompt_lengths_N: jax.Array  # int32: real prompt tokens (position of token 0)
+    tokens_NxT: jax.Array  # int32: completion so far, pad_id after a row's end
+    logps_NxT: jax.Array  # float32: log-prob of each written token, 0 after the end
+    lengths_N: jax.Array  # int32: real completion tokens, EOS included
+    done_N: jax.Array  # bool: row has emitted an EOS
+    kv_mask_NxS: jax.Array  # bool: cache slots holding real tokens
+    cache: Any  # the model's KV cache pytree
+    key: jax.Array  # PRNG key for the remaining draws
+
+
+class SampleOutput(NamedTuple):
+    """Rollouts, row b*G + g being sample g of prompt b.
+
+    ``mask_NxT`` is True on real completion tokens up to and including the
+    EOS; ``logps_NxT`` is 0 and ``tokens_NxT`` is pad_id elsewhere.
+    ``truncated_N`` marks rows that hit max_new_tokens without an EOS.
+    """
+
+    prompt_tokens: jax.Array  # int32 [N, P]
+    prompt_mask: jax.Array  # bool [N, P]
+    tokens: jax.Array  # int32 [N, T]
+    mask: jax.Array  # bool [N, T]
+    logps: jax.Array  # float32 [N, T]
+    lengths: jax.Array  # int32 [N]
+    truncated: jax.Array  # bool [N]
+
+
+def _draw(logits_NxV, key, cfg: SamplingConfig):
+    return sample_step(
+        logits_NxV,
+        key,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        greedy=cfg.greedy,
+    )
+
+
+def _write(state: DecodeState, tokens_N, logps_N, cfg: SamplingConfig) -> DecodeState:
+    """Records step ``state.step``'s draw; rows already done write padding."""
+    live_N = ~state.done_N
+    tokens_N = jnp.where(live_N, tokens_N, cfg.pad_id).astype(jnp.int32)
+    logps_N = jnp.where(live_N, logps_N, 0.0).astype(jnp.float32)
+    col = (jnp.zeros((), jnp.int32), state.step)
+    done_N = state.done_N
+    if cfg.eos_ids:
+        eos_E = jnp.asarray(cfg.eos_ids, jnp.int32)
+        done_N = done_N | (live_N & (tokens_N[:, None] == eos_E[None, :]).any(-1))
+    return state._replace(
+        step=state.step + 1,
+        last_tokens_N=tokens_N,
+        tokens_NxT=jax.lax.dynamic_update_slice(state.tokens_NxT, tokens_N[:, None], col),
+        logps_NxT=jax.lax.dynamic_update_slice(state.logps_NxT, logps_N[:, None], col),
+        lengths_N=state.lengths_N + live_N.astype(jnp.int32),
+        done_N=done_N,
+    )
+
+
+def _repeat_rows(x, g: int):
+    # [B, ...] -> [B*G, ...] with each row repeated G times contiguously; a
+    # reshape of a broadcast, so rows stay on the shard of their prompt.
+    return jnp.broadcast_to(x[:, None], (x.shape[0], g, *x.shape[1:])).reshape(
+        x.shape[0] * g, *x.shape[1:]
+    )
+
+
+def _prefill(
+    params,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    key,
+    *,
+    graphdef,
+    cfg: SamplingConfig,
+    num_samples: int,
+    constrain,
+):
+    """Runs the prompt through the model once, fills the cache, draws token 0."""
+    model = nnx.merge(graphdef, params)
+    tokens_NxP = constrain(_repeat_rows(prompt_tokens_BxP.astype(jnp.int32), num_samples))
+    mask_NxP = constrain(_repeat_rows(prompt_mask_BxP.astype(jnp.bool_), num_samples))
+    n, p = tokens_NxP.shape
+    t = cfg.max_new_tokens
+    s = p + t
+    # Positions count real tokens only, so a left-padded prompt sees the same
+    # rotary phases as an unpadded one; pads get 0 (they are masked anyway).
+    positions_NxP = jnp.maximum(jnp.cumsum(mask_NxP, axis=1, dtype=jnp.int32) - 1, 0)
+    kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.zeros((n, t), jnp.bool_)], axis=1)
+    cache = model.init_cache(n, s)
+    logits_NxPxV, cache = model.forward_with_cache(
+        tokens_NxP,
+        positions_BxT=positions_NxP,
+        kv_mask_BxS=kv_mask_NxS,
+        cache=cache,
+        cache_index=jnp.zeros((), jnp.int32),
+    )
+    key, sub = jax.random.split(key)
+    state = DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        last_tokens_N=jnp.full((n,), cfg.pad_id, jnp.int32),
+        prompt_lengths_N=mask_NxP.sum(axis=1, dtype=jnp.int32),
+        tokens_NxT=jnp.full((n, t), cfg.pad_id, jnp.int32),
+        logps_NxT=jnp.zeros((n, t), jnp.float32),
+        lengths_N=jnp.zeros((n,), jnp.int32),
+        done_N=jnp.zeros((n,), jnp.bool_),
+        kv_mask_NxS=kv_mask_NxS,
+        cache=cache,
+        key=key,
+    )
+    # Left padding puts every row's last prompt token in column P-1.
+    tokens_N, logps_N = _draw(logits_NxPxV[:, -1], sub, cfg)
+    return tokens_NxP, mask_NxP, _write(state, tokens_N, logps_N, cfg)
+
+
+def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig):
+    """Feeds one token per step until every row is done or T tokens are written."""
+    model = nnx.merge(graphdef, params)
+    t = cfg.max_new_tokens
+    prompt_len = state.kv_mask_NxS.shape[1] - t
+
+    def cond(st: DecodeState):
+        return (st.step < t) & ~jnp.all(st.done_N)
+
+    def body(st: DecodeState):
+        slot = prompt_len + st.step - 1  # cache slot of the token being fed
+        n = st.last_tokens_N.shape[0]
+        kv_mask_NxS = jax.lax.dynamic_update_slice(
+            st.kv_mask_NxS, jnp.ones((n, 1), jnp.bool_), (jnp.zeros((), jnp.int32), slot)
+        )
+        logits_Nx1xV, cache = model.forward_with_cache(
+            st.last_tokens_N[:, None],
+            positions_BxT=(st.prompt_lengths_N + st.step - 1)[:, None],
+            kv_mask_BxS=kv_mask_NxS,
+            cache=st.cache,
+            cache_index=slot,
+        )
+        key, sub = jax.random.split(st.key)
+        tokens_N, logps_N = _draw(logits_Nx1xV[:, 0], sub, cfg)
+        st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key=key)
+        return _write(st, tokens_N, logps_N, cfg)
+
+    state = jax.lax.while_loop(cond, body, state)
+    mask_NxT = jnp.arange(t, dtype=jnp.int32)[None, :] < state.lengths_N[:, None]
+    # The whole final state goes back out so every donated buffer (the cache
+    # above all) aliases an output and the loop updates it in place.
+    return state, mask_NxT, ~state.done_N
+
+
+# ---------------------------------------------------------------------------
+# Compilation and the public entry point.
+
+_JITTED: list = []  # Every jitted prefill/decode made, for compile_count().
+
+
+def compile_count() -> int:
+    """How many sampler executables have been compiled in this process.
+
+    Unchanged across two ``generate`` calls means the second reused compiled
+    code: what bucketed prompt lengths buy in steady-state training.
+    """
+    return sum(f._cache_size() for f in _JITTED)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None):
+    """(prefill, decode) jitted for one model structure, config, group size and mesh."""
+    if mesh is None:
+        constrain = lambda x: x
+        prefill_io: dict = {}
+        decode_io: dict = {}
+    else:
+        rows2 = sharding_lib.batch_sharding(mesh, 2)
+        rows1 = sharding_lib.batch_sharding(mesh, 1)
+        rep = sharding_lib.replicated(mesh)
+        constrain = lambda x: jax.lax.with_sharding_constraint(
+            x, sharding_lib.batch_sharding(mesh, x.ndim)
+        )
+        # The cache is constrained inside the model's own cache code where it
+        # knows its layout; here it is left to sharding propagation (None).
+        state_shardings = DecodeState(
+            step=rep,
+            last_tokens_N=rows1,
+            prompt_lengths_N=rows1,
+            tokens_NxT=rows2,
+            logps_NxT=rows2,
+            lengths_N=rows1,
+            done_N=rows1,
+            kv_mask_NxS=rows2,
+            cache=None,
+            key=rep,
+        )
+        # None for params: they keep whatever layout the trainer gave them.
+        prefill_io = dict(
+            in_shardings=(None, rows2, rows2, rep),
+            out_shardings=(rows2, rows2, state_shardings),
+        )
+        decode_io = dict(
+            in_shardings=(None, state_shardings),
+            out_shardings=(state_shardings, rows2, rows1),
+        )
+    prefill = jax.jit(
+        functools.partial(
+            _prefill, graphdef=graphdef, cfg=cfg, num_samples=num_samples, constrain=constrain
+        ),
+        **prefill_io,
+    )
+    decode = jax.jit(
+        functools.partial(_decode, graphdef=graphdef, cfg=cfg),
+        donate_argnums=(1,),
+        **decode_io,
+    )
+    _JITTED.extend([prefill, decode])
+    return prefill, decode
+
+
+def generate(
+    graphdef: nnx.GraphDef,
+    params,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    key: jax.Array,
+    cfg: SamplingConfig,
+    *,
+    num_samples: int = 1,
+    mesh: Mesh | None = None,
+) -> SampleOutput:
+    """Samples ``num_samples`` completions per prompt with the model ``(graphdef, params)``.
+
+    Args:
+      graphdef, params: ``nnx.split(model)``; params are read, never copied
+        or donated, and keep their shardings.
+      prompt_tokens_BxP, prompt_mask_BxP: left-padded prompts and their
+        real-token mask, as made by :func:`pad_prompts`.
+      key: PRNG key; the same key gives the same output, and every row (also
+        within a group) draws independently.
+      cfg: the sampling settings (static: each distinct config compiles once).
+      num_samples: G, completions per prompt; row b*G + g is sample g of b.
+      mesh: when given, rows are split over ("data", "fsdp") in whole groups
+        (B must be a multiple of the number of batch shards).
+
+    Returns:
+      :class:`SampleOutput` with N = B*G rows and T = cfg.max_new_tokens.
+    """
+    if not isinstance(cfg, SamplingConfig):
+        raise TypeError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples = {num_samples!r} must be a positive integer")
+    shape, mask_shape = np.shape(prompt_tokens_BxP), np.shape(prompt_mask_BxP)
+    if len(shape) != 2 or shape != mask_shape:
+        raise ValueError(
+            f"prompt_tokens_BxP {shape} and prompt_mask_BxP {mask_shape} must be two "
+            "arrays of the same [B, P] shape"
+        )
+    if mesh is not None:
+        sharding_lib.check_group_layout(shape[0] * num_samples, num_samples, mesh)
+        rows2 = sharding_lib.batch_sharding(mesh, 2)
+        prompt_tokens_BxP = jax.device_put(prompt_tokens_BxP, rows2)
+        prompt_mask_BxP = jax.device_put(prompt_mask_BxP, rows2)
+        key = jax.device_put(key, sharding_lib.replicated(mesh))
+    prefill, decode = _compiled(graphdef, cfg, num_samples, mesh)
+    prompt_tokens_NxP, prompt_mask_NxP, state = prefill(
+        params, prompt_tokens_BxP, prompt_mask_BxP, key
+    )
+    state, mask_NxT, truncated_N = decode(params, state)
+    return SampleOutput(
+        prompt_tokens=prompt_tokens_NxP,
+        prompt_mask=prompt_mask_NxP,
+        tokens=state.tokens_NxT,
+        mask=mask_NxT,
+        logps=state.logps_NxT,
+        lengths=state.lengths_N,
+        truncated=truncated_N,
+    )
