@@ -1,0 +1,150 @@
+"""Datasets of prompts with checkable answers, prompt formatting, and batching.
+
+An example is a plain dict: ``"prompt"`` (the question, not yet templated),
+``"answer"`` (the reference the rewards check), optionally ``"solution"`` (a
+worked solution ending in the checked answer format, for a supervised warm
+start) and any further columns (passed to reward functions as fields).
+
+    from grpo_jax import data
+    splits = data.load_dataset({"source": "synthetic", "task": "arithmetic",
+                                "n_train": 5000, "n_test": 200, "seed": 0})
+    it = data.DataIterator(splits["train"], batch_size=16, seed=0)
+    batch = it.next()
+    prompts = [data.format_prompt(ex, template=data.PLAIN_TEMPLATE) for ex in batch]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from grpo_jax.config import ConfigError, check_choice, check_known_keys
+from grpo_jax.data import gsm8k as gsm8k
+from grpo_jax.data import synthetic as synthetic
+from grpo_jax.data.iterator import DataIterator
+from grpo_jax.data.jsonl import MalformedRowError, read_jsonl
+from grpo_jax.data.prompts import (
+    DEFAULT_TEMPLATE,
+    FORMAT_INSTRUCTION,
+    PLAIN_TEMPLATE,
+    THINK_ANSWER_TEMPLATE,
+    format_prompt,
+)
+from grpo_jax.data.synthetic import make_split
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("gsm8k", "jsonl", "synthetic")
+
+_SYNTHETIC_KEYS = {"source", "task", "seed", "n_train", "n_test", "heldout_fraction"}
+_GSM8K_KEYS = {"source", "data_dir", "jsonl_dir", "splits"}
+_JSONL_KEYS = {
+    "source",
+    "train_path",
+    "test_path",
+    "prompt_field",
+    "answer_field",
+    "solution_field",
+    "on_error",
+}
+
+
+def _plain(cfg) -> dict:
+    if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict
+        cfg = cfg.to_dict()
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"data config must be a mapping, got {type(cfg).__name__}")
+    return dict(cfg)
+
+
+def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]]:
+    """Loads the dataset a (section of a) config describes -> {split: examples}.
+
+    ``cfg["source"]`` selects the loader:
+
+    * ``"synthetic"``: ``task``, ``seed``, ``n_train``, ``n_test``, optional
+      ``heldout_fraction`` and the task's difficulty knobs
+      (:func:`grpo_jax.data.synthetic.make_split`). Splits "train", "test".
+    * ``"gsm8k"``: ``data_dir`` (TFDS), ``jsonl_dir`` (offline copy), ``splits``
+      (default ("train", "test")); see :mod:`grpo_jax.data.gsm8k`.
+    * ``"jsonl"``: ``train_path`` and/or ``test_path``, ``prompt_field``
+      ("prompt"), ``answer_field`` ("answer"), ``solution_field`` (None),
+      ``on_error`` ("raise" or "skip").
+
+    Rows skipped as malformed are logged and counted in ``stats`` (when given)
+    under "skipped/<split>".
+    """
+    cfg = _plain(cfg_like)
+    source = cfg.get("source")
+    if source is None:
+        raise ConfigError(f"data config has no 'source'; choose one of {list(SOURCES)}")
+    check_choice("data.source", source, SOURCES)
+    stats = {} if stats is None else stats
+
+    if source == "synthetic":
+        task = cfg.get("task", "arithmetic")
+        check_choice("data.task", task, synthetic.TASKS)
+        knobs = set(synthetic.TASKS[task][0])
+        check_known_keys("data", cfg, _SYNTHETIC_KEYS | knobs)
+        kw = {k: cfg[k] for k in knobs if k in cfg}
+        if "heldout_fraction" in cfg:
+            kw["heldout_fraction"] = cfg["heldout_fraction"]
+        seed = cfg.get("seed", 0)
+        return {
+            split: make_split(task, split, cfg.get(f"n_{split}", default), seed, **kw)
+            for split, default in (("train", 10_000), ("test", 500))
+        }
+
+    if source == "gsm8k":
+        check_known_keys("data", cfg, _GSM8K_KEYS)
+        splits = cfg.get("splits") or ("train", "test")
+        if isinstance(splits, str):
+            splits = (splits,)
+        return {
+            s: gsm8k.load(s, data_dir=cfg.get("data_dir"), jsonl_dir=cfg.get("jsonl_dir"))
+            for s in splits
+        }
+
+    check_known_keys("data", cfg, _JSONL_KEYS)
+    on_error = cfg.get("on_error", "raise")
+    check_choice("data.on_error", on_error, ("raise", "skip"))
+    paths = {s: cfg.get(f"{s}_path") for s in ("train", "test") if cfg.get(f"{s}_path")}
+    if not paths:
+        raise ConfigError("data.source='jsonl' needs data.train_path and/or data.test_path")
+    out = {}
+    for split, path in paths.items():
+        examples, skipped = read_jsonl(
+            path,
+            prompt_field=cfg.get("prompt_field", "prompt"),
+            answer_field=cfg.get("answer_field", "answer"),
+            solution_field=cfg.get("solution_field"),
+            on_error=on_error,
+        )
+        stats[f"skipped/{split}"] = len(skipped)
+        if skipped:
+            log.warning(
+                "skipped %d malformed row(s) of %s (lines %s%s)",
+                len(skipped),
+                path,
+                skipped[:10],
+                " ..." if len(skipped) > 10 else "",
+            )
+        out[split] = examples
+    return out
+
+
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "FORMAT_INSTRUCTION",
+    "PLAIN_TEMPLATE",
+    "SOURCES",
+    "THINK_ANSWER_TEMPLATE",
+    "DataIterator",
+    "MalformedRowError",
+    "format_prompt",
+    "gsm8k",
+    "load_dataset",
+    "make_split",
+    "read_jsonl",
+    "synthetic",
+]

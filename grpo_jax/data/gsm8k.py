@@ -1,0 +1,231 @@
+"""GSM8K (Cobbe et al. 2021) through tensorflow-datasets, online or from local JSONL.
+
+Each example is ``{"prompt": question, "answer": "18", "solution": ...}``: the
+answer is the number after ``####`` in canonical form ("1,080" -> "1080"), and
+the solution is the reference reasoning, with its ``<<48/2=24>>`` calculator
+annotations removed, rewritten as ``<think>...</think>\\n<answer>18</answer>``
+(the format the ``format`` and ``gsm8k`` rewards check) for a supervised warm
+start.
+
+Two routes, both read with ``tfds.data_source`` from ArrayRecord files (no
+TensorFlow needed):
+
+* online: TFDS's own ``gsm8k`` builder downloads the four files of
+  github.com/openai/grade-school-math and prepares them in ``data_dir``; a
+  ``data_dir`` prepared once can be copied to machines with no network.
+* offline: ``jsonl_dir`` holds GSM8K-format files ``train.jsonl`` and/or
+  ``test.jsonl`` (one ``{"question", "answer"}`` object per line; any
+  ``<split>.jsonl`` becomes a split). The ``gsm8k_local`` builder below (TFDS's
+  ``gsm8k`` builder with its download replaced by TFDS's manual-dir mechanism)
+  prepares them in ``data_dir`` once. It is kept apart from ``gsm8k`` because
+  that builder insists on the two socratic files as well.
+
+tensorflow-datasets is imported on first use only (about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import re
+
+from grpo_jax.data.jsonl import MalformedRowError, read_jsonl
+from grpo_jax.rewards.extract import format_number, normalize_number
+
+LOCAL_NAME = "gsm8k_local"
+_FINGERPRINT_FILE = "grpo_jax_sources.json"
+_CALC_RE = re.compile(r"<<[^<>]*>>")
+
+
+def parse_reference(answer_text: str) -> tuple[str, str]:
+    """GSM8K reference ``"reasoning\\n#### 1,080"`` -> (reasoning, "1080").
+
+    Raises ValueError when there is no ``####`` or no number after it.
+    """
+    if "####" not in answer_text:
+        raise ValueError("answer has no '####' final-answer marker")
+    reasoning, final = answer_text.rsplit("####", 1)
+    value = normalize_number(final)
+    if value is None:
+        raise ValueError(f"no number after '####' (got {final.strip()!r})")
+    return _CALC_RE.sub("", reasoning).strip(), format_number(value)
+
+
+def make_solution(reasoning: str, answer: str) -> str:
+    """Worked solution in the format the rewards check."""
+    return f"<think>\n{reasoning}\n</think>\n<answer>{answer}</answer>"
+
+
+def to_example(question: str, answer_text: str) -> dict:
+    """One GSM8K row -> ``{"prompt", "answer", "solution"}``."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"question {question!r} is not non-empty text")
+    if not isinstance(answer_text, str):
+        raise ValueError(f"answer {answer_text!r} is not text")
+    reasoning, answer = parse_reference(answer_text)
+    return {
+        "prompt": question.strip(),
+        "answer": answer,
+        "solution": make_solution(reasoning, answer),
+    }
+
+
+def _convert_row(row: dict) -> dict:
+    for key in ("question", "answer"):
+        if key not in row:
+            raise ValueError(f"missing field {key!r} (row has {sorted(row)})")
+    return to_example(row["question"], row["answer"])
+
+
+def read_gsm8k_jsonl(path, *, on_error: str = "raise") -> tuple[list[dict], list[int]]:
+    """A GSM8K-format JSONL file -> (examples, skipped line numbers), without TFDS."""
+    return read_jsonl(path, on_error=on_error, convert=_convert_row)
+
+
+def _tfds():
+    try:
+        import tensorflow_datasets as tfds
+        import tensorflow_datasets.text  # noqa: F401 -- registers gsm8k without a catalog lookup
+    except ImportError as e:
+        raise ImportError(
+            f"GSM8K through TFDS needs tensorflow-datasets and array-record ({e}); "
+            "pip install -r requirements.txt"
+        ) from e
+    return tfds
+
+
+_LOCAL_CLS = None
+
+
+def local_builder_class():
+    """The ``gsm8k_local`` TFDS builder (defined, hence registered, on first call)."""
+    global _LOCAL_CLS
+    if _LOCAL_CLS is not None:
+        return _LOCAL_CLS
+    tfds = _tfds()
+    from tensorflow_datasets.text.gsm8k.gsm8k import Gsm8k
+
+    class Gsm8kLocal(Gsm8k):
+        """TFDS's gsm8k builder reading ``<split>.jsonl`` files from the manual dir."""
+
+        MANUAL_DOWNLOAD_INSTRUCTIONS = (
+            "Put GSM8K-format files train.jsonl and/or test.jsonl (one "
+            '{"question": ..., "answer": "... #### <number>"} per line) in the manual dir.'
+        )
+
+        def _split_generators(self, dl_manager):
+            files = sorted(pathlib.Path(dl_manager.manual_dir).glob("*.jsonl"))
+            if not files:
+                raise FileNotFoundError(f"no *.jsonl files in {dl_manager.manual_dir}")
+            return {f.stem: self._generate_examples(f) for f in files}
+
+        def _generate_examples(self, path):
+            # The upstream generator's errors name neither file nor line.
+            for lineno, row in _iter_checked(path):
+                annotation, short = row["answer"].rsplit("#### ", 1)
+                yield lineno, {**row, "annotation": annotation, "short_answer": short}
+
+    del tfds
+    _LOCAL_CLS = Gsm8kLocal
+    return _LOCAL_CLS
+
+
+def _iter_checked(path):
+    from grpo_jax.data.jsonl import iter_rows
+
+    for lineno, row in iter_rows(path):
+        try:
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {row!r}"[:200])
+            _convert_row(row)
+            if "#### " not in row["answer"]:
+                raise ValueError("answer has no '#### ' final-answer marker")
+        except ValueError as e:
+            raise MalformedRowError(path, lineno, str(e)) from None
+        yield lineno, {"question": row["question"], "answer": row["answer"]}
+
+
+def _fingerprint(jsonl_dir: pathlib.Path) -> dict:
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(jsonl_dir.glob("*.jsonl"))
+    }
+
+
+def prepare_local(jsonl_dir, data_dir=None):
+    """Prepares ``gsm8k_local`` from the JSONL files in ``jsonl_dir`` (once) -> builder.
+
+    A ``data_dir`` already prepared from different files raises ValueError
+    rather than silently serving stale data.
+    """
+    tfds = _tfds()
+    jsonl_dir = pathlib.Path(jsonl_dir).expanduser()
+    if not jsonl_dir.is_dir() or not any(jsonl_dir.glob("*.jsonl")):
+        raise FileNotFoundError(f"GSM8K jsonl_dir {jsonl_dir} has no *.jsonl files")
+    builder = local_builder_class()(data_dir=None if data_dir is None else str(data_dir))
+    stamp = pathlib.Path(builder.data_dir) / _FINGERPRINT_FILE
+    want = _fingerprint(jsonl_dir)
+    if builder.is_prepared():
+        have = json.loads(stamp.read_text()) if stamp.exists() else None
+        if have != want:
+            raise ValueError(
+                f"{builder.data_dir} was prepared from other GSM8K files than those in "
+                f"{jsonl_dir}; delete it or choose another data_dir"
+            )
+        return builder
+    builder.download_and_prepare(
+        file_format="array_record",
+        download_config=tfds.download.DownloadConfig(manual_dir=str(jsonl_dir)),
+    )
+    stamp.write_text(json.dumps(want, indent=1))
+    return builder
+
+
+def prepare_online(data_dir=None):
+    """Downloads and prepares TFDS's ``gsm8k`` in ``data_dir`` (once) -> builder."""
+    tfds = _tfds()
+    builder = tfds.builder("gsm8k", data_dir=None if data_dir is None else str(data_dir))
+    if not builder.is_prepared():
+        try:
+            builder.download_and_prepare(file_format="array_record")
+        except Exception as e:
+            raise RuntimeError(
+                f"could not download and prepare GSM8K in {builder.data_dir_root} ({e}). "
+                "With no network, pass jsonl_dir= a folder of GSM8K-format JSONL files "
+                "(see docs/data.md)"
+            ) from e
+    return builder
+
+
+def _text(x) -> str:
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def load(split: str, *, data_dir=None, jsonl_dir=None) -> list[dict]:
+    """GSM8K ``split`` as example dicts, read with ``tfds.data_source``.
+
+    Args:
+      split: "train" or "test" (any split the prepared data has; TFDS slices
+        such as "train[:100]" work too).
+      data_dir: TFDS data dir (default: TFDS's, ~/tensorflow_datasets).
+      jsonl_dir: offline route: a folder of GSM8K-format ``<split>.jsonl``
+        files, prepared once as ``gsm8k_local`` in ``data_dir``. Without it,
+        TFDS's ``gsm8k`` is used (downloaded when not yet prepared).
+    """
+    tfds = _tfds()
+    if jsonl_dir is not None:
+        builder = prepare_local(jsonl_dir, data_dir)
+    else:
+        builder = prepare_online(data_dir)
+    base = split.split("[", 1)[0]
+    if base not in builder.info.splits:
+        raise ValueError(
+            f"GSM8K split {base!r} not found in {builder.data_dir}; "
+            f"available splits: {sorted(builder.info.splits)}"
+        )
+    source = tfds.data_source(
+        builder.name, split=split, data_dir=builder.data_dir_root, download=False
+    )
+    rows = source.__getitems__(range(len(source))) if len(source) else []
+    return [to_example(_text(r["question"]), _text(r["answer"])) for r in rows]

@@ -1,0 +1,117 @@
+"""Generic JSONL datasets: one JSON object per line, with configurable field names.
+
+Each row becomes an example dict with ``"prompt"`` (from ``prompt_field``),
+``"answer"`` (from ``answer_field``, as text), optionally ``"solution"`` (from
+``solution_field``), and every other column of the row unchanged (reward
+functions receive them as fields). Blank lines are ignored. A malformed row
+(bad JSON, not an object, a missing or non-text prompt, a missing answer)
+either raises :class:`MalformedRowError` naming the file and line, or is
+skipped and counted, as ``on_error`` chooses.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable
+
+ON_ERROR = ("raise", "skip")
+
+
+class MalformedRowError(ValueError):
+    """A row of a dataset file cannot be read; the message names file and line."""
+
+    def __init__(self, path, lineno: int, problem: str):
+        self.path, self.lineno, self.problem = str(path), lineno, problem
+        super().__init__(f"{path}:{lineno}: {problem}")
+
+
+def _text(value) -> str | None:
+    """Answers may be numbers in JSON; prompts must be text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def iter_rows(path):
+    """(line number, parsed JSON or the exception) for each non-blank line of ``path``."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, e
+
+
+def read_jsonl(
+    path,
+    *,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    solution_field: str | None = None,
+    on_error: str = "raise",
+    convert: Callable[[dict], dict] | None = None,
+) -> tuple[list[dict], list[int]]:
+    """Reads a JSONL dataset file.
+
+    Args:
+      path: the file.
+      prompt_field, answer_field, solution_field: columns holding the question,
+        the reference answer and (optional) the worked solution.
+      on_error: "raise" (default) or "skip" malformed rows.
+      convert: optional ``row -> example`` used instead of the field mapping
+        (GSM8K's reference solutions, for instance); it raises ValueError or
+        KeyError for a malformed row.
+
+    Returns:
+      (examples, line numbers of the skipped rows).
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r} is not one of {list(ON_ERROR)}")
+    examples, skipped = [], []
+    for lineno, row in iter_rows(path):
+        try:
+            if isinstance(row, json.JSONDecodeError):
+                raise ValueError(f"invalid JSON ({row.msg} at column {row.colno})")
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            if convert is not None:
+                examples.append(convert(row))
+                continue
+            ex = {
+                k: v
+                for k, v in row.items()
+                if k not in (prompt_field, answer_field, solution_field)
+            }
+            for key, field, required in (
+                ("prompt", prompt_field, True),
+                ("answer", answer_field, True),
+                ("solution", solution_field, False),
+            ):
+                if field is None:
+                    continue
+                if field not in row:
+                    if required:
+                        raise ValueError(f"missing field {field!r} (row has {sorted(row)})")
+                    continue
+                value = row[field]
+                text = (
+                    value if isinstance(value, str) else None if key == "prompt" else _text(value)
+                )
+                if text is None:
+                    raise ValueError(f"field {field!r} = {value!r} is not text")
+                ex[key] = text
+            examples.append(ex)
+        except (ValueError, KeyError) as e:
+            if on_error == "raise":
+                msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+                raise MalformedRowError(path, lineno, str(msg)) from None
+            skipped.append(lineno)
+    return examples, skipped
