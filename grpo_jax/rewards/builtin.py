@@ -63,10 +63,10 @@ def make_format_reward(
     """
     if pattern is None:
         a = re.escape(answer_tag)
-        body = rf"\s*<{a}>(?:(?!</?{a}>).)*?\S(?:(?!</?{a}>).)*?</{a}>\s*"
+        body = rf"\s*<{a}>(?:(?!</?{a}>).)*?(?!</?{a}>)\S(?:(?!</?{a}>).)*?</{a}>\s*"
         if think_tag is not None:
             t = re.escape(think_tag)
-            body = rf"\s*<{t}>(?:(?!</?{t}>).)*?\S(?:(?!</?{t}>).)*?</{t}>" + body
+            body = rf"\s*<{t}>(?:(?!</?{t}>).)*?(?!</?{t}>)\S(?:(?!</?{t}>).)*?</{t}>" + body
         pattern = body
     regex = re.compile(pattern, re.DOTALL)
 

@@ -80,13 +80,23 @@ class MathVerifyProcess:
             for f in (proc.stdin, proc.stdout):
                 f.close()
 
-    def check(self, gold: str, pred: str, *, timeout_s: float = 5.0, _sleep: float = 0.0):
+    def check(
+        self,
+        gold: str,
+        pred: str,
+        *,
+        timeout_s: float = 5.0,
+        deadline_s: float | None = None,
+        _sleep: float = 0.0,
+    ):
         """1.0 / 0.0 for equivalence, None if ``gold`` cannot be parsed, or an Exception.
 
-        ``timeout_s`` bounds each of math-verify's parse and verify steps; the
-        child is killed when the whole request exceeds ``3 * timeout_s + 2``.
+        ``timeout_s`` bounds each of math-verify's parse and verify steps
+        (whole seconds, at least 1); the child is killed when the whole request
+        exceeds ``deadline_s`` (default ``3 * timeout_s + 2``).
         """
         t = max(1, int(round(timeout_s)))
+        deadline_s = 3 * t + 2 if deadline_s is None else deadline_s
         request = json.dumps({"gold": gold, "pred": pred, "timeout": t, "sleep": _sleep})
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
@@ -100,14 +110,14 @@ class MathVerifyProcess:
             except (BrokenPipeError, OSError) as e:
                 self.close()
                 return RuntimeError(f"math-verify worker died: {e}")
-            line = self._read_line(time.monotonic() + 3 * t + 2)
+            line = self._read_line(time.monotonic() + deadline_s)
             if line is None:
                 died = self._proc.poll() is not None
                 self.close()
                 self.restarts += 1
                 if died:
                     return RuntimeError("math-verify worker exited while verifying")
-                return TimeoutError(f"math-verify ran past {3 * t + 2}s; worker restarted")
+                return TimeoutError(f"math-verify ran past {deadline_s}s; worker restarted")
         reply = json.loads(line)
         if "error" in reply:
             return RuntimeError(reply["error"])
