@@ -109,6 +109,7 @@ class DataIterator:
             "process_index": self.process_index,
             "process_count": self.process_count,
             "shuffle": self.shuffle,
+            "drop_remainder": self.drop_remainder,
         }
 
     def restore(self, state: Mapping) -> None:
@@ -128,6 +129,7 @@ class DataIterator:
             "process_index",
             "process_count",
             "shuffle",
+            "drop_remainder",
         )
         for key in checked:
             if key in state and state[key] != mine[key]:
