@@ -1,0 +1,372 @@
+"""Per-device memory plan of a GRPO run, and an early refusal of layouts that cannot fit.
+
+Sizes: V vocabulary, D width, L layers, H query heads, K key/value heads, Dh
+head width, F MLP width; P prompt tokens, T completion tokens, S = P + T
+positions (the KV cache's slots and the trainer's forward length).
+
+Every parameter tensor is listed with its logical axis names, exactly as
+``grpo_jax.models`` declares them, and sharded by the layout's rules
+(``grpo_jax.sharding.LAYOUTS``) the way ``grpo_jax.models.param_shardings``
+shards it: a dimension is split over its mesh axes only when they divide it.
+So with mesh axes of sizes (data, fsdp, tensor):
+
+  dp       parameters, gradients, optimizer state and reference replicated;
+  fsdp     each of them divided by ``fsdp`` (the "embed" dimension is split);
+  fsdp_tp  divided by ``fsdp * tensor`` (heads, MLP width and vocabulary also
+           split over ``tensor``, where ``tensor`` divides them).
+
+Batch rows are split over data * fsdp (the batch shards); activations and the
+KV cache are divided by that, and their head / MLP / vocabulary dimensions by
+``tensor`` under fsdp_tp.
+
+Per device, in bytes (p = param_bytes, c = compute_bytes, n = training rows
+per device, m = sampling rows per device, tp_x = the tensor ways of dimension
+x, 1 where it is not split):
+
+  params       sum over tensors of numel / ways * p
+  grads        the same as params (gradients have the parameters' dtype and sharding)
+  optimizer    moments * params (AdamW/Adam 2, Lion/momentum 1, SGD 0; optax keeps
+               the moments in the parameters' dtype)
+  reference    the same as params when beta > 0, else 0 (beta = 0 skips it)
+  kv_cache     2 * L * m * S * (K / tp_k) * Dh * c
+  activations  saved for the backward pass of one forward over n rows of S tokens:
+                 per layer and token
+                   a = c * (6 D + 2 (H / tp_h) Dh + 2 (K / tp_k) Dh + 4 F / tp_f)
+                       + (4 + c) * (H / tp_h) * S
+                 (residual stream, norms, attention and MLP outputs; q, k, v and the
+                 attention output; gate, up, activation and product; float32 scores
+                 and the softmax probabilities: attention is not flash-fused),
+                 plus float32 logits and their gradient, 8 * V / tp_v per token:
+                 no remat:  n * S * (L * a + 8 V / tp_v)
+                 remat:     n * S * (L * c * D + a + 8 V / tp_v)
+                 (only each layer's input is kept; one layer is recomputed at a time)
+
+The sampler (KV cache) and the update (gradients, activations) run one after
+the other, so the peak is
+
+  total = params + optimizer + reference + max(kv_cache, grads + activations).
+
+XLA's buffer reuse and fusion move the real numbers by tens of percent either
+way; the estimate is for refusing layouts that cannot fit, not for tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
+
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
+COMPONENTS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
+_NAMES = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "reference": "reference parameters",
+    "kv_cache": "KV cache",
+    "activations": "activations",
+}
+_MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "tie_embeddings",
+)
+
+
+class MemoryBudgetError(ValueError):
+    """The chosen layout needs more memory per device than the stated budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of each part of a run, for one layout of one mesh."""
+
+    layout: str
+    mesh_shape: dict[str, int]
+    params: int
+    grads: int
+    optimizer: int
+    reference: int
+    kv_cache: int
+    activations: int
+    num_params: int
+
+    @property
+    def sampling(self) -> int:
+        """Peak while sampling: everything resident plus the KV cache."""
+        return self.params + self.optimizer + self.reference + self.kv_cache
+
+    @property
+    def training(self) -> int:
+        """Peak while updating: everything resident plus gradients and activations."""
+        return self.params + self.optimizer + self.reference + self.grads + self.activations
+
+    @property
+    def total(self) -> int:
+        return max(self.sampling, self.training)
+
+    def biggest(self) -> str:
+        """The component that weighs most (a key of ``COMPONENTS``)."""
+        return max(COMPONENTS, key=lambda k: getattr(self, k))
+
+    def table(self) -> str:
+        mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in MESH_AXES)
+        lines = [
+            f"per-device memory estimate, layout {self.layout!r}, mesh {mesh}, "
+            f"{self.num_params:,} parameters",
+        ]
+        for k in COMPONENTS:
+            lines.append(f"  {_NAMES[k]:<22}{format_bytes(getattr(self, k)):>12}")
+        lines.append(f"  {'sampling peak':<22}{format_bytes(self.sampling):>12}")
+        lines.append(f"  {'training peak':<22}{format_bytes(self.training):>12}")
+        lines.append(f"  {'total (peak)':<22}{format_bytes(self.total):>12}")
+        return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _model_sizes(cfg) -> dict:
+    missing = [f for f in _MODEL_FIELDS if not hasattr(cfg, f)]
+    if missing:
+        raise TypeError(
+            f"memory.estimate needs a model config with {list(_MODEL_FIELDS)}; "
+            f"{type(cfg).__name__} lacks {missing}"
+        )
+    return {f: getattr(cfg, f) for f in _MODEL_FIELDS}
+
+
+def param_tensors(cfg) -> list[tuple[str, tuple[int, ...], tuple[str, ...], int]]:
+    """(name, shape, logical axes, count) of every parameter tensor of ``grpo_jax.models``.
+
+    ``count`` is how many layers hold that tensor. Optional switches
+    (qkv_bias, out_bias, mlp_bias, qk_norm, sandwich_norm) are read when the
+    config has them, False otherwise.
+    """
+    s = _model_sizes(cfg)
+    V, D, L = s["vocab_size"], s["hidden_size"], s["num_layers"]
+    H, K, Dh, F = s["num_heads"], s["num_kv_heads"], s["head_dim"], s["mlp_dim"]
+    flag = lambda name: bool(getattr(cfg, name, False))
+    out = [("embed", (V, D), ("vocab", "embed"), 1)]
+    layer = [
+        ("attn_norm", (D,), ("norm",)),
+        ("mlp_norm", (D,), ("norm",)),
+        ("q_proj", (D, H, Dh), ("embed", "heads", "head_dim")),
+        ("k_proj", (D, K, Dh), ("embed", "kv_heads", "head_dim")),
+        ("v_proj", (D, K, Dh), ("embed", "kv_heads", "head_dim")),
+        ("o_proj", (H, Dh, D), ("heads", "head_dim", "embed")),
+        ("gate_proj", (D, F), ("embed", "mlp")),
+        ("up_proj", (D, F), ("embed", "mlp")),
+        ("down_proj", (F, D), ("mlp", "embed")),
+    ]
+    if flag("qkv_bias"):
+        layer += [
+            ("q_bias", (H, Dh), ("heads", "head_dim")),
+            ("k_bias", (K, Dh), ("kv_heads", "head_dim")),
+            ("v_bias", (K, Dh), ("kv_heads", "head_dim")),
+        ]
+    if flag("out_bias"):
+        layer.append(("o_bias", (D,), ("norm",)))
+    if flag("qk_norm"):
+        layer += [("q_norm", (Dh,), ("norm",)), ("k_norm", (Dh,), ("norm",))]
+    if flag("mlp_bias"):
+        layer += [("gate_bias", (F,), ("mlp",)), ("up_bias", (F,), ("mlp",))]
+        layer.append(("down_bias", (D,), ("norm",)))
+    if flag("sandwich_norm"):
+        layer += [("post_attn_norm", (D,), ("norm",)), ("post_mlp_norm", (D,), ("norm",))]
+    out += [(f"layers.{n}", shape, axes, L) for n, shape, axes in layer]
+    out.append(("final_norm", (D,), ("norm",), 1))
+    if not s["tie_embeddings"]:
+        out.append(("lm_head", (D, V), ("embed", "vocab"), 1))
+    return out
+
+
+def param_count(cfg) -> int:
+    """Number of parameters (a tied LM head counted once)."""
+    return sum(math.prod(shape) * n for _, shape, _, n in param_tensors(cfg))
+
+
+def _ways(axes, mesh_shape: Mapping[str, int]) -> int:
+    flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh_shape[a] for a in flat)
+
+
+def shard_numel(shape, logical_axes, mesh_shape: Mapping[str, int], layout: str) -> int:
+    """Elements one device holds of a tensor with these logical axes under ``layout``.
+
+    A dimension whose mesh axes do not divide it stays whole (replicated), as
+    in ``grpo_jax.models.partitioning.fit_spec``.
+    """
+    spec = tuple(logical_to_spec(logical_axes, layout))
+    n = 1
+    for i, size in enumerate(shape):
+        ways = _ways(spec[i] if i < len(spec) else None, mesh_shape)
+        n *= size // ways if size % ways == 0 else size
+    return n
+
+
+def _tensor_ways(size: int, logical: str, mesh_shape, layout: str) -> int:
+    ways = _ways(LAYOUTS[layout].get(logical), mesh_shape)
+    return ways if size % ways == 0 else 1
+
+
+def _check_positive(name: str, value, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"memory.estimate: {name} = {value!r} must be an integer >= {lo}")
+
+
+def estimate(
+    model_cfg_like,
+    *,
+    mesh_shape: Mapping[str, int],
+    layout: str,
+    batch_rows: int,
+    seq_len: int,
+    prompt_len: int,
+    beta: float,
+    optimizer: str = "adamw",
+    param_bytes: int = 4,
+    compute_bytes: int = 4,
+    remat: bool = False,
+    sample_rows: int | None = None,
+) -> MemoryEstimate:
+    """Per-device memory of a GRPO run (formulas in the module docstring).
+
+    Args:
+      model_cfg_like: any object with vocab_size, hidden_size, num_layers,
+        num_heads, num_kv_heads, head_dim, mlp_dim, tie_embeddings (e.g.
+        ``grpo_jax.models.ModelConfig``).
+      mesh_shape: mesh axis sizes, e.g. ``{"data": 1, "fsdp": 8, "tensor": 1}``
+        or ``mesh.shape``; missing axes have size 1.
+      layout: a key of ``grpo_jax.sharding.LAYOUTS`` ("dp", "fsdp", "fsdp_tp").
+      batch_rows: completion rows of one forward/backward pass, over all
+        devices (the minibatch divided by the gradient-accumulation steps).
+      seq_len: T, completion tokens per row (the sampler's max_new_tokens).
+      prompt_len: P, prompt tokens per row (padded).
+      beta: KL weight; 0 means no reference parameters are held.
+      optimizer: a key of ``OPTIMIZER_MOMENTS``.
+      param_bytes: bytes per stored parameter (4 float32, 2 bfloat16).
+      compute_bytes: bytes per activation element (the compute dtype).
+      remat: each layer rematerialised in the backward pass.
+      sample_rows: rows the sampler decodes at once (B * G); defaults to
+        ``batch_rows``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
+    unknown = set(mesh_shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(MESH_AXES)}")
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    for a, v in mesh.items():
+        _check_positive(f"mesh_shape[{a!r}]", v)
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known are {sorted(OPTIMIZER_MOMENTS)}")
+    sample_rows = batch_rows if sample_rows is None else sample_rows
+    for name, value, lo in (
+        ("batch_rows", batch_rows, 1),
+        ("sample_rows", sample_rows, 1),
+        ("seq_len", seq_len, 1),
+        ("prompt_len", prompt_len, 0),
+        ("param_bytes", param_bytes, 1),
+        ("compute_bytes", compute_bytes, 1),
+    ):
+        _check_positive(name, value, lo)
+    if not beta >= 0:
+        raise ValueError(f"memory.estimate: beta = {beta!r} must be >= 0")
+
+    s = _model_sizes(model_cfg_like)
+    V, D, L = s["vocab_size"], s["hidden_size"], s["num_layers"]
+    H, K, Dh, F = s["num_heads"], s["num_kv_heads"], s["head_dim"], s["mlp_dim"]
+    S, c = prompt_len + seq_len, compute_bytes
+
+    tensors = param_tensors(model_cfg_like)
+    per_device = sum(shard_numel(shape, axes, mesh, layout) * n for _, shape, axes, n in tensors)
+    params = per_device * param_bytes
+    reference = params if beta > 0 else 0
+
+    shards = mesh["data"] * mesh["fsdp"]
+    rows = lambda r: r // shards if r % shards == 0 else r
+    n, m = rows(batch_rows), rows(sample_rows)
+    tp_h = _tensor_ways(H, "heads", mesh, layout)
+    tp_k = _tensor_ways(K, "kv_heads", mesh, layout)
+    tp_f = _tensor_ways(F, "mlp", mesh, layout)
+    tp_v = _tensor_ways(V, "vocab", mesh, layout)
+
+    kv_cache = 2 * L * m * S * (K // tp_k) * Dh * c
+    per_layer_token = c * (6 * D + 2 * (H // tp_h) * Dh + 2 * (K // tp_k) * Dh + 4 * F // tp_f)
+    per_layer_token += (4 + c) * (H // tp_h) * S
+    logits_token = 8 * (V // tp_v)
+    if remat:
+        per_token = L * c * D + per_layer_token + logits_token
+    else:
+        per_token = L * per_layer_token + logits_token
+    activations = n * S * per_token
+
+    return MemoryEstimate(
+        layout=layout,
+        mesh_shape=mesh,
+        params=params,
+        grads=params,
+        optimizer=OPTIMIZER_MOMENTS[optimizer] * params,
+        reference=reference,
+        kv_cache=kv_cache,
+        activations=activations,
+        num_params=param_count(model_cfg_like),
+    )
+
+
+def _hint(est: MemoryEstimate, part: str) -> str:
+    if part in ("params", "grads", "optimizer", "reference"):
+        if est.layout == "dp":
+            hint = "use layout fsdp (it shards parameters, gradients and optimizer state)"
+        elif est.layout == "fsdp":
+            hint = "use more fsdp devices, or layout fsdp_tp with tensor > 1"
+        else:
+            hint = "use more fsdp or tensor devices, or bfloat16 parameters"
+        return hint + (", or beta = 0 (no reference model)" if part == "reference" else "")
+    if part == "activations":
+        return (
+            "use remat, a smaller minibatch or more gradient-accumulation steps, "
+            "or more data/fsdp devices"
+        )
+    return "sample fewer rows at once, shorten max_new_tokens, or use more data/fsdp devices"
+
+
+def check_budget(est: MemoryEstimate, budget_bytes: int | float) -> None:
+    """Raises :class:`MemoryBudgetError` when ``est.total`` exceeds ``budget_bytes``.
+
+    The message names the layout, the total, the budget, the biggest
+    component and what would shrink it.
+    """
+    if not budget_bytes > 0:
+        raise ValueError(f"memory budget = {budget_bytes!r} bytes must be positive")
+    if est.total <= budget_bytes:
+        return
+    part = est.biggest()
+    raise MemoryBudgetError(
+        f"layout {est.layout!r} on mesh {est.mesh_shape} needs about "
+        f"{format_bytes(est.total)} per device, over the budget of "
+        f"{format_bytes(budget_bytes)}; the biggest part is {_NAMES[part]} "
+        f"({format_bytes(getattr(est, part))}): {_hint(est, part)}.\n{est.table()}"
+    )
+
+
+def device_memory_bytes() -> int | None:
+    """The first local device's memory limit as the runtime reports it (None on CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None

@@ -1,0 +1,237 @@
+"""Memory planning: hand-computed numbers, parity with the real model's shards, refusals."""
+
+import math
+import types
+
+import jax
+import pytest
+from flax import nnx
+
+from grpo_jax import memory
+
+# V=10, D=4, L=1, H=2, K=1, Dh=2, F=6, tied embeddings. Parameters:
+# embed 40; norms 2*4; q 4*2*2=16; k 8; v 8; o 16; gate/up/down 3*24; final norm 4.
+HAND = types.SimpleNamespace(
+    vocab_size=10,
+    hidden_size=4,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+    mlp_dim=6,
+    tie_embeddings=True,
+)
+KW = dict(batch_rows=4, seq_len=5, prompt_len=3)  # S = 8
+
+
+def test_param_count_by_hand():
+    assert memory.param_count(HAND) == 40 + 8 + 16 + 8 + 8 + 16 + 72 + 4
+    untied = types.SimpleNamespace(**{**vars(HAND), "tie_embeddings": False})
+    assert memory.param_count(untied) == 172 + 40
+
+
+def test_params_per_layout_by_hand():
+    dp = memory.estimate(HAND, mesh_shape={"data": 2}, layout="dp", beta=0.0, **KW)
+    assert dp.params == 172 * 4
+    # fsdp=2 splits D: embed 20, q 8, k 4, v 4, o 8, mlp 36; norms (12) stay whole.
+    fsdp = memory.estimate(HAND, mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.0, **KW)
+    assert fsdp.params == (20 + 8 + 4 + 4 + 8 + 36 + 12) * 4
+    # fsdp=2, tensor=2: embed 40/4; q (2,1,2); K=1 is not split: k, v (2,1,2); o (1,2,2);
+    # gate/up/down 2*3 each; norms 12.
+    tp = memory.estimate(
+        HAND, mesh_shape={"fsdp": 2, "tensor": 2}, layout="fsdp_tp", beta=0.0, **KW
+    )
+    assert tp.params == (10 + 4 + 4 + 4 + 4 + 18 + 12) * 4
+    assert tp.grads == tp.params
+    assert tp.optimizer == 2 * tp.params
+    assert tp.reference == 0
+    sgd = memory.estimate(
+        HAND, mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.1, optimizer="sgd", **KW
+    )
+    assert sgd.optimizer == 0
+    assert sgd.reference == sgd.params
+
+
+def test_kv_cache_activations_and_total_by_hand():
+    est = memory.estimate(
+        HAND, mesh_shape={"fsdp": 2, "tensor": 2}, layout="fsdp_tp", beta=0.04, **KW
+    )
+    # 2 (k, v) * L * (4 rows / 2 shards) * S=8 * K=1 (not split) * Dh=2 * 4 bytes.
+    assert est.kv_cache == 2 * 1 * 2 * 8 * 1 * 2 * 4
+    # Per layer and token: 4 * (6*4 + 2*1*2 + 2*1*2 + 4*6/2) + (4 + 4) * (2/2) * 8 = 240;
+    # logits 8 * 10/2 = 40; 2 rows * 8 tokens.
+    assert est.activations == 2 * 8 * (240 + 40)
+    remat = memory.estimate(
+        HAND,
+        mesh_shape={"fsdp": 2, "tensor": 2},
+        layout="fsdp_tp",
+        beta=0.04,
+        remat=True,
+        **KW,
+    )
+    assert remat.activations == 2 * 8 * (1 * 4 * 4 + 240 + 40)
+    p = 56 * 4
+    assert (est.params, est.optimizer, est.reference) == (p, 2 * p, p)
+    assert est.training == p + 2 * p + p + p + 4480
+    assert est.sampling == p + 2 * p + p + 256
+    assert est.total == est.training == 5600
+    assert est.biggest() == "activations"
+    # A sampling batch bigger than the training batch moves the peak to sampling.
+    big = memory.estimate(
+        HAND,
+        mesh_shape={"fsdp": 2, "tensor": 2},
+        layout="fsdp_tp",
+        beta=0.04,
+        sample_rows=400,
+        **KW,
+    )
+    assert big.kv_cache == 100 * 256
+    assert big.total == big.sampling == 4 * p + 25600
+
+
+def test_half_precision_bytes():
+    est = memory.estimate(
+        HAND,
+        mesh_shape={"data": 1},
+        layout="dp",
+        beta=0.0,
+        param_bytes=2,
+        compute_bytes=2,
+        **KW,
+    )
+    assert est.params == 172 * 2
+    assert est.kv_cache == 2 * 1 * 4 * 8 * 1 * 2 * 2
+
+
+def test_table_lists_every_component():
+    est = memory.estimate(HAND, mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.04, **KW)
+    table = est.table()
+    for word in (
+        "layout 'fsdp'",
+        "fsdp=2",
+        "parameters",
+        "optimizer state",
+        "KV cache",
+        "activations",
+        "reference parameters",
+        "total (peak)",
+        "172 parameters",
+    ):
+        assert word in table
+    assert memory.format_bytes(1536) == "1.50 KiB"
+    assert memory.format_bytes(3 * 2**30) == "3.00 GiB"
+    assert memory.format_bytes(12) == "12 B"
+
+
+def test_budget_refuses_with_layout_total_budget_and_hint():
+    big = types.SimpleNamespace(**{**vars(HAND), "vocab_size": 50_000, "hidden_size": 1024})
+    est = memory.estimate(big, mesh_shape={"data": 8}, layout="dp", beta=0.0, **KW)
+    assert est.biggest() == "optimizer"
+    memory.check_budget(est, est.total)  # exactly at the budget fits
+    with pytest.raises(memory.MemoryBudgetError) as e:
+        memory.check_budget(est, est.total - 1)
+    msg = str(e.value)
+    assert "layout 'dp'" in msg
+    assert memory.format_bytes(est.total) in msg
+    assert "over the budget of" in msg
+    assert "biggest part is optimizer state" in msg
+    assert "use layout fsdp" in msg
+
+    fsdp = memory.estimate(big, mesh_shape={"fsdp": 8}, layout="fsdp", beta=0.0, **KW)
+    assert fsdp.total < est.total
+    with pytest.raises(memory.MemoryBudgetError, match="use more fsdp devices"):
+        memory.check_budget(fsdp, 1024)
+
+    act = memory.estimate(HAND, mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.0, **KW)
+    with pytest.raises(memory.MemoryBudgetError, match="biggest part is activations.*remat"):
+        memory.check_budget(act, 100)
+    with pytest.raises(ValueError, match="budget = 0 bytes must be positive"):
+        memory.check_budget(act, 0)
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="unknown sharding layout 'zero3'"):
+        memory.estimate(HAND, mesh_shape={}, layout="zero3", beta=0.0, **KW)
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['pipe'\]"):
+        memory.estimate(HAND, mesh_shape={"pipe": 2}, layout="dp", beta=0.0, **KW)
+    with pytest.raises(ValueError, match=r"mesh_shape\['data'\] = -1 must be an integer >= 1"):
+        memory.estimate(HAND, mesh_shape={"data": -1}, layout="dp", beta=0.0, **KW)
+    with pytest.raises(ValueError, match="unknown optimizer 'adagrad'"):
+        memory.estimate(HAND, mesh_shape={}, layout="dp", beta=0.0, optimizer="adagrad", **KW)
+    with pytest.raises(ValueError, match="batch_rows = 0 must be an integer >= 1"):
+        memory.estimate(
+            HAND, mesh_shape={}, layout="dp", beta=0.0, batch_rows=0, seq_len=5, prompt_len=3
+        )
+    with pytest.raises(ValueError, match="beta = -1.0 must be >= 0"):
+        memory.estimate(HAND, mesh_shape={}, layout="dp", beta=-1.0, **KW)
+    with pytest.raises(TypeError, match=r"Namespace lacks \['mlp_dim'\]"):
+        partial = types.SimpleNamespace(**{k: v for k, v in vars(HAND).items() if k != "mlp_dim"})
+        memory.param_count(partial)
+
+
+@pytest.mark.parametrize(
+    "family,layout,axes,materialise",
+    [
+        ("qwen2", "dp", {"data": 8}, False),
+        ("qwen2", "fsdp", {"fsdp": 8}, False),
+        ("qwen2", "fsdp_tp", {"fsdp": 2, "tensor": 4}, True),
+        ("gemma3", "fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, False),
+        ("llama", "fsdp", {"data": 2, "fsdp": 4}, False),
+    ],
+)
+def test_matches_the_real_models_shards(family, layout, axes, materialise):
+    """Parameter count and one device's parameter and KV-cache bytes equal the model's.
+
+    The model's own shardings (``param_shardings``, ``cache_shardings``) on
+    its abstract state give each device's shard shape; one case also builds
+    the sharded model and sums the bytes that really sit on the first device.
+    """
+    from grpo_jax.models import Transformer, cache_shardings, param_shardings, tiny_config
+    from grpo_jax.sharding import make_mesh
+
+    cfg = tiny_config(
+        vocab_size=96,
+        family=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=48,
+        tie_embeddings=family == "gemma3",
+        mlp_bias=family == "llama",
+    )
+    mesh = make_mesh(axes)
+    est = memory.estimate(
+        cfg,
+        mesh_shape=dict(mesh.shape),
+        layout=layout,
+        beta=0.0,
+        batch_rows=8,
+        seq_len=6,
+        prompt_len=2,
+    )
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout))
+    state = nnx.state(model, nnx.Param)
+    shapes = jax.tree.leaves(state)
+    shardings = jax.tree.leaves(param_shardings(state, mesh, layout))
+    assert est.num_params == sum(x.size for x in shapes) == cfg.num_params
+
+    def shard_bytes(x, sharding):
+        return math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+    assert est.params == sum(shard_bytes(x, s) for x, s in zip(shapes, shardings))
+    cache = jax.eval_shape(lambda: model.init_cache(8, 8))
+    cache_sh = cache_shardings(cache, mesh, layout)
+    assert est.kv_cache == sum(
+        shard_bytes(x, s) for x, s in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_sh))
+    )
+    if materialise:
+        from grpo_jax.models import create_model
+
+        real = jax.tree.leaves(nnx.state(create_model(cfg, mesh=mesh, layout=layout), nnx.Param))
+        device = mesh.devices.flat[0]
+        on_device = sum(
+            s.data.nbytes for x in real for s in x.addressable_shards if s.device == device
+        )
+        assert est.params == on_device
