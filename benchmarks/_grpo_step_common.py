@@ -1,0 +1,173 @@
+"""The work every system does in ``benchmarks/grpo_step.py``: prompts, reward, timing, report.
+
+Pure Python (no torch, no jax), so the TRL, Tunix and grpo_jax sides import
+the same definitions from their own virtualenvs:
+
+* ``make_prompts(n)``: a fixed list of short arithmetic prompts with answers.
+* ``digit_fraction``: the reward, the fraction of a completion's characters
+  that are digits. Dense on purpose: a random model almost never answers
+  an arithmetic prompt exactly, so an exact-match reward would give every
+  group the same reward, advantage 0 everywhere, and a degenerate step.
+* ``StepClock``: wall-clock timestamps at the end of every GRPO step.
+* ``emit``: the one JSON line a side prints (prefixed ``RESULT_PREFIX``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+RESULT_PREFIX = "GRPO_STEP_RESULT "
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark run, identical for every system.
+
+    Attributes:
+      system: "trl", "tunix" or "grpo_jax" (which side reads it).
+      size: model size label ("1m", "20m").
+      checkpoint: Hugging Face directory (config.json, model.safetensors,
+        tokenizer files) of the tiny random Qwen2 model.
+      B: prompts per step.  G: completions per prompt.  T: completion tokens
+        per completion (forced: no EOS stop).
+      temperature: sampling and scoring temperature; top-k / top-p off.
+      beta: KL coefficient (0 skips the reference model on every system).
+      epsilon: PPO clip range.
+      learning_rate: AdamW peak (constant schedule, no warmup, weight decay 0,
+        b1 0.9, b2 0.999, eps 1e-8, global-norm clip 1.0).
+      warmup_steps: steps run before the clock starts (compilation, caches).
+      steps: timed steps after warm-up.
+      seed: sampling / data seed.
+      threads: CPU threads the side may use (torch intra-op; recorded for JAX).
+    """
+
+    system: str
+    size: str
+    checkpoint: str
+    B: int
+    G: int
+    T: int
+    temperature: float
+    beta: float
+    epsilon: float
+    learning_rate: float
+    warmup_steps: int
+    steps: int
+    seed: int = 0
+    threads: int = 0
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+    @property
+    def num_prompts(self) -> int:
+        """Distinct prompts: enough that no prompt repeats over the run."""
+        return self.B * self.total_steps
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_file(cls, path: str) -> Workload:
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def make_prompts(n: int) -> list[dict[str, str]]:
+    """``n`` fixed prompts ``"Q: a+b= A:"`` (ops + - *) with their answers."""
+    out = []
+    for i in range(n):
+        a, b = (i * 7 + 3) % 50, (i * 13 + 5) % 50
+        op = "+-*"[i % 3]
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append({"prompt": f"Q: {a}{op}{b}= A:", "answer": str(value)})
+    return out
+
+
+def digit_fraction(completion: str) -> float:
+    """Reward: digits / characters of the completion (0 for an empty one)."""
+    if not completion:
+        return 0.0
+    return sum(ch.isdigit() for ch in completion) / len(completion)
+
+
+class StepClock:
+    """Timestamps (``time.perf_counter``) at the start and after every GRPO step.
+
+    A side calls ``start()`` right before its first step and ``tick()`` when
+    a step's work is finished (results on the host or blocked on).
+    """
+
+    def __init__(self):
+        self.t0: float | None = None
+        self.ticks: list[float] = []
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def tick(self) -> None:
+        self.ticks.append(time.perf_counter())
+
+    def step_seconds(self) -> list[float]:
+        edges = [self.t0, *self.ticks]
+        return [b - a for a, b in zip(edges[:-1], edges[1:])]
+
+
+def summarize(
+    wl: Workload,
+    clock: StepClock,
+    *,
+    params: int,
+    completion_tokens_per_step: list[int],
+    extra: dict | None = None,
+) -> dict:
+    """The result record: steady-state throughput over the steps after warm-up.
+
+    ``tokens_per_s`` = completion tokens of the timed steps / their wall time;
+    ``first_step_s`` (compilation, caches, lazy init) is reported on its own,
+    never mixed into the throughput.
+    """
+    if len(clock.ticks) != wl.total_steps:
+        raise RuntimeError(
+            f"{wl.system}: timed {len(clock.ticks)} steps, expected {wl.total_steps} "
+            f"(warmup_steps={wl.warmup_steps} + steps={wl.steps})"
+        )
+    secs = clock.step_seconds()
+    timed = secs[wl.warmup_steps :]
+    tokens = sum(completion_tokens_per_step[wl.warmup_steps :])
+    wall = sum(timed)
+    rec = {
+        "system": wl.system,
+        "size": wl.size,
+        "params": int(params),
+        "B": wl.B,
+        "G": wl.G,
+        "T": wl.T,
+        "beta": wl.beta,
+        "warmup_steps": wl.warmup_steps,
+        "steps": wl.steps,
+        "completion_tokens": int(tokens),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "step_s_mean": wall / len(timed),
+        "step_s_min": min(timed),
+        "first_step_s": secs[0],
+        "warmup_s": sum(secs[: wl.warmup_steps]),
+        "step_s_all": [round(s, 4) for s in secs],
+    }
+    rec.update(extra or {})
+    return rec
+
+
+def emit(record: dict) -> None:
+    """Prints the result line the driver looks for, and flushes."""
+    sys.stdout.write(RESULT_PREFIX + json.dumps(record) + "\n")
+    sys.stdout.flush()
