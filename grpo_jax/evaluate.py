@@ -1,0 +1,233 @@
+"""Held-out evaluation: greedy pass@1 and unbiased pass@k, as a library call and a CLI.
+
+    python -m grpo_jax.evaluate --config=configs/default.py --checkpoint=<workdir>
+
+``--checkpoint`` is a training workdir (its latest checkpoint), a checkpoint
+directory (``<workdir>/checkpoints``, latest step), one step of it
+(``<workdir>/checkpoints/120``) or a Hugging Face model directory
+(``config.json`` + safetensors, e.g. one written by ``grpo_jax.export``). The
+dataset, prompts, correctness reward and eval settings come from the config
+(override them as usual, ``--config.eval.num_samples=8``).
+
+pass@1 is greedy: one argmax completion per problem, the share that is
+correct. pass@k draws n = ``eval.num_samples`` completions per problem at
+``eval.temperature`` and averages Chen et al.'s unbiased estimator
+1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
+Batches have a fixed size (the last one padded) so each sampler compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax import metrics as metrics_lib
+from grpo_jax.rollout import PromptEncoder, Scorer, decode
+from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.train_config import EvalConfig
+
+
+def generate_texts(
+    graphdef,
+    params,
+    examples: Sequence[Mapping],
+    *,
+    encoder: PromptEncoder,
+    sampling: SamplingConfig,
+    num_samples: int,
+    prompts_per_call: int,
+    key: jax.Array,
+    mesh=None,
+):
+    """Completions for every example, ``num_samples`` each, in fixed-size calls.
+
+    Returns (texts [len(examples) * num_samples], lengths, truncated), row
+    i * num_samples + s being sample s of example i.
+    """
+    texts, lengths, truncated = [], [], []
+    for c, start in enumerate(range(0, len(examples), prompts_per_call)):
+        chunk = list(examples[start : start + prompts_per_call])
+        real = len(chunk)
+        chunk += [chunk[0]] * (prompts_per_call - real)  # Same shape: no recompilation.
+        _, tokens_BxP, mask_BxP = encoder.encode(chunk, max_new_tokens=sampling.max_new_tokens)
+        out = generate(
+            graphdef,
+            params,
+            tokens_BxP,
+            mask_BxP,
+            jax.random.fold_in(key, c),
+            sampling,
+            num_samples=num_samples,
+            mesh=mesh,
+        )
+        tokens_NxT, lengths_N, trunc_N = jax.device_get((out.tokens, out.lengths, out.truncated))
+        keep = real * num_samples
+        texts += decode(encoder.tokenizer, tokens_NxT[:keep], lengths_N[:keep])
+        lengths.append(lengths_N[:keep])
+        truncated.append(trunc_N[:keep])
+    return texts, np.concatenate(lengths), np.concatenate(truncated)
+
+
+def evaluate(
+    graphdef,
+    params,
+    examples: Sequence[Mapping],
+    *,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    sampling: SamplingConfig,
+    cfg: EvalConfig,
+    key: jax.Array,
+    mesh=None,
+    prefix: str = "eval",
+) -> dict[str, float]:
+    """Greedy pass@1 (and pass@k when ``cfg.num_samples``) of the policy on ``examples``.
+
+    Returns ``{prefix}/pass_at_1``, ``{prefix}/length_mean``,
+    ``{prefix}/truncated_frac``, ``{prefix}/num_problems`` and, with sampling,
+    ``{prefix}/pass_at_k``, ``{prefix}/pass_at_{k}``, ``{prefix}/sampled_pass_at_1``.
+    """
+    if not examples:
+        raise ValueError("evaluate got no examples")
+    greedy = dataclasses.replace(sampling, greedy=True)
+    texts, lengths, trunc = generate_texts(
+        graphdef,
+        params,
+        examples,
+        encoder=encoder,
+        sampling=greedy,
+        num_samples=1,
+        prompts_per_call=cfg.batch_size,
+        key=key,
+        mesh=mesh,
+    )
+    correct = scorer.correct(texts, examples)
+    out = {
+        f"{prefix}/pass_at_1": float(correct.mean()),
+        f"{prefix}/length_mean": float(lengths.mean()),
+        f"{prefix}/truncated_frac": float(trunc.mean()),
+        f"{prefix}/num_problems": float(len(examples)),
+    }
+    if cfg.num_samples:
+        n = cfg.num_samples
+        sampled = dataclasses.replace(sampling, greedy=False, temperature=cfg.temperature)
+        texts, _, _ = generate_texts(
+            graphdef,
+            params,
+            examples,
+            encoder=encoder,
+            sampling=sampled,
+            num_samples=n,
+            prompts_per_call=cfg.batch_size // n,
+            key=jax.random.fold_in(key, 1),
+            mesh=mesh,
+        )
+        correct_PxS = scorer.correct(texts, examples, repeat=n).reshape(len(examples), n)
+        pass_k = metrics_lib.mean_pass_at_k(correct_PxS, cfg.k)
+        out[f"{prefix}/pass_at_k"] = pass_k
+        out[f"{prefix}/pass_at_{cfg.k}"] = pass_k
+        out[f"{prefix}/sampled_pass_at_1"] = metrics_lib.mean_pass_at_k(correct_PxS, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+
+
+def _load_params(run, checkpoint: str, tokenizer, mesh):
+    """(graphdef, params) of a workdir / checkpoint dir / step dir / HF directory."""
+    from flax import nnx
+
+    from grpo_jax import models
+    from grpo_jax.checkpoint import Checkpointer
+    from grpo_jax.config import ConfigError
+    from grpo_jax.run import build_model
+
+    path = pathlib.Path(checkpoint)
+    if (path / "config.json").exists():  # A Hugging Face model directory.
+        if not hasattr(models, "from_pretrained"):
+            raise ConfigError("loading a Hugging Face directory needs models.from_pretrained")
+        model = models.from_pretrained(str(path), mesh=mesh, layout=run.mesh.layout)
+        return nnx.split(model)
+    step = None
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    elif path.name.isdigit() and path.parent.is_dir():
+        step, path = int(path.name), path.parent
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"--checkpoint={checkpoint!r} is neither a workdir, a checkpoint directory, "
+            "a checkpoint step nor a Hugging Face model directory"
+        )
+    graphdef, params = build_model(run, tokenizer, mesh)
+    ck = Checkpointer(path)
+    try:
+        params = ck.restore_params(step, params_like=params)
+    finally:
+        ck.close()
+    return graphdef, params
+
+
+def main(argv):
+    from absl import app, flags  # noqa: F401 - flags parsed by absl.app.run
+    from ml_collections import config_flags  # noqa: F401
+
+    from grpo_jax.run import (
+        build_datasets,
+        build_encoder,
+        build_mesh,
+        build_scorer,
+        build_tokenizer,
+        parse_config,
+        tokenizer_sampling,
+    )
+
+    del argv
+    FLAGS = flags.FLAGS
+    run = parse_config(FLAGS.config)
+    work = pathlib.Path(FLAGS.checkpoint)
+    tok_dir = work if (work / "tokenizer").is_dir() else work.parent.parent
+    tokenizer = build_tokenizer(run, tok_dir if (tok_dir / "tokenizer").is_dir() else work)
+    mesh = build_mesh(run)
+    graphdef, params = _load_params(run, FLAGS.checkpoint, tokenizer, mesh)
+    examples = build_datasets(run)[run.eval.split]
+    if run.eval.num_problems:
+        examples = examples[: run.eval.num_problems]
+    out = evaluate(
+        graphdef,
+        params,
+        examples,
+        encoder=build_encoder(run, tokenizer),
+        scorer=build_scorer(run),
+        sampling=tokenizer_sampling(run, tokenizer),
+        cfg=run.eval,
+        key=jax.random.key(run.seed + 12345),
+        mesh=mesh,
+    )
+    text = json.dumps(out, indent=2, sort_keys=True)
+    print(text)
+    if FLAGS.output:
+        pathlib.Path(FLAGS.output).write_text(text + "\n")
+
+
+def _define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
+    flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint (step) dir or HF model dir.")
+    flags.DEFINE_string("output", "", "Optional path for the results as JSON.")
+    flags.mark_flags_as_required(["config", "checkpoint"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main, argv=sys.argv)

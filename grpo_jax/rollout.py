@@ -1,0 +1,154 @@
+"""Host-side glue between examples, tokens and rewards, shared by training and evaluation.
+
+  PromptEncoder   examples -> prompt texts -> left-padded prompt tokens
+  decode          completion tokens -> texts (up to each row's length, EOS dropped)
+  Scorer          texts -> weighted rewards, correctness, format validity
+
+Shapes: B prompts, G completions per prompt, N = B*G rows (grouped
+contiguously), P padded prompt length, T completion slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from grpo_jax import data, rewards
+from grpo_jax.sampling import pad_prompts
+
+CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEncoder:
+    """Formats examples as prompts (``grpo_jax.data.format_prompt``) and tokenizes them.
+
+    Prompts are encoded with ``add_special_tokens=True`` (the tokenizer's BOS,
+    when it adds one) and left-padded to the smallest of ``buckets``.
+    """
+
+    tokenizer: object
+    template: str | None
+    chat: bool
+    system: str | None
+    buckets: tuple[int, ...]
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def texts(self, examples: Sequence[Mapping]) -> list[str]:
+        return [
+            data.format_prompt(
+                ex,
+                template=self.template,
+                tokenizer=self.tokenizer,
+                chat=self.chat,
+                system=self.system,
+            )
+            for ex in examples
+        ]
+
+    def token_lists(self, texts: Sequence[str]) -> list[list[int]]:
+        # A chat template already holds the special tokens it wants.
+        return [
+            list(ids)
+            for ids in self.tokenizer(list(texts), add_special_tokens=not self.chat)["input_ids"]
+        ]
+
+    def encode(self, examples: Sequence[Mapping], *, max_new_tokens: int = 0):
+        """-> (prompt texts, tokens_BxP int32, mask_BxP bool)."""
+        texts = self.texts(examples)
+        tokens_BxP, mask_BxP = pad_prompts(
+            self.token_lists(texts),
+            pad_id=self.pad_id,
+            buckets=self.buckets,
+            max_new_tokens=max_new_tokens,
+        )
+        return texts, tokens_BxP, mask_BxP
+
+
+def decode(tokenizer, tokens_NxT: np.ndarray, lengths_N: np.ndarray) -> list[str]:
+    """Completion texts: each row's first ``length`` tokens, special tokens (EOS) dropped."""
+    rows = [list(map(int, t[: int(n)])) for t, n in zip(tokens_NxT, lengths_N, strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def parse_specs(specs: Sequence) -> tuple[rewards.RewardSpec, ...]:
+    return tuple(rewards.RewardSpec(s.name, s.weight) for s in specs)
+
+
+class Scorer:
+    """Scores completions with the training rewards and judges correctness.
+
+    Args:
+      specs: the weighted training rewards (``rewards.RewardSpec``).
+      correct_reward: the reward whose value 1.0 means "correct" (pass rate,
+        pass@k); scored separately when it is not among ``specs``.
+      timeout_s: per-reward time budget (``rewards.score``).
+
+    A completion has an invalid format when a reward named "format..." is among
+    the specs and gives it 0, else when no final answer can be extracted from it.
+    """
+
+    def __init__(
+        self, specs: Sequence[rewards.RewardSpec], *, correct_reward: str, timeout_s: float
+    ):
+        self.specs = tuple(specs)
+        self.correct_reward = correct_reward
+        self.timeout_s = timeout_s
+        for s in self.specs:
+            rewards.get(s.name)  # Unknown names fail now, naming the choices.
+        rewards.get(correct_reward)
+        names = [s.name for s in self.specs]
+        self._format_name = next((n for n in names if n.split("(")[0] == "format"), None)
+        self._extra = () if correct_reward in names else (rewards.RewardSpec(correct_reward, 0.0),)
+
+    def fields(self, examples: Sequence[Mapping], repeat: int) -> dict[str, list]:
+        return rewards.fields_from_examples(examples, repeat, exclude=("prompt", "solution"))
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        examples: Sequence[Mapping],
+        *,
+        repeat: int,
+        lengths_N=None,
+    ):
+        """-> (RewardResult of the training rewards, correct_N bool, invalid_N bool)."""
+        fields = self.fields(examples, repeat)
+        result = rewards.score(
+            self.specs + self._extra,
+            prompts,
+            completions,
+            fields,
+            timeout_s=self.timeout_s,
+            completion_lengths=None if lengths_N is None else [int(x) for x in lengths_N],
+        )
+        correct_N = np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD
+        if self._format_name is not None:
+            invalid_N = np.nan_to_num(result.per_reward[self._format_name]) <= 0
+        else:
+            invalid_N = np.array([rewards.extract_answer(c) is None for c in completions])
+        for extra in self._extra:  # Weight 0: the total is unchanged; keep the logs clean.
+            result.per_reward.pop(extra.name, None)
+            result.errors.pop(extra.name, None)
+        return result, correct_N, invalid_N
+
+    def correct(
+        self, completions: Sequence[str], examples: Sequence[Mapping], *, repeat: int = 1
+    ) -> np.ndarray:
+        """bool[N]: the correctness reward alone (evaluation)."""
+        fields = self.fields(examples, repeat)
+        result = rewards.score(
+            (rewards.RewardSpec(self.correct_reward, 1.0),),
+            [""] * len(completions),
+            completions,
+            fields,
+            timeout_s=self.timeout_s,
+        )
+        return np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD

@@ -1,0 +1,345 @@
+"""Supervised warm start (cold-start SFT): next-token loss on worked solutions.
+
+Each example contributes [prompt | solution <eos>]; the prompt is formatted
+and tokenized exactly as the GRPO phase will prompt the policy, and only the
+solution and EOS tokens carry loss:
+
+    L = -(1 / sum_i |s_i|) sum_i sum_t log pi(s_it | prompt_i, s_i,<t)
+
+(the token mean over the batch, temperature 1). The layout is the GRPO
+batch's (left-padded prompt, right-padded completion of T =
+``sampling.max_new_tokens`` slots) and the logits come from the same
+``completion_logits``, so the warm-started policy is scored the same way the
+sampler and the GRPO loss score it.
+
+The phase stops on a validation criterion, not a step count: every
+``eval_every`` steps greedy pass@1 on ``val_problems`` training problems that
+it never trains on is measured, and it stops as soon as that reaches
+``target_pass_at_1`` (or at ``max_steps``). A fixed step count leaves some
+seeds with a base policy that almost never samples a correct answer, and
+GRPO, which learns only from groups with reward variance, then has nothing to
+learn from. The result is cached in ``<workdir>/warm_start`` with a
+fingerprint of everything it depends on, so a rerun loads it instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from grpo_jax.config import ConfigError, check_range
+from grpo_jax.train_config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """The supervised phase before GRPO.
+
+    Attributes:
+      enabled: run it (needs examples with a "solution" field).
+      max_steps: hard cap on optimizer steps.
+      min_steps: never stop before this many steps.
+      target_pass_at_1: stop once greedy validation pass@1 reaches this.
+      eval_every: validate every this many steps.
+      val_problems: training problems held back for validation (never trained on).
+      batch_size: sequences per step.
+      learning_rate, warmup_steps, weight_decay, max_grad_norm: AdamW with
+        linear warmup, then constant.
+      cache: save the result in <workdir>/warm_start and reuse it on rerun.
+    """
+
+    enabled: bool = False
+    max_steps: int = 2000
+    min_steps: int = 0
+    target_pass_at_1: float = 0.25
+    eval_every: int = 50
+    val_problems: int = 256
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    cache: bool = True
+
+    def __post_init__(self):
+        for key in ("enabled", "cache"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"config key 'warm_start.{key}' = {getattr(self, key)!r} must be True or False"
+                )
+        check_range("warm_start.max_steps", self.max_steps, lo=1, integer=True)
+        check_range("warm_start.min_steps", self.min_steps, lo=0, hi=self.max_steps, integer=True)
+        check_range("warm_start.target_pass_at_1", self.target_pass_at_1, lo=0.0, hi=1.0)
+        check_range("warm_start.eval_every", self.eval_every, lo=1, integer=True)
+        check_range("warm_start.val_problems", self.val_problems, lo=1, integer=True)
+        check_range("warm_start.batch_size", self.batch_size, lo=1, integer=True)
+        check_range("warm_start.learning_rate", self.learning_rate, lo=0.0, lo_open=True)
+        check_range("warm_start.warmup_steps", self.warmup_steps, lo=0, integer=True)
+        check_range("warm_start.weight_decay", self.weight_decay, lo=0.0)
+        check_range("warm_start.max_grad_norm", self.max_grad_norm, lo=0.0)
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(
+            learning_rate=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+
+# ---------------------------------------------------------------------------
+# Batches and the loss.
+
+
+def sft_batch(examples: Sequence[Mapping], encoder, max_new_tokens: int) -> dict[str, np.ndarray]:
+    """[prompt | solution <eos>] in the GRPO layout.
+
+    Returns prompt_tokens / prompt_mask [B, P] (left-padded) and tokens / mask
+    [B, T] (right-padded, T = ``max_new_tokens``).
+    """
+    missing = [i for i, ex in enumerate(examples) if not ex.get("solution")]
+    if missing:
+        raise ConfigError(
+            f"warm_start needs a 'solution' field in every training example; example "
+            f"{missing[0]} ({examples[missing[0]].get('prompt')!r}) has none"
+        )
+    _, prompt_BxP, prompt_mask_BxP = encoder.encode(examples, max_new_tokens=max_new_tokens)
+    tok = encoder.tokenizer
+    eos = int(tok.eos_token_id)
+    sols = tok([ex["solution"] for ex in examples], add_special_tokens=False)["input_ids"]
+    b, t = len(examples), max_new_tokens
+    tokens_BxT = np.full((b, t), encoder.pad_id, np.int32)
+    mask_BxT = np.zeros((b, t), np.bool_)
+    for i, ids in enumerate(sols):
+        ids = list(ids) + [eos]
+        if len(ids) > t:
+            raise ConfigError(
+                f"the solution of example {i} ({examples[i]['solution'][:40]!r}...) has "
+                f"{len(ids)} tokens with EOS, more than sampling.max_new_tokens = {t}"
+            )
+        tokens_BxT[i, : len(ids)] = ids
+        mask_BxT[i, : len(ids)] = True
+    return {
+        "prompt_tokens": prompt_BxP,
+        "prompt_mask": prompt_mask_BxP,
+        "tokens": tokens_BxT,
+        "mask": mask_BxT,
+    }
+
+
+def sft_loss(params, batch, *, graphdef):
+    """Token-mean negative log-likelihood of the completion tokens (see module doc)."""
+    from grpo_jax.losses import per_token_logps
+    from grpo_jax.train_step import completion_logits
+
+    logits_BxTxV = completion_logits(
+        graphdef,
+        params,
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["tokens"],
+        batch["mask"],
+    )
+    logps_BxT = per_token_logps(logits_BxTxV, batch["tokens"])
+    mask_BxT = batch["mask"].astype(jnp.float32)
+    n = jnp.maximum(mask_BxT.sum(), 1.0)
+    loss = -(logps_BxT * mask_BxT).sum() / n
+    # Teacher-forced token accuracy: a cheap progress signal between validations.
+    hit_BxT = (jnp.argmax(logits_BxTxV, -1) == batch["tokens"]).astype(jnp.float32)
+    return loss, {"token_accuracy": (hit_BxT * mask_BxT).sum() / n}
+
+
+def sft_step(state, batch, *, graphdef, tx, schedule):
+    """One guarded AdamW step on the SFT loss (a non-finite step is skipped)."""
+    (loss, aux), grads = jax.value_and_grad(
+        functools.partial(sft_loss, graphdef=graphdef), has_aux=True
+    )(state.params, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    upd, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, upd)
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    state = state.replace(
+        params=pick(new_params, state.params),
+        opt_state=pick(new_opt, state.opt_state),
+        step=state.step + 1,
+        updates=state.updates + finite.astype(jnp.int32),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+        skipped_in_row=jnp.where(finite, 0, state.skipped_in_row + 1),
+    )
+    metrics = {
+        "sft/loss": loss,
+        "sft/grad_norm": grad_norm,
+        "sft/lr": schedule(state.updates),
+        **{f"sft/{k}": v for k, v in aux.items()},
+    }
+    return state, metrics
+
+
+# ---------------------------------------------------------------------------
+# The phase, with its cache.
+
+
+def fingerprint(parts: Mapping) -> str:
+    """A stable hash of everything the warm-started parameters depend on."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cache_paths(workdir) -> tuple[pathlib.Path, pathlib.Path]:
+    d = pathlib.Path(workdir).absolute() / "warm_start"
+    return d / "params", d / "info.json"
+
+
+def load_cached(workdir, params_like, fp: str):
+    """(params, info) from the cache when its fingerprint matches, else None."""
+    import orbax.checkpoint as ocp
+
+    from grpo_jax.checkpoint import _abstract
+
+    params_dir, info_path = _cache_paths(workdir)
+    if not info_path.exists() or not params_dir.exists():
+        return None
+    info = json.loads(info_path.read_text())
+    if info.get("fingerprint") != fp:
+        log.warning(
+            "warm start cache in %s was made with a different config (fingerprint %s, now %s); "
+            "training the warm start again",
+            info_path.parent,
+            info.get("fingerprint"),
+            fp,
+        )
+        return None
+    with ocp.StandardCheckpointer() as ck:
+        params = ck.restore(params_dir, _abstract(params_like))
+    return params, info
+
+
+def save_cache(workdir, params, info: Mapping) -> None:
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    params_dir, info_path = _cache_paths(workdir)
+    if info_path.exists():
+        info_path.unlink()  # The info file marks a complete cache: it goes last.
+    if params_dir.exists():
+        shutil.rmtree(params_dir)
+    params_dir.parent.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(params_dir, params)
+        ck.wait_until_finished()
+    info_path.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
+
+
+def warm_start(
+    graphdef,
+    params,
+    train_examples: Sequence[Mapping],
+    val_examples: Sequence[Mapping],
+    *,
+    cfg: WarmStartConfig,
+    encoder,
+    max_new_tokens: int,
+    validate: Callable[[object], float],
+    seed: int,
+    mesh,
+    param_shardings,
+    log_fn: Callable[[int, dict], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+):
+    """Trains ``params`` on the solutions until ``validate(params)`` >= the target.
+
+    Args:
+      graphdef, params: the policy (params are not donated: the caller's copy
+        stays valid).
+      train_examples: examples with "solution"; ``val_examples`` are held out.
+      validate: params -> greedy pass@1 on ``val_examples``.
+      log_fn: called with (step, metrics) at every validation.
+      should_stop: polled every step (SIGTERM): the phase ends early, uncached.
+
+    Returns:
+      (params, info) with info: steps, val_pass_at_1, reached_target, seconds,
+      history [(step, val_pass_at_1)], interrupted.
+    """
+    from grpo_jax import sharding
+    from grpo_jax.data import DataIterator
+    from grpo_jax.train_step import init_state, lr_schedule
+
+    del val_examples  # validate() closes over them.
+    t0 = time.perf_counter()
+    ocfg = cfg.optim()
+    schedule = lr_schedule(ocfg, cfg.max_steps)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    parts.append(optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    tx = optax.chain(*parts)
+    state = init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    rows = {
+        k: sharding.batch_sharding(mesh, 2)
+        for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")
+    }
+    step_fn = jax.jit(
+        functools.partial(sft_step, graphdef=graphdef, tx=tx, schedule=schedule),
+        in_shardings=(state_sh, rows),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+        donate_argnames=("state",),
+    )
+    it = DataIterator(train_examples, cfg.batch_size, seed=seed + 7919)
+    history: list[tuple[int, float]] = []
+    val = float("nan")
+    reached, interrupted = False, False
+    step = 0
+    metrics = {}
+    while step < cfg.max_steps:
+        batch = sft_batch(it.next(), encoder, max_new_tokens)
+        state, metrics = step_fn(state, batch)
+        step += 1
+        if should_stop():
+            interrupted = True
+            break
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            val = float(validate(state.params))
+            history.append((step, val))
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            m["sft/val_pass_at_1"] = val
+            m["sft/seconds"] = time.perf_counter() - t0
+            if log_fn is not None:
+                log_fn(step, m)
+            if val >= cfg.target_pass_at_1 and step >= cfg.min_steps:
+                reached = True
+                break
+    info = {
+        "steps": step,
+        "val_pass_at_1": val,
+        "reached_target": reached,
+        "target_pass_at_1": cfg.target_pass_at_1,
+        "seconds": time.perf_counter() - t0,
+        "history": history,
+        "interrupted": interrupted,
+        "skipped_updates": int(jax.device_get(state.skipped)),
+    }
+    if not reached and not interrupted:
+        log.warning(
+            "warm start hit max_steps=%d at validation pass@1 %.3f, below the target %.3f: "
+            "GRPO may find too few groups with a correct sample to learn from",
+            cfg.max_steps,
+            val,
+            cfg.target_pass_at_1,
+        )
+    out = jax.device_put(state.params, param_shardings)
+    return out, info

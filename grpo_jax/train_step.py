@@ -1,0 +1,315 @@
+"""The jitted GRPO update: mu passes over a rollout batch in minibatches, guarded.
+
+Shapes: N completion rows (B prompts x G, grouped contiguously), P padded
+prompt length, T completion length, V vocabulary, U optimizer updates per
+step (mu * N / M for minibatches of M rows), A gradient-accumulation
+micro-batches per update.
+
+    train_step(state, batch, key, ref_params) -> (state, metrics)
+
+is a pure function of its arguments, compiled once with explicit shardings and
+``donate_argnames=("state",)``. The batch carries pi_old's log-probs as the
+sampler recorded them, so no old-policy forward pass is needed: all mu passes
+start from the parameters that sampled the batch. The reference parameters
+are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
+in which case no reference forward pass is traced at all.
+
+Non-finite guard: an update whose loss or gradient norm is not finite is
+dropped inside the jitted step (parameters and optimizer state keep their
+values via ``jnp.where``), counted in ``state.skipped`` and
+``state.skipped_in_row``; the host stops the run after too many in a row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax import losses
+from grpo_jax.config import GRPOConfig
+from grpo_jax.train_config import OptimConfig
+
+BATCH_KEYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "old_logps", "advantages")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the update changes; donated to the step and returned anew."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 []: GRPO steps taken
+    updates: jax.Array  # int32 []: optimizer updates applied (the schedule's clock)
+    skipped: jax.Array  # int32 []: updates dropped as non-finite, in total
+    skipped_in_row: jax.Array  # int32 []: ... since the last applied update
+
+
+def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainState:
+    """A fresh state; with a mesh every leaf is committed to a NamedSharding on it.
+
+    The optimizer moments inherit the parameters' shardings and scalars are
+    replicated, so the state that goes in has the shardings of the state that
+    comes out of the jitted step (a mismatch would compile the step twice).
+    """
+    opt_state = jax.jit(tx.init)(params)
+    # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
+    zeros = [jnp.zeros((), jnp.int32) for _ in range(4)]
+    state = TrainState(params, opt_state, *zeros)
+    if mesh is not None:
+        rep = NamedSharding(mesh, P())
+        state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, rep),
+            state,
+        )
+    return state
+
+
+def lr_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then constant, cosine or linear decay."""
+    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_factor
+    decay_steps = max(total_updates - cfg.warmup_steps, 1)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.end_lr_factor)
+    else:
+        after = optax.linear_schedule(peak, end, decay_steps)
+    if cfg.warmup_steps == 0:
+        return after
+    warm = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
+    return optax.join_schedules([warm, after], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimConfig, total_updates: int):
+    """(optax transformation, schedule): clip global norm, then AdamW."""
+    schedule = lr_schedule(cfg, total_updates)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
+    parts.append(
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    )
+    return optax.chain(*parts), schedule
+
+
+def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
+    """Logits scoring each completion token: one forward over [prompt | completion].
+
+    The logits at position P-1+t predict completion token t, so the slice
+    [P-1, P+T-1) lines up with ``tokens_NxT``. Positions default to
+    cumsum(mask) - 1 in the model, the same positions the sampler used.
+    """
+    model = nnx.merge(graphdef, params)
+    p, t = prompt_tokens_NxP.shape[1], tokens_NxT.shape[1]
+    full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
+    full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1).astype(jnp.bool_)
+    logits_NxLxV = model(full_NxL, mask_BxT=full_mask_NxL)
+    return logits_NxLxV[:, p - 1 : p + t - 1]
+
+
+def completion_logps(graphdef, params, batch, temperature):
+    logits_NxTxV = completion_logits(
+        graphdef,
+        params,
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["tokens"],
+        batch["mask"],
+    )
+    return losses.per_token_logps(logits_NxTxV, batch["tokens"], temperature=temperature)
+
+
+def _tree_where(pred, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def _split_rows(x, num_parts: int, shards: int):
+    """[N, ...] -> [num_parts, N / num_parts, ...], each part drawing rows from every shard.
+
+    The batch's leading dimension is split over ``shards`` devices; taking a
+    part's rows from every shard (rather than one contiguous slice) keeps
+    every device busy on every part.
+    """
+    n = x.shape[0]
+    per = n // (shards * num_parts)
+    y = x.reshape(shards, num_parts, per, *x.shape[1:])
+    y = jnp.swapaxes(y, 0, 1)
+    return y.reshape(num_parts, shards * per, *x.shape[1:])
+
+
+def _metric_reduce(name: str):
+    if name.endswith("ratio_min"):
+        return jnp.min
+    if name.endswith("ratio_max"):
+        return jnp.max
+    return jnp.mean
+
+
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    ref_params=None,
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+):
+    """mu passes over the batch, one optimizer update per minibatch (see module doc).
+
+    ``batch`` holds the keys of ``BATCH_KEYS``: prompt_tokens / prompt_mask
+    [N, P], tokens / mask / old_logps [N, T], advantages [N]. ``key`` is
+    unused by the deterministic update and kept for a uniform signature
+    (stochastic regularisers would fold it).
+    """
+    del key
+    n = batch["tokens"].shape[0]
+    m = n if minibatch_size == 0 else minibatch_size
+    num_mb = n // m
+    temperature = grpo.temperature
+    use_ref = grpo.beta > 0
+    if use_ref:
+        ref_logps_NxT = jax.lax.stop_gradient(
+            completion_logps(graphdef, ref_params, batch, temperature)
+        )
+        batch = dict(batch, ref_logps=ref_logps_NxT)
+
+    def loss_fn(params, mb):
+        logits_NxTxV = completion_logits(
+            graphdef, params, mb["prompt_tokens"], mb["prompt_mask"], mb["tokens"], mb["mask"]
+        )
+        logps_NxT = losses.per_token_logps(logits_NxTxV, mb["tokens"], temperature=temperature)
+        return losses.grpo_loss(
+            logps_NxT,
+            mb["old_logps"],
+            mb["advantages"],
+            mb["mask"],
+            ref_logps_NxT=mb.get("ref_logps"),
+            beta=grpo.beta,
+            epsilon_low=grpo.epsilon_low,
+            epsilon_high=grpo.epsilon_high,
+            kl_estimator=grpo.kl_estimator,
+            reduction=grpo.reduction,
+            logits_NxTxV=logits_NxTxV,
+            temperature=temperature,
+        )
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one_update(st: TrainState, mb):
+        if grad_accum == 1:
+            (loss, aux), grads = grad_fn(st.params, mb)
+        else:
+            micro = jax.tree.map(lambda x: _split_rows(x, grad_accum, batch_shards), mb)
+
+            def acc(carry, mbi):
+                (l_i, aux_i), g_i = grad_fn(st.params, mbi)
+                return jax.tree.map(jnp.add, carry, g_i), (l_i, aux_i)
+
+            zeros = jax.tree.map(jnp.zeros_like, st.params)
+            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, micro)
+            grads = jax.tree.map(lambda g: g / grad_accum, grads)
+            loss = loss_A.mean()
+            aux = {k: _metric_reduce(k)(v) for k, v in aux_A.items()}
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # Zero a bad gradient so the (discarded) optimizer arithmetic stays finite.
+        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        upd, new_opt = tx.update(safe_grads, st.opt_state, st.params)
+        new_params = optax.apply_updates(st.params, upd)
+        lr = schedule(st.updates)
+        st = st.replace(
+            params=_tree_where(finite, new_params, st.params),
+            opt_state=_tree_where(finite, new_opt, st.opt_state),
+            updates=st.updates + finite.astype(jnp.int32),
+            skipped=st.skipped + (~finite).astype(jnp.int32),
+            skipped_in_row=jnp.where(finite, 0, st.skipped_in_row + 1),
+        )
+        metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr)
+        return st, metrics
+
+    parts = jax.tree.map(lambda x: _split_rows(x, num_mb, batch_shards), batch)
+    skipped_before = state.skipped
+    all_metrics = []
+    for _ in range(grpo.mu):  # mu is small and static: unrolled passes.
+        state, m_U = jax.lax.scan(one_update, state, parts)
+        all_metrics.append(m_U)
+    m_U = jax.tree.map(lambda *xs: jnp.concatenate([jnp.atleast_1d(x) for x in xs]), *all_metrics)
+    metrics = {}
+    for k, v in m_U.items():
+        if k in ("ratio_min", "ratio_max"):
+            metrics[f"train/{k}"] = _metric_reduce(k)(v)
+        elif k == "kl_mean":
+            metrics["train/kl"] = v.mean()
+        elif k == "lr":
+            metrics["train/lr"] = v[-1]
+        else:
+            metrics[f"train/{k}"] = v.mean()
+    metrics["train/skipped_updates"] = state.skipped - skipped_before
+    metrics["train/skipped_total"] = state.skipped
+    metrics["train/skipped_in_row"] = state.skipped_in_row
+    metrics["train/updates"] = state.updates
+
+    if track_update:
+        # How far one step moved the policy on its own samples: KL(pi_old ||
+        # pi_new) by the k3 estimator with samples from pi_old, and the ratio range.
+        new_NxT = jax.lax.stop_gradient(
+            completion_logps(graphdef, state.params, batch, temperature)
+        )
+        mask_NxT = batch["mask"].astype(jnp.float32)
+        log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch["old_logps"], 0.0)
+        denom = jnp.maximum(mask_NxT.sum(), 1.0)
+        k3_NxT = jnp.exp(log_r_NxT) - log_r_NxT - 1.0
+        metrics["policy/kl_old_new"] = (k3_NxT * mask_NxT).sum() / denom
+        metrics["policy/ratio_max"] = jnp.max(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), 0.0))
+        metrics["policy/ratio_min"] = jnp.min(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), jnp.inf))
+        metrics["policy/abs_log_ratio_mean"] = (jnp.abs(log_r_NxT) * mask_NxT).sum() / denom
+    state = state.replace(step=state.step + 1)
+    return state, metrics
+
+
+def jit_train_step(
+    *,
+    graphdef,
+    tx,
+    schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+    state_shardings,
+    batch_sharding_fn,
+    ref_shardings,
+    replicated,
+):
+    """``train_step`` bound to its static configuration and jitted with shardings."""
+    fn = functools.partial(
+        train_step,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grpo=grpo,
+        minibatch_size=minibatch_size,
+        grad_accum=grad_accum,
+        batch_shards=batch_shards,
+        track_update=track_update,
+    )
+    batch_shardings = {k: batch_sharding_fn(2 if k != "advantages" else 1) for k in BATCH_KEYS}
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_shardings, replicated, ref_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnames=("state",),
+    )
