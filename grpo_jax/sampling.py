@@ -30,6 +30,7 @@ SamplingConfig, shapes, mesh); prompt lengths are bucketed by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -234,7 +235,7 @@ def sample_step(
 
 
 class DecodeState(NamedTuple):
-    """Carry of the decode loop; every array but ``step`` and ``key`` leads with N."""
+    """Carry of the decode loop; every array but ``step`` and ``key_data`` leads with N."""
 
     step: jax.Array  # int32 []: completion tokens written so far (all rows)
     last_tokens_N: jax.Array  # int32: token written at step-1, to be fed next
@@ -245,7 +246,10 @@ class DecodeState(NamedTuple):
     done_N: jax.Array  # bool: row has emitted an EOS
     kv_mask_NxS: jax.Array  # bool: cache slots holding real tokens
     cache: Any  # the model's KV cache pytree
-    key: jax.Array  # PRNG key for the remaining draws
+    # Raw uint32 data of the PRNG key for the remaining draws: a typed key
+    # crossing the prefill -> decode boundary costs jit a second dispatch
+    # cache entry for the same executable, which would hide real recompiles.
+    key_data: jax.Array
 
 
 class SampleOutput(NamedTuple):
@@ -313,12 +317,16 @@ def _prefill(
     graphdef,
     cfg: SamplingConfig,
     num_samples: int,
-    constrain,
+    mesh: Mesh | None,
 ):
     """Runs the prompt through the model once, fills the cache, draws token 0."""
     model = nnx.merge(graphdef, params)
-    tokens_NxP = constrain(_repeat_rows(prompt_tokens_BxP.astype(jnp.int32), num_samples))
-    mask_NxP = constrain(_repeat_rows(prompt_mask_BxP.astype(jnp.bool_), num_samples))
+    tokens_NxP = _repeat_rows(prompt_tokens_BxP.astype(jnp.int32), num_samples)
+    mask_NxP = _repeat_rows(prompt_mask_BxP.astype(jnp.bool_), num_samples)
+    if mesh is not None:
+        rows = sharding_lib.batch_sharding(mesh, 2)
+        tokens_NxP = jax.lax.with_sharding_constraint(tokens_NxP, rows)
+        mask_NxP = jax.lax.with_sharding_constraint(mask_NxP, rows)
     n, p = tokens_NxP.shape
     t = cfg.max_new_tokens
     s = p + t
@@ -327,6 +335,13 @@ def _prefill(
     positions_NxP = jnp.maximum(jnp.cumsum(mask_NxP, axis=1, dtype=jnp.int32) - 1, 0)
     kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.zeros((n, t), jnp.bool_)], axis=1)
     cache = model.init_cache(n, s)
+    if mesh is not None:
+        # Rows of the cache live with their rows of the batch (KV heads split
+        # too under tensor parallelism); the loop then never moves them.
+        from grpo_jax.models.partitioning import cache_shardings  # [L, N, S, K, Dh] layout.
+
+        layout = getattr(model, "layout", "fsdp")
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, layout))
     logits_NxPxV, cache = model.forward_with_cache(
         tokens_NxP,
         positions_BxT=positions_NxP,
@@ -345,14 +360,14 @@ def _prefill(
         done_N=jnp.zeros((n,), jnp.bool_),
         kv_mask_NxS=kv_mask_NxS,
         cache=cache,
-        key=key,
+        key_data=jax.random.key_data(key),
     )
     # Left padding puts every row's last prompt token in column P-1.
     tokens_N, logps_N = _draw(logits_NxPxV[:, -1], sub, cfg)
     return tokens_NxP, mask_NxP, _write(state, tokens_N, logps_N, cfg)
 
 
-def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig):
+def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_impl):
     """Feeds one token per step until every row is done or T tokens are written."""
     model = nnx.merge(graphdef, params)
     t = cfg.max_new_tokens
@@ -374,9 +389,9 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig):
             cache=st.cache,
             cache_index=slot,
         )
-        key, sub = jax.random.split(st.key)
+        key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         tokens_N, logps_N = _draw(logits_Nx1xV[:, 0], sub, cfg)
-        st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key=key)
+        st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
         return _write(st, tokens_N, logps_N, cfg)
 
     state = jax.lax.while_loop(cond, body, state)
@@ -402,21 +417,17 @@ def compile_count() -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None):
+def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None, key_impl):
     """(prefill, decode) jitted for one model structure, config, group size and mesh."""
     if mesh is None:
-        constrain = lambda x: x
         prefill_io: dict = {}
         decode_io: dict = {}
     else:
         rows2 = sharding_lib.batch_sharding(mesh, 2)
         rows1 = sharding_lib.batch_sharding(mesh, 1)
         rep = sharding_lib.replicated(mesh)
-        constrain = lambda x: jax.lax.with_sharding_constraint(
-            x, sharding_lib.batch_sharding(mesh, x.ndim)
-        )
-        # The cache is constrained inside the model's own cache code where it
-        # knows its layout; here it is left to sharding propagation (None).
+        # The cache's sharding is set inside prefill from the model's layout
+        # (None: as it comes out of the computation).
         state_shardings = DecodeState(
             step=rep,
             last_tokens_N=rows1,
@@ -427,7 +438,7 @@ def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None
             done_N=rows1,
             kv_mask_NxS=rows2,
             cache=None,
-            key=rep,
+            key_data=rep,
         )
         # None for params: they keep whatever layout the trainer gave them.
         prefill_io = dict(
@@ -439,13 +450,11 @@ def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None
             out_shardings=(state_shardings, rows2, rows1),
         )
     prefill = jax.jit(
-        functools.partial(
-            _prefill, graphdef=graphdef, cfg=cfg, num_samples=num_samples, constrain=constrain
-        ),
+        functools.partial(_prefill, graphdef=graphdef, cfg=cfg, num_samples=num_samples, mesh=mesh),
         **prefill_io,
     )
     decode = jax.jit(
-        functools.partial(_decode, graphdef=graphdef, cfg=cfg),
+        functools.partial(_decode, graphdef=graphdef, cfg=cfg, key_impl=key_impl),
         donate_argnums=(1,),
         **decode_io,
     )
@@ -491,17 +500,21 @@ def generate(
             f"prompt_tokens_BxP {shape} and prompt_mask_BxP {mask_shape} must be two "
             "arrays of the same [B, P] shape"
         )
+    if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
     if mesh is not None:
         sharding_lib.check_group_layout(shape[0] * num_samples, num_samples, mesh)
         rows2 = sharding_lib.batch_sharding(mesh, 2)
         prompt_tokens_BxP = jax.device_put(prompt_tokens_BxP, rows2)
         prompt_mask_BxP = jax.device_put(prompt_mask_BxP, rows2)
         key = jax.device_put(key, sharding_lib.replicated(mesh))
-    prefill, decode = _compiled(graphdef, cfg, num_samples, mesh)
-    prompt_tokens_NxP, prompt_mask_NxP, state = prefill(
-        params, prompt_tokens_BxP, prompt_mask_BxP, key
-    )
-    state, mask_NxT, truncated_N = decode(params, state)
+    prefill, decode = _compiled(graphdef, cfg, num_samples, mesh, jax.random.key_impl(key))
+    # Under the mesh the model's activation sharding constraints take effect.
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        prompt_tokens_NxP, prompt_mask_NxP, state = prefill(
+            params, prompt_tokens_BxP, prompt_mask_BxP, key
+        )
+        state, mask_NxT, truncated_N = decode(params, state)
     return SampleOutput(
         prompt_tokens=prompt_tokens_NxP,
         prompt_mask=prompt_mask_NxP,
