@@ -1,0 +1,33 @@
+"""Decoder-only transformers in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3).
+
+    model = create_model(tiny_config(vocab_size=100))       # random, built-in size
+    model = from_pretrained("/path/to/hf_dir", dtype=jnp.bfloat16, mesh=mesh)
+    logits_BxTxV = model(tokens_BxT)                          # float32
+    save_pretrained(model, "/path/to/out")                    # transformers loads it
+
+``graphdef, params = nnx.split(model)`` is the pure boundary for jitted code;
+``param_shardings(params, mesh, layout)`` gives the parameters' shardings.
+"""
+
+from grpo_jax.models.config import (
+    FAMILIES,
+    ModelConfig,
+    RopeScaling,
+    family_config,
+    tiny_config,
+)
+from grpo_jax.models.partitioning import cache_shardings, param_shardings
+from grpo_jax.models.transformer import Transformer, create_model, positions_from_mask
+
+__all__ = [
+    "FAMILIES",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "cache_shardings",
+    "create_model",
+    "family_config",
+    "param_shardings",
+    "positions_from_mask",
+    "tiny_config",
+]

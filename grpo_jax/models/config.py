@@ -1,0 +1,330 @@
+"""Architecture of a decoder-only transformer: one frozen, validated, hashable dataclass.
+
+One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3 and Gemma 3
+text models; ``family`` names the Hugging Face checkpoint layout (tensor
+names, ``model_type``), the boolean switches say what the math does. The
+config is hashable because the model keeps it as static structure: it is part
+of the ``nnx.split`` graphdef that jitted functions key their caches on.
+
+Per-family switches (set by :func:`family_config`):
+
+  ========  ========  ========  ===========  ==============================
+  family    qkv_bias  qk_norm   activation   Gemma-style (norm_plus_one,
+                                             sandwich_norm, scale_embeddings)
+  ========  ========  ========  ===========  ==============================
+  llama     no        no        silu         no
+  qwen2     yes       no        silu         no
+  qwen3     no        yes       silu         no
+  gemma3    no        yes       gelu_tanh    yes
+  ========  ========  ========  ===========  ==============================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from grpo_jax.config import ConfigError, check_choice, check_range
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_SCALINGS = ("linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Position-interpolation of the RoPE frequencies of the global layers.
+
+    kind "linear": inv_freq / factor (position interpolation, Chen et al. 2023).
+    kind "llama3": Llama 3.1's frequency-dependent rescaling: with wavelength
+    w = 2 pi / inv_freq, L = original_max_position_embeddings,
+        w < L / high_freq_factor  -> inv_freq          (high frequencies kept)
+        w > L / low_freq_factor   -> inv_freq / factor (low frequencies scaled)
+        otherwise                 -> (1 - s) inv_freq / factor + s inv_freq,
+                                     s = (L / w - low_freq_factor)
+                                         / (high_freq_factor - low_freq_factor).
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
+        check_range("rope_scaling.factor", self.factor, lo=0.0, lo_open=True)
+        if self.kind == "llama3":
+            check_range("rope_scaling.low_freq_factor", self.low_freq_factor, lo=0.0, lo_open=True)
+            check_range(
+                "rope_scaling.high_freq_factor", self.high_freq_factor, lo=0.0, lo_open=True
+            )
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ConfigError(
+                    f"rope_scaling.high_freq_factor = {self.high_freq_factor} must be > "
+                    f"low_freq_factor = {self.low_freq_factor}"
+                )
+            check_range(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                lo=1,
+                integer=True,
+            )
+
+
+def _dtype_name(key: str, value: Any) -> str:
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ConfigError(f"config key 'model.{key}' = {value!r} is not one of {list(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (pre-norm, RoPE, gated MLP, GQA).
+
+    Attributes:
+      family: checkpoint layout, one of ``FAMILIES``.
+      vocab_size, hidden_size (D), num_layers (L), num_heads (H),
+      num_kv_heads (K, divides H), head_dim (Dh), mlp_dim (F).
+      rope_theta: RoPE base of the global (full-attention) layers.
+      rope_scaling: optional :class:`RopeScaling` of the global layers.
+      local_rope_theta: RoPE base of the sliding-window layers (Gemma 3's
+        ``rope_local_base_freq``); None means ``rope_theta``.
+      sliding_window: window W of the sliding layers: a query at position i
+        sees keys at positions j with i - W < j <= i.
+      layer_types: per layer "full_attention" or "sliding_attention"; None
+        means all full.
+      rms_norm_eps: epsilon inside every RMSNorm.
+      qkv_bias, out_bias, mlp_bias: biases on q/k/v, on o, on the MLP.
+      qk_norm: RMSNorm over head_dim on queries and keys before RoPE.
+      norm_plus_one: Gemma's RMSNorm, x * (1 + w), computed in float32.
+      sandwich_norm: extra norms after attention and after the MLP (Gemma).
+      scale_embeddings: embeddings times sqrt(D) in the compute dtype (Gemma).
+      activation: gate activation of the gated MLP (SwiGLU "silu", GeGLU
+        "gelu_tanh").
+      query_pre_attn_scalar: attention scale is query_pre_attn_scalar**-0.5
+        when set, head_dim**-0.5 otherwise.
+      attn_logit_softcap, final_logit_softcap: c * tanh(x / c) on attention
+        scores / on output logits when set.
+      tie_embeddings: the LM head is the transposed embedding table.
+      max_position_embeddings: context length written to exported configs.
+      dtype: compute dtype; param_dtype: storage dtype of the parameters.
+      remat: rematerialise each layer in the backward pass.
+      bos_token_id, eos_token_id (int or tuple of ints), pad_token_id.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    local_rope_theta: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+    remat: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        set_("dtype", _dtype_name("dtype", self.dtype))
+        set_("param_dtype", _dtype_name("param_dtype", self.param_dtype))
+        if self.layer_types is not None:
+            set_("layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, (list, tuple)):
+            set_("eos_token_id", tuple(int(i) for i in self.eos_token_id))
+
+        check_choice("model.family", self.family, FAMILIES)
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            check_range(f"model.{key}", getattr(self, key), lo=1, integer=True)
+        for key in ("head_dim", "mlp_dim", "max_position_embeddings"):
+            check_range(f"model.{key}", getattr(self, key), lo=1, integer=True)
+        if self.head_dim % 2:
+            raise ConfigError(f"config key 'model.head_dim' = {self.head_dim} must be even (RoPE)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"config key 'model.num_kv_heads' = {self.num_kv_heads} must divide "
+                f"model.num_heads = {self.num_heads}"
+            )
+        check_range("model.rope_theta", self.rope_theta, lo=1.0, lo_open=True)
+        if self.local_rope_theta is not None:
+            check_range("model.local_rope_theta", self.local_rope_theta, lo=1.0, lo_open=True)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(
+                f"config key 'model.rope_scaling' = {self.rope_scaling!r} must be a RopeScaling"
+            )
+        check_range("model.rms_norm_eps", self.rms_norm_eps, lo=0.0, lo_open=True)
+        check_choice("model.activation", self.activation, ACTIVATIONS)
+        for key in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, key) is not None:
+                check_range(f"model.{key}", getattr(self, key), lo=0.0, lo_open=True)
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"config key 'model.layer_types' has {len(self.layer_types)} entries, "
+                    f"but model.num_layers = {self.num_layers}"
+                )
+            for i, t in enumerate(self.layer_types):
+                check_choice(f"model.layer_types[{i}]", t, LAYER_TYPES)
+        if self.sliding_window is not None:
+            check_range("model.sliding_window", self.sliding_window, lo=1, integer=True)
+        elif any(self.is_sliding(i) for i in range(self.num_layers)):
+            raise ConfigError(
+                "config key 'model.sliding_window' is None, but model.layer_types has "
+                "'sliding_attention' layers: set the window"
+            )
+        for key in ("bos_token_id", "pad_token_id"):
+            if getattr(self, key) is not None:
+                check_range(f"model.{key}", getattr(self, key), lo=0, integer=True)
+        for i in self.eos_token_ids:
+            check_range("model.eos_token_id", i, lo=0, integer=True)
+
+    # -- derived -----------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id (a config may list several)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, tuple):
+            return self.eos_token_id
+        return (self.eos_token_id,)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for a global layer."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope_base(self, layer: int) -> float:
+        if self.is_sliding(layer) and self.local_rope_theta is not None:
+            return self.local_rope_theta
+        return self.rope_theta
+
+    def layer_rope_scaling(self, layer: int) -> RopeScaling | None:
+        # Gemma 3 scales the global layers only; the local layers keep plain RoPE.
+        if self.is_sliding(layer) and self.family == "gemma3":
+            return None
+        return self.rope_scaling
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameters (the tied LM head counted once)."""
+        D, F, Dh = self.hidden_size, self.mlp_dim, self.head_dim
+        H, K = self.num_heads, self.num_kv_heads
+        attn = D * Dh * (2 * H + 2 * K) + (Dh * (H + 2 * K) if self.qkv_bias else 0)
+        attn += (D if self.out_bias else 0) + (2 * Dh if self.qk_norm else 0)
+        mlp = 3 * D * F + ((2 * F + D) if self.mlp_bias else 0)
+        norms = D * (4 if self.sandwich_norm else 2)
+        head = 0 if self.tie_embeddings else D * self.vocab_size
+        return self.vocab_size * D + self.num_layers * (attn + mlp + norms) + D + head
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
+    "llama": dict(activation="silu", rms_norm_eps=1e-5, rope_theta=500_000.0),
+    "qwen2": dict(activation="silu", qkv_bias=True, rope_theta=1_000_000.0),
+    "qwen3": dict(activation="silu", qk_norm=True, rope_theta=1_000_000.0),
+    "gemma3": dict(
+        activation="gelu_tanh",
+        qk_norm=True,
+        norm_plus_one=True,
+        sandwich_norm=True,
+        scale_embeddings=True,
+        tie_embeddings=True,
+        rope_theta=1_000_000.0,
+        local_rope_theta=10_000.0,
+    ),
+}
+
+
+def family_config(family: str, **fields) -> ModelConfig:
+    """A :class:`ModelConfig` with ``family``'s architecture switches, then ``fields``.
+
+    For ``gemma3`` without explicit ``layer_types``, every sixth layer is
+    global and the rest slide (Gemma 3's 5:1 pattern), with a default window
+    of 512 and query_pre_attn_scalar = head_dim.
+    """
+    check_choice("model.family", family, FAMILIES)
+    merged = {**_FAMILY_SWITCHES[family], **fields}
+    if family == "gemma3":
+        n = merged.get("num_layers", 0)
+        if merged.get("layer_types") is None and isinstance(n, int):
+            merged["layer_types"] = tuple(
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+            )
+        merged.setdefault("sliding_window", 512)
+        merged.setdefault("query_pre_attn_scalar", merged.get("head_dim"))
+    return ModelConfig(family=family, **merged)
+
+
+def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
+    """The built-in CPU default: a Qwen2-style model of about 3M parameters plus embeddings.
+
+    D = 256, 4 layers, 4 query heads of 64 sharing 2 KV heads, SwiGLU width
+    768, tied embeddings, float32. ``overrides`` may change any field,
+    including ``family``.
+    """
+    check_range("model.vocab_size", vocab_size, lo=1, integer=True)
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=768,
+        tie_embeddings=True,
+        max_position_embeddings=2048,
+        rope_theta=10_000.0,
+    )
+    fields.update(overrides)
+    family = fields.pop("family", "qwen2")
+    if family == "gemma3":
+        fields.setdefault("sliding_window", 64)
+    return family_config(family, **fields)

@@ -1,0 +1,278 @@
+"""Building blocks of the decoder: RMSNorm, grouped-query attention, gated MLP, the block.
+
+Shapes: B batch, T query tokens, S key slots (T without a cache, the cache
+length with one), D model width, H query heads, K key/value heads, G = H / K
+query heads per KV head, Dh head width, F MLP width.
+
+Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` at
+use; attention scores and softmax are float32. Each parameter carries its
+logical axes (see ``grpo_jax.models.partitioning``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.partitioning import constrain
+from grpo_jax.models.rope import apply_rope
+
+_MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
+
+
+def param(shape, axes, dtype, init: str = "zeros"):
+    """An ``nnx.Param`` with logical-axis metadata, filled with zeros or ones.
+
+    Weight matrices start as zeros here; the Transformer then draws all of
+    them at once (``randomize_weights``), which compiles far faster than one
+    random-number kernel per matrix.
+    """
+    fill = jnp.ones if init == "ones" else jnp.zeros
+    return nnx.Param(fill(shape, dtype), logical_axes=tuple(axes))
+
+
+WEIGHT_NAMES = (
+    "embed",
+    "lm_head",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> None:
+    """Sets every weight matrix (by name, ``WEIGHT_NAMES``) of ``module`` to normal(0, std).
+
+    One flat normal draw, sliced among the matrices: a single RNG kernel
+    however deep the model (XLA:CPU compiles one threefry per draw, slowly
+    for high-rank shapes).
+    """
+    weights = [
+        node
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Param) and path and path[-1] in WEIGHT_NAMES
+    ]
+    sizes = [math.prod(p.shape) for p in weights]
+    flat = std * jax.random.normal(key, (sum(sizes),))
+    offset = 0
+    for p, size in zip(weights, sizes):
+        p[...] = flat[offset : offset + size].reshape(p.shape).astype(p.dtype)
+        offset += size
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis: x / sqrt(mean(x^2) + eps) * w.
+
+    ``plus_one`` (Gemma): the stored weight is an offset, the scale is (1 + w),
+    and the product is taken in float32 before casting back; otherwise (Llama,
+    Qwen) the normalised x is cast back first, then multiplied by w.
+    """
+
+    def __init__(self, dim: int, cfg: ModelConfig):
+        self.eps = cfg.rms_norm_eps
+        self.plus_one = cfg.norm_plus_one
+        init = "zeros" if cfg.norm_plus_one else "ones"
+        self.scale = param((dim,), ("norm",), cfg.params_dtype, init=init)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional q/k RMSNorm.
+
+        scores = (q k^T) * scale  [c * tanh(scores / c) when soft-capped]
+        out    = softmax(scores masked to the allowed keys) v W_o
+
+    Query head h uses KV head h // G (Hugging Face's ``repeat_kv`` order).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        D, H, K, Dh, pd = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.params_dtype,
+        )
+        self.cfg = cfg
+        self.q_proj = param((D, H, Dh), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = param((D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = param((D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = param((H, Dh, D), ("heads", "head_dim", "embed"), pd)
+        if cfg.qkv_bias:
+            self.q_bias = param((H, Dh), ("heads", "head_dim"), pd, init="zeros")
+            self.k_bias = param((K, Dh), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = param((K, Dh), ("kv_heads", "head_dim"), pd, init="zeros")
+        if cfg.out_bias:
+            self.o_bias = param((D,), ("norm",), pd, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(Dh, cfg)
+            self.k_norm = RMSNorm(Dh, cfg)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        cos_BxTxDh: jax.Array,
+        sin_BxTxDh: jax.Array,
+        allowed_BxTxS: jax.Array,
+        layout: str,
+        kv_cache: dict[str, jax.Array] | None = None,
+        cache_index: jax.Array | None = None,
+        layer: int = 0,
+    ):
+        """Returns (out_BxTxD, updated kv_cache or None).
+
+        Without ``kv_cache`` the keys are this call's T tokens (S = T). With
+        ``kv_cache = {"k", "v"}`` of shape [L, B, S, K, Dh], this call's
+        keys/values are written into slots [cache_index, cache_index + T) of
+        layer ``layer`` and the queries attend over all S slots of that layer.
+        """
+        cfg, dt = self.cfg, x_BxTxD.dtype
+        B, T, _ = x_BxTxD.shape
+        K, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        w = lambda p: p[...].astype(dt)
+
+        q_BxTxHxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.q_proj))
+        k_BxTxKxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.k_proj))
+        v_BxTxKxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.v_proj))
+        if cfg.qkv_bias:
+            q_BxTxHxDh = q_BxTxHxDh + w(self.q_bias)
+            k_BxTxKxDh = k_BxTxKxDh + w(self.k_bias)
+            v_BxTxKxDh = v_BxTxKxDh + w(self.v_bias)
+        if cfg.qk_norm:
+            q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
+            k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
+        q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos_BxTxDh, sin_BxTxDh)
+        k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos_BxTxDh, sin_BxTxDh)
+        q_BxTxHxDh = constrain(q_BxTxHxDh, ("batch", None, "heads", "head_dim"), layout)
+        k_BxTxKxDh = constrain(k_BxTxKxDh, ("batch", None, "kv_heads", "head_dim"), layout)
+        v_BxTxKxDh = constrain(v_BxTxKxDh, ("batch", None, "kv_heads", "head_dim"), layout)
+
+        if kv_cache is None:
+            k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+        else:  # Update the stacked cache in place, then read this layer's slab.
+            zero, index = jnp.int32(0), jnp.asarray(cache_index, jnp.int32)
+            start = (jnp.int32(layer), zero, index, zero, zero)
+            kv_cache = {
+                name: jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                for name, c, new in (
+                    ("k", kv_cache["k"], k_BxTxKxDh),
+                    ("v", kv_cache["v"], v_BxTxKxDh),
+                )
+            }
+            k_BxSxKxDh, v_BxSxKxDh = kv_cache["k"][layer], kv_cache["v"][layer]
+
+        q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh)
+        scores_BxKxGxTxS = jnp.einsum(
+            "btkgh,bskh->bkgts",
+            q_BxTxKxGxDh,
+            k_BxSxKxDh.astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+        scores_BxKxGxTxS = scores_BxKxGxTxS * cfg.attn_scale
+        if cfg.attn_logit_softcap is not None:
+            cap = cfg.attn_logit_softcap
+            scores_BxKxGxTxS = cap * jnp.tanh(scores_BxKxGxTxS / cap)
+        scores_BxKxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
+        probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+        out_BxTxKxGxDh = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
+        out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
+        out_BxTxD = jnp.einsum("bthk,hkd->btd", out_BxTxHxDh, w(self.o_proj))
+        if cfg.out_bias:
+            out_BxTxD = out_BxTxD + w(self.o_bias)
+        return out_BxTxD, kv_cache
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(x W_gate) * (x W_up)); SwiGLU (Shazeer 2020) or GeGLU."""
+
+    def __init__(self, cfg: ModelConfig):
+        D, F, pd = cfg.hidden_size, cfg.mlp_dim, cfg.params_dtype
+        self.cfg = cfg
+        self.gate_proj = param((D, F), ("embed", "mlp"), pd)
+        self.up_proj = param((D, F), ("embed", "mlp"), pd)
+        self.down_proj = param((F, D), ("mlp", "embed"), pd)
+        if cfg.mlp_bias:
+            self.gate_bias = param((F,), ("mlp",), pd, init="zeros")
+            self.up_bias = param((F,), ("mlp",), pd, init="zeros")
+            self.down_bias = param((D,), ("norm",), pd, init="zeros")
+
+    def __call__(self, x_BxTxD: jax.Array, layout: str) -> jax.Array:
+        cfg, dt = self.cfg, x_BxTxD.dtype
+        w = lambda p: p[...].astype(dt)
+        gate_BxTxF = x_BxTxD @ w(self.gate_proj)
+        up_BxTxF = x_BxTxD @ w(self.up_proj)
+        if cfg.mlp_bias:
+            gate_BxTxF, up_BxTxF = gate_BxTxF + w(self.gate_bias), up_BxTxF + w(self.up_bias)
+        if cfg.activation == "silu":
+            gate_BxTxF = jax.nn.silu(gate_BxTxF)
+        else:
+            gate_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=cfg.activation == "gelu_tanh")
+        h_BxTxF = constrain(gate_BxTxF * up_BxTxF, ("batch", None, "mlp"), layout)
+        out_BxTxD = h_BxTxF @ w(self.down_proj)
+        if cfg.mlp_bias:
+            out_BxTxD = out_BxTxD + w(self.down_bias)
+        return out_BxTxD
+
+
+class Block(nnx.Module):
+    """One pre-norm decoder layer; Gemma adds norms after attention and after the MLP.
+
+    h = x + [post_attn_norm](attn(attn_norm(x)))
+    y = h + [post_mlp_norm](mlp(mlp_norm(h)))
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        D = cfg.hidden_size
+        self.attn_norm = RMSNorm(D, cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(D, cfg)
+        self.mlp = MLP(cfg)
+        if cfg.sandwich_norm:
+            self.post_attn_norm = RMSNorm(D, cfg)
+            self.post_mlp_norm = RMSNorm(D, cfg)
+        self.sandwich = cfg.sandwich_norm
+
+    def __call__(
+        self,
+        x_BxTxD,
+        cos_BxTxDh,
+        sin_BxTxDh,
+        allowed_BxTxS,
+        layout,
+        kv_cache=None,
+        cache_index=None,
+        layer=0,
+    ):
+        """Returns (y_BxTxD, updated kv_cache or None); see :meth:`Attention.__call__`."""
+        a_BxTxD, kv_cache = self.attn(
+            self.attn_norm(x_BxTxD),
+            cos_BxTxDh,
+            sin_BxTxDh,
+            allowed_BxTxS,
+            layout,
+            kv_cache,
+            cache_index,
+            layer,
+        )
+        if self.sandwich:
+            a_BxTxD = self.post_attn_norm(a_BxTxD)
+        h_BxTxD = constrain(x_BxTxD + a_BxTxD, ("batch", None, "embed"), layout)
+        m_BxTxD = self.mlp(self.mlp_norm(h_BxTxD), layout)
+        if self.sandwich:
+            m_BxTxD = self.post_mlp_norm(m_BxTxD)
+        y_BxTxD = constrain(h_BxTxD + m_BxTxD, ("batch", None, "embed"), layout)
+        return y_BxTxD, kv_cache

@@ -1,0 +1,90 @@
+"""Logical-axis annotations of the model, and the shardings they give on a mesh.
+
+Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata, one
+name per dimension ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim",
+"norm"); :func:`grpo_jax.sharding.logical_to_spec` maps the names to mesh axes
+under a layout ("dp", "fsdp", "fsdp_tp"). Activations are constrained the same
+way inside the forward pass whenever a mesh with the ("data", "fsdp",
+"tensor") axes is set (``jax.set_mesh``); without one the constraints are
+no-ops and GSPMD propagates the parameters' shardings.
+
+A dimension whose size its mesh axes do not divide (2 KV heads over 4-way
+tensor parallelism, a batch of 1 over 8 data shards) stays replicated instead
+of failing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh_shape) -> P:
+    """``spec`` with every dimension its mesh axes do not divide set to replicated."""
+    out = []
+    for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        ways = math.prod(mesh_shape[a] for a in flat)
+        out.append(axes if flat and shape[i] % ways == 0 else None)
+    return P(*out)
+
+
+def logical_sharding(
+    names: Sequence[str | None], shape: Sequence[int], mesh: Mesh, layout: str = "fsdp"
+) -> NamedSharding:
+    """NamedSharding on ``mesh`` for an array whose dimensions carry logical ``names``."""
+    return NamedSharding(mesh, fit_spec(logical_to_spec(names, layout), shape, mesh.shape))
+
+
+def param_shardings(model_or_state, mesh: Mesh, layout: str = "fsdp"):
+    """NamedShardings for the parameters, matching ``nnx.split(model)[1]``.
+
+    Accepts a model, its (possibly abstract, ``nnx.eval_shape``) state, or any
+    pytree of ``nnx.Param``; returns the same structure with each Param's value
+    replaced by its NamedSharding, usable as ``out_shardings`` of ``jax.jit``
+    and with ``jax.device_put``.
+    """
+    check_layout(layout)
+    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+    def one(v):
+        if not isinstance(v, nnx.Variable):
+            return NamedSharding(mesh, P())
+        names = v.get_metadata().get("logical_axes")
+        return v.replace(logical_sharding(names or (), v.shape, mesh, layout))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def cache_logical_axes() -> tuple[str | None, ...]:
+    """Logical names of the KV-cache arrays ``[L, B, S, Kh, Dh]``."""
+    return (None, "batch", None, "kv_heads", "head_dim")
+
+
+def cache_shardings(cache, mesh: Mesh, layout: str = "fsdp"):
+    """NamedShardings for a KV cache from ``Transformer.init_cache``."""
+    check_layout(layout)
+    return jax.tree.map(
+        lambda x: logical_sharding(cache_logical_axes(), x.shape, mesh, layout), cache
+    )
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], layout: str) -> jax.Array:
+    """Sharding constraint on an activation, when a ("data", "fsdp", "tensor") mesh is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = fit_spec(logical_to_spec(names, layout), x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, spec)
