@@ -363,6 +363,42 @@ def check_budget(est: MemoryEstimate, budget_bytes: int | float) -> None:
     )
 
 
+def plan(
+    model_cfg_like,
+    *,
+    mesh_shape: Mapping[str, int],
+    layout: str,
+    budget_bytes: int | float | None = None,
+    **kwargs,
+) -> MemoryEstimate:
+    """:func:`estimate`, then :func:`check_budget` against a budget.
+
+    The budget is ``budget_bytes`` when given, otherwise what the first local
+    device reports (GPUs and TPUs report a limit; CPUs do not, and then
+    nothing is checked). ``param_bytes`` and ``compute_bytes`` default to the
+    item sizes of the config's ``param_dtype`` and ``dtype`` when it has them,
+    and ``remat`` to its ``remat``.
+    """
+    import numpy as np
+
+    for key, field in (("param_bytes", "param_dtype"), ("compute_bytes", "dtype")):
+        if key not in kwargs and getattr(model_cfg_like, field, None) is not None:
+            kwargs[key] = _itemsize(np, getattr(model_cfg_like, field))
+    if "remat" not in kwargs and isinstance(getattr(model_cfg_like, "remat", None), bool):
+        kwargs["remat"] = model_cfg_like.remat
+    est = estimate(model_cfg_like, mesh_shape=mesh_shape, layout=layout, **kwargs)
+    budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
+    if budget is not None:
+        check_budget(est, budget)
+    return est
+
+
+def _itemsize(np, dtype) -> int:
+    if dtype == "bfloat16":  # numpy has no bfloat16; jax registers it under ml_dtypes.
+        return 2
+    return np.dtype(dtype).itemsize
+
+
 def device_memory_bytes() -> int | None:
     """The first local device's memory limit as the runtime reports it (None on CPU)."""
     import jax

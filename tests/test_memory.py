@@ -235,3 +235,19 @@ def test_matches_the_real_models_shards(family, layout, axes, materialise):
             s.data.nbytes for x in real for s in x.addressable_shards if s.device == device
         )
         assert est.params == on_device
+
+
+def test_plan_reads_dtypes_and_checks_the_budget():
+    from grpo_jax.models import tiny_config
+
+    cfg = tiny_config(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, mlp_dim=48, param_dtype="bfloat16", dtype="bfloat16",
+                      remat=True)  # fmt: skip
+    kw = dict(mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.0, **KW)
+    est = memory.plan(cfg, **kw)  # CPU reports no limit: nothing is checked
+    same = memory.estimate(cfg, param_bytes=2, compute_bytes=2, remat=True, **kw)
+    assert est == same
+    assert est.params == 2 * memory.estimate(cfg, **kw).params // 4
+    with pytest.raises(memory.MemoryBudgetError, match="layout 'fsdp'"):
+        memory.plan(cfg, budget_bytes=1000, **kw)
+    assert memory.device_memory_bytes() is None  # CPU devices report no limit
