@@ -121,19 +121,36 @@ class StepClock:
         return [b - a for a, b in zip(edges[:-1], edges[1:])]
 
 
+def timed(fn, seconds: list[float], block=None):
+    """``fn`` wrapped to append its wall time (after ``block(result)``) to ``seconds``."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if block is not None:
+            block(out)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
 def summarize(
     wl: Workload,
     clock: StepClock,
     *,
     params: int,
     completion_tokens_per_step: list[int],
+    sample_s_per_step: list[float] | None = None,
     extra: dict | None = None,
 ) -> dict:
     """The result record: steady-state throughput over the steps after warm-up.
 
     ``tokens_per_s`` = completion tokens of the timed steps / their wall time;
     ``first_step_s`` (compilation, caches, lazy init) is reported on its own,
-    never mixed into the throughput.
+    never mixed into the throughput. ``sample_s`` is the mean time of the
+    sampling call (generation only) over the timed steps; the rest of a step
+    is rewards, advantages, the update and the framework's glue.
     """
     if len(clock.ticks) != wl.total_steps:
         raise RuntimeError(
@@ -161,8 +178,18 @@ def summarize(
         "step_s_min": min(timed),
         "first_step_s": secs[0],
         "warmup_s": sum(secs[: wl.warmup_steps]),
+        "step_s_median": sorted(timed)[len(timed) // 2],
         "step_s_all": [round(s, 4) for s in secs],
     }
+    if sample_s_per_step:
+        if len(sample_s_per_step) != wl.total_steps:
+            raise RuntimeError(
+                f"{wl.system}: {len(sample_s_per_step)} sampling calls for {wl.total_steps} steps"
+            )
+        sample = sample_s_per_step[wl.warmup_steps :]
+        rec["sample_s"] = sum(sample) / len(sample)
+        rec["rest_s"] = rec["step_s_mean"] - rec["sample_s"]
+        rec["sample_s_all"] = [round(s, 4) for s in sample_s_per_step]
     rec.update(extra or {})
     return rec
 

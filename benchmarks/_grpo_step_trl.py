@@ -109,6 +109,9 @@ def main(path: str) -> None:
         processing_class=tokenizer,
         callbacks=[Clock()],
     )
+    # TRL generates through the model's own generate (no wrapper on one CPU process).
+    sample_s: list[float] = []
+    model.generate = common.timed(model.generate, sample_s)
     trainer.train()
     if len(tokens_per_step) != wl.total_steps:
         raise RuntimeError(
@@ -125,6 +128,7 @@ def main(path: str) -> None:
             clock,
             params=params,
             completion_tokens_per_step=tokens_per_step,
+            sample_s_per_step=sample_s,
             extra={
                 "versions": {"trl": trl.__version__, "torch": torch.__version__},
                 "torch_threads": torch.get_num_threads(),

@@ -81,7 +81,7 @@ def main(path: str) -> None:
             optax.clip_by_global_norm(wl.max_grad_norm),
             optax.adamw(wl.learning_rate, b1=wl.b1, b2=wl.b2, eps=wl.adam_eps, weight_decay=0.0),
         )
-        prompt_len = 32  # grpo_jax's smallest prompt bucket; the prompts are ~16 tokens
+        prompt_len = 16  # as grpo_jax's prompt bucket: the prompts are at most 13 tokens
         roles = {rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.ROLLOUT: mesh}
         if reference is not None:
             roles[rl_cluster_lib.Role.REFERENCE] = mesh
@@ -127,7 +127,9 @@ def main(path: str) -> None:
         )
 
         tokens_per_step: list[int] = []
-        generate = cluster.generate
+        sample_s: list[float] = []
+        # Returns host token lists, so the sampling is finished when it returns.
+        generate = common.timed(cluster.generate, sample_s)
 
         def counting_generate(*args, **kwargs):
             out = generate(*args, **kwargs)
@@ -174,6 +176,7 @@ def main(path: str) -> None:
             clock,
             params=params,
             completion_tokens_per_step=tokens_per_step,
+            sample_s_per_step=sample_s,
             extra={
                 "versions": {"google-tunix": version("google-tunix"), "jax": jax.__version__},
                 "devices": len(devices),
