@@ -16,18 +16,26 @@ from grpo_jax.models.config import (
     family_config,
     tiny_config,
 )
+from grpo_jax.models.hf import from_pretrained, save_pretrained
 from grpo_jax.models.partitioning import cache_shardings, param_shardings
+from grpo_jax.models.safetensors_io import CheckpointError
+from grpo_jax.models.tokenizer import apply_chat_template, load_tokenizer
 from grpo_jax.models.transformer import Transformer, create_model, positions_from_mask
 
 __all__ = [
     "FAMILIES",
+    "CheckpointError",
     "ModelConfig",
     "RopeScaling",
     "Transformer",
+    "apply_chat_template",
     "cache_shardings",
     "create_model",
     "family_config",
+    "from_pretrained",
+    "load_tokenizer",
     "param_shardings",
     "positions_from_mask",
+    "save_pretrained",
     "tiny_config",
 ]

@@ -1,0 +1,459 @@
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`.
+
+config.json files in the wild were written by many transformers versions,
+with different layouts for the same setting; all of these are read:
+
+  * RoPE: ``rope_theta`` at top level, or inside ``rope_parameters`` (5.x) or
+    ``rope_scaling`` (4.x; type under "rope_type" or "type"); Gemma 3's
+    per-layer-type ``rope_parameters = {"full_attention": {...},
+    "sliding_attention": {...}}`` or the older ``rope_theta`` +
+    ``rope_local_base_freq`` + ``rope_scaling`` (global layers only).
+  * Gemma 3's text settings flat at top level (``gemma3_text``) or nested
+    under ``text_config`` (the multimodal ``gemma3``; its vision tower is
+    ignored), where missing keys take transformers' defaults.
+  * Sliding layers from ``layer_types``, or Gemma 3's ``sliding_window_pattern``
+    (every n-th layer global), or Qwen's ``use_sliding_window`` +
+    ``max_window_layers``.
+  * ``dtype`` (5.x) or ``torch_dtype`` (4.x); ``eos_token_id`` int or list;
+    ``head_dim`` explicit or hidden_size / num_attention_heads.
+
+Missing keys take the defaults of transformers' config class for that
+``model_type`` (copied below), so sparse configs read as transformers reads
+them. The writer emits both the 5.x keys and the 4.x ones, so old and new
+loaders (and vLLM) read the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from grpo_jax.config import ConfigError
+from grpo_jax.models.config import ModelConfig, RopeScaling
+from grpo_jax.models.safetensors_io import CheckpointError
+
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+EXPORT_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+# transformers' config-class defaults for the keys read here (LlamaConfig,
+# Qwen2Config, Qwen3Config, Gemma3TextConfig).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        use_sliding_window=False,
+        sliding_window=4096,
+        max_window_layers=28,
+    ),
+    "gemma3": dict(
+        vocab_size=262_208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131_072,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+    ),
+}
+_DEFAULTS["qwen3"] = {**_DEFAULTS["qwen2"], "head_dim": 128, "attention_bias": False}
+
+# Keys whose explicit null differs from the default (no soft-capping, no pad token).
+_NULLABLE = (
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
+_GEMMA3_TOP_LEVEL = (
+    "tie_word_embeddings",
+    "dtype",
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+def read_config_json(path: str | pathlib.Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory, with clear errors."""
+    directory = pathlib.Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    file = directory / "config.json"
+    if not file.exists():
+        raise CheckpointError(
+            f"{file}: not found (a Hugging Face checkpoint directory has a config.json)"
+        )
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def _text_settings(hf: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+    """(family, flat text-model settings with defaults filled in)."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{source}: unsupported model_type {model_type!r}; supported model types are "
+            f"{sorted(MODEL_TYPES)}"
+        )
+    family = MODEL_TYPES[model_type]
+    if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
+        text = dict(hf["text_config"])
+        for key in _GEMMA3_TOP_LEVEL:  # Multimodal configs keep these beside text_config.
+            if key in hf and key not in text:
+                text[key] = hf[key]
+    else:
+        text = dict(hf)
+    settings = {
+        **_DEFAULTS[family],
+        **{k: v for k, v in text.items() if v is not None or k in _NULLABLE},
+    }
+    return family, settings
+
+
+def _rope_scaling(params: dict[str, Any] | None, source: str, what: str) -> RopeScaling | None:
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(params["factor"]))
+    if kind == "llama3":
+        try:
+            return RopeScaling(
+                "llama3",
+                float(params["factor"]),
+                float(params["low_freq_factor"]),
+                float(params["high_freq_factor"]),
+                int(params["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise CheckpointError(
+                f"{source}: {what} of rope_type 'llama3' lacks {e.args[0]!r}"
+            ) from e
+    raise CheckpointError(
+        f"{source}: unsupported rope_type {kind!r} in {what}; supported: default, linear, llama3"
+    )
+
+
+def _is_nested(rope: dict[str, Any]) -> bool:
+    return any(k in rope for k in ("full_attention", "sliding_attention"))
+
+
+def _rope(family: str, s: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling, local_rope_theta from any of the layouts."""
+    rope = s.get("rope_parameters") or {}
+    legacy = s.get("rope_scaling") or {}
+    if family != "gemma3":
+        if _is_nested(rope):
+            rope = rope.get("full_attention") or {}
+        params = {**rope, **legacy}  # transformers gives a legacy rope_scaling priority.
+        theta = params.get("rope_theta", s["rope_theta"])
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor != 1 is not supported")
+        return dict(
+            rope_theta=float(theta), rope_scaling=_rope_scaling(params, source, "rope parameters")
+        )
+    if _is_nested(rope):
+        full = {**(rope.get("full_attention") or {}), **legacy}
+        local = rope.get("sliding_attention") or {}
+    else:  # 4.x: one dict (if any) for the global layers, the local base beside it.
+        full, local = {**rope, **legacy}, {}
+    if _rope_scaling(local, source, "rope_parameters.sliding_attention") is not None:
+        raise CheckpointError(f"{source}: RoPE scaling on the sliding layers is not supported")
+    return dict(
+        rope_theta=float(full.get("rope_theta", s["rope_theta"])),
+        rope_scaling=_rope_scaling(full, source, "rope parameters of the full-attention layers"),
+        local_rope_theta=float(local.get("rope_theta", s["rope_local_base_freq"])),
+    )
+
+
+def _layer_types(family: str, s: dict[str, Any], n: int, source: str) -> dict[str, Any]:
+    if family == "gemma3":
+        if s.get("use_bidirectional_attention"):
+            raise CheckpointError(f"{source}: use_bidirectional_attention is not supported")
+        types = s.get("layer_types")
+        if types is None:
+            pattern = int(s.get("sliding_window_pattern", s.get("_sliding_window_pattern", 6)))
+            types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+            ]
+        return dict(layer_types=tuple(types), sliding_window=s["sliding_window"])
+    if family in ("qwen2", "qwen3"):
+        if not s.get("use_sliding_window"):  # transformers drops the window when it is off.
+            return dict(layer_types=None, sliding_window=None)
+        types = s.get("layer_types") or [
+            "sliding_attention" if i >= s["max_window_layers"] else "full_attention"
+            for i in range(n)
+        ]
+        return dict(layer_types=tuple(types), sliding_window=s["sliding_window"])
+    if s.get("layer_types") and any(t != "full_attention" for t in s["layer_types"]):
+        raise CheckpointError(f"{source}: llama layer_types {s['layer_types']} are not supported")
+    return dict(layer_types=None, sliding_window=None)
+
+
+def checkpoint_dtype(hf: dict[str, Any]) -> str | None:
+    """The weights' dtype recorded in the config ("dtype" or legacy "torch_dtype")."""
+    for src in (hf, hf.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(src.get(key), str):
+                return src[key].removeprefix("torch.")
+    return None
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **fields) -> ModelConfig:
+    """The :class:`ModelConfig` of a parsed config.json; ``fields`` (dtype, remat, ...) override."""
+    family, s = _text_settings(hf, source)
+    try:
+        H = int(s["num_attention_heads"])
+        K = s.get("num_key_value_heads") or H
+        act = s.get("hidden_activation") or s.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise CheckpointError(
+                f"{source}: unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}"
+            )
+        attention_bias = bool(s.get("attention_bias", False))
+        kwargs = dict(
+            family=family,
+            vocab_size=s["vocab_size"],
+            hidden_size=s["hidden_size"],
+            num_layers=s["num_hidden_layers"],
+            num_heads=H,
+            num_kv_heads=K,
+            head_dim=s.get("head_dim") or s["hidden_size"] // H,
+            mlp_dim=s["intermediate_size"],
+            rms_norm_eps=float(s["rms_norm_eps"]),
+            activation=ACTIVATIONS[act],
+            tie_embeddings=bool(s["tie_word_embeddings"]),
+            max_position_embeddings=s["max_position_embeddings"],
+            bos_token_id=s.get("bos_token_id"),
+            eos_token_id=s.get("eos_token_id"),
+            pad_token_id=s.get("pad_token_id"),
+            **_rope(family, s, source),
+            **_layer_types(family, s, s["num_hidden_layers"], source),
+        )
+        if family == "llama":
+            kwargs.update(
+                qkv_bias=attention_bias, out_bias=attention_bias, mlp_bias=bool(s.get("mlp_bias"))
+            )
+        elif family == "qwen2":
+            kwargs.update(qkv_bias=True)
+        elif family == "qwen3":
+            kwargs.update(qkv_bias=attention_bias, out_bias=attention_bias, qk_norm=True)
+        else:
+            kwargs.update(
+                qkv_bias=attention_bias,
+                out_bias=attention_bias,
+                qk_norm=True,
+                norm_plus_one=True,
+                sandwich_norm=True,
+                scale_embeddings=True,
+                query_pre_attn_scalar=float(s["query_pre_attn_scalar"]),
+                attn_logit_softcap=s.get("attn_logit_softcapping"),
+                final_logit_softcap=s.get("final_logit_softcapping"),
+            )
+        kwargs.update(fields)
+        return ModelConfig(**kwargs)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{source}: malformed value ({e})") from e
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raises unless ``cfg``'s switches are what its family's checkpoint format can express."""
+    want: dict[str, Any] = {
+        "llama": dict(
+            qk_norm=False, norm_plus_one=False, sandwich_norm=False, scale_embeddings=False
+        ),
+        "qwen2": dict(
+            qkv_bias=True,
+            out_bias=False,
+            mlp_bias=False,
+            qk_norm=False,
+            norm_plus_one=False,
+            sandwich_norm=False,
+            scale_embeddings=False,
+        ),
+        "qwen3": dict(
+            qk_norm=True,
+            mlp_bias=False,
+            norm_plus_one=False,
+            sandwich_norm=False,
+            scale_embeddings=False,
+        ),
+        "gemma3": dict(
+            qk_norm=True,
+            mlp_bias=False,
+            norm_plus_one=True,
+            sandwich_norm=True,
+            scale_embeddings=True,
+        ),
+    }[cfg.family]
+    if cfg.family != "qwen2":
+        want["out_bias"] = cfg.qkv_bias  # One attention_bias switch covers q, k, v and o.
+    bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
+    if cfg.family == "llama" and cfg.layer_types and "sliding_attention" in cfg.layer_types:
+        bad["layer_types"] = cfg.layer_types
+    if cfg.family != "gemma3" and cfg.local_rope_theta not in (None, cfg.rope_theta):
+        bad["local_rope_theta"] = cfg.local_rope_theta
+    if bad:
+        raise CheckpointError(
+            f"a ModelConfig with family={cfg.family!r} and {bad} cannot be written as a "
+            f"{cfg.family} checkpoint (expected {want})"
+        )
+
+
+def _int_if_integral(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x  # transformers' strict configs want an int.
+
+
+def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None:
+        d.update(rope_type=scaling.kind, factor=scaling.factor)
+        if scaling.kind == "llama3":
+            d.update(
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+            )
+    return d
+
+
+def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
+    """A config.json dict that transformers (4.x and 5.x) and vLLM load as ``cfg``."""
+    check_exportable(cfg)
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    hf: dict[str, Any] = dict(
+        architectures=[ARCHITECTURES[cfg.family]],
+        model_type=EXPORT_MODEL_TYPES[cfg.family],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.mlp_dim,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=cfg.pad_token_id,
+        dtype=dtype,
+        torch_dtype=dtype,
+        rope_theta=cfg.rope_theta,
+        use_cache=True,
+    )
+    act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.activation]
+    global_rope = _rope_dict(cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = global_rope
+    if cfg.family == "gemma3":
+        types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
+        local_theta = cfg.local_rope_theta or cfg.rope_theta
+        hf.update(
+            hidden_activation=act,
+            attention_bias=cfg.qkv_bias,
+            query_pre_attn_scalar=_int_if_integral(cfg.query_pre_attn_scalar or cfg.head_dim),
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            sliding_window=cfg.sliding_window or cfg.max_position_embeddings,
+            layer_types=types,
+            rope_local_base_freq=local_theta,
+            rope_parameters={
+                "full_attention": global_rope,
+                "sliding_attention": _rope_dict(local_theta, None),
+            },
+        )
+        pattern = types.index("full_attention") + 1 if "full_attention" in types else 0
+        if pattern and types == [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(cfg.num_layers)
+        ]:
+            hf["sliding_window_pattern"] = pattern  # For loaders older than layer_types.
+        return hf
+    hf.update(hidden_act=act, rope_parameters=global_rope)
+    if cfg.family == "llama":
+        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    else:
+        if cfg.family == "qwen3":
+            hf["attention_bias"] = cfg.qkv_bias
+        sliding = [i for i in range(cfg.num_layers) if cfg.is_sliding(i)]
+        hf.update(
+            use_sliding_window=bool(sliding),
+            sliding_window=cfg.sliding_window if sliding else None,
+            max_window_layers=sliding[0] if sliding else cfg.num_layers,
+        )
+        if sliding:
+            hf["layer_types"] = list(cfg.layer_types)
+    return hf

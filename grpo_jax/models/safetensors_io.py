@@ -1,0 +1,206 @@
+"""Reading and writing safetensors checkpoints tensor by tensor, without torch.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian
+header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {...}}``, then the raw little-endian tensor
+bytes, offsets counted from the end of the header.
+
+Reading memory-maps each file, so a tensor is a lazy numpy view: the loader
+slices out each device's shard and copies only that (bfloat16 through
+``ml_dtypes``). Writing streams one tensor at a time, splitting into
+``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``
+when the total exceeds ``max_shard_bytes``, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+from collections.abc import Callable, Iterable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file is missing, malformed or does not fit the model."""
+
+
+def _read_header(file: pathlib.Path) -> tuple[dict, int]:
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{file}: not a safetensors file (shorter than its header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise CheckpointError(f"{file}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: not a safetensors file ({e})") from e
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class SafetensorsFile:
+    """One memory-mapped safetensors file; ``file[name]`` is a lazy numpy view."""
+
+    def __init__(self, file: str | os.PathLike):
+        self.path = pathlib.Path(file)
+        self.header, self._data_start = _read_header(self.path)
+        self._mmap = None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> np.dtype:
+        code = self.header[name]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+        return _DTYPES[code]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = self.header[name]["data_offsets"]
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        return raw.view(self.dtype(name)).reshape(self.shape(name))
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a checkpoint directory: one ``model.safetensors`` or an index plus shards."""
+
+    def __init__(self, directory: str | os.PathLike):
+        directory = pathlib.Path(directory)
+        index = directory / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
+            files = {f: None for f in weight_map.values()}
+        else:
+            files = {f.name: None for f in sorted(directory.glob("*.safetensors"))}
+            if not files:
+                raise CheckpointError(
+                    f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file found"
+                )
+        for name in files:
+            if not (directory / name).exists():
+                raise CheckpointError(f"{directory / name}: listed in {INDEX_FILE} but missing")
+            files[name] = SafetensorsFile(directory / name)
+        self.files = files
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in files.values():
+            for k in f.keys():
+                self.where[k] = f
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].shape(name)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.where[name][name]
+
+    def file_of(self, name: str) -> pathlib.Path:
+        return self.where[name].path
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+    produce: Callable[[str], np.ndarray],
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    metadata: Mapping[str, str] | None = None,
+) -> list[pathlib.Path]:
+    """Writes tensors as one or more safetensors files, one tensor in memory at a time.
+
+    ``tensors`` lists (name, shape, dtype) in writing order; ``produce(name)``
+    returns that tensor's numpy array when its turn comes. Returns the files
+    written.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    specs = [(n, tuple(int(d) for d in s), np.dtype(dt)) for n, s, dt in tensors]
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[1], dtype=np.int64)) * spec[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for stale in [
+        directory / SINGLE_FILE,
+        directory / INDEX_FILE,
+        *directory.glob("model-*-of-*.safetensors"),
+    ]:
+        stale.unlink(missing_ok=True)  # A save replaces any earlier checkpoint in the directory.
+    weight_map, total = {}, 0
+    for file_name, shard in zip(names, shards):
+        header, offset = {}, 0
+        for name, shape, dtype in shard:
+            if dtype not in _NAMES:
+                raise CheckpointError(f"tensor {name!r}: dtype {dtype} cannot be saved")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[name] = {
+                "dtype": _NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            weight_map[name] = file_name
+        total += offset
+        header["__metadata__"] = {"format": "pt", **(metadata or {})}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # Aligns the data to 8 bytes, as the reference writer does.
+        tmp = directory / (file_name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, shape, dtype in shard:
+                array = np.ascontiguousarray(produce(name), dtype=dtype)
+                if array.shape != shape:
+                    raise CheckpointError(
+                        f"tensor {name!r}: produced shape {array.shape}, declared {shape}"
+                    )
+                f.write(array.tobytes())
+        os.replace(tmp, directory / file_name)  # A crash mid-write never leaves a half file.
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [directory / n for n in names]
