@@ -300,11 +300,24 @@ def _write(state: DecodeState, tokens_N, logps_N, cfg: SamplingConfig) -> Decode
     )
 
 
-def _repeat_rows(x, g: int):
-    # [B, ...] -> [B*G, ...] with each row repeated G times contiguously; a
-    # reshape of a broadcast, so rows stay on the shard of their prompt.
-    return jnp.broadcast_to(x[:, None], (x.shape[0], g, *x.shape[1:])).reshape(
-        x.shape[0] * g, *x.shape[1:]
+def _repeat_rows(x, g: int, axis: int = 0):
+    # [..., B, ...] -> [..., B*G, ...], each row repeated G times contiguously;
+    # a reshape of a broadcast, so rows stay on the shard of their prompt.
+    if g == 1:
+        return x
+    shape = x.shape
+    x = jnp.expand_dims(x, axis + 1)
+    x = jnp.broadcast_to(x, (*shape[: axis + 1], g, *shape[axis + 1 :]))
+    return x.reshape(*shape[:axis], shape[axis] * g, *shape[axis + 1 :])
+
+
+def _cache_batch_axes(model, s: int):
+    """The batch axis of each cache leaf: where init_cache(1, S) and (2, S) differ."""
+    one, two = (jax.eval_shape(lambda b=b: model.init_cache(b, s)) for b in (1, 2))
+    return jax.tree.map(
+        lambda a, b: next(i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y),
+        one,
+        two,
     )
 
 
@@ -319,36 +332,51 @@ def _prefill(
     num_samples: int,
     mesh: Mesh | None,
 ):
-    """Runs the prompt through the model once, fills the cache, draws token 0."""
+    """Runs each prompt through the model once, fills the cache, draws token 0.
+
+    The forward pass sees the B distinct prompts only; its cache and last
+    logits are then repeated G times, so prefill costs B rows, not B*G.
+    """
     model = nnx.merge(graphdef, params)
-    tokens_NxP = _repeat_rows(prompt_tokens_BxP.astype(jnp.int32), num_samples)
-    mask_NxP = _repeat_rows(prompt_mask_BxP.astype(jnp.bool_), num_samples)
-    if mesh is not None:
-        rows = sharding_lib.batch_sharding(mesh, 2)
-        tokens_NxP = jax.lax.with_sharding_constraint(tokens_NxP, rows)
-        mask_NxP = jax.lax.with_sharding_constraint(mask_NxP, rows)
-    n, p = tokens_NxP.shape
-    t = cfg.max_new_tokens
+    g = num_samples
+    tokens_BxP = prompt_tokens_BxP.astype(jnp.int32)
+    mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+    b, p = tokens_BxP.shape
+    n, t = b * g, cfg.max_new_tokens
     s = p + t
     # Positions count real tokens only, so a left-padded prompt sees the same
     # rotary phases as an unpadded one; pads get 0 (they are masked anyway).
-    positions_NxP = jnp.maximum(jnp.cumsum(mask_NxP, axis=1, dtype=jnp.int32) - 1, 0)
-    kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.zeros((n, t), jnp.bool_)], axis=1)
-    cache = model.init_cache(n, s)
+    positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP, axis=1, dtype=jnp.int32) - 1, 0)
+    kv_mask_BxS = jnp.concatenate([mask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
+    constrain_cache = lambda c: c
     if mesh is not None:
         # Rows of the cache live with their rows of the batch (KV heads split
         # too under tensor parallelism); the loop then never moves them.
         from grpo_jax.models.partitioning import cache_shardings  # [L, N, S, K, Dh] layout.
 
         layout = getattr(model, "layout", "fsdp")
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, layout))
-    logits_NxPxV, cache = model.forward_with_cache(
-        tokens_NxP,
-        positions_BxT=positions_NxP,
-        kv_mask_BxS=kv_mask_NxS,
-        cache=cache,
+        constrain_cache = lambda c: jax.lax.with_sharding_constraint(
+            c, cache_shardings(c, mesh, layout)
+        )
+    logits_BxPxV, cache = model.forward_with_cache(
+        tokens_BxP,
+        positions_BxT=positions_BxP,
+        kv_mask_BxS=kv_mask_BxS,
+        cache=constrain_cache(model.init_cache(b, s)),
         cache_index=jnp.zeros((), jnp.int32),
     )
+    # Left padding puts every row's last prompt token in column P-1.
+    last_NxV = _repeat_rows(logits_BxPxV[:, -1], g)
+    if g > 1:
+        axes = _cache_batch_axes(model, s)
+        cache = jax.tree.map(lambda c, ax: _repeat_rows(c, g, axis=ax), cache, axes)
+    cache = constrain_cache(cache)
+    rows = lambda x: x
+    if mesh is not None:
+        rows = lambda x: jax.lax.with_sharding_constraint(
+            x, sharding_lib.batch_sharding(mesh, x.ndim)
+        )
+    tokens_NxP, mask_NxP = rows(_repeat_rows(tokens_BxP, g)), rows(_repeat_rows(mask_BxP, g))
     key, sub = jax.random.split(key)
     state = DecodeState(
         step=jnp.zeros((), jnp.int32),
@@ -358,12 +386,11 @@ def _prefill(
         logps_NxT=jnp.zeros((n, t), jnp.float32),
         lengths_N=jnp.zeros((n,), jnp.int32),
         done_N=jnp.zeros((n,), jnp.bool_),
-        kv_mask_NxS=kv_mask_NxS,
+        kv_mask_NxS=rows(_repeat_rows(kv_mask_BxS, g)),
         cache=cache,
         key_data=jax.random.key_data(key),
     )
-    # Left padding puts every row's last prompt token in column P-1.
-    tokens_N, logps_N = _draw(logits_NxPxV[:, -1], sub, cfg)
+    tokens_N, logps_N = _draw(rows(last_NxV), sub, cfg)
     return tokens_NxP, mask_NxP, _write(state, tokens_N, logps_N, cfg)
 
 
