@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +174,8 @@ def main(path: str) -> None:
     clock = common.StepClock()
     clock.start()
     workdir = work / "run"
+    # A workdir with a checkpoint would resume; every benchmark run starts fresh.
+    shutil.rmtree(workdir, ignore_errors=True)
     train_lib.train(config, workdir, step_callback=lambda step: clock.tick(), stream=io.StringIO())
 
     records = [json.loads(ln) for ln in open(workdir / "metrics.jsonl")]
