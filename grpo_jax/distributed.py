@@ -283,6 +283,54 @@ def global_batch(host_tree, mesh, num_rows: int):
     return jax.tree.map(one, host_tree)
 
 
+def put(tree, shardings):
+    """``jax.device_put`` that also works when the shardings span several hosts.
+
+    Every process must pass the same full (global) values, as numpy arrays,
+    Python scalars, local jax arrays or PRNG keys; each process places only
+    the pieces its own devices hold (``jax.make_array_from_callback``). With
+    one process this is plain ``jax.device_put``. ``shardings`` is one
+    sharding for every leaf or a matching pytree of them.
+    """
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == sharding else jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = one(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+
+def fetch(tree):
+    """``jax.device_get`` of global arrays: every process gets the full numpy values.
+
+    Arrays split over several hosts are gathered (``process_allgather``);
+    replicated or local arrays are read directly. Collective when some leaf
+    spans hosts: every process must call it with the same structure.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
 def host_shard(examples_count: int) -> tuple[int, int]:
     """(process_index, process_count): this host's shard of a dataset of ``examples_count``.
 

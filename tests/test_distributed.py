@@ -41,7 +41,6 @@ def train_linear_policy(mesh):
     """
     import jax
     import optax
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -51,8 +50,7 @@ def train_linear_policy(mesh):
     rows = distributed.host_rows(mesh, N)
     batch = distributed.global_batch({k: v[rows] for k, v in batch_np.items()}, mesh, N)
     w_sharding = NamedSharding(mesh, P("fsdp", None))
-    w = jax.device_put(w0, w_sharding)
-    w_ref = jax.device_put(w0, w_sharding)
+    w, w_ref = distributed.put((w0, w0), w_sharding)
     tx = optax.adamw(0.05)
     opt_state = jax.jit(tx.init)(w)
 
@@ -77,13 +75,12 @@ def train_linear_policy(mesh):
         updates, opt_state = tx.update(grad, opt_state, w)
         return optax.apply_updates(w, updates), opt_state, loss, grad
 
-    gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
     losses_, first_grad = [], None
     for _ in range(STEPS):
         w, opt_state, loss, grad = step(w, opt_state, w_ref, batch)
         losses_.append(float(loss))
-        first_grad = gather(grad) if first_grad is None else first_grad
-    return np.asarray(losses_), first_grad, gather(w)
+        first_grad = distributed.fetch(grad) if first_grad is None else first_grad
+    return np.asarray(losses_), first_grad, distributed.fetch(w)
 
 
 def _worker(out_dir: str) -> None:
@@ -214,6 +211,26 @@ def test_single_process_helpers(clean_env):
     g = distributed.global_batch({"x": x}, mesh, 8)["x"]
     assert g.shape == (8, 2) and g.sharding.spec[0] == ("data", "fsdp")
     np.testing.assert_array_equal(np.asarray(g), x)
+
+
+def test_put_and_fetch_in_one_process():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from grpo_jax.sharding import make_mesh
+
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    key = jax.random.key(3)
+    placed = distributed.put({"x": x, "key": key}, NamedSharding(mesh, P()))
+    assert placed["x"].sharding == NamedSharding(mesh, P())
+    assert jax.random.key_impl(placed["key"]) == jax.random.key_impl(key)
+    rows = distributed.put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+    assert rows.sharding.spec == P(("data", "fsdp"))
+    out = distributed.fetch({"rows": rows, "n": 3})
+    assert isinstance(out["rows"], np.ndarray)
+    np.testing.assert_array_equal(out["rows"], x)
+    assert out["n"] == 3
 
 
 def test_initialize_after_jax_started_is_a_clear_error(clean_env):
