@@ -248,6 +248,18 @@ def test_cache_is_in_the_compute_dtype():
     assert logits.dtype == jnp.float32
 
 
+def test_mixed_precision_float32_params_bfloat16_compute():
+    cfg = small_config("qwen3")
+    model = random_model(cfg)
+    graphdef, params = nnx.split(model)
+    mixed = nnx.merge(nnx.split(create_model(cfg.replace(dtype="bfloat16")))[0], params)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    exact, approx = jitted(model)(tokens), jitted(mixed)(tokens)
+    assert mixed.layers[0].attn.q_proj[...].dtype == jnp.float32
+    assert approx.dtype == jnp.float32
+    assert 1e-4 < np.abs(exact - approx).max() < 0.05
+
+
 # ---------------------------------------------------------------------------
 # Rematerialisation.
 

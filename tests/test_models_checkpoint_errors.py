@@ -362,3 +362,11 @@ def test_save_replaces_an_earlier_checkpoint(tmp_path):
     again = from_pretrained(tmp_path / "out")
     np.testing.assert_array_equal(again.embed[...], model.embed[...])
     assert again.embed[...].dtype == jnp.float32
+
+
+def test_save_refuses_soft_capping_transformers_would_drop(tmp_path):
+    cfg = tiny_config(64, family="gemma3", hidden_size=32, num_layers=2, head_dim=8, mlp_dim=32)
+    with pytest.raises(CheckpointError, match=r"\{'attn_logit_softcap': 50.0\} cannot be written"):
+        save_pretrained(create_model(cfg.replace(attn_logit_softcap=50.0)), tmp_path / "a")
+    with pytest.raises(CheckpointError, match=r"\{'final_logit_softcap': 30.0\} cannot be written"):
+        save_pretrained(create_model(tiny_config(64, final_logit_softcap=30.0)), tmp_path / "b")

@@ -208,3 +208,19 @@ def test_tokenizer_errors(tmp_path, checkpoints):
     tok.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_gemma3_attention_softcapping_is_ignored_as_transformers_does(tmp_path, caplog):
+    """transformers' Gemma3 never applies attn_logit_softcapping; matching its logits means
+    ignoring it too (with a warning). A cap of 0.5 would change the logits if applied."""
+    path = make_tiny_hf_checkpoint(
+        tmp_path / "g", "gemma3", tokenizer=False, attn_logit_softcapping=0.5
+    )
+    with caplog.at_level("WARNING"):
+        model = from_pretrained(path)
+    assert "attn_logit_softcapping=0.5 is ignored" in caplog.text
+    assert model.config.attn_logit_softcap is None
+    tokens = random_tokens((2, 9))
+    np.testing.assert_allclose(
+        logits_of(model, tokens), hf_logits(load_hf_model(path), tokens), atol=F32_ATOL
+    )

@@ -26,12 +26,15 @@ loaders (and vLLM) read the same model.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
 from grpo_jax.config import ConfigError
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.safetensors_io import CheckpointError
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPES = {
     "llama": "llama",
@@ -315,8 +318,16 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **fields)
                 sandwich_norm=True,
                 scale_embeddings=True,
                 query_pre_attn_scalar=float(s["query_pre_attn_scalar"]),
-                attn_logit_softcap=s.get("attn_logit_softcapping"),
+                # transformers' Gemma3 attention never applies attn_logit_softcapping
+                # (Gemma 2's did); matching its logits means ignoring it too.
+                attn_logit_softcap=None,
                 final_logit_softcap=s.get("final_logit_softcapping"),
+            )
+        if family == "gemma3" and s.get("attn_logit_softcapping") is not None:
+            log.warning(
+                "%s: attn_logit_softcapping=%s is ignored, as transformers' Gemma3 ignores it",
+                source,
+                s["attn_logit_softcapping"],
             )
         kwargs.update(fields)
         return ModelConfig(**kwargs)
@@ -360,6 +371,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     }[cfg.family]
     if cfg.family != "qwen2":
         want["out_bias"] = cfg.qkv_bias  # One attention_bias switch covers q, k, v and o.
+    want["attn_logit_softcap"] = None  # No family's transformers code applies it.
+    if cfg.family != "gemma3":
+        want["final_logit_softcap"] = None
     bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
     if cfg.family == "llama" and cfg.layer_types and "sliding_attention" in cfg.layer_types:
         bad["layer_types"] = cfg.layer_types
@@ -425,7 +439,7 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
             hidden_activation=act,
             attention_bias=cfg.qkv_bias,
             query_pre_attn_scalar=_int_if_integral(cfg.query_pre_attn_scalar or cfg.head_dim),
-            attn_logit_softcapping=cfg.attn_logit_softcap,
+            attn_logit_softcapping=None,
             final_logit_softcapping=cfg.final_logit_softcap,
             sliding_window=cfg.sliding_window or cfg.max_position_embeddings,
             layer_types=types,
