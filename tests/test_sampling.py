@@ -298,6 +298,22 @@ def test_all_rows_done_at_first_token():
     assert not np.asarray(out.truncated).any()
 
 
+@pytest.mark.parametrize("stop_column", [0, 2])
+def test_loop_exits_when_every_row_is_done(stop_column):
+    # EOS ids = the greedy tokens of one column: every row ends by then, so
+    # the loop must stop at the longest row instead of running to T.
+    _, graphdef, params, cfg, toks, mask = _setup(greedy=True)
+    key = jax.random.key(0)
+    greedy = sampling.generate(graphdef, params, toks, mask, key, cfg).tokens
+    eos = tuple(sorted(set(np.asarray(greedy[:, stop_column]).tolist())))
+    cfg = SamplingConfig(max_new_tokens=7, greedy=True, eos_ids=eos, prompt_buckets=(4, 8))
+    prefill, decode = sampling._compiled(graphdef, cfg, 1, None, jax.random.key_impl(key))
+    _, _, state = prefill(params, toks, mask, key)
+    state, _, truncated = decode(params, state)
+    assert int(state.step) == int(state.lengths_N.max()) <= stop_column + 1
+    assert not np.asarray(truncated).any()
+
+
 def test_groups_keys_and_determinism():
     _, graphdef, params, cfg, toks, mask = _setup()
     g = 4
