@@ -370,3 +370,24 @@ def test_save_refuses_soft_capping_transformers_would_drop(tmp_path):
         save_pretrained(create_model(cfg.replace(attn_logit_softcap=50.0)), tmp_path / "a")
     with pytest.raises(CheckpointError, match=r"\{'final_logit_softcap': 30.0\} cannot be written"):
         save_pretrained(create_model(tiny_config(64, final_logit_softcap=30.0)), tmp_path / "b")
+
+
+def test_generation_config_adds_end_of_turn_ids(checkpoints, tmp_path):
+    path = copy(checkpoints["llama"], tmp_path / "instruct")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert from_pretrained(path).config.eos_token_ids == (2, 7, 9)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert from_pretrained(path).config.eos_token_ids == (2, 5)
+    (path / "generation_config.json").unlink()
+    assert from_pretrained(path).config.eos_token_ids == (2,)
+    (path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="generation_config.json: not a JSON object"):
+        from_pretrained(path)
+
+
+def test_stray_safetensors_beside_model_safetensors_are_ignored(checkpoints, tmp_path):
+    path = copy(checkpoints["llama"], tmp_path / "adapter")
+    save_file(
+        {"model.layers.0.extra.weight": np.zeros(3, np.float32)}, path / "adapter.safetensors"
+    )
+    from_pretrained(path)  # No "unused tensor" error: only model.safetensors is read.

@@ -30,6 +30,7 @@ from grpo_jax.models.hf_config import (
     checkpoint_dtype,
     config_from_hf,
     config_to_hf,
+    generation_eos_ids,
     read_config_json,
 )
 from grpo_jax.models.hf_weights import IGNORED_SUFFIXES, LM_HEADS, PREFIXES, weight_table
@@ -89,6 +90,9 @@ def from_pretrained(
         over ``mesh`` (default: the first device, unsharded).
       remat: rematerialise each layer in the backward pass.
 
+    The end-of-sequence ids are config.json's plus any more that
+    generation_config.json lists (instruct models' end-of-turn tokens).
+
     Raises CheckpointError naming the file and the problem: no directory or
     config.json, unsupported model_type or RoPE type, a missing tensor, a
     shape mismatch, or unused text-model tensors.
@@ -103,6 +107,11 @@ def from_pretrained(
         param_dtype=param_dtype if param_dtype is not None else dtype,
         remat=remat,
     )
+    eos = cfg.eos_token_ids + tuple(
+        i for i in generation_eos_ids(directory) if i not in cfg.eos_token_ids
+    )
+    if eos != cfg.eos_token_ids:
+        cfg = cfg.replace(eos_token_id=eos)
     ckpt = SafetensorsCheckpoint(directory)
     prefix, lm_head = _find_prefix(ckpt, directory)
     table = weight_table(cfg, prefix, lm_head)

@@ -156,6 +156,24 @@ def read_config_json(path: str | pathlib.Path) -> dict[str, Any]:
     return hf
 
 
+def generation_eos_ids(directory: str | pathlib.Path) -> tuple[int, ...]:
+    """End-of-sequence ids of generation_config.json, if any.
+
+    Instruct checkpoints often list their end-of-turn token there only
+    (Llama 3's <|eot_id|>, Qwen's <|im_end|>), and a sampler must stop on it.
+    """
+    file = pathlib.Path(directory) / "generation_config.json"
+    if not file.exists():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: not a JSON object ({e})") from e
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+
+
 def _text_settings(hf: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
     """(family, flat text-model settings with defaults filled in)."""
     model_type = hf.get("model_type")

@@ -101,6 +101,8 @@ class SafetensorsCheckpoint:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from e
             files = {f: None for f in weight_map.values()}
+        elif (directory / SINGLE_FILE).exists():  # Other *.safetensors (adapters...) are not ours.
+            files = {SINGLE_FILE: None}
         else:
             files = {f.name: None for f in sorted(directory.glob("*.safetensors"))}
             if not files:
