@@ -20,12 +20,23 @@ Fan et al. 2018 for top-k): scale by 1/temperature, keep the k largest
 logits, keep the smallest prefix of those (sorted by probability) whose
 renormalised mass reaches top_p, renormalise, sample. Greedy takes the argmax.
 
-Compilation: ``generate`` runs two jitted functions, ``prefill`` (the prompt's
-forward pass, filling the cache, drawing the first token) and ``decode`` (the
-while loop, donating its state). Both are compiled once per (graphdef,
-SamplingConfig, shapes, mesh); prompt lengths are bucketed by
-:func:`pad_prompts` so steady-state steps reuse the compiled code
-(:func:`compile_count` counts compilations).
+Work: ``generate`` runs two jitted functions. ``prefill`` runs the B distinct
+prompts through the model once (not B*G rows), repeats the KV cache and the
+last logits G times, and draws token 0. ``decode`` is the while loop: one
+1-token forward, the filter and one categorical draw per step, over a donated
+state, exiting as soon as every row has emitted an EOS. Both are compiled
+once per (graphdef, SamplingConfig, shapes, mesh); prompt lengths are bucketed
+by :func:`pad_prompts` so steady-state steps reuse the compiled code
+(:func:`compile_count` counts compilations). Prefill materialises the model's
+float32 logits for every prompt position, [B, P, V]; only the last column is
+used.
+
+Sharding: with a mesh, rows are split over ("data", "fsdp") in whole groups,
+the parameters keep the shardings they arrive with, the cache follows the
+rows (``grpo_jax.models.cache_shardings``), and the model's own activation
+constraints apply (the calls run under ``jax.set_mesh``). Draws use JAX's
+default partitionable threefry, so a key gives the same samples however rows
+are split.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from grpo_jax import distributed
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.config import ConfigError, check_range
 
@@ -532,9 +544,11 @@ def generate(
     if mesh is not None:
         sharding_lib.check_group_layout(shape[0] * num_samples, num_samples, mesh)
         rows2 = sharding_lib.batch_sharding(mesh, 2)
-        prompt_tokens_BxP = jax.device_put(prompt_tokens_BxP, rows2)
-        prompt_mask_BxP = jax.device_put(prompt_mask_BxP, rows2)
-        key = jax.device_put(key, sharding_lib.replicated(mesh))
+        # distributed.put: also when the mesh spans hosts (every host passes the same prompts).
+        prompt_tokens_BxP, prompt_mask_BxP = distributed.put(
+            (prompt_tokens_BxP, prompt_mask_BxP), rows2
+        )
+        key = distributed.put(key, sharding_lib.replicated(mesh))
     prefill, decode = _compiled(graphdef, cfg, num_samples, mesh, jax.random.key_impl(key))
     # Under the mesh the model's activation sharding constraints take effect.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
