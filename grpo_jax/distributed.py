@@ -48,18 +48,30 @@ _SLURM_VARS = (
 )
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string(
-    "coordinator_address",
-    None,
-    "host:port of process 0's coordinator, for multi-process runs. Unset: from "
-    f"${ENV_COORDINATOR} or the cluster (SLURM, Cloud TPU pod).",
-)
-flags.DEFINE_integer(
-    "num_processes", None, f"Number of processes of a multi-process run (or ${ENV_NUM_PROCESSES})."
-)
-flags.DEFINE_integer(
-    "process_id", None, f"This process's index in [0, num_processes) (or ${ENV_PROCESS_ID})."
-)
+
+
+def define_flags() -> None:
+    """Defines ``--coordinator_address``, ``--num_processes``, ``--process_id`` (once).
+
+    Entry points call it at import time, before absl parses the command line;
+    library code never does, so importing grpo_jax defines no flags.
+    """
+    if "coordinator_address" in FLAGS:
+        return
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "host:port of process 0's coordinator, for multi-process runs. Unset: from "
+        f"${ENV_COORDINATOR} or the cluster (SLURM, Cloud TPU pod).",
+    )
+    flags.DEFINE_integer(
+        "num_processes",
+        None,
+        f"Number of processes of a multi-process run (or ${ENV_NUM_PROCESSES}).",
+    )
+    flags.DEFINE_integer(
+        "process_id", None, f"This process's index in [0, num_processes) (or ${ENV_PROCESS_ID})."
+    )
 
 
 class DistributedError(ValueError):
@@ -230,7 +242,9 @@ def maybe_initialize(
 
 
 def maybe_initialize_from_flags() -> bool:
-    """:func:`maybe_initialize` with ``--coordinator_address/--num_processes/--process_id``."""
+    """:func:`maybe_initialize` with the flags of :func:`define_flags` (parsed by absl)."""
+    if "coordinator_address" not in FLAGS:
+        raise RuntimeError("call grpo_jax.distributed.define_flags() before absl parses flags")
     return maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
 from grpo_jax.rollout import PromptEncoder, Scorer, decode
 from grpo_jax.sampling import SamplingConfig, generate
@@ -66,7 +67,7 @@ def generate_texts(
             num_samples=num_samples,
             mesh=mesh,
         )
-        tokens_NxT, lengths_N, trunc_N = jax.device_get((out.tokens, out.lengths, out.truncated))
+        tokens_NxT, lengths_N, trunc_N = distributed.fetch((out.tokens, out.lengths, out.truncated))
         keep = real * num_samples
         texts += decode(encoder.tokenizer, tokens_NxT[:keep], lengths_N[:keep])
         lengths.append(lengths_N[:keep])

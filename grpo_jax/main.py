@@ -20,15 +20,25 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from grpo_jax import distributed  # noqa: E402
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and summary.json.")
 flags.mark_flags_as_required(["config", "workdir"])
+distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # Multi-host runs (TPU pod, SLURM, the flags, GRPO_JAX_* variables) join here, before
+    # anything asks JAX for devices; a single process goes on unchanged.
+    try:
+        distributed.maybe_initialize_from_flags()
+    except distributed.DistributedError as e:
+        print(f"multi-process settings error: {e}", file=sys.stderr)
+        return 2
     logging.getLogger("absl").setLevel(logging.WARNING)
     from grpo_jax.config import ConfigError
     from grpo_jax.train import NonFiniteError, train

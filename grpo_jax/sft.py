@@ -233,17 +233,23 @@ def save_cache(workdir, params, info: Mapping) -> None:
     import shutil
 
     import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
 
     params_dir, info_path = _cache_paths(workdir)
-    if info_path.exists():
-        info_path.unlink()  # The info file marks a complete cache: it goes last.
-    if params_dir.exists():
-        shutil.rmtree(params_dir)
-    params_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Every process takes part in orbax's (multi-host) save; process 0 alone edits files.
+    primary = jax.process_index() == 0
+    if primary:
+        if info_path.exists():
+            info_path.unlink()  # The info file marks a complete cache: it goes last.
+        if params_dir.exists():
+            shutil.rmtree(params_dir)
+        params_dir.parent.mkdir(parents=True, exist_ok=True)
+    multihost_utils.sync_global_devices("grpo_jax warm start cache cleared")
     with ocp.StandardCheckpointer() as ck:
         ck.save(params_dir, params)
         ck.wait_until_finished()
-    info_path.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
+    if primary:
+        info_path.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
 
 
 def warm_start(
@@ -276,7 +282,7 @@ def warm_start(
       (params, info) with info: steps, val_pass_at_1, reached_target, seconds,
       history [(step, val_pass_at_1)], interrupted.
     """
-    from grpo_jax import sharding
+    from grpo_jax import distributed, sharding
     from grpo_jax.data import DataIterator
     from grpo_jax.train_step import init_state, lr_schedule
 
@@ -306,7 +312,7 @@ def warm_start(
     step = 0
     metrics = {}
     while step < cfg.max_steps:
-        batch = sft_batch(it.next(), encoder, max_new_tokens)
+        batch = distributed.put(sft_batch(it.next(), encoder, max_new_tokens), rows)
         state, metrics = step_fn(state, batch)
         step += 1
         if should_stop():

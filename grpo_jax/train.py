@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import advantages as adv_lib
+from grpo_jax import distributed, sft
 from grpo_jax import metrics as metrics_lib
-from grpo_jax import sft
 from grpo_jax import train_step as ts
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import ConfigError
@@ -281,7 +281,7 @@ def _base_policy(
         should_stop=lambda: preempt.requested,
     )
     info["fingerprint"] = fp
-    if ws.cache and not info["interrupted"] and jax.process_index() == 0:
+    if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
         sft.save_cache(workdir, params, info)
     return params, dict(info, cached=False)
 
@@ -359,10 +359,7 @@ def _train_loop(
         state = state.replace(
             params=params,
             opt_state=opt_state,
-            **{
-                k: jax.device_put(jnp.asarray(v, jnp.int32), replicated(mesh))
-                for k, v in counters.items()
-            },
+            **{k: distributed.put(np.int32(v), replicated(mesh)) for k, v in counters.items()},
         )
         it.restore(meta["data_iterator"])
         prior_seconds = float(meta.get("wall_seconds", 0.0))
@@ -474,7 +471,7 @@ def _train_loop(
             num_samples=G,
             mesh=mesh,
         )
-        tokens_NxT, lengths_N, trunc_N = jax.device_get((out.tokens, out.lengths, out.truncated))
+        tokens_NxT, lengths_N, trunc_N = distributed.fetch((out.tokens, out.lengths, out.truncated))
         completions = decode(tokenizer, tokens_NxT, lengths_N)
         t1 = time.perf_counter()
         prompts_N = [p for p in prompts for _ in range(G)]
@@ -497,6 +494,9 @@ def _train_loop(
             "advantages": advantages_N,
         }
         prev = pending
+        # Every host holds the same advantages and key; put() places each host's part.
+        batch["advantages"] = distributed.put(batch["advantages"], batch_sharding(mesh, 1))
+        k_train = distributed.put(k_train, replicated(mesh))
         state, dev_metrics = step_fn(state, batch, k_train, ref_params)
         t_dispatch = time.perf_counter()
         host = metrics_lib.rollout_metrics(

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax import losses
+from grpo_jax import distributed, losses
 from grpo_jax.config import GRPOConfig
 from grpo_jax.train_config import OptimConfig
 
@@ -66,7 +66,7 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainStat
     if mesh is not None:
         rep = NamedSharding(mesh, P())
         state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, rep),
+            lambda x: x if isinstance(x.sharding, NamedSharding) else distributed.put(x, rep),
             state,
         )
     return state

@@ -239,11 +239,21 @@ def test_initialize_after_jax_started_is_a_clear_error(clean_env):
         distributed.maybe_initialize("127.0.0.1:1", 2, 0)
 
 
-def test_flags_are_defined_for_main():
-    from absl import flags
-
-    for name in ("coordinator_address", "num_processes", "process_id"):
-        assert name in flags.FLAGS
+def test_flags_are_defined_on_request_only():
+    """Importing the module defines no flags (library users may have their own)."""
+    code = (
+        "from absl import flags; from grpo_jax import distributed, sampling, train_step; "
+        "assert 'process_id' not in flags.FLAGS; distributed.define_flags(); "
+        "distributed.define_flags(); "
+        "flags.FLAGS(['x', '--coordinator_address=h:1', '--num_processes=2', '--process_id=1']); "
+        "print(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes, flags.FLAGS.process_id)"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["h:1", "2", "1"]
 
 
 def test_two_processes_match_one_process_on_four_devices(tmp_path):
