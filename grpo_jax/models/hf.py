@@ -29,10 +29,10 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from grpo_jax.models.hf_config import (
     checkpoint_dtype,
     config_from_hf,
-    config_to_hf,
     generation_eos_ids,
     read_config_json,
 )
+from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.hf_weights import IGNORED_SUFFIXES, LM_HEADS, PREFIXES, weight_table
 from grpo_jax.models.partitioning import check_layout, param_shardings
 from grpo_jax.models.safetensors_io import CheckpointError, SafetensorsCheckpoint, write_checkpoint
