@@ -56,6 +56,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from grpo_jax.config import ConfigError
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -80,8 +81,11 @@ _MODEL_FIELDS = (
 )
 
 
-class MemoryBudgetError(ValueError):
-    """The chosen layout needs more memory per device than the stated budget."""
+class MemoryBudgetError(ConfigError):
+    """The chosen layout needs more memory per device than the stated budget.
+
+    A ``ConfigError``: the fix is a config change (layout, mesh, batch, remat).
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +395,39 @@ def plan(
     if budget is not None:
         check_budget(est, budget)
     return est
+
+
+def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None):
+    """:func:`plan` for a training run (a ``grpo_jax.run.RunConfig``).
+
+    Rows and lengths come from the run: one forward/backward pass holds
+    ``(train.minibatch_size or B * G) / optim.grad_accum`` rows (or the warm
+    start's batch, if bigger); the sampler decodes ``B * G`` rows (or
+    ``eval.batch_size``, if bigger); prompts are at most the largest of
+    ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
+    """
+    sampling = dict(run.sampling)
+    n = run.train.batch_size * run.grpo.G
+    rows = (run.train.minibatch_size or n) // run.optim.grad_accum
+    warm = getattr(run, "warm_start", None)
+    if warm is not None and warm.enabled:
+        rows = max(rows, warm.batch_size)
+    buckets = sampling.get("prompt_buckets")
+    if not buckets:
+        from grpo_jax.sampling import SamplingConfig
+
+        buckets = SamplingConfig.__dataclass_fields__["prompt_buckets"].default
+    return plan(
+        model_cfg_like,
+        mesh_shape=mesh_shape,
+        layout=run.mesh.layout,
+        budget_bytes=budget_bytes,
+        batch_rows=rows,
+        sample_rows=max(n, run.eval.batch_size),
+        seq_len=sampling["max_new_tokens"],
+        prompt_len=max(buckets),
+        beta=run.grpo.beta,
+    )
 
 
 def _itemsize(np, dtype) -> int:

@@ -251,3 +251,30 @@ def test_plan_reads_dtypes_and_checks_the_budget():
     with pytest.raises(memory.MemoryBudgetError, match="layout 'fsdp'"):
         memory.plan(cfg, budget_bytes=1000, **kw)
     assert memory.device_memory_bytes() is None  # CPU devices report no limit
+
+
+def test_plan_run_takes_rows_and_lengths_from_the_run():
+    from grpo_jax import config
+
+    run = types.SimpleNamespace(
+        grpo=types.SimpleNamespace(G=4, beta=0.04),
+        train=types.SimpleNamespace(batch_size=8, minibatch_size=16),
+        optim=types.SimpleNamespace(grad_accum=2),
+        sampling={"max_new_tokens": 5, "prompt_buckets": (2, 3)},
+        eval=types.SimpleNamespace(batch_size=64),
+        mesh=types.SimpleNamespace(layout="fsdp_tp"),
+        warm_start=types.SimpleNamespace(enabled=False, batch_size=100),
+    )
+    mesh = {"fsdp": 2, "tensor": 2}
+    est = memory.plan_run(run, HAND, mesh)
+    # 16 rows per update / 2 accumulation steps = 8; sampler: max(8 * 4, 64) = 64 rows.
+    want = memory.estimate(HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=8,
+                           sample_rows=64, seq_len=5, prompt_len=3)  # fmt: skip
+    assert est == want
+    run.warm_start.enabled = True  # a bigger warm-start batch sets the training rows
+    assert memory.plan_run(run, HAND, mesh).activations == memory.estimate(
+        HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=100, seq_len=5,
+        prompt_len=3,
+    ).activations  # fmt: skip
+    with pytest.raises(config.ConfigError, match="layout 'fsdp_tp'.*over the budget"):
+        memory.plan_run(run, HAND, mesh, budget_bytes=1024)
