@@ -104,6 +104,11 @@ class Scorer:
             rewards.get(s.name)  # Unknown names fail now, naming the choices.
         rewards.get(correct_reward)
         names = [s.name for s in self.specs]
+        # Metric names: "format(pattern='[0-9]+')" logs as "format" when unambiguous.
+        short = [n.split("(")[0] for n in names]
+        self.display = {
+            n: (b if short.count(b) == 1 else n) for n, b in zip(names, short, strict=True)
+        }
         self._format_name = next((n for n in names if n.split("(")[0] == "format"), None)
         self._extra = () if correct_reward in names else (rewards.RewardSpec(correct_reward, 0.0),)
 

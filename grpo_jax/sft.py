@@ -38,10 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from grpo_jax.config import ConfigError, check_range
+from grpo_jax.config import ConfigError, check_choice, check_range
 from grpo_jax.train_config import OptimConfig
 
 log = logging.getLogger(__name__)
+
+TARGETS = ("solution", "answer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,11 @@ class WarmStartConfig:
       learning_rate, warmup_steps, weight_decay, max_grad_norm: AdamW with
         linear warmup, then constant.
       cache: save the result in <workdir>/warm_start and reuse it on rerun.
+      target: the example field trained on: "solution" (the worked solution,
+        ending in the checked answer format) or "answer" (the bare reference
+        answer, for tasks scored by exact match of the whole completion,
+        ``exact_match(tag=None)``: the shortest completions, the cheapest
+        rollouts).
     """
 
     enabled: bool = False
@@ -73,6 +80,7 @@ class WarmStartConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     cache: bool = True
+    target: str = "solution"
 
     def __post_init__(self):
         for key in ("enabled", "cache"):
@@ -90,6 +98,7 @@ class WarmStartConfig:
         check_range("warm_start.warmup_steps", self.warmup_steps, lo=0, integer=True)
         check_range("warm_start.weight_decay", self.weight_decay, lo=0.0)
         check_range("warm_start.max_grad_norm", self.max_grad_norm, lo=0.0)
+        check_choice("warm_start.target", self.target, TARGETS)
 
     def optim(self) -> OptimConfig:
         return OptimConfig(
@@ -104,22 +113,24 @@ class WarmStartConfig:
 # Batches and the loss.
 
 
-def sft_batch(examples: Sequence[Mapping], encoder, max_new_tokens: int) -> dict[str, np.ndarray]:
-    """[prompt | solution <eos>] in the GRPO layout.
+def sft_batch(
+    examples: Sequence[Mapping], encoder, max_new_tokens: int, target: str = "solution"
+) -> dict[str, np.ndarray]:
+    """[prompt | target <eos>] in the GRPO layout (``target``: "solution" or "answer").
 
     Returns prompt_tokens / prompt_mask [B, P] (left-padded) and tokens / mask
     [B, T] (right-padded, T = ``max_new_tokens``).
     """
-    missing = [i for i, ex in enumerate(examples) if not ex.get("solution")]
+    missing = [i for i, ex in enumerate(examples) if ex.get(target) in (None, "")]
     if missing:
         raise ConfigError(
-            f"warm_start needs a 'solution' field in every training example; example "
-            f"{missing[0]} ({examples[missing[0]].get('prompt')!r}) has none"
+            f"warm_start.target = {target!r} needs a {target!r} field in every training "
+            f"example; example {missing[0]} ({examples[missing[0]].get('prompt')!r}) has none"
         )
     _, prompt_BxP, prompt_mask_BxP = encoder.encode(examples, max_new_tokens=max_new_tokens)
     tok = encoder.tokenizer
     eos = int(tok.eos_token_id)
-    sols = tok([ex["solution"] for ex in examples], add_special_tokens=False)["input_ids"]
+    sols = tok([str(ex[target]) for ex in examples], add_special_tokens=False)["input_ids"]
     b, t = len(examples), max_new_tokens
     tokens_BxT = np.full((b, t), encoder.pad_id, np.int32)
     mask_BxT = np.zeros((b, t), np.bool_)
@@ -127,7 +138,7 @@ def sft_batch(examples: Sequence[Mapping], encoder, max_new_tokens: int) -> dict
         ids = list(ids) + [eos]
         if len(ids) > t:
             raise ConfigError(
-                f"the solution of example {i} ({examples[i]['solution'][:40]!r}...) has "
+                f"the {target} of example {i} ({str(examples[i][target])[:40]!r}...) has "
                 f"{len(ids)} tokens with EOS, more than sampling.max_new_tokens = {t}"
             )
         tokens_BxT[i, : len(ids)] = ids
@@ -312,7 +323,7 @@ def warm_start(
     step = 0
     metrics = {}
     while step < cfg.max_steps:
-        batch = distributed.put(sft_batch(it.next(), encoder, max_new_tokens), rows)
+        batch = distributed.put(sft_batch(it.next(), encoder, max_new_tokens, cfg.target), rows)
         state, metrics = step_fn(state, batch)
         step += 1
         if should_stop():

@@ -501,8 +501,8 @@ def _train_loop(
         t_dispatch = time.perf_counter()
         host = metrics_lib.rollout_metrics(
             total_N=result.total,
-            per_reward=result.per_reward,
-            errors=result.errors,
+            per_reward={scorer.display[k]: v for k, v in result.per_reward.items()},
+            errors={scorer.display[k]: v for k, v in result.errors.items()},
             correct_N=correct_N,
             lengths_N=lengths_N,
             truncated_N=trunc_N,

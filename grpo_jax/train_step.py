@@ -75,7 +75,8 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainStat
 def lr_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:
     """Linear warmup from 0 to the peak, then constant, cosine or linear decay."""
     peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_lr_factor
-    decay_steps = max(total_updates - cfg.warmup_steps, 1)
+    # The last update (index total_updates - 1) runs at the end value.
+    decay_steps = max(total_updates - cfg.warmup_steps - 1, 1)
     if cfg.schedule == "constant":
         after = optax.constant_schedule(peak)
     elif cfg.schedule == "cosine":
