@@ -27,9 +27,8 @@ last logits G times, and draws token 0. ``decode`` is the while loop: one
 state, exiting as soon as every row has emitted an EOS. Both are compiled
 once per (graphdef, SamplingConfig, shapes, mesh); prompt lengths are bucketed
 by :func:`pad_prompts` so steady-state steps reuse the compiled code
-(:func:`compile_count` counts compilations). Prefill materialises the model's
-float32 logits for every prompt position, [B, P, V]; only the last column is
-used.
+(:func:`compile_count` counts compilations). Prefill asks the model for the
+last position's logits only, so no [B, P, V] buffer is formed.
 
 Sharding: with a mesh, rows are split over ("data", "fsdp") in whole groups,
 the parameters keep the shardings they arrive with, the cache follows the
@@ -370,15 +369,16 @@ def _prefill(
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(
             c, cache_shardings(c, mesh, layout)
         )
-    logits_BxPxV, cache = model.forward_with_cache(
+    logits_Bx1xV, cache = model.forward_with_cache(
         tokens_BxP,
         positions_BxT=positions_BxP,
         kv_mask_BxS=kv_mask_BxS,
         cache=constrain_cache(model.init_cache(b, s)),
         cache_index=jnp.zeros((), jnp.int32),
+        last_only=True,
     )
     # Left padding puts every row's last prompt token in column P-1.
-    last_NxV = _repeat_rows(logits_BxPxV[:, -1], g)
+    last_NxV = _repeat_rows(logits_Bx1xV[:, 0], g)
     if g > 1:
         axes = _cache_batch_axes(model, s)
         cache = jax.tree.map(lambda c, ax: _repeat_rows(c, g, axis=ax), cache, axes)

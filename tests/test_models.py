@@ -281,3 +281,22 @@ def test_remat_gives_the_same_loss_and_gradients():
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_prefill_last_only_equals_the_last_column():
+    cfg = tiny_config(
+        64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
+    )
+    model = create_model(cfg, seed=0)
+    tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5) % 64
+    kw = dict(
+        positions_BxT=jnp.broadcast_to(jnp.arange(5), (2, 5)),
+        kv_mask_BxS=jnp.ones((2, 8), bool).at[:, 5:].set(False),
+        cache_index=0,
+    )
+    full, _ = model.forward_with_cache(tokens, cache=model.init_cache(2, 8), **kw)
+    last, cache = model.forward_with_cache(
+        tokens, cache=model.init_cache(2, 8), last_only=True, **kw
+    )
+    assert last.shape == (2, 1, 64)
+    np.testing.assert_array_equal(last[:, 0], full[:, -1])

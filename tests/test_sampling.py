@@ -53,7 +53,9 @@ class CountingLM(nnx.Module):
     def init_cache(self, batch_size, max_len):
         return {"tokens": jnp.zeros((batch_size, max_len), jnp.int32)}
 
-    def forward_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
+    def forward_with_cache(
+        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, last_only=False
+    ):
         cached = jax.lax.dynamic_update_slice(cache["tokens"], tokens_BxT, (0, cache_index))
         t, s = tokens_BxT.shape[1], cached.shape[1]
         q_T = cache_index + jnp.arange(t)
@@ -61,7 +63,8 @@ class CountingLM(nnx.Module):
         vis_BxTxS = causal_TxS[None] & kv_mask_BxS[:, None, :]
         n = vis_BxTxS.sum(-1)
         sm = (vis_BxTxS * cached[:, None, :]).sum(-1)
-        return self._logits(tokens_BxT, n, sm, positions_BxT), {"tokens": cached}
+        logits = self._logits(tokens_BxT, n, sm, positions_BxT)
+        return (logits[:, -1:] if last_only else logits), {"tokens": cached}
 
 
 PROMPTS = [[3, 5, 7], [1], [2, 9, 4, 4, 8], [6, 6]]

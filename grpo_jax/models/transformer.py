@@ -146,8 +146,14 @@ class Transformer(nnx.Module):
         zeros = jnp.zeros(shape, cfg.compute_dtype)
         return {"k": zeros, "v": zeros}
 
-    def forward_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
+    def forward_with_cache(
+        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, last_only=False
+    ):
         """(float32 logits [B, T, V], updated cache) for T tokens written at slot cache_index.
+
+        ``last_only=True`` returns the logits of the last position only, [B, 1, V]:
+        a prefill needs nothing else, and skipping the LM head elsewhere saves
+        a [B, T, V] float32 buffer (gigabytes for long prompts and large vocabularies).
 
         The tokens' keys/values go to slots [cache_index, cache_index + T) of
         every row (cache_index: int32 scalar, may be traced; the caller keeps
@@ -163,6 +169,8 @@ class Transformer(nnx.Module):
         x_BxTxD, cache = self._run_layers(
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index
         )
+        if last_only:
+            x_BxTxD = x_BxTxD[:, -1:]
         return self._logits(x_BxTxD), cache
 
 
