@@ -32,6 +32,7 @@ import json
 import logging
 import pathlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,9 +40,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from grpo_jax import advantages as adv_lib
-from grpo_jax import distributed, sft
+from grpo_jax import distributed, memory, sft
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import train_step as ts
 from grpo_jax.checkpoint import Checkpointer
@@ -165,6 +167,11 @@ def train(
     grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
 
     graphdef, init_params = build_model(run, tokenizer, mesh)
+    # The per-device memory plan of this layout; one that cannot fit what the devices
+    # report (GPUs, TPUs) stops the run here, before any training.
+    mem = memory.plan_run(run, nnx.merge(graphdef, init_params).config, mesh.shape)
+    if is_main:
+        print(mem.table(), file=stream or sys.stdout, flush=True)
     param_sh = jax.tree.map(lambda x: x.sharding, init_params)
     base_key = jax.random.key(run.seed)
     eval_key = jax.random.fold_in(base_key, 0x5EED)
@@ -575,8 +582,10 @@ def _train_loop(
     after = run_eval(state.params, final_step)
     if pending is not None:
         finish(pending, t_ready, after)
-    else:
+    elif not resumed:  # No steps at all (train.steps = 0): "after" is the base policy.
         writer.write(final_step, after)
+    # A rerun of a finished run re-evaluates (deterministically) for its summary
+    # but leaves metrics.jsonl and the checkpoints as they are.
     if final_step > start_step or not resumed:
         save(final_step)
     ck.wait()

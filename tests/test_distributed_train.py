@@ -85,7 +85,11 @@ def test_two_processes_train_like_one(tmp_path):
     single = _launch(tmp_path, "one_by_four", processes=1, devices=4)
 
     logs = tmp_path / "two_by_two_logs"
-    assert "process 1 of 2: 2 local devices, 4 global" in (logs / "process_1.log").read_text()
+    log0, log1 = (logs / "process_0.log").read_text(), (logs / "process_1.log").read_text()
+    assert "process 1 of 2: 2 local devices, 4 global" in log1
+    # The memory plan is printed before training, by process 0 only, for the global mesh.
+    assert "per-device memory estimate, layout 'fsdp', mesh data=4 x fsdp=1 x tensor=1" in log0
+    assert "per-device memory estimate" not in log1
     lines = (multi / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if '"step"' in line]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
