@@ -252,6 +252,12 @@ def main(argv=None) -> None:
         help="run each system this many times per size and keep its fastest run "
         "(the CPU may be shared: the best run is the least disturbed one)",
     )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads for TRL (0: torch's default, one per core)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     p.add_argument("--workdir", default=None, help="keep checkpoints and logs here")
     p.add_argument("--json", default=None, help="also write all records to this file")
@@ -268,6 +274,8 @@ def main(argv=None) -> None:
     if args.setup:
         setup(systems)
         return
+    if args.torch_threads < 0:
+        raise SystemExit(f"--torch-threads must be >= 0, got {args.torch_threads}")
     for name in ("B", "G", "T", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -306,6 +314,7 @@ def main(argv=None) -> None:
                     learning_rate=args.lr,
                     warmup_steps=args.warmup,
                     steps=args.steps,
+                    threads=args.torch_threads if system == "trl" else 0,
                 )
                 rec = run_side(wl, work, args.timeout)
                 rec["repeat"] = rep
