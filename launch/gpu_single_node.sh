@@ -19,7 +19,7 @@ usage() {
 Usage: launch/gpu_single_node.sh [options] [install] [train] [-- extra grpo_jax.main args]
 
 Options (each also settable by the environment variable in capitals):
-  --config C        grpo_jax config file[:arg]          (CONFIG, default configs/tiny.py)
+  --config C        grpo_jax config file[:arg]          (CONFIG, default configs/default.py)
   --workdir W       run directory                       (WORKDIR, default runs/grpo_jax)
   --gpus LIST       GPUs to use, e.g. 0,1,2,3           (GPUS, default: all)
   --python PY       Python >= 3.11 for the venv         (PYTHON, default python3)
@@ -30,7 +30,7 @@ Options (each also settable by the environment variable in capitals):
 EOF
 }
 
-CONFIG="${CONFIG:-configs/tiny.py}"
+CONFIG="${CONFIG:-configs/default.py}"
 WORKDIR="${WORKDIR:-runs/grpo_jax}"
 GPUS="${GPUS:-}"
 PYTHON="${PYTHON:-python3}"

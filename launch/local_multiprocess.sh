@@ -9,9 +9,10 @@
 #   launch/local_multiprocess.sh [options] N -- COMMAND [args...]
 #
 # Examples:
-#   launch/local_multiprocess.sh 2 --config=configs/tiny.py --workdir=/tmp/grpo_2proc
+#   launch/local_multiprocess.sh 2 --config=configs/default.py:smoke --config.mesh.num_devices=0 \
+#     --workdir=/tmp/grpo_2proc
 #   launch/local_multiprocess.sh --devices-per-process 4 2 -- python my_script.py
-#   launch/local_multiprocess.sh --dry-run 2 --config=configs/tiny.py --workdir=/tmp/w
+#   launch/local_multiprocess.sh --dry-run 2 --config=configs/default.py --workdir=/tmp/w
 #
 # Every process sees GRPO_JAX_COORDINATOR, GRPO_JAX_NUM_PROCESSES and GRPO_JAX_PROCESS_ID,
 # which grpo_jax.distributed.maybe_initialize() reads. The script waits for all

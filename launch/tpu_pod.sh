@@ -40,7 +40,7 @@ Options (each also settable by the environment variable in capitals):
   --accelerator-type T   e.g. v4-32, v5litepod-16         (ACCELERATOR_TYPE, default v4-8)
   --runtime-version R    TPU VM software version          (RUNTIME_VERSION, default tpu-ubuntu2204-base)
   --tpu-name N           name of the TPU VM               (TPU_NAME, default grpo-jax)
-  --config C             grpo_jax config file[:arg]       (CONFIG, default configs/tiny.py)
+  --config C             grpo_jax config file[:arg]       (CONFIG, default configs/default.py)
   --workdir W            run directory, e.g. gs://b/run   (WORKDIR, default gs://CHANGE-ME/grpo_jax/run)
   --remote-dir D         checkout path on the workers     (REMOTE_DIR, default grpo_jax)
   --python-version V     Python of the workers' venv      (PYTHON_VERSION, default 3.11)
@@ -55,7 +55,7 @@ ZONE="${ZONE:-us-central2-b}"
 ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v4-8}"
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
 TPU_NAME="${TPU_NAME:-grpo-jax}"
-CONFIG="${CONFIG:-configs/tiny.py}"
+CONFIG="${CONFIG:-configs/default.py}"
 WORKDIR="${WORKDIR:-gs://CHANGE-ME/grpo_jax/run}"
 REMOTE_DIR="${REMOTE_DIR:-grpo_jax}"
 PYTHON_VERSION="${PYTHON_VERSION:-3.11}"

@@ -197,7 +197,7 @@ def test_slurm_outside_a_job_submits_itself(tmp_path):
     assert cmds[0] == ["sbatch", f"--chdir={ROOT}", "--export=ALL",
                        f"{ROOT}/launch/slurm.sbatch", "--config.train.steps=3"]  # fmt: skip
     assert cmds[1][:6] == ["srun", "--kill-on-bad-exit=1", f"{ROOT}/.venv/bin/python", "-m",
-                           "grpo_jax.main", "--config=configs/tiny.py"]  # fmt: skip
+                           "grpo_jax.main", "--config=configs/default.py"]  # fmt: skip
     _run([LAUNCH / "slurm.sbatch", "--config.train.steps=3"], env=env)
     assert _calls(log) == [cmds[0]]
 
@@ -226,7 +226,7 @@ def test_slurm_inside_a_job_runs_srun(tmp_path):
 def test_local_multiprocess_dry_run():
     out = _run(
         [LAUNCH / "local_multiprocess.sh", "--dry-run", "--port", "23456",
-         "--devices-per-process", "4", "3", "--config=configs/tiny.py", "--workdir=/tmp/w"],
+         "--devices-per-process", "4", "3", "--config=configs/default.py", "--workdir=/tmp/w"],
         env={"XLA_FLAGS": ""},
     ).stdout  # fmt: skip
     lines = [shlex.split(line.rstrip(" &")) for line in out.splitlines() if line.endswith("&")]
@@ -242,7 +242,7 @@ def test_local_multiprocess_dry_run():
             "python3",
             "-m",
             "grpo_jax.main",
-            "--config=configs/tiny.py",
+            "--config=configs/default.py",
             "--workdir=/tmp/w",
         ]
     assert out.splitlines()[-1].startswith("wait")
