@@ -13,7 +13,7 @@
 #   install  make a venv (uv, Python >= 3.11) on every worker with requirements.txt + jax[tpu]
 #   train    run "python -m grpo_jax.main --config=... --workdir=..." on every worker
 #   status   show the TPU VM
-#   stop     kill a running training process on every worker
+#   stop     stop training on every worker (SIGTERM: it checkpoints, then exits)
 #   delete   delete the TPU VM
 #   all      create copy install train
 #
@@ -167,7 +167,8 @@ step_status() {
 }
 
 step_stop() {
-  on_all_workers "pkill -INT -f 'python -m grpo_jax.main' || true"
+  # SIGTERM: grpo_jax.main saves a checkpoint and exits; "train" resumes from it.
+  on_all_workers "pkill -TERM -f 'python -m grpo_jax.main' || true"
 }
 
 step_delete() {

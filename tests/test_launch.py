@@ -121,6 +121,8 @@ def test_tpu_pod_dry_run_prints_every_step_and_runs_nothing(tmp_path):
         odd,
     ]
     assert cmds[-1] == [*tpu, "delete", "grpo-test", *loc, "--quiet"]
+    stop = _commands(_run([LAUNCH / "tpu_pod.sh", "--dry-run", "stop"], env=TPU_ENV).stdout)
+    assert stop[0][-1] == "--command=pkill -TERM -f 'python -m grpo_jax.main' || true"
 
 
 def test_tpu_pod_creates_only_when_missing(tmp_path):
