@@ -1,0 +1,292 @@
+"""GSM8K recipes (configs/gsm8k.py): every model's runlocal variant trains end to end.
+
+The runlocal variant is the real recipe with a tiny random checkpoint of the
+same family (loaded through ``from_pretrained`` and ``AutoTokenizer`` from its
+directory, chat template included) and synthetic GSM8K-format data prepared
+through TFDS, so a break anywhere on the real path fails here.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from grpo_jax.config import ConfigError
+from grpo_jax.run import build_mesh, check_batch_layout, parse_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "llama3.2-1b", "gemma3-1b")
+# What the turn of the user starts with in each family's chat template.
+USER_TURN = {
+    "qwen2": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+    "qwen3": "<|im_start|>user\n",
+    "llama": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+    "gemma3": "<bos><start_of_turn>user\n",
+}
+GEN_PROMPT = {
+    "qwen2": "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3": "<|im_end|>\n<|im_start|>assistant\n",
+    "llama": "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma3": "<end_of_turn>\n<start_of_turn>model\n",
+}
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("configs_gsm8k", ROOT / "configs" / "gsm8k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+recipes = _load()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """One runlocal asset folder for the module: TFDS prepares the data once."""
+    root = tmp_path_factory.mktemp("runlocal")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(recipes.RUNLOCAL_ENV, str(root))
+        yield root
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Keys runlocal may change: where the model and data are, and sizes. Everything else
+# (prompt, chat template use, rewards, loss, estimator, beta, epsilon, lr) is the recipe's.
+RUNLOCAL_KEYS = {
+    "model.path",
+    "data.data_dir",
+    "data.jsonl_dir",
+    "sampling.prompt_buckets",
+    "sampling.max_new_tokens",
+    "grpo.G",
+    "train.steps",
+    "train.batch_size",
+    "train.minibatch_size",
+    "train.samples_every",
+    "optim.grad_accum",
+    "eval.every",
+    "eval.num_problems",
+    "eval.batch_size",
+    "checkpoint.every",
+    "mesh.num_devices",
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_runlocal_trains(name, assets, tmp_path):
+    from grpo_jax.train import train
+
+    family = recipes.MODELS[name][0]
+    config = recipes.get_config(f"model={name},runlocal")
+    real = recipes.get_config(f"model={name}")
+    changed = {
+        k for k, v in _flat(config.to_dict()).items() if _flat(real.to_dict()).get(k, object()) != v
+    }
+    assert changed <= RUNLOCAL_KEYS, changed - RUNLOCAL_KEYS
+    assert pathlib.Path(config.model.path).parent == assets
+
+    summary = train(config, tmp_path)
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
+        assert r["train/updates"] == 2 * r["step"]  # N = 8 rows in minibatches of 4.
+        assert 0.0 <= r["rollout/frac_zero_var_groups"] <= 1.0
+        assert "rewards/gsm8k/mean" in r and "rewards/format/mean" in r
+    assert summary["steps"] == 2 and summary["before"] is not None
+    assert summary["num_problems"] == 4
+    # The prompt went through the family's chat template, assistant turn opened.
+    sample = (tmp_path / "samples" / "step_0000001.txt").read_text()
+    assert USER_TURN[family] in sample
+    assert "inside <answer> </answer> tags." + GEN_PROMPT[family] in sample
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_recipe_validates(name):
+    config = recipes.get_config(f"model={name}")
+    run = parse_config(config)
+    family, repo, max_new = recipes.MODELS[name]
+    assert repo in run.model["path"] and "--config.model.path" in run.model["path"]
+    assert run.tokenizer == "" and run.prompt.chat and run.data["source"] == "gsm8k"
+    assert run.data["jsonl_dir"] is None and run.data["data_dir"] is None
+    assert (run.grpo.G, run.grpo.beta, run.grpo.epsilon_low, run.grpo.temperature) == (
+        8,
+        0.04,
+        0.2,
+        1.0,
+    )
+    assert run.grpo.epsilon_high == 0.2
+    assert run.optim.learning_rate == 1e-6 and not run.warm_start.enabled
+    assert run.sampling["max_new_tokens"] == max_new
+    assert [s.name for s in run.rewards] == ["gsm8k", "format"]
+    import jax
+
+    for n in (1, 8):  # Batch, minibatch and grad_accum fit one device and eight.
+        config.mesh.num_devices = n
+        run = parse_config(config)
+        assert len(build_mesh(run).devices.flat) == n == len(jax.devices()[:n])
+        check_batch_layout(run, build_mesh(run))
+
+
+def test_unset_model_path_fails_naming_the_flag(tmp_path):
+    from grpo_jax.train import train
+
+    with pytest.raises(ConfigError, match=r"set --config\.model\.path to your local Qwen/Qwen3"):
+        train(recipes.get_config("model=qwen3-0.6b"), tmp_path)
+
+
+def test_arguments():
+    assert recipes.parse_arg("model=qwen3-0.6b,runlocal") == ("qwen3-0.6b", {"runlocal"})
+    # The Hugging Face names work too, in any case.
+    assert recipes.parse_arg("model=Llama-3.2-1B-Instruct")[0] == "llama3.2-1b"
+    assert recipes.parse_arg(" model=GEMMA-3-1B-IT ")[0] == "gemma3-1b"
+    known = "qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b, gemma3-1b"
+    with pytest.raises(ValueError, match=f"unknown model 'qwen9'; known models: {known}"):
+        recipes.get_config("model=qwen9")
+    with pytest.raises(ValueError, match=f"needs 'model=<name>'; known models: {known}"):
+        recipes.get_config(None)
+    with pytest.raises(ValueError, match="unknown argument 'fast' in 'model=qwen3-0.6b,fast'"):
+        recipes.get_config("model=qwen3-0.6b,fast")
+    with pytest.raises(ValueError, match="unknown argument 'lr=1'"):
+        recipes.get_config("model=qwen3-0.6b,lr=1")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gemma3"])
+def test_tiny_tokenizer_chat_template(family):
+    from grpo_jax.data import format_prompt
+
+    tok = recipes.tiny_tokenizer(family)
+    text = format_prompt({"prompt": "1+1?"}, template="{prompt}", tokenizer=tok, chat=True)
+    assert text == USER_TURN[family] + "1+1?" + GEN_PROMPT[family]
+    ids = tok(text, add_special_tokens=False).input_ids
+    # Every marker is one token, and decoding with skip_special_tokens drops it.
+    for m in recipes._SPECIALS[family]["specials"]:
+        assert ids.count(tok.convert_tokens_to_ids(m)) == text.count(m), m
+        assert m not in tok.decode(ids, skip_special_tokens=True)
+    assert "1+1?" in tok.decode(ids, skip_special_tokens=True)
+    assert tok.eos_token == recipes._SPECIALS[family]["eos"]
+
+
+def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
+    tok = recipes.tiny_tokenizer("gemma3")
+    path = recipes.tiny_checkpoint("gemma3", assets)
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
+    assert recipes.tiny_checkpoint("gemma3", assets) == path  # Content-addressed, reused.
+
+
+def test_word_problems_are_gsm8k_format(assets):
+    from grpo_jax.data import gsm8k
+
+    d = recipes.word_problems_dir(assets)
+    train, skipped = gsm8k.read_gsm8k_jsonl(d / "train.jsonl")
+    test, _ = gsm8k.read_gsm8k_jsonl(d / "test.jsonl")
+    assert (len(train), len(test), skipped) == (32, 16, [])
+    for ex in train + test:
+        assert "#### " not in ex["solution"] and ex["answer"].isdigit()
+        # The reference's own final number is what the gsm8k reward accepts.
+        from grpo_jax.rewards import get
+
+        assert get("gsm8k")([""], [ex["solution"]], answer=[ex["answer"]]) == [1.0]
+
+
+def test_sweep_points_are_valid_configs():
+    points = recipes.sweep("model=qwen2.5-0.5b")
+    assert len(points) == 6
+    assert {(p["optim.learning_rate"], p["grpo.beta"]) for p in points} == {
+        (lr, b) for lr in (5e-7, 1e-6, 3e-6) for b in (0.0, 0.04)
+    }
+    for p in points:
+        config = recipes.get_config("model=qwen2.5-0.5b")
+        for key, value in p.items():
+            section, field = key.split(".")
+            config[section][field] = value
+        run = parse_config(config)
+        assert (run.optim.learning_rate, run.grpo.beta) == (
+            p["optim.learning_rate"],
+            p["grpo.beta"],
+        )
+
+
+def test_sweep_prints_commands(capsys, tmp_path):
+    from grpo_jax import sweep
+
+    spec = f"{ROOT / 'configs' / 'gsm8k.py'}:model=qwen3-0.6b"
+    rc = sweep.main(
+        [f"--config={spec}", f"--workdir_root={tmp_path}", "--", "--config.model.path=/m/q3"]
+    )
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 6
+    assert lines[3] == (
+        f"{sys.executable} -m grpo_jax.main --config={spec} "
+        f"--workdir={tmp_path}/learning_rate=1e-06,beta=0.04 "
+        "--config.optim.learning_rate=1e-06 --config.grpo.beta=0.04 --config.model.path=/m/q3"
+    )
+    assert not list(tmp_path.iterdir())  # Print mode runs nothing.
+
+
+def test_sweep_errors(tmp_path, capsys):
+    from grpo_jax import sweep
+
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from ml_collections import ConfigDict\n"
+        "def get_config(arg=None):\n"
+        "    return ConfigDict({'optim': {'learning_rate': 1.0}})\n"
+        "def sweep(arg=None):\n"
+        "    return [{'optim.learnig_rate': 1e-6}]\n"
+    )
+    with pytest.raises(
+        sweep.SweepError, match=r"but optim has no key 'learnig_rate' \(keys: \['learning_rate'\]\)"
+    ):
+        sweep.commands(str(bad), str(tmp_path))
+    nosweep = tmp_path / "nosweep.py"
+    nosweep.write_text("def get_config(arg=None):\n    return {}\n")
+    with pytest.raises(sweep.SweepError, match="defines no sweep"):
+        sweep.commands(str(nosweep), str(tmp_path))
+    assert sweep.main([f"--config={tmp_path}/missing.py", "--workdir_root=/x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert sweep.main([f"--config={ROOT}/configs/gsm8k.py:model=x", "--workdir_root=/x"]) == 2
+    assert "unknown model 'x'" in capsys.readouterr().err
+
+
+def test_main_accepts_the_arg_syntax_and_overrides(tmp_path):
+    """Through absl/config_flags: the arg, and overrides of the placeholder data keys."""
+    missing = tmp_path / "no_model"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_jax.main",
+            "--config=configs/gsm8k.py:model=llama3.2-1b",
+            f"--workdir={tmp_path / 'w'}",
+            f"--config.model.path={missing}",
+            f"--config.data.jsonl_dir={tmp_path}",
+            "--config.grpo.beta=0.0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"no Hugging Face tokenizer files in {missing}" in proc.stderr
+    saved = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert saved["data"]["jsonl_dir"] == str(tmp_path) and saved["grpo"]["beta"] == 0.0
