@@ -1,0 +1,131 @@
+"""Bad run configs fail at start-up with errors that name the key and the allowed values."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs.default import get_config
+from grpo_jax import run as run_lib
+from grpo_jax.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(**updates):
+    """The smoke config as plain data (no ConfigDict type checks) with ``updates``."""
+    c = get_config("smoke").to_dict()
+    for dotted, value in updates.items():
+        node = c
+        *path, last = dotted.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def test_default_and_smoke_parse():
+    run = run_lib.parse_config(get_config())
+    assert run.grpo.G == 8 and run.train.batch_size == 32 and run.eval.num_problems >= 500
+    assert run.grpo.beta == 0.0 and run.grpo.mu == 1 and run.grpo.epsilon_low == 0.2
+    assert [s.name for s in run.rewards] == ["exact_match(tag=None)", "format(pattern='[0-9]+')"]
+    run_lib.parse_config(get_config("smoke"))
+    with pytest.raises(ValueError, match="unknown variant 'big'"):
+        get_config("big")
+
+
+@pytest.mark.parametrize(
+    "updates, message",
+    [
+        ({"bogus": 1}, r"unknown config key\(s\) \['config.bogus'\]"),
+        ({"train.stepz": 3}, r"unknown config key\(s\) \['train.stepz'\]"),
+        ({"optim.schedule": "exp"}, r"'optim.schedule' = 'exp' is not one of \['constant', "),
+        ({"optim.learning_rate": -1.0}, r"'optim.learning_rate' = -1.0 must be > 0"),
+        ({"grpo.G": 1}, r"'grpo.G' = 1 must be >= 2"),
+        ({"grpo.mu": 0}, r"'grpo.mu' = 0 must be >= 1"),
+        ({"train.batch_size": 0}, r"'train.batch_size' = 0 must be >= 1"),
+        ({"train.track_update": 1}, r"'train.track_update' = 1 must be True or False"),
+        ({"eval.k": 9}, r"'eval.k' = 9 must be <= 4"),
+        ({"checkpoint.keep": 0}, r"'checkpoint.keep' = 0 must be >= 1"),
+        ({"warm_start.target": "proof"}, r"'warm_start.target' = 'proof' is not one of"),
+        ({"mesh.layout": "zero"}, r"'mesh.layout' = 'zero' is not one of"),
+        ({"rewards": "exact_matc:1.0"}, r"unknown reward 'exact_matc'; available rewards"),
+        ({"rewards": "exact_match:heavy"}, r"weight 'heavy' of reward 'exact_match'"),
+        ({"rewards": "exact_match,exact_match"}, r"names a reward twice"),
+        ({"rewards": ""}, r"names no reward function"),
+        ({"correct_reward": "nope"}, r"unknown reward 'nope'"),
+        ({"sampling.temperature": 0.7}, r"'sampling.temperature' is not allowed.*grpo.temperature"),
+        ({"sampling.top_p": 0.0}, r"'sampling.top_p' = 0.0 must be > 0"),
+        ({"model.hidden_sise": 8}, r"unknown config key\(s\) \['model.hidden_sise'\]"),
+        ({"prompt.template": "no fields"}, r"'prompt.template' = 'no fields' must be a format"),
+        ({"seed": -1}, r"'seed' = -1 must be a non-negative integer"),
+    ],
+)
+def test_bad_values_name_the_key(updates, message):
+    with pytest.raises(ConfigError, match=message):
+        c = _cfg(**updates)
+        run = run_lib.parse_config(c)
+        run_lib.model_config(run, 100)
+
+
+def test_rewards_spellings():
+    specs = run_lib.parse_rewards(
+        "exact_match:1.0, format(think_tag=None, answer_tag='a'):0.25,gsm8k"
+    )
+    assert [(s.name, s.weight) for s in specs] == [
+        ("exact_match", 1.0),
+        ("format(think_tag=None, answer_tag='a')", 0.25),
+        ("gsm8k", 1.0),
+    ]
+    specs = run_lib.parse_rewards({"exact_match": 2.0, "format": 0.5})
+    assert [(s.name, s.weight) for s in specs] == [("exact_match", 2.0), ("format", 0.5)]
+    with pytest.raises(ConfigError, match="must be a string 'name:weight"):
+        run_lib.parse_rewards(3)
+
+
+def test_batch_layout_checked_against_the_mesh():
+    import jax
+
+    run = run_lib.parse_config(_cfg(**{"mesh.num_devices": 2, "train.batch_size": 3}))
+    mesh = run_lib.build_mesh(run)
+    with pytest.raises(ConfigError, match=r"'train.batch_size' = 3 must be a multiple of the 2"):
+        run_lib.check_batch_layout(run, mesh)
+    run = run_lib.parse_config(_cfg(**{"train.minibatch_size": 6}))
+    with pytest.raises(ConfigError, match=r"'train.minibatch_size' = 6 must divide N"):
+        run_lib.check_batch_layout(run, run_lib.build_mesh(run))
+    run = run_lib.parse_config(_cfg(**{"optim.grad_accum": 3}))
+    with pytest.raises(ConfigError, match=r"'optim.grad_accum' = 3 must divide the 16 rows"):
+        run_lib.check_batch_layout(run, run_lib.build_mesh(run))
+    run = run_lib.parse_config(_cfg(**{"mesh.num_devices": len(jax.devices()) + 1}))
+    with pytest.raises(ConfigError, match="'mesh.num_devices' = 9, but only 8 devices"):
+        run_lib.build_mesh(run)
+
+
+def _main(*args, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_jax.main",
+            "--config=configs/default.py:smoke",
+            f"--workdir={tmp_path / 'wd'}",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_main_rejects_a_misspelled_override(tmp_path):
+    out = _main("--config.train.stepz=3", tmp_path=tmp_path)
+    assert out.returncode != 0
+    assert "stepz" in out.stderr
+    out = _main("--config.optim.schedule=exp", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert "config error: config key 'optim.schedule' = 'exp' is not one of" in out.stderr
+    assert not (tmp_path / "wd" / "checkpoints").exists()
