@@ -310,8 +310,12 @@ def build_tokenizer(run: RunConfig, workdir: str | pathlib.Path):
     return tok
 
 
-def model_config(run: RunConfig, vocab_size: int):
-    """The tiny model's ``ModelConfig`` (``model.path`` empty)."""
+def model_config(run: RunConfig, tokenizer):
+    """The tiny model's ``ModelConfig`` (``model.path`` empty) for ``tokenizer``.
+
+    The vocabulary size and the special token ids come from the tokenizer (an
+    exported model then stops where the tokenizer's EOS says).
+    """
     from grpo_jax import models
 
     overrides = {k: v for k, v in run.model.items() if k not in MODEL_KEYS}
@@ -319,7 +323,11 @@ def model_config(run: RunConfig, vocab_size: int):
     check_known_keys("model", overrides, fields - {"vocab_size"})
     if "dtype" in run.model:
         overrides["dtype"] = run.model["dtype"]
-    return models.tiny_config(vocab_size, **overrides)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            overrides.setdefault(key, int(value))
+    return models.tiny_config(len(tokenizer), **overrides)
 
 
 def build_model(run: RunConfig, tokenizer, mesh):
@@ -341,7 +349,7 @@ def build_model(run: RunConfig, tokenizer, mesh):
         kw = {"dtype": run.model["dtype"]} if "dtype" in run.model else {}
         model = models.from_pretrained(path, mesh=mesh, layout=run.mesh.layout, **kw)
     else:
-        cfg = model_config(run, len(tokenizer))
+        cfg = model_config(run, tokenizer)
         model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)
     return nnx.split(model)
 
@@ -390,9 +398,16 @@ def sampling_config(
 
 
 def tokenizer_sampling(run: RunConfig, tokenizer, **kw) -> SamplingConfig:
-    eos = tokenizer.eos_token_id
+    eos = int(tokenizer.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    return sampling_config(run, eos_ids=(int(eos),), pad_id=int(pad), **kw)
+    # An instruct checkpoint may end its turns with a token other than the tokenizer's
+    # EOS (Gemma 3: <end_of_turn>), listed in generation_config.json: stop there too.
+    extra = ()
+    if run.model.get("path"):
+        from grpo_jax.models.hf_config import generation_eos_ids
+
+        extra = tuple(i for i in generation_eos_ids(run.model["path"]) if i != eos)
+    return sampling_config(run, eos_ids=(eos, *extra), pad_id=int(pad), **kw)
 
 
 def describe(run: RunConfig) -> Mapping[str, Any]:

@@ -189,6 +189,13 @@ def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
     assert recipes.tiny_checkpoint("gemma3", assets) == path  # Content-addressed, reused.
+    # The sampler stops at the tokenizer's EOS and at generation_config's end of turn.
+    from grpo_jax.run import build_tokenizer, tokenizer_sampling
+
+    run = parse_config(recipes.get_config("model=gemma3-1b,runlocal"))
+    assert tokenizer_sampling(run, build_tokenizer(run, assets)).eos_ids == tuple(
+        gen["eos_token_id"]
+    )
 
 
 def test_word_problems_are_gsm8k_format(assets):
