@@ -2,12 +2,12 @@ r"""GRPO on GSM8K with a small instruct model from a local Hugging Face checkpoi
 
     python -m grpo_jax.main --config=configs/gsm8k.py:model=qwen2.5-0.5b \
         --config.model.path=/models/Qwen2.5-0.5B-Instruct \
-        --config.data.data_dir=~/tensorflow_datasets --workdir=/runs/gsm8k_qwen05
+        --config.data.data_dir=$HOME/tensorflow_datasets --workdir=/runs/gsm8k_qwen05
 
 Models (``model=<name>``; the checkpoint directory holds config.json,
-model.safetensors and the tokenizer files, e.g. from ``huggingface-cli
-download Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct``
-on a machine with network):
+model.safetensors and the tokenizer files, e.g. from ``hf download
+Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct`` on a
+machine with network; the README section is docs/recipes.md):
 
   qwen2.5-0.5b   Qwen/Qwen2.5-0.5B-Instruct
   qwen2.5-1.5b   Qwen/Qwen2.5-1.5B-Instruct
