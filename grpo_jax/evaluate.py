@@ -141,50 +141,58 @@ def evaluate(
 # Command line.
 
 
-def _load_params(run, checkpoint: str, tokenizer, mesh):
-    """(graphdef, params) of a workdir / checkpoint dir / step dir / HF directory."""
+def _is_hf_dir(path: pathlib.Path) -> bool:
+    return (path / "config.json").exists() and (
+        (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+    )
+
+
+def load_policy(run, checkpoint: str | pathlib.Path, mesh):
+    """(graphdef, params, tokenizer) of a workdir / checkpoint dir / step dir / HF directory."""
     from flax import nnx
 
     from grpo_jax import models
     from grpo_jax.checkpoint import Checkpointer
-    from grpo_jax.config import ConfigError
-    from grpo_jax.run import build_model
+    from grpo_jax.run import BUILTIN_TOKENIZER, build_model, build_tokenizer
 
     path = pathlib.Path(checkpoint)
-    if (path / "config.json").exists():  # A Hugging Face model directory.
-        if not hasattr(models, "from_pretrained"):
-            raise ConfigError("loading a Hugging Face directory needs models.from_pretrained")
+    if _is_hf_dir(path):
         model = models.from_pretrained(str(path), mesh=mesh, layout=run.mesh.layout)
-        return nnx.split(model)
+        if run.tokenizer == BUILTIN_TOKENIZER:
+            tokenizer = models.load_tokenizer(path)  # Exports carry their tokenizer.
+        else:
+            tokenizer = build_tokenizer(run, path)
+        return (*nnx.split(model), tokenizer)
     step = None
     if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+        workdir, ckdir = path, path / "checkpoints"
     elif path.name.isdigit() and path.parent.is_dir():
-        step, path = int(path.name), path.parent
-    if not path.is_dir():
+        step, ckdir, workdir = int(path.name), path.parent, path.parent.parent
+    elif path.is_dir():
+        workdir, ckdir = path.parent, path
+    else:
         raise FileNotFoundError(
-            f"--checkpoint={checkpoint!r} is neither a workdir, a checkpoint directory, "
-            "a checkpoint step nor a Hugging Face model directory"
+            f"--checkpoint={str(checkpoint)!r} is neither a training workdir, a checkpoint "
+            "directory, a checkpoint step nor a Hugging Face model directory"
         )
+    tokenizer = build_tokenizer(run, workdir)
     graphdef, params = build_model(run, tokenizer, mesh)
-    ck = Checkpointer(path)
+    ck = Checkpointer(ckdir)
     try:
         params = ck.restore_params(step, params_like=params)
     finally:
         ck.close()
-    return graphdef, params
+    return graphdef, params, tokenizer
 
 
 def main(argv):
-    from absl import app, flags  # noqa: F401 - flags parsed by absl.app.run
-    from ml_collections import config_flags  # noqa: F401
+    from absl import flags
 
     from grpo_jax.run import (
         build_datasets,
         build_encoder,
         build_mesh,
         build_scorer,
-        build_tokenizer,
         parse_config,
         tokenizer_sampling,
     )
@@ -192,11 +200,8 @@ def main(argv):
     del argv
     FLAGS = flags.FLAGS
     run = parse_config(FLAGS.config)
-    work = pathlib.Path(FLAGS.checkpoint)
-    tok_dir = work if (work / "tokenizer").is_dir() else work.parent.parent
-    tokenizer = build_tokenizer(run, tok_dir if (tok_dir / "tokenizer").is_dir() else work)
     mesh = build_mesh(run)
-    graphdef, params = _load_params(run, FLAGS.checkpoint, tokenizer, mesh)
+    graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
     examples = build_datasets(run)[run.eval.split]
     if run.eval.num_problems:
         examples = examples[: run.eval.num_problems]
@@ -208,7 +213,7 @@ def main(argv):
         scorer=build_scorer(run),
         sampling=tokenizer_sampling(run, tokenizer),
         cfg=run.eval,
-        key=jax.random.key(run.seed + 12345),
+        key=jax.random.key(run.seed),
         mesh=mesh,
     )
     text = json.dumps(out, indent=2, sort_keys=True)

@@ -9,6 +9,7 @@ import pytest
 from configs.default import get_config
 from grpo_jax import run as run_lib
 from grpo_jax.config import ConfigError
+from grpo_jax.models.builtin_tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +67,7 @@ def test_bad_values_name_the_key(updates, message):
     with pytest.raises(ConfigError, match=message):
         c = _cfg(**updates)
         run = run_lib.parse_config(c)
-        run_lib.model_config(run, 100)
+        run_lib.model_config(run, build_tokenizer())
 
 
 def test_rewards_spellings():

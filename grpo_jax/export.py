@@ -1,0 +1,62 @@
+"""Export a trained policy as a Hugging Face model directory.
+
+    python -m grpo_jax.export --workdir=/tmp/grpo_tiny --out=/tmp/grpo_tiny_hf [--step=200]
+
+Restores the parameters of a checkpoint of a training workdir (the latest by
+default) and writes config.json, generation_config.json, model.safetensors and
+the tokenizer's files (``grpo_jax.models.save_pretrained``), so that
+``transformers.AutoModelForCausalLM.from_pretrained(out)`` and
+``grpo_jax.models.from_pretrained(out)`` load it. The run's config is read from
+``<workdir>/config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+
+def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.Path:
+    """Writes checkpoint ``step`` (latest when None) of ``workdir`` as a HF directory ``out``."""
+    from flax import nnx
+
+    from grpo_jax import models
+    from grpo_jax.checkpoint import Checkpointer
+    from grpo_jax.run import build_mesh, build_model, build_tokenizer, parse_config
+
+    workdir = pathlib.Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found: is {workdir} a training workdir?")
+    run = parse_config(json.loads(config_path.read_text()))
+    tokenizer = build_tokenizer(run, workdir)
+    mesh = build_mesh(run)
+    graphdef, params = build_model(run, tokenizer, mesh)
+    ck = Checkpointer(workdir / "checkpoints")
+    try:
+        params = ck.restore_params(step, params_like=params)
+    finally:
+        ck.close()
+    return models.save_pretrained(
+        nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer
+    )
+
+
+def main(argv):
+    from absl import flags
+
+    del argv
+    FLAGS = flags.FLAGS
+    path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step)
+    print(f"exported to {path}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
+    flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.mark_flags_as_required(["workdir", "out"])
+    app.run(main, argv=sys.argv)
