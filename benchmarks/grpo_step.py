@@ -163,6 +163,11 @@ def run_side(wl: common.Workload, work: pathlib.Path, timeout: float) -> dict:
     wl_path.write_text(wl.to_json())
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device for both JAX systems
+    if wl.threads and wl.system != "trl":
+        multi = "true" if wl.threads > 1 else "false"
+        env["XLA_FLAGS"] = (
+            f"--xla_cpu_multi_thread_eigen={multi} intra_op_parallelism_threads={wl.threads}"
+        )
     env.update(
         JAX_PLATFORMS="cpu",
         CUDA_VISIBLE_DEVICES="",
@@ -253,10 +258,11 @@ def main(argv=None) -> None:
         "(the CPU may be shared: the best run is the least disturbed one)",
     )
     p.add_argument(
-        "--torch-threads",
+        "--threads",
         type=int,
         default=0,
-        help="torch intra-op threads for TRL (0: torch's default, one per core)",
+        help="CPU threads per system: torch intra-op threads for TRL, XLA's CPU thread "
+        "pool for the JAX systems (0: each framework's default, one per core)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     p.add_argument("--workdir", default=None, help="keep checkpoints and logs here")
@@ -274,8 +280,8 @@ def main(argv=None) -> None:
     if args.setup:
         setup(systems)
         return
-    if args.torch_threads < 0:
-        raise SystemExit(f"--torch-threads must be >= 0, got {args.torch_threads}")
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be >= 0, got {args.threads}")
     for name in ("B", "G", "T", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -314,7 +320,7 @@ def main(argv=None) -> None:
                     learning_rate=args.lr,
                     warmup_steps=args.warmup,
                     steps=args.steps,
-                    threads=args.torch_threads if system == "trl" else 0,
+                    threads=args.threads,
                 )
                 rec = run_side(wl, work, args.timeout)
                 rec["repeat"] = rep
