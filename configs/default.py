@@ -1,12 +1,18 @@
-r"""The CPU default: a tiny model learns reversed-digit addition, warm start then GRPO.
+r"""The CPU default: a tiny model learns 3-digit addition, warm start then GRPO.
 
     python -m grpo_jax.main --config=configs/default.py --workdir=/tmp/grpo_tiny
 
 A ~0.8M-parameter Qwen2-style model with the project's character tokenizer
-(``grpo_jax.models.builtin_tokenizer``) on synthetic 3-digit addition whose
-answer is written least significant digit first: "123+459=" -> "285" (582
-reversed), so each digit comes after the digits that carry into it. The
-completion is the bare answer.
+(``grpo_jax.models.builtin_tokenizer``) on synthetic 3-digit addition,
+"123+459=" -> "582"; the completion is the bare answer.
+
+Why the answer is not reversed here: the model has rotary (relative) position
+embeddings. Written most significant digit first, answer digit j sits at a
+fixed distance from operand digits j (and from the lower digits that carry
+into it), the same distance for every j, which attention learns at once;
+reversed, the distance changes with j and the warm start sits on a long
+plateau before it learns where it is. A small ``rope_theta`` (100) gives the
+short sequences sharper positions.
 
 1. Warm start: supervised next-token training on the answers until greedy
    pass@1 on 256 held-back training problems reaches
@@ -43,6 +49,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model.num_kv_heads = 2
     c.model.head_dim = 32
     c.model.mlp_dim = 384
+    c.model.rope_theta = 100.0
     c.model.max_position_embeddings = 64
     c.tokenizer = "builtin"
 
@@ -53,7 +60,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.min_digits = 3
     c.data.max_digits = 3
     c.data.ops = "+"
-    c.data.reverse_digits = True
+    c.data.reverse_digits = False
     c.data.n_train = 20_000
     c.data.n_test = 512
     # The data seed follows the run seed (a FieldReference: --config.seed moves both).
@@ -81,7 +88,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.grpo.temperature = 1.0
 
     c.sampling = ConfigDict()
-    c.sampling.max_new_tokens = 8
+    c.sampling.max_new_tokens = 6  # 4 digits + EOS, one slot to spare
     c.sampling.top_k = 0
     c.sampling.top_p = 1.0
     c.sampling.prompt_buckets = (9, 16, 32)
@@ -139,7 +146,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.warm_start.max_steps = 3000
     c.warm_start.min_steps = 0
     c.warm_start.target_pass_at_1 = 0.25
-    c.warm_start.eval_every = 50
+    c.warm_start.eval_every = 25
     c.warm_start.val_problems = 256
     c.warm_start.batch_size = 64
     c.warm_start.learning_rate = 1e-3

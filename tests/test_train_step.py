@@ -1,0 +1,145 @@
+"""The jitted GRPO update: ratio 1 on the first pass, guard, accumulation, schedules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax import models, sharding
+from grpo_jax import train_step as ts
+from grpo_jax.config import GRPOConfig
+from grpo_jax.train_config import OptimConfig
+
+N, P, T, V = 8, 6, 5, 100
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = models.tiny_config(
+        V, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
+    )
+    mesh = sharding.make_mesh({"data": -1}, jax.devices()[:1])
+    graphdef, params = nnx.split(models.create_model(cfg, seed=0, mesh=mesh))
+    rng = np.random.default_rng(0)
+    pm = np.ones((N, P), bool)
+    pm[:, :2] = False
+    m = np.ones((N, T), bool)
+    m[::2, 3:] = False
+    batch = dict(
+        prompt_tokens=rng.integers(4, V, (N, P)).astype(np.int32),
+        prompt_mask=pm,
+        tokens=rng.integers(4, V, (N, T)).astype(np.int32),
+        mask=m,
+        advantages=rng.normal(size=N).astype(np.float32),
+    )
+    old = jax.jit(lambda p, b: ts.completion_logps(graphdef, p, b, 1.0))(params, batch)
+    batch["old_logps"] = np.asarray(old) * m
+    return graphdef, params, mesh, batch
+
+
+_FNS = {}
+
+
+def _step(setup, *, grpo=None, minibatch_size=0, grad_accum=1, beta_ref=False):
+    """A fresh state and the jitted step, compiled once per configuration per module."""
+    graphdef, params, mesh, _ = setup
+    grpo = grpo or GRPOConfig(G=4)
+    tx, schedule = ts.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+    state = ts.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+    key = (grpo, minibatch_size, grad_accum, beta_ref)
+    if key not in _FNS:
+        _FNS[key] = ts.jit_train_step(
+            graphdef=graphdef,
+            tx=tx,
+            schedule=schedule,
+            grpo=grpo,
+            minibatch_size=minibatch_size,
+            grad_accum=grad_accum,
+            batch_shards=1,
+            track_update=True,
+            state_shardings=jax.tree.map(lambda x: x.sharding, state),
+            batch_sharding_fn=lambda nd: sharding.batch_sharding(mesh, nd),
+            ref_shardings=jax.tree.map(lambda x: x.sharding, params) if beta_ref else None,
+            replicated=sharding.replicated(mesh),
+        )
+    return state, _FNS[key]
+
+
+def _leaves_equal(a, b):
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_first_update_starts_at_ratio_one_and_moves_params(setup):
+    graphdef, params, _, batch = setup
+    state, fn = _step(setup)
+    new, m = fn(state, batch, jax.random.key(0), None)
+    m = jax.device_get(m)
+    # pi_old was recorded from the same parameters: the ratio is exactly 1 up to
+    # float error on the (only) update, so nothing is clipped.
+    assert abs(m["train/ratio_max"] - 1) < 1e-5 and abs(m["train/ratio_min"] - 1) < 1e-5
+    assert m["train/clip_frac_low"] == 0 and m["train/clip_frac_high"] == 0
+    assert m["train/updates"] == 1 and m["train/skipped_updates"] == 0
+    assert np.isfinite(m["train/loss"]) and m["train/grad_norm"] > 0
+    assert "train/kl" not in m  # beta = 0: no reference model anywhere.
+    assert m["policy/kl_old_new"] > 0
+    assert int(new.step) == 1
+    assert not _leaves_equal(new.params, params)
+
+
+def test_nonfinite_update_is_skipped_and_counted(setup):
+    _, params, _, batch = setup
+    state, fn = _step(setup)
+    bad = dict(batch, advantages=np.full(N, np.nan, np.float32))
+    s1, m1 = fn(state, bad, jax.random.key(0), None)
+    m1 = jax.device_get(m1)
+    assert m1["train/skipped_updates"] == 1 and m1["train/skipped_in_row"] == 1
+    assert _leaves_equal(s1.params, params)  # The NaN never reached the parameters.
+    assert int(s1.updates) == 0
+    s2, m2 = fn(s1, bad, jax.random.key(1), None)
+    assert int(jax.device_get(m2["train/skipped_in_row"])) == 2
+    s3, m3 = fn(s2, batch, jax.random.key(2), None)
+    m3 = jax.device_get(m3)
+    assert m3["train/skipped_in_row"] == 0 and m3["train/skipped_total"] == 2
+    assert int(s3.updates) == 1 and np.isfinite(m3["train/loss"])
+
+
+def test_grad_accumulation_matches_one_big_minibatch(setup):
+    _, _, _, batch = setup
+    s_a, fn_a = _step(setup, grad_accum=1)
+    s_b, fn_b = _step(setup, grad_accum=2)
+    a, ma = fn_a(s_a, batch, jax.random.key(0), None)
+    b, mb = fn_b(s_b, batch, jax.random.key(0), None)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(ma["train/loss"], mb["train/loss"], atol=1e-6)
+
+
+def test_minibatches_mu_and_frozen_reference(setup):
+    _, params, _, batch = setup
+    grpo = GRPOConfig(G=4, mu=2, beta=0.1)
+    state, fn = _step(setup, grpo=grpo, minibatch_size=4, beta_ref=True)
+    _, m = jax.device_get(fn(state, batch, jax.random.key(0), params))
+    assert m["train/updates"] == 4  # mu * N / minibatch = 2 * 8 / 4
+    # Later updates are off-policy: the ratio has moved away from 1, and the
+    # policy away from the frozen reference (KL >= 0, k3 is never negative).
+    assert m["train/ratio_max"] > 1 + 1e-4 or m["train/ratio_min"] < 1 - 1e-4
+    assert 0 < m["train/kl"] < 1
+
+
+def test_split_rows_takes_every_shard():
+    x = jnp.arange(8)
+    parts = ts._split_rows(x, 2, 2)  # 2 shards of rows [0..3], [4..7]; 2 parts
+    np.testing.assert_array_equal(np.asarray(parts), [[0, 1, 4, 5], [2, 3, 6, 7]])
+
+
+def test_lr_schedules():
+    warm = ts.lr_schedule(OptimConfig(learning_rate=1.0, warmup_steps=4), 10)
+    assert [float(warm(i)) for i in (0, 2, 4, 9)] == [0.0, 0.5, 1.0, 1.0]
+    cos = ts.lr_schedule(OptimConfig(learning_rate=1.0, schedule="cosine", end_lr_factor=0.1), 11)
+    assert float(cos(0)) == pytest.approx(1.0) and float(cos(10)) == pytest.approx(0.1)
+    lin = ts.lr_schedule(OptimConfig(learning_rate=1.0, schedule="linear"), 5)
+    assert float(lin(0)) == 1.0 and float(lin(4)) == pytest.approx(0.0)
