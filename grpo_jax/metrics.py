@@ -191,6 +191,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.add_text("samples", "    " + text.replace("\n", "\n    "), int(step))
 
+    def truncate(self, last_step: int) -> None:
+        """Drops the records after ``last_step`` (resume), reopening the file."""
+        if not self.enabled:
+            return
+        self._file.close()
+        truncate_metrics(self.path, last_step)
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close().
+
     def flush(self) -> None:
         if self.enabled:
             self._file.flush()

@@ -374,7 +374,7 @@ def _train_loop(
         warm_info = meta.get("warm_start", warm_info)
         no_signal_run = int(meta.get("no_signal_run", 0))
         if is_main:
-            metrics_lib.truncate_metrics(writer.path, latest)
+            writer.truncate(latest)
         progress.message(f"resuming from the checkpoint at step {latest} in {ck.directory}")
     else:
         if run.eval.at_start:
@@ -468,6 +468,7 @@ def _train_loop(
         if pending is not None:  # The previous update must finish before sampling anyway.
             jax.block_until_ready(state.step)
             t_ready = time.perf_counter()
+            t0 = t_ready  # Sampling time starts when the device is free.
         out = generate(
             graphdef,
             state.params,

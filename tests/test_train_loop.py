@@ -1,0 +1,216 @@
+"""The GRPO loop end to end on the smoke config: logs, exact resume, SIGTERM, non-finite stop.
+
+Every test trains the smoke variant of configs/default.py (a 1-layer model,
+a few steps) on one CPU device. Compiled programs are shared between the runs
+of this module through JAX's persistent compilation cache.
+"""
+
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from grpo_jax import losses
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.metrics import read_metrics
+from grpo_jax.train import TIMING_PREFIXES, NonFiniteError, train
+
+REQUIRED_KEYS = [
+    "rewards/mean",
+    "rewards/std",
+    "rewards/exact_match/mean",
+    "rewards/exact_match/std",
+    "rewards/exact_match/errors",
+    "rewards/format/mean",
+    "rewards/format/std",
+    "rollout/pass_rate",
+    "rollout/length_mean",
+    "rollout/length_max",
+    "rollout/truncated_frac",
+    "rollout/invalid_format_frac",
+    "rollout/duplicate_frac",
+    "rollout/group_reward_var",
+    "rollout/frac_zero_var_groups",
+    "train/kl",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/ratio_mean",
+    "train/ratio_min",
+    "train/ratio_max",
+    "train/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "train/loss",
+    "train/skipped_updates",
+    "perf/sample_tokens_per_s",
+    "perf/train_tokens_per_s",
+    "perf/time_sample_s",
+    "perf/time_reward_s",
+    "perf/time_train_s",
+    "perf/step_s",
+    "policy/kl_old_new",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    old = {
+        k: getattr(jax.config, k)
+        for k in (
+            "jax_compilation_cache_dir",
+            "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes",
+        )
+    }
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+
+
+def _config(**updates):
+    c = get_config("smoke")
+    for dotted, value in updates.items():
+        section, key = dotted.split(".")
+        c[section][key] = value
+    return c
+
+
+def _quick(**updates):
+    """No warm start, no sampled pass@k: the fewest compilations."""
+    base = {
+        "warm_start.enabled": False,
+        "eval.num_samples": 0,
+        "eval.every": 0,
+        "train.steps": 4,
+        "checkpoint.every": 2,
+    }
+    return _config(**{**base, **updates})
+
+
+def _final_params(workdir, like):
+    ck = Checkpointer(workdir / "checkpoints")
+    try:
+        return ck.restore_params(params_like=like), ck.latest_step()
+    finally:
+        ck.close()
+
+
+def _like_params():
+    from grpo_jax import run as run_lib
+    from grpo_jax.models.builtin_tokenizer import build_tokenizer
+
+    run = run_lib.parse_config(_quick())
+    return run_lib.build_model(run, build_tokenizer(), run_lib.build_mesh(run))[1]
+
+
+def _deterministic(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+
+def test_end_to_end_smoke_run(tmp_path):
+    wd = tmp_path / "run"
+    summary = train(_config(**{"grpo.beta": 0.04}), wd)
+    on_disk = json.loads((wd / "summary.json").read_text())
+    assert set(on_disk) >= {"before", "after", "wall_seconds"}
+    assert on_disk["before"]["pass_at_1"] == summary["before"]["pass_at_1"]
+    assert 0.0 <= on_disk["after"]["pass_at_1"] <= 1.0 and on_disk["wall_seconds"] > 0
+    records = read_metrics(wd / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records[1:]:
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        assert not missing, f"step {r['step']} lacks {missing}"
+    # Evaluations at the start (step 0), every 2 steps and at the end, with pass@k.
+    for step in (0, 2, 3):
+        assert {"eval/pass_at_1", "eval/pass_at_k", "eval/pass_at_2"} <= set(records[step])
+    assert "eval/pass_at_1" not in records[1]
+    assert list((wd / "tensorboard").glob("events.out.tfevents.*"))
+    assert (wd / "samples" / "step_0000002.txt").read_text().count("[completion]") == 4
+    assert (wd / "warm_start" / "info.json").exists()
+    assert (wd / "tokenizer" / "tokenizer.json").exists()
+    ck = Checkpointer(wd / "checkpoints")
+    assert ck.all_steps() == [2, 3]
+    meta = ck.restore_meta()
+    ck.close()
+    assert meta["counters"]["step"] == 3 and meta["data_iterator"]["position"] == 12
+    # Running the same command again finds the run finished: nothing is retrained.
+    again = train(_config(**{"grpo.beta": 0.04}), wd)
+    assert again["after"]["pass_at_1"] == summary["after"]["pass_at_1"]
+    assert again["steps"] == 3
+
+
+class _Kill(Exception):
+    pass
+
+
+def test_resume_after_kill_is_exact(tmp_path):
+    cfg = _quick()
+    train(cfg, tmp_path / "whole")
+
+    def kill_at_3(step):
+        if step == 3:
+            raise _Kill  # Between the checkpoints at 2 and 4: step 3 is lost.
+
+    with pytest.raises(_Kill):
+        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    assert ck.all_steps() == [2]
+    ck.close()
+    train(cfg, tmp_path / "killed")
+
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert _deterministic(resumed) == _deterministic(whole)
+    like = _like_params()
+    a, sa = _final_params(tmp_path / "whole", like)
+    b, sb = _final_params(tmp_path / "killed", like)
+    assert sa == sb == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert (
+        json.loads((tmp_path / "killed" / "summary.json").read_text())["after"]
+        == json.loads((tmp_path / "whole" / "summary.json").read_text())["after"]
+    )
+
+
+def test_sigterm_saves_and_returns(tmp_path):
+    cfg = _quick(**{"checkpoint.every": 0})
+
+    def term_at_1(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = train(cfg, tmp_path, step_callback=term_at_1)
+    assert out == {"preempted": True, "step": 2}
+    ck = Checkpointer(tmp_path / "checkpoints")
+    assert ck.all_steps() == [2]
+    ck.close()
+    assert not (tmp_path / "summary.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is not None  # The handler was restored.
+    done = train(cfg, tmp_path)
+    assert done["steps"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_nonfinite_updates_stop_the_run(tmp_path, monkeypatch):
+    real = losses.grpo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(losses, "grpo_loss", nan_loss)
+    cfg = _quick(**{"train.max_nonfinite_in_row": 2, "eval.at_start": False})
+    with pytest.raises(NonFiniteError, match=r"the last 2 updates had a non-finite loss"):
+        train(cfg, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["train/skipped_updates"] for r in records] == [1, 1]
+    assert [r["train/updates"] for r in records] == [0, 0]
+    assert not (tmp_path / "summary.json").exists()
