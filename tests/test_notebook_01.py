@@ -10,9 +10,12 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "01_grpo_
 
 def test_notebook_01_runs():
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={
-        "metadata": {"path": str(NOTEBOOK.parent)}
-    }).execute()
+    NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    ).execute()
     outputs = "".join(
         o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
     )
