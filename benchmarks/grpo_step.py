@@ -26,8 +26,12 @@ Same work on every system:
   (constant LR, b1 0.9, b2 0.999, eps 1e-8, no weight decay, clip 1.0);
 * float32 everywhere, on this machine's CPU; each system in its own process
   (its own virtualenv for TRL and Tunix), one after the other. The JAX
-  systems run on one CPU device (XLA's CPU backend uses every core from
-  one device), torch on its default thread count.
+  systems run on one CPU device. ``--threads N`` gives every system N CPU
+  threads (torch intra-op threads; XLA's CPU thread pool); the default, 0,
+  leaves each framework at its own default of one thread per core. On a
+  CPU shared with other work, torch's default collapses (its threads wait
+  on each other at every small op), so compare systems at ``--threads 1``
+  there; see benchmarks/README.md.
 
 Each side prints one ``GRPO_STEP_RESULT {json}`` line; this driver prints a
 table, per-size ratios, and as its last two lines ``speedup_vs_trl=<x>`` and
