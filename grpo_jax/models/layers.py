@@ -68,6 +68,11 @@ def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> 
         offset += size
 
 
+def _project(x_MxD: jax.Array, w_DxHxDh: jax.Array) -> jax.Array:
+    """x @ W for a [D, heads, head_dim] weight, as one 2-D matmul: [M, heads * head_dim]."""
+    return x_MxD @ w_DxHxDh.reshape(w_DxHxDh.shape[0], -1)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019) over the last axis: x / sqrt(mean(x^2) + eps) * w.
 
@@ -145,9 +150,12 @@ class Attention(nnx.Module):
         K, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         w = lambda p: p[...].astype(dt)
 
-        q_BxTxHxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.q_proj))
-        k_BxTxKxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.k_proj))
-        v_BxTxKxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, w(self.v_proj))
+        # Projections run on 2-D [B*T, D] rows: on CPU, XLA's 3-D dot and its
+        # gradient add transposes that cost about as much as the matmuls.
+        x_MxD = x_BxTxD.reshape(B * T, -1)
+        q_BxTxHxDh = _project(x_MxD, w(self.q_proj)).reshape(B, T, -1, Dh)
+        k_BxTxKxDh = _project(x_MxD, w(self.k_proj)).reshape(B, T, K, Dh)
+        v_BxTxKxDh = _project(x_MxD, w(self.v_proj)).reshape(B, T, K, Dh)
         if cfg.qkv_bias:
             q_BxTxHxDh = q_BxTxHxDh + w(self.q_bias)
             k_BxTxKxDh = k_BxTxKxDh + w(self.k_bias)
@@ -190,7 +198,8 @@ class Attention(nnx.Module):
         probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
         out_BxTxKxGxDh = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
         out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
-        out_BxTxD = jnp.einsum("bthk,hkd->btd", out_BxTxHxDh, w(self.o_proj))
+        o_proj_HDhxD = w(self.o_proj).reshape(K * G * Dh, -1)
+        out_BxTxD = (out_BxTxHxDh.reshape(B * T, K * G * Dh) @ o_proj_HDhxD).reshape(B, T, -1)
         if cfg.out_bias:
             out_BxTxD = out_BxTxD + w(self.o_bias)
         return out_BxTxD, kv_cache
@@ -212,9 +221,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxTxD: jax.Array, layout: str) -> jax.Array:
         cfg, dt = self.cfg, x_BxTxD.dtype
+        B, T, D = x_BxTxD.shape
         w = lambda p: p[...].astype(dt)
-        gate_BxTxF = x_BxTxD @ w(self.gate_proj)
-        up_BxTxF = x_BxTxD @ w(self.up_proj)
+        x_MxD = x_BxTxD.reshape(B * T, D)  # 2-D matmuls: see Attention.
+        gate_BxTxF = (x_MxD @ w(self.gate_proj)).reshape(B, T, -1)
+        up_BxTxF = (x_MxD @ w(self.up_proj)).reshape(B, T, -1)
         if cfg.mlp_bias:
             gate_BxTxF, up_BxTxF = gate_BxTxF + w(self.gate_bias), up_BxTxF + w(self.up_bias)
         if cfg.activation == "silu":
@@ -222,7 +233,7 @@ class MLP(nnx.Module):
         else:
             gate_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=cfg.activation == "gelu_tanh")
         h_BxTxF = constrain(gate_BxTxF * up_BxTxF, ("batch", None, "mlp"), layout)
-        out_BxTxD = h_BxTxF @ w(self.down_proj)
+        out_BxTxD = (h_BxTxF.reshape(B * T, -1) @ w(self.down_proj)).reshape(B, T, D)
         if cfg.mlp_bias:
             out_BxTxD = out_BxTxD + w(self.down_bias)
         return out_BxTxD
