@@ -3,16 +3,17 @@ r"""The CPU default: a tiny model learns 3-digit addition, warm start then GRPO.
     python -m grpo_jax.main --config=configs/default.py --workdir=/tmp/grpo_tiny
 
 A ~0.8M-parameter Qwen2-style model with the project's character tokenizer
-(``grpo_jax.models.builtin_tokenizer``) on synthetic 3-digit addition,
-"123+459=" -> "582"; the completion is the bare answer.
+(``grpo_jax.models.builtin_tokenizer``) on synthetic 3-digit addition with
+every number written least significant digit first: "321+954=" is 123 + 459
+and its answer "285" is 582. The completion is the bare answer.
 
-Why the answer is not reversed here: the model has rotary (relative) position
-embeddings. Written most significant digit first, answer digit j sits at a
-fixed distance from operand digits j (and from the lower digits that carry
-into it), the same distance for every j, which attention learns at once;
-reversed, the distance changes with j and the warm start sits on a long
-plateau before it learns where it is. A small ``rope_theta`` (100) gives the
-short sequences sharper positions.
+Why reversed, operands too: each answer digit then comes after the digits
+that carry into it (Lee et al. 2023), and, the model having rotary (relative)
+positions, answer digit j sits at the same distance from operand digits j for
+every j, so attention finds them at once. With the prompt in the usual order
+the warm start sits on a long plateau and GRPO gains little; with only the
+answer reversed the plateau is longer still. A small ``rope_theta`` (100)
+gives the short sequences sharper positions.
 
 1. Warm start: supervised next-token training on the answers until greedy
    pass@1 on 256 held-back training problems reaches
@@ -60,7 +61,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.min_digits = 3
     c.data.max_digits = 3
     c.data.ops = "+"
-    c.data.reverse_digits = False
+    c.data.reverse_digits = True
+    c.data.reverse_operands = True
     c.data.n_train = 20_000
     c.data.n_test = 512
     # The data seed follows the run seed (a FieldReference: --config.seed moves both).
@@ -123,7 +125,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.eval.at_start = True
     c.eval.num_problems = 512
     c.eval.batch_size = 256
-    c.eval.num_samples = 0
+    c.eval.num_samples = 8
     c.eval.k = 4
     c.eval.temperature = 1.0
     c.eval.split = "test"
@@ -146,7 +148,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.warm_start.max_steps = 3000
     c.warm_start.min_steps = 0
     c.warm_start.target_pass_at_1 = 0.25
-    c.warm_start.eval_every = 25
+    c.warm_start.eval_every = 10
     c.warm_start.val_problems = 256
     c.warm_start.batch_size = 64
     c.warm_start.learning_rate = 1e-3

@@ -10,7 +10,11 @@ a laptop CPU, with exact answers the rewards can check.
   results) is written least-significant digit first (``357`` -> ``753``,
   ``-350`` -> ``-053``): the model then produces each digit after the digits
   that carry into it, which makes addition learnable left to right (Lee et al.
-  2023, "Teaching Arithmetic to Small Transformers"). Reward: ``exact_match``.
+  2023, "Teaching Arithmetic to Small Transformers"). ``reverse_operands``
+  writes the prompt's operands that way too (``"123+459="`` -> ``"321+954="``,
+  the problem 123 + 459): then answer digit j sits at the same distance from
+  operand digits j for every j, which suits models with relative (rotary)
+  positions. Reward: ``exact_match``.
 * ``countdown``: ``"3 7 25 50 -> 100:"``; reach the target using every number
   exactly once with + - * / (exact division, positive intermediates). Any
   correct expression scores, so the reward is ``countdown``, not exact match;
@@ -54,6 +58,7 @@ ARITH_KNOBS = {
     "min_digits": 1,
     "ops": "+",
     "reverse_digits": False,
+    "reverse_operands": False,
 }
 
 
@@ -64,13 +69,18 @@ def _check_arith(k: dict) -> None:
     ops = k["ops"]
     if not isinstance(ops, str) or not ops or set(ops) - set("+-*"):
         raise ConfigError(f"config key 'ops' = {ops!r} must be a non-empty string over '+-*'")
-    if not isinstance(k["reverse_digits"], bool):
-        raise ConfigError(f"config key 'reverse_digits' = {k['reverse_digits']!r} must be a bool")
+    for knob in ("reverse_digits", "reverse_operands"):
+        if not isinstance(k[knob], bool):
+            raise ConfigError(f"config key '{knob}' = {k[knob]!r} must be a bool")
 
 
-def arithmetic_problem(operands: list[int], operators: list[str], reverse_digits: bool) -> dict:
+def arithmetic_problem(
+    operands: list[int], operators: list[str], reverse_digits: bool, reverse_operands: bool = False
+) -> dict:
     """Prompt, answer and worked solution of ``operands[0] op operands[1] op ...``."""
-    prompt = "".join(f"{a}{op}" for a, op in zip(operands, operators + ["="]))
+    prompt = "".join(
+        f"{write_number(a, reverse_operands)}{op}" for a, op in zip(operands, operators + ["="])
+    )
     w = lambda v: write_number(v, reverse_digits)
     vals, ops, steps = list(operands), list(operators), []
     for wanted in ("*", "+-"):
@@ -96,7 +106,7 @@ def _sample_arith(rng: np.random.Generator, k: dict) -> tuple[str, dict]:
         lo = 0 if d == 1 else 10 ** (d - 1)
         operands.append(int(rng.integers(lo, 10**d)))
     operators = [str(rng.choice(list(k["ops"]))) for _ in range(k["n_operands"] - 1)]
-    ex = arithmetic_problem(operands, operators, k["reverse_digits"])
+    ex = arithmetic_problem(operands, operators, k["reverse_digits"], k["reverse_operands"])
     return "arithmetic:" + ex["prompt"], ex
 
 
@@ -160,7 +170,8 @@ def make_split(
       seed: the same seed, knobs and split give the same list.
       heldout_fraction: share of the problem space reserved for "test".
       **knobs: difficulty: arithmetic ``n_operands`` (2..), ``max_digits``,
-        ``min_digits``, ``ops`` ("+", "+-", "+-*"), ``reverse_digits``;
+        ``min_digits``, ``ops`` ("+", "+-", "+-*"), ``reverse_digits``,
+        ``reverse_operands``;
         countdown ``n_numbers``, ``max_number``, ``max_target``.
 
     Returns:
