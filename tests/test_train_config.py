@@ -130,3 +130,15 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert out.returncode == 2
     assert "config error: config key 'optim.schedule' = 'exp' is not one of" in out.stderr
     assert not (tmp_path / "wd" / "checkpoints").exists()
+
+
+def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
+    run = run_lib.parse_config(get_config())
+    splits = run_lib.build_datasets(run)
+    assert len(splits["test"]) >= 500
+    assert not {ex["prompt"] for ex in splits["test"]} & {ex["prompt"] for ex in splits["train"]}
+    for ex in splits["test"][:50]:
+        a, b = ex["prompt"].rstrip("=").split("+")
+        assert len(a) == len(b) == 3
+        # Every number least significant digit first: "321+954=" is 123 + 459 = 582, "285".
+        assert ex["answer"] == str(int(a[::-1]) + int(b[::-1]))[::-1]
