@@ -141,6 +141,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.mesh.tensor = 1
     c.mesh.num_devices = 0
     c.mesh.layout = "fsdp"
+    c.mesh.memory_budget_gb = 0.0  # 0: what the accelerator reports.
 
     c.warm_start = ConfigDict()
     c.warm_start.enabled = True

@@ -405,7 +405,12 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
     start's batch, if bigger); the sampler decodes ``B * G`` rows (or
     ``eval.batch_size``, if bigger); prompts are at most the largest of
     ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
+    Without ``budget_bytes``, the run's ``mesh.memory_budget_gb`` (when > 0) is
+    the budget.
     """
+    stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
+    if budget_bytes is None and stated_gb > 0:
+        budget_bytes = int(stated_gb * 2**30)
     sampling = dict(run.sampling)
     n = run.train.batch_size * run.grpo.G
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum

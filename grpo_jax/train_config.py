@@ -195,6 +195,9 @@ class MeshConfig:
       data, fsdp, tensor: mesh axis sizes.
       num_devices: use the first this many devices (0: all).
       layout: parameter layout, a key of ``grpo_jax.sharding.LAYOUTS``.
+      memory_budget_gb: per-device memory the run may use, in GiB; a layout whose
+        estimate exceeds it is refused before anything loads. 0: the memory
+        the accelerator reports (none on CPU, so no check there).
     """
 
     data: int = -1
@@ -202,6 +205,7 @@ class MeshConfig:
     tensor: int = 1
     num_devices: int = 0
     layout: str = "fsdp"
+    memory_budget_gb: float = 0.0
 
     def __post_init__(self):
         from grpo_jax.sharding import LAYOUTS
@@ -212,4 +216,5 @@ class MeshConfig:
             if v == 0:
                 raise ConfigError(f"config key 'mesh.{axis}' = 0 must be positive or -1")
         check_range("mesh.num_devices", self.num_devices, lo=0, integer=True)
+        check_range("mesh.memory_budget_gb", self.memory_budget_gb, lo=0.0)
         check_choice("mesh.layout", self.layout, LAYOUTS)

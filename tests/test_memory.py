@@ -278,3 +278,15 @@ def test_plan_run_takes_rows_and_lengths_from_the_run():
     ).activations  # fmt: skip
     with pytest.raises(config.ConfigError, match="layout 'fsdp_tp'.*over the budget"):
         memory.plan_run(run, HAND, mesh, budget_bytes=1024)
+
+
+def test_a_stated_budget_in_the_run_config_refuses_the_run_at_start_up(tmp_path):
+    """--config.mesh.memory_budget_gb stops an oversized layout before anything trains."""
+    from configs.default import get_config
+    from grpo_jax import config, train
+
+    c = get_config("smoke")
+    c.mesh.memory_budget_gb = 1e-6  # about 1 KiB: nothing fits
+    with pytest.raises(config.ConfigError, match=r"layout 'fsdp'.*over the budget of"):
+        train.train(c, str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
