@@ -132,7 +132,8 @@ def evaluate(
         correct_PxS = scorer.correct(texts, examples, repeat=n).reshape(len(examples), n)
         pass_k = metrics_lib.mean_pass_at_k(correct_PxS, cfg.k)
         out[f"{prefix}/pass_at_k"] = pass_k
-        out[f"{prefix}/pass_at_{cfg.k}"] = pass_k
+        if cfg.k != 1:  # pass_at_1 is the greedy figure; never overwrite it.
+            out[f"{prefix}/pass_at_{cfg.k}"] = pass_k
         out[f"{prefix}/sampled_pass_at_1"] = metrics_lib.mean_pass_at_k(correct_PxS, 1)
     return out
 

@@ -44,6 +44,7 @@ from grpo_jax.train_config import OptimConfig
 log = logging.getLogger(__name__)
 
 TARGETS = ("solution", "answer")
+METRICS = ("greedy", "sampled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,14 @@ class WarmStartConfig:
       enabled: run it (needs examples with a "solution" field).
       max_steps: hard cap on optimizer steps.
       min_steps: never stop before this many steps.
-      target_pass_at_1: stop once greedy validation pass@1 reaches this.
+      target_pass_at_1: stop once validation pass@1 (``metric``) reaches this.
+      metric: "greedy" (pass@1 of the argmax completion) or "sampled" (the
+        share of completions sampled at the GRPO temperature that are
+        correct, ``val_samples`` per problem): what GRPO will see. A policy
+        caught mid-way through learning can be right under argmax yet sample
+        correct answers only a few percent of the time, and GRPO, learning
+        only from groups with a correct sample, then has almost no signal.
+      val_samples: samples per validation problem for the "sampled" metric.
       eval_every: validate every this many steps.
       val_problems: training problems held back for validation (never trained on).
       batch_size: sequences per step.
@@ -72,6 +80,8 @@ class WarmStartConfig:
     max_steps: int = 2000
     min_steps: int = 0
     target_pass_at_1: float = 0.25
+    metric: str = "greedy"
+    val_samples: int = 4
     eval_every: int = 50
     val_problems: int = 256
     batch_size: int = 64
@@ -99,6 +109,8 @@ class WarmStartConfig:
         check_range("warm_start.weight_decay", self.weight_decay, lo=0.0)
         check_range("warm_start.max_grad_norm", self.max_grad_norm, lo=0.0)
         check_choice("warm_start.target", self.target, TARGETS)
+        check_choice("warm_start.metric", self.metric, METRICS)
+        check_range("warm_start.val_samples", self.val_samples, lo=1, integer=True)
 
     def optim(self) -> OptimConfig:
         return OptimConfig(
@@ -272,7 +284,7 @@ def warm_start(
     cfg: WarmStartConfig,
     encoder,
     max_new_tokens: int,
-    validate: Callable[[object], float],
+    validate: Callable[[object], Mapping[str, float]],
     seed: int,
     mesh,
     param_shardings,
@@ -285,7 +297,9 @@ def warm_start(
       graphdef, params: the policy (params are not donated: the caller's copy
         stays valid).
       train_examples: examples with "solution"; ``val_examples`` are held out.
-      validate: params -> greedy pass@1 on ``val_examples``.
+      validate: params -> {"greedy": pass@1, "sampled": pass@1 of samples (when
+        ``cfg.metric`` is "sampled")} on ``val_examples``; ``cfg.metric``
+        picks the one compared with the target.
       log_fn: called with (step, metrics) at every validation.
       should_stop: polled every step (SIGTERM): the phase ends early, uncached.
 
@@ -330,10 +344,12 @@ def warm_start(
             interrupted = True
             break
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            val = float(validate(state.params))
+            vals = {k: float(v) for k, v in validate(state.params).items()}
+            val = vals[cfg.metric]
             history.append((step, val))
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             m["sft/val_pass_at_1"] = val
+            m.update({f"sft/val_{k}_pass_at_1": v for k, v in vals.items()})
             m["sft/seconds"] = time.perf_counter() - t0
             if log_fn is not None:
                 log_fn(step, m)

@@ -176,9 +176,8 @@ def train(
     base_key = jax.random.key(run.seed)
     eval_key = jax.random.fold_in(base_key, 0x5EED)
 
-    def run_eval(params, step: int, examples=test_examples, prefix="eval", sampled=True):
+    def run_eval(params, step: int, examples=test_examples, prefix="eval", cfg=None):
         t0 = time.perf_counter()
-        cfg = run.eval if sampled else dataclasses.replace(run.eval, num_samples=0)
         out = evaluate(
             graphdef,
             params,
@@ -186,7 +185,7 @@ def train(
             encoder=encoder,
             scorer=scorer,
             sampling=samp_cfg,
-            cfg=cfg,
+            cfg=run.eval if cfg is None else cfg,
             key=jax.random.fold_in(eval_key, step),
             mesh=mesh,
             prefix=prefix,
@@ -251,9 +250,19 @@ def _base_policy(
     val_examples = train_all[-ws.val_problems :]
     sft_examples = train_all[: -ws.val_problems]
 
+    val_cfg = dataclasses.replace(
+        run.eval,
+        num_samples=ws.val_samples if ws.metric == "sampled" else 0,
+        k=1,
+        temperature=run.grpo.temperature,
+    )
+
     def validate(params):
-        out = run_eval(params, 0, val_examples, prefix="sft_val", sampled=False)
-        return out["sft_val/pass_at_1"]
+        out = run_eval(params, 0, val_examples, prefix="v", cfg=val_cfg)
+        vals = {"greedy": out["v/pass_at_1"]}
+        if ws.metric == "sampled":
+            vals["sampled"] = out["v/sampled_pass_at_1"]
+        return vals
 
     sft_log = workdir / "warm_start" / "metrics.jsonl"
 
@@ -262,14 +271,17 @@ def _base_policy(
             sft_log.parent.mkdir(parents=True, exist_ok=True)
             with open(sft_log, "a") as f:
                 f.write(json.dumps({"step": step, **m}, sort_keys=True) + "\n")
+        sampled = m.get("sft/val_sampled_pass_at_1")
         progress.message(
             f"warm start step {step}: loss {m['sft/loss']:.4f}, token acc "
-            f"{m['sft/token_accuracy']:.3f}, validation pass@1 {m['sft/val_pass_at_1']:.3f} "
-            f"({m['sft/seconds']:.0f}s)"
+            f"{m['sft/token_accuracy']:.3f}, validation pass@1 greedy "
+            f"{m['sft/val_greedy_pass_at_1']:.3f}"
+            + ("" if sampled is None else f", sampled {sampled:.3f}")
+            + f" ({m['sft/seconds']:.0f}s)"
         )
 
     progress.message(
-        f"warm start: supervised training until validation pass@1 >= "
+        f"warm start: supervised training until {ws.metric} validation pass@1 >= "
         f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
     )
     params, info = sft.warm_start(

@@ -91,6 +91,19 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
     assert out["eval/num_problems"] == 7
     # Fixed-size calls, the last one padded: 8 prompts greedy, 2 prompts x 4 samples.
     assert calls == [8] + [2] * 4
+    # k = 1: pass_at_1 stays the greedy figure, the sampled one has its own key.
+    out1 = ev.evaluate(
+        None,
+        None,
+        examples,
+        encoder=run_lib.build_encoder(run, tok),
+        scorer=run_lib.build_scorer(run),
+        sampling=run_lib.tokenizer_sampling(run, tok),
+        cfg=EvalConfig(batch_size=8, num_samples=4, k=1),
+        key=jax.random.key(0),
+    )
+    assert out1["eval/pass_at_1"] == pytest.approx(4 / 7)
+    assert out1["eval/pass_at_k"] == out1["eval/sampled_pass_at_1"] == pytest.approx(c.mean() / 4)
 
 
 def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
