@@ -1,0 +1,118 @@
+"""The supervised warm start: batch layout, masked loss, stop criterion, cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.default import get_config
+from grpo_jax import run as run_lib
+from grpo_jax import sft
+from grpo_jax.config import ConfigError
+from grpo_jax.train_step import completion_logits
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    run = run_lib.parse_config(get_config("smoke"))
+    tok = run_lib.build_tokenizer(run, tmp_path_factory.mktemp("wd"))
+    mesh = run_lib.build_mesh(run)
+    graphdef, params = run_lib.build_model(run, tok, mesh)
+    return run, tok, mesh, graphdef, params, run_lib.build_encoder(run, tok)
+
+
+EXAMPLES = [
+    {"prompt": "12+3=", "answer": "51", "solution": "<answer>51</answer>"},
+    {"prompt": "1+1=", "answer": "2", "solution": "<answer>2</answer>"},
+]
+
+
+def test_batch_layout_masks_the_prompt(parts):
+    _, tok, _, _, _, enc = parts
+    b = sft.sft_batch(EXAMPLES, enc, 6, "answer")
+    # Prompts left-padded to the bucket, with BOS; targets right-padded, EOS included.
+    assert b["prompt_tokens"].shape == (2, 9)
+    assert tok.decode(b["prompt_tokens"][0][b["prompt_mask"][0]]) == "<bos>12+3="
+    assert b["prompt_mask"][1].sum() == 5 and not b["prompt_mask"][1][:4].any()
+    assert b["tokens"][0].tolist()[:3] == tok("51", add_special_tokens=False).input_ids + [2]
+    assert b["mask"].sum(1).tolist() == [3, 2]
+    with pytest.raises(ConfigError, match=r"the solution of example 0 .* has 20 tokens with EOS"):
+        sft.sft_batch(EXAMPLES, enc, 6, "solution")
+    with pytest.raises(ConfigError, match="needs a 'solution' field in every training example"):
+        sft.sft_batch([{"prompt": "1+1=", "answer": "2"}], enc, 6, "solution")
+
+
+def test_loss_is_the_mean_nll_of_the_target_tokens(parts):
+    _, tok, _, graphdef, params, enc = parts
+    b = sft.sft_batch(EXAMPLES, enc, 6, "answer")
+    loss, aux = sft.sft_loss(params, b, graphdef=graphdef)
+    # By hand: one forward over [prompt | target], log-softmax, pick the targets.
+    model = nnx.merge(graphdef, params)
+    full = np.concatenate([b["prompt_tokens"], b["tokens"]], 1)
+    mask = np.concatenate([b["prompt_mask"], b["mask"]], 1)
+    logp = jax.nn.log_softmax(model(jnp.asarray(full), mask_BxT=jnp.asarray(mask)), -1)
+    p = b["prompt_tokens"].shape[1]
+    nll = [
+        -float(logp[i, p - 1 + t, b["tokens"][i, t]])
+        for i in range(2)
+        for t in range(6)
+        if b["mask"][i, t]
+    ]
+    assert float(loss) == pytest.approx(np.mean(nll), rel=1e-5)
+    logits = completion_logits(
+        graphdef, params, b["prompt_tokens"], b["prompt_mask"], b["tokens"], b["mask"]
+    )
+    hits = (np.argmax(logits, -1) == b["tokens"]) & b["mask"]
+    assert float(aux["token_accuracy"]) == pytest.approx(hits.sum() / b["mask"].sum())
+
+
+def test_stops_on_the_validation_criterion_and_caches(parts, tmp_path):
+    run, _, mesh, graphdef, params, enc = parts
+    examples = [dict(ex, answer=str(i % 10)) for i, ex in enumerate(EXAMPLES * 8)]
+    scores = iter([0.1, 0.2, 0.5, 0.9])
+    seen = []
+    cfg = sft.WarmStartConfig(
+        enabled=True,
+        max_steps=20,
+        eval_every=2,
+        batch_size=4,
+        target_pass_at_1=0.5,
+        target="answer",
+        metric="sampled",
+    )
+    out, info = sft.warm_start(
+        graphdef,
+        params,
+        examples,
+        [],
+        cfg=cfg,
+        encoder=enc,
+        max_new_tokens=6,
+        validate=lambda p: {"greedy": 0.0, "sampled": next(scores)},
+        seed=0,
+        mesh=mesh,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params),
+        log_fn=lambda step, m: seen.append((step, m["sft/val_pass_at_1"])),
+    )
+    assert info["steps"] == 6 and info["reached_target"] and info["val_pass_at_1"] == 0.5
+    assert seen == [(2, 0.1), (4, 0.2), (6, 0.5)]
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params), strict=True)
+    )
+
+    sft.save_cache(tmp_path, out, dict(info, fingerprint="abc"))
+    assert sft.load_cached(tmp_path, params, "other") is None  # a changed config retrains
+    back, binfo = sft.load_cached(tmp_path, params, "abc")
+    assert binfo["steps"] == 6
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(out), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sft.fingerprint({"a": 1, "b": [2]}) == sft.fingerprint({"b": [2], "a": 1})
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="'warm_start.metric' = 'loss' is not one of"):
+        sft.WarmStartConfig(metric="loss")
+    with pytest.raises(ConfigError, match="'warm_start.min_steps' = 5 must be <= 2"):
+        sft.WarmStartConfig(max_steps=2, min_steps=5)
