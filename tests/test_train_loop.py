@@ -5,6 +5,7 @@ a few steps) on one CPU device. Compiled programs are shared between the runs
 of this module through JAX's persistent compilation cache.
 """
 
+import io
 import json
 import os
 import signal
@@ -139,8 +140,12 @@ def test_end_to_end_smoke_run(tmp_path):
     meta = ck.restore_meta()
     ck.close()
     assert meta["counters"]["step"] == 3 and meta["data_iterator"]["position"] == 12
-    # Running the same command again finds the run finished: nothing is retrained.
-    again = train(_config(**{"grpo.beta": 0.04}), wd)
+    # Running the same command again finds the run finished: nothing is retrained,
+    # and the KL reference (the warm-started policy) comes from the workdir's cache.
+    out = io.StringIO()
+    again = train(_config(**{"grpo.beta": 0.04}), wd, stream=out)
+    assert "warm start: loaded from" in out.getvalue()
+    assert "resuming from the checkpoint at step 3" in out.getvalue()
     assert again["after"]["pass_at_1"] == summary["after"]["pass_at_1"]
     assert again["steps"] == 3
 
