@@ -199,32 +199,62 @@ def test_iterator_no_shuffle_and_keep_remainder():
 
 
 def test_iterator_save_restore_gives_same_following_batches():
-    it = DataIterator(EXAMPLES, 3, seed=7, process_index=1, process_count=2, drop_remainder=False)
+    it = DataIterator(EXAMPLES, 3, seed=7, drop_remainder=False)
     for _ in range(5):
         it.next()
     state = json.loads(json.dumps(it.state()))  # survives a JSON checkpoint
     expected = [_ids(it.next()) for _ in range(7)]
-    fresh = DataIterator(
-        EXAMPLES, 3, seed=7, process_index=1, process_count=2, drop_remainder=False
-    )
+    fresh = DataIterator(EXAMPLES, 3, seed=7, drop_remainder=False)
     fresh.restore(state)
     assert [_ids(fresh.next()) for _ in range(7)] == expected
 
 
-def test_iterator_hosts_see_disjoint_equal_shards():
+def test_iterator_hosts_read_their_blocks_of_the_one_host_stream():
     examples = [{"prompt": f"p{i}", "answer": str(i)} for i in range(23)]
-    shards = []
-    for host in range(4):
-        it = DataIterator(examples, 2, seed=5, process_index=host, process_count=4)
-        assert it.batches_per_epoch == 2  # 23 // 4 = 5 per host, 2 full batches
-        shards.append(sum((_ids(it.next()) for _ in range(2)), []))
-    flat = sum(shards, [])
-    assert len(flat) == len(set(flat)) == 16
+    one = DataIterator(examples, 8, seed=5)
+    hosts = [DataIterator(examples, 8, seed=5, process_index=h, process_count=4) for h in range(4)]
+    assert one.batches_per_epoch == 2 and hosts[0].host_batch_size == 2
+    for _ in range(5):  # across epoch boundaries
+        want = _ids(one.next())
+        parts = [_ids(h.next()) for h in hosts]
+        assert sum(parts, []) == want
+        assert all(len(p) == 2 for p in parts)
+    # Uneven blocks through ``rows`` (a mesh can give hosts different shares).
+    a = DataIterator(examples, 8, seed=5, rows=slice(0, 6))
+    b = DataIterator(examples, 8, seed=5, rows=slice(6, 8))
+    assert _ids(a.next()) + _ids(b.next()) == _ids(DataIterator(examples, 8, seed=5).next())
+    # Every host holds the same state; a 4-host state resumes one host, same stream.
+    assert len({json.dumps(h.state()) for h in hosts}) == 1
+    resumed = DataIterator(examples, 8, seed=5)
+    resumed.restore(hosts[2].state())
+    assert _ids(resumed.next()) == _ids(one.next())
+
+
+def test_iterator_reads_only_this_hosts_rows():
+    class Recording(list):
+        read = []
+
+        def __getitem__(self, i):
+            self.read.append(i)
+            return super().__getitem__(i)
+
+    data = Recording({"prompt": f"p{i}", "answer": str(i)} for i in range(12))
+    it = DataIterator(data, 4, seed=0, process_index=1, process_count=2)
+    got = [_ids(it.next()) for _ in range(3)]
+    assert sorted(data.read) == sorted(sum(got, [])) and len(data.read) == 6
 
 
 def test_iterator_errors():
-    with pytest.raises(ValueError, match="fewer than batch_size=6"):
-        DataIterator(EXAMPLES, 6, seed=0, process_count=2)
+    with pytest.raises(ValueError, match="10 examples are fewer than batch_size=12"):
+        DataIterator(EXAMPLES, 12, seed=0)
+    with pytest.raises(ValueError, match="batch_size=3 does not split into 2 equal blocks"):
+        DataIterator(EXAMPLES, 3, seed=0, process_count=2)
+    with pytest.raises(ValueError, match="drop_remainder=False needs one host"):
+        DataIterator(EXAMPLES, 4, seed=0, process_count=2, drop_remainder=False)
+    with pytest.raises(ValueError, match=r"rows=slice\(3, 9, None\) must be a block"):
+        DataIterator(EXAMPLES, 4, seed=0, rows=slice(3, 9))
+    with pytest.raises(ValueError, match="not both"):
+        DataIterator(EXAMPLES, 4, seed=0, rows=slice(0, 2), process_count=2)
     with pytest.raises(ValueError, match=r"process_index=2 must be in \[0, process_count=2\)"):
         DataIterator(EXAMPLES, 2, seed=0, process_index=2, process_count=2)
     with pytest.raises(ValueError, match="batch_size=0 must be a positive integer"):
