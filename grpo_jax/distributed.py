@@ -4,11 +4,13 @@ On a Cloud TPU pod slice every host (worker) runs the same command; after
 :func:`maybe_initialize` has called ``jax.distributed.initialize``,
 ``jax.devices()`` lists every chip of every host, one global
 ``jax.sharding.Mesh`` spans them (``grpo_jax.sharding.make_mesh``) and the
-jitted train step runs as one SPMD program. Each host feeds only its own
-rows of a global batch (``jax.make_array_from_process_local_data``), loads
-only its own shard of the dataset (:func:`host_shard`), and only the primary
-host (process 0) writes metrics files and TensorBoard events (:func:`is_primary`);
-Orbax's checkpointing is already multi-host aware (every process calls save).
+jitted train step runs as one SPMD program. Each host reads only its own
+block of rows of every global batch (:func:`host_rows`), feeds them in
+(:func:`global_batch`), reads its completions back (:func:`local_rows`) and
+scores them; only per-row statistics cross hosts (:func:`gather_rows`). Only
+the primary host (process 0) writes metrics files and TensorBoard events
+(:func:`is_primary`); Orbax's checkpointing is already multi-host aware
+(every process calls save).
 
 Where the run's shape comes from, first match wins:
 
@@ -297,6 +299,70 @@ def global_batch(host_tree, mesh, num_rows: int):
     return jax.tree.map(one, host_tree)
 
 
+def local_rows(tree, rows: slice):
+    """This host's block ``rows`` of global arrays split over the batch axes, as numpy.
+
+    The inverse of :func:`global_batch`: reads only the shards on this host's
+    devices, so no data crosses hosts. ``rows`` is :func:`host_rows` of the
+    arrays' leading dimension.
+    """
+    import jax
+    import numpy as np
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))[rows]
+        blocks = {}
+        for shard in x.addressable_shards:
+            start, stop, _ = shard.index[0].indices(x.shape[0])
+            blocks.setdefault(start, (stop, shard.data))
+        out, at = [], rows.start
+        for start in sorted(blocks):
+            stop, data = blocks[start]
+            if start != at:
+                break
+            out.append(np.asarray(data))
+            at = stop
+        if at != rows.stop or not out:
+            raise DistributedError(
+                f"this host's shards of a {x.shape} array do not cover rows "
+                f"{rows.start}:{rows.stop} (they start at {sorted(blocks)})"
+            )
+        return np.concatenate(out)
+
+    return jax.tree.map(one, tree)
+
+
+def gather_rows(tree):
+    """Every host's block of per-row host values, concatenated: the global rows, in host order.
+
+    For statistics over a whole batch that each host computed for its own
+    rows (rewards, lengths, ...): the result holds every row once, in order of
+    process index, on every host. Each host must pass the same structure and
+    shapes. With one process it returns ``tree`` as numpy.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True)), tree
+    )
+
+
+def max_over_hosts(value: int) -> int:
+    """The largest of every host's ``value`` (e.g. the prompt width all hosts pad to)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
 def put(tree, shardings):
     """``jax.device_put`` that also works when the shardings span several hosts.
 
@@ -343,21 +409,3 @@ def fetch(tree):
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
-
-
-def host_shard(examples_count: int) -> tuple[int, int]:
-    """(process_index, process_count): this host's shard of a dataset of ``examples_count``.
-
-    Host i keeps examples i, i + n, i + 2n, ... (``grpo_jax.data`` iterators
-    take these two numbers). Raises when there are fewer examples than hosts,
-    which would leave a host with nothing to train on.
-    """
-    import jax
-
-    index, count = jax.process_index(), jax.process_count()
-    if examples_count < count:
-        raise DistributedError(
-            f"{examples_count} examples cannot be split over {count} hosts: "
-            "every host needs at least one"
-        )
-    return index, count

@@ -108,7 +108,7 @@ def evaluate(
         key=key,
         mesh=mesh,
     )
-    correct = scorer.correct(texts, examples)
+    correct = scorer.correct(texts, examples, lengths_N=lengths)
     out = {
         f"{prefix}/pass_at_1": float(correct.mean()),
         f"{prefix}/length_mean": float(lengths.mean()),
@@ -118,7 +118,7 @@ def evaluate(
     if cfg.num_samples:
         n = cfg.num_samples
         sampled = dataclasses.replace(sampling, greedy=False, temperature=cfg.temperature)
-        texts, _, _ = generate_texts(
+        texts, lengths_s, _ = generate_texts(
             graphdef,
             params,
             examples,
@@ -129,7 +129,8 @@ def evaluate(
             key=jax.random.fold_in(key, 1),
             mesh=mesh,
         )
-        correct_PxS = scorer.correct(texts, examples, repeat=n).reshape(len(examples), n)
+        correct_PxS = scorer.correct(texts, examples, repeat=n, lengths_N=lengths_s)
+        correct_PxS = correct_PxS.reshape(len(examples), n)
         pass_k = metrics_lib.mean_pass_at_k(correct_PxS, cfg.k)
         out[f"{prefix}/pass_at_k"] = pass_k
         if cfg.k != 1:  # pass_at_1 is the greedy figure; never overwrite it.

@@ -67,19 +67,27 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": float(finite.std())}
 
 
+def duplicate_flags(completions: Sequence[str], G: int) -> np.ndarray:
+    """bool per completion: it repeats an earlier completion of its group of G."""
+    n = len(completions)
+    if n % G:
+        raise ValueError(f"{n} completions do not form whole groups of G={G}")
+    flags = np.zeros(n, dtype=np.bool_)
+    for b in range(n // G):
+        seen = set()
+        for i in range(b * G, (b + 1) * G):
+            flags[i] = completions[i] in seen
+            seen.add(completions[i])
+    return flags
+
+
 def duplicate_fraction(completions: Sequence[str], G: int) -> float:
     """Share of completions that repeat an earlier completion of the same group.
 
     0 when all G completions of every group differ, (G-1)/G when each group
     holds one text G times: a collapsed, non-exploring policy.
     """
-    n = len(completions)
-    if n % G:
-        raise ValueError(f"{n} completions do not form whole groups of G={G}")
-    dups = 0
-    for b in range(n // G):
-        dups += G - len(set(completions[b * G : (b + 1) * G]))
-    return dups / max(n, 1)
+    return float(np.mean(duplicate_flags(completions, G))) if completions else 0.0
 
 
 def rollout_metrics(
@@ -90,7 +98,7 @@ def rollout_metrics(
     correct_N: np.ndarray,
     lengths_N: np.ndarray,
     truncated_N: np.ndarray,
-    completions: Sequence[str],
+    duplicate_N: np.ndarray,
     G: int,
     invalid_N: np.ndarray | None = None,
 ) -> dict[str, float]:
@@ -103,7 +111,8 @@ def rollout_metrics(
       correct_N: bool, the completion's answer is right (pass rate).
       lengths_N: completion lengths in tokens (EOS included).
       truncated_N: bool, the completion hit max_new_tokens without EOS.
-      completions: decoded completion texts (duplicate rate).
+      duplicate_N: bool, the completion repeats an earlier one of its group
+        (:func:`duplicate_flags`; per row, so hosts can each flag their own).
       G: group size.
       invalid_N: bool, no answer could be parsed (invalid format); omitted if None.
     """
@@ -118,7 +127,7 @@ def rollout_metrics(
     out["rollout/truncated_frac"] = float(np.mean(truncated_N))
     if invalid_N is not None:
         out["rollout/invalid_format_frac"] = float(np.mean(invalid_N))
-    out["rollout/duplicate_frac"] = duplicate_fraction(completions, G)
+    out["rollout/duplicate_frac"] = float(np.mean(duplicate_N))
     # Within-group variance over the finite rewards: zero variance, zero signal.
     r_BxG = total_N.reshape(-1, G)
     var_B = np.array(

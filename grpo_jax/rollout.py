@@ -3,9 +3,18 @@
   PromptEncoder   examples -> prompt texts -> left-padded prompt tokens
   decode          completion tokens -> texts (up to each row's length, EOS dropped)
   Scorer          texts -> weighted rewards, correctness, format validity
+  host_prompts    this host's examples -> its rows of the global prompt arrays
+  score_host_rows this host's rows of a sampled batch -> rewards, advantages, metrics
 
 Shapes: B prompts, G completions per prompt, N = B*G rows (grouped
-contiguously), P padded prompt length, T completion slots.
+contiguously), P padded prompt length, T completion slots. Lower-case b, n:
+the rows of one host (all of them in a one-process run).
+
+In a multi-host run every host encodes, decodes and scores only its own block
+of rows (the rows its devices hold), so the reward functions, the slowest
+host code, run in parallel on all hosts; the groups of G never straddle hosts,
+so the group advantages are exact per host. Only per-row numbers cross hosts,
+for the batch's statistics.
 """
 
 from __future__ import annotations
@@ -13,9 +22,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import data, rewards
+from grpo_jax import advantages as adv_lib
+from grpo_jax import data, distributed, rewards
+from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.sampling import pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -145,7 +157,12 @@ class Scorer:
         return result, correct_N, invalid_N
 
     def correct(
-        self, completions: Sequence[str], examples: Sequence[Mapping], *, repeat: int = 1
+        self,
+        completions: Sequence[str],
+        examples: Sequence[Mapping],
+        *,
+        repeat: int = 1,
+        lengths_N=None,
     ) -> np.ndarray:
         """bool[N]: the correctness reward alone (evaluation)."""
         fields = self.fields(examples, repeat)
@@ -155,5 +172,92 @@ class Scorer:
             completions,
             fields,
             timeout_s=self.timeout_s,
+            completion_lengths=None if lengths_N is None else [int(x) for x in lengths_N],
         )
         return np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD
+
+
+def host_prompts(encoder: PromptEncoder, examples, *, mesh, num_rows: int, max_new_tokens: int):
+    """Encodes this host's examples; -> (texts, global tokens_BxP, global mask_BxP).
+
+    Every host pads to the widest bucket any host needs (one compiled shape),
+    then contributes its rows to the global arrays split over the batch axes.
+    """
+    texts, tokens_bxP, mask_bxP = encoder.encode(examples, max_new_tokens=max_new_tokens)
+    width = distributed.max_over_hosts(tokens_bxP.shape[1])
+    if width > tokens_bxP.shape[1]:  # Left padding keeps every prompt's end in column P-1.
+        extra = width - tokens_bxP.shape[1]
+        tokens_bxP = np.pad(tokens_bxP, ((0, 0), (extra, 0)), constant_values=encoder.pad_id)
+        mask_bxP = np.pad(mask_bxP, ((0, 0), (extra, 0)))
+    tokens_BxP, mask_BxP = distributed.global_batch((tokens_bxP, mask_bxP), mesh, num_rows)
+    return texts, tokens_BxP, mask_BxP
+
+
+@dataclasses.dataclass
+class HostRollout:
+    """One step's scored rollout: this host's rows, the global advantages and statistics."""
+
+    prompts_n: list[str]
+    completions: list[str]
+    total_n: np.ndarray
+    advantages_N: object  # global jax.Array split over the batch axes
+    metrics: dict[str, float]
+    completion_tokens: int  # all N rows, all hosts
+    prompt_tokens: int  # real (unpadded) prompt tokens of all N rows, all hosts
+
+
+def score_host_rows(
+    out, examples, prompts, *, rows_n: slice, tokenizer, scorer: Scorer, G: int, grpo, mesh
+) -> HostRollout:
+    """Decodes, scores and normalises this host's rows ``rows_n`` of the sampler's ``out``."""
+    N = out.tokens.shape[0]
+    tokens_nxT, lengths_n, trunc_n, prompt_mask_nxP = distributed.local_rows(
+        (out.tokens, out.lengths, out.truncated, out.prompt_mask), rows_n
+    )
+    completions = decode(tokenizer, tokens_nxT, lengths_n)
+    prompts_n = [p for p in prompts for _ in range(G)]
+    result, correct_n, invalid_n = scorer.score(
+        prompts_n, completions, examples, repeat=G, lengths_N=lengths_n
+    )
+    advantages_n = np.asarray(
+        adv_lib.compute_advantages(
+            jnp.asarray(result.total.reshape(-1, G)),
+            estimator=grpo.advantage_estimator,
+            eps=grpo.advantage_eps,
+        )
+    ).reshape(-1)
+    names = list(result.per_reward)
+    rows = distributed.gather_rows(
+        {
+            "total": result.total,
+            "per_reward": {k: result.per_reward[k] for k in names},
+            "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
+            "prompt_tokens": np.array([prompt_mask_nxP.sum()], np.int64),
+            "correct": correct_n,
+            "lengths": lengths_n,
+            "truncated": trunc_n,
+            "invalid": invalid_n,
+            "duplicate": duplicate_flags(completions, G),
+        }
+    )
+    errors = rows["errors"].sum(axis=0)
+    metrics = rollout_metrics(
+        total_N=rows["total"],
+        per_reward={scorer.display[k]: rows["per_reward"][k] for k in names},
+        errors={scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
+        correct_N=rows["correct"],
+        lengths_N=rows["lengths"],
+        truncated_N=rows["truncated"],
+        duplicate_N=rows["duplicate"],
+        G=G,
+        invalid_N=rows["invalid"],
+    )
+    return HostRollout(
+        prompts_n=prompts_n,
+        completions=completions,
+        total_n=result.total,
+        advantages_N=distributed.global_batch(advantages_n, mesh, N),
+        metrics=metrics,
+        completion_tokens=int(rows["lengths"].sum()),
+        prompt_tokens=int(rows["prompt_tokens"].sum()),
+    )

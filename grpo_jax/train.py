@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import advantages as adv_lib
 from grpo_jax import distributed, memory, sft
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import train_step as ts
@@ -50,7 +49,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import ConfigError
 from grpo_jax.data import DataIterator
 from grpo_jax.evaluate import evaluate
-from grpo_jax.rollout import decode
+from grpo_jax.rollout import host_prompts, score_host_rows
 from grpo_jax.run import (
     build_datasets,
     build_encoder,
@@ -368,7 +367,24 @@ def _train_loop(
 
     state = ts.init_state(base_params, tx, mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    it = DataIterator(grpo_examples, B, seed=run.seed)
+    # Each host reads, samples for and scores only the rows its devices hold.
+    rows_B = distributed.host_rows(mesh, B)
+    rows_N = slice(rows_B.start * G, rows_B.stop * G)
+    if rows_N != distributed.host_rows(mesh, N):
+        raise distributed.DistributedError(
+            f"this host holds prompt rows {rows_B} but completion rows "
+            f"{distributed.host_rows(mesh, N)}: the mesh splits groups across hosts"
+        )
+    it = DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B)
+    if jax.process_count() > 1:
+        log.info(
+            "process %d of %d reads, samples for and scores rows %d:%d of every batch of %d",
+            jax.process_index(),
+            jax.process_count(),
+            rows_B.start,
+            rows_B.stop,
+            B,
+        )
     prior_seconds, before, no_signal_run = 0.0, None, 0
     if resumed:
         params, opt_state, meta = ck.restore(
@@ -474,8 +490,10 @@ def _train_loop(
         key = jax.random.fold_in(base_key, step)
         k_sample, k_train = jax.random.split(key)
         t0 = time.perf_counter()
-        examples = it.next()
-        prompts, tokens_BxP, mask_BxP = encoder.encode(examples, max_new_tokens=T)
+        examples = it.next()  # this host's rows of the global batch
+        prompts, tokens_BxP, mask_BxP = host_prompts(
+            encoder, examples, mesh=mesh, num_rows=B, max_new_tokens=T
+        )
         t_ready = None
         if pending is not None:  # The previous update must finish before sampling anyway.
             jax.block_until_ready(state.step)
@@ -491,19 +509,19 @@ def _train_loop(
             num_samples=G,
             mesh=mesh,
         )
-        tokens_NxT, lengths_N, trunc_N = distributed.fetch((out.tokens, out.lengths, out.truncated))
-        completions = decode(tokenizer, tokens_NxT, lengths_N)
+        jax.block_until_ready(out.lengths)
         t1 = time.perf_counter()
-        prompts_N = [p for p in prompts for _ in range(G)]
-        result, correct_N, invalid_N = scorer.score(
-            prompts_N, completions, examples, repeat=G, lengths_N=lengths_N
+        roll = score_host_rows(
+            out,
+            examples,
+            prompts,
+            rows_n=rows_N,
+            tokenizer=tokenizer,
+            scorer=scorer,
+            G=G,
+            grpo=grpo,
+            mesh=mesh,
         )
-        rewards_BxG = result.total.reshape(B, G)
-        advantages_N = np.asarray(
-            adv_lib.compute_advantages(
-                jnp.asarray(rewards_BxG), estimator=grpo.advantage_estimator, eps=grpo.advantage_eps
-            )
-        ).reshape(N)
         t2 = time.perf_counter()
         batch = {
             "prompt_tokens": out.prompt_tokens,
@@ -511,32 +529,19 @@ def _train_loop(
             "tokens": out.tokens,
             "mask": out.mask,
             "old_logps": out.logps,
-            "advantages": advantages_N,
+            "advantages": roll.advantages_N,
         }
         prev = pending
-        # Every host holds the same advantages and key; put() places each host's part.
-        batch["advantages"] = distributed.put(batch["advantages"], batch_sharding(mesh, 1))
-        k_train = distributed.put(k_train, replicated(mesh))
+        k_train = distributed.put(k_train, replicated(mesh))  # the same key on every host
         state, dev_metrics = step_fn(state, batch, k_train, ref_params)
         t_dispatch = time.perf_counter()
-        host = metrics_lib.rollout_metrics(
-            total_N=result.total,
-            per_reward={scorer.display[k]: v for k, v in result.per_reward.items()},
-            errors={scorer.display[k]: v for k, v in result.errors.items()},
-            correct_N=correct_N,
-            lengths_N=lengths_N,
-            truncated_N=trunc_N,
-            completions=completions,
-            G=G,
-            invalid_N=invalid_N,
-        )
-        n_prompt_tokens = int(np.asarray(mask_BxP).sum()) * G
+        host = dict(roll.metrics)
         host.update(
             {
                 "perf/time_sample_s": t1 - t0,
                 "perf/time_reward_s": t2 - t1,
-                "perf/sample_tokens_per_s": float(lengths_N.sum()) / max(t1 - t0, 1e-9),
-                "_train_tokens": float((n_prompt_tokens + lengths_N.sum()) * grpo.mu),
+                "perf/sample_tokens_per_s": roll.completion_tokens / max(t1 - t0, 1e-9),
+                "_train_tokens": float((roll.prompt_tokens + roll.completion_tokens) * grpo.mu),
                 "train/epoch": float(it.epoch),
             }
         )
@@ -558,12 +563,12 @@ def _train_loop(
                 step,
                 [
                     {
-                        "prompt": prompts_N[i],
-                        "completion": completions[i],
+                        "prompt": roll.prompts_n[i],
+                        "completion": roll.completions[i],
                         "answer": examples[i // G].get("answer"),
-                        "reward": float(result.total[i]),
+                        "reward": float(roll.total_n[i]),
                     }
-                    for i in range(min(tcfg.num_samples_logged, N))
+                    for i in range(min(tcfg.num_samples_logged, len(roll.completions)))
                 ],
             )
 

@@ -17,6 +17,7 @@ import sys
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -94,6 +95,18 @@ def test_two_processes_train_like_one(tmp_path):
     steps = [json.loads(line)["step"] for line in lines if '"step"' in line]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
     assert len(steps) == len(set(steps)), "metrics written by more than one process"
+    # Each process reads, samples for and scores its own half of every batch ...
+    b = json.loads((multi / "config.json").read_text())["train"]["batch_size"]
+    assert f"process 0 of 2 reads, samples for and scores rows 0:{b // 2} of every batch" in log0
+    assert f"process 1 of 2 reads, samples for and scores rows {b // 2}:{b} of every" in log1
+    # ... and the batch statistics cover both halves: the same as one process's.
+    rec_multi = [json.loads(line) for line in lines]
+    rec_single = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rec_multi] == [r["step"] for r in rec_single]
+    for rm, rs in zip(rec_multi, rec_single, strict=True):
+        for key in ("rewards/mean", "rollout/length_mean", "rollout/duplicate_frac", "train/loss"):
+            if key in rs:
+                assert rm[key] == pytest.approx(rs[key], rel=1e-5, abs=1e-6), (rs["step"], key)
 
     p_multi, p_single = _final_params(multi), _final_params(single)
     assert p_multi.keys() == p_single.keys() and len(p_multi) > 5

@@ -55,6 +55,9 @@ def test_duplicate_fraction():
     assert metrics.duplicate_fraction(["a", "b", "c", "d"], 2) == 0.0
     with pytest.raises(ValueError, match="whole groups of G=2"):
         metrics.duplicate_fraction(["a", "b", "c"], 2)
+    # Only repeats within a group count, each after its first occurrence.
+    flags = metrics.duplicate_flags(["a", "b", "a", "a", "b", "a"], 3)
+    assert flags.tolist() == [False, False, True, False, False, True]
 
 
 def test_rollout_metrics_values():
@@ -66,7 +69,7 @@ def test_rollout_metrics_values():
         correct_N=np.array([1, 0, 0, 0, 0, 1, 1, 0], bool),
         lengths_N=np.array([3, 4, 5, 6, 7, 8, 9, 10]),
         truncated_N=np.array([0, 0, 0, 0, 0, 0, 1, 1], bool),
-        completions=["a", "b", "b", "b", "c", "d", "d", "d"],
+        duplicate_N=metrics.duplicate_flags(["a", "b", "b", "b", "c", "d", "d", "d"], 4),
         G=4,
         invalid_N=np.array([0, 0, 0, 1, 0, 0, 0, 0], bool),
     )

@@ -225,3 +225,23 @@ def test_math_verify_failures_are_counted(monkeypatch):
         [RewardSpec("math_verify", 1.0)], [""] * 3, ["1", "stuck", "1"], {"answer": ["1"] * 3}
     )
     assert _nan_at(res.total) == [1] and res.errors == {"math_verify": 1}
+
+
+def test_scorer_passes_token_lengths_to_training_and_evaluation_scoring():
+    from grpo_jax.rollout import Scorer
+
+    @rewards.register("test_short_is_correct", override=True)
+    def short(prompts, completions, *, completion_lengths, **_):
+        return [1.0 if n <= 4 else 0.0 for n in completion_lengths]
+
+    spec = RewardSpec("test_short_is_correct", 1.0)
+    scorer = Scorer((spec,), correct_reward="test_short_is_correct", timeout_s=10.0)
+    examples = [{"prompt": "q", "answer": "1"}]
+    texts, lengths = ["a", "b"], np.array([3, 7])
+    result, correct, _ = scorer.score(["q", "q"], texts, examples, repeat=2, lengths_N=lengths)
+    np.testing.assert_allclose(result.total, [1.0, 0.0])
+    assert correct.tolist() == [True, False]
+    # Evaluation's correctness gets the same token lengths.
+    assert scorer.correct(texts, examples, repeat=2, lengths_N=lengths).tolist() == [True, False]
+    # Without them the reward cannot score: NaN, counted as not correct, never a crash.
+    assert scorer.correct(texts, examples, repeat=2).tolist() == [False, False]
