@@ -35,7 +35,9 @@ x, 1 where it is not split):
                        + (4 + c) * (H / tp_h) * S
                  (residual stream, norms, attention and MLP outputs; q, k, v and the
                  attention output; gate, up, activation and product; float32 scores
-                 and the softmax probabilities: attention is not flash-fused),
+                 and the softmax probabilities: attention is not flash-fused);
+                 sandwich norms add 2 D, q/k norms (H + K) Dh, a GELU gate 2 F
+                 (its tanh intermediates),
                  plus float32 logits and their gradient, 8 * V / tp_v per token:
                  no remat:  n * S * (L * a + 8 V / tp_v)
                  remat:     n * S * (L * c * D + a + 8 V / tp_v)
@@ -46,8 +48,11 @@ the other, so the peak is
 
   total = params + optimizer + reference + max(kv_cache, grads + activations).
 
-XLA's buffer reuse and fusion move the real numbers by tens of percent either
-way; the estimate is for refusing layouts that cannot fit, not for tuning.
+``tests/test_memory.py`` checks the activation term against the tensors JAX
+itself saves for the backward pass (``saved_residuals``) for Llama, Qwen and
+Gemma layers, with and without remat. XLA's buffer reuse and fusion move the
+real peak by tens of percent either way; the estimate is for refusing
+layouts that cannot fit, not for tuning.
 """
 
 from __future__ import annotations
@@ -309,7 +314,14 @@ def estimate(
     tp_v = _tensor_ways(V, "vocab", mesh, layout)
 
     kv_cache = 2 * L * m * S * (K // tp_k) * Dh * c
-    per_layer_token = c * (6 * D + 2 * (H // tp_h) * Dh + 2 * (K // tp_k) * Dh + 4 * F // tp_f)
+    flag = lambda name: bool(getattr(model_cfg_like, name, False))
+    gelu = getattr(model_cfg_like, "activation", "silu") != "silu"
+    per_layer_token = c * (
+        (8 if flag("sandwich_norm") else 6) * D
+        + (3 if flag("qk_norm") else 2) * (H // tp_h) * Dh
+        + (3 if flag("qk_norm") else 2) * (K // tp_k) * Dh
+        + (6 if gelu else 4) * F // tp_f
+    )
     per_layer_token += (4 + c) * (H // tp_h) * S
     logits_token = 8 * (V // tp_v)
     if remat:
