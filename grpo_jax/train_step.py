@@ -15,9 +15,10 @@ are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
 in which case no reference forward pass is traced at all.
 
 Non-finite guard: an update whose loss or gradient norm is not finite is
-dropped inside the jitted step (parameters and optimizer state keep their
-values via ``jnp.where``), counted in ``state.skipped`` and
-``state.skipped_in_row``; the host stops the run after too many in a row.
+dropped inside the jitted step (a ``lax.cond`` skips the optimizer, so
+parameters and optimizer state keep their values bit for bit), counted in
+``state.skipped`` and ``state.skipped_in_row``; the host stops the run after
+too many in a row.
 """
 
 from __future__ import annotations
@@ -126,10 +127,6 @@ def completion_logps(graphdef, params, batch, temperature):
     return losses.per_token_logps(logits_NxTxV, batch["tokens"], temperature=temperature)
 
 
-def _tree_where(pred, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
-
-
 def _split_rows(x, num_parts: int, shards: int):
     """[N, ...] -> [num_parts, N / num_parts, ...], each part drawing rows from every shard.
 
@@ -225,14 +222,23 @@ def train_step(
             aux = {k: _metric_reduce(k)(v) for k, v in aux_A.items()}
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # Zero a bad gradient so the (discarded) optimizer arithmetic stays finite.
-        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-        upd, new_opt = tx.update(safe_grads, st.opt_state, st.params)
-        new_params = optax.apply_updates(st.params, upd)
+
+        def apply(params_opt):
+            params, opt_state = params_opt
+            upd, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, upd), new_opt
+
+        # A branch, not a select over the results: the skip costs nothing on
+        # the common path, where selecting new-or-old over params and both
+        # Adam moments took three extra passes over the state (20M
+        # parameters, 1 CPU thread: 120 -> 77 ms per update).
+        new_params, new_opt = jax.lax.cond(
+            finite, apply, lambda params_opt: params_opt, (st.params, st.opt_state)
+        )
         lr = schedule(st.updates)
         st = st.replace(
-            params=_tree_where(finite, new_params, st.params),
-            opt_state=_tree_where(finite, new_opt, st.opt_state),
+            params=new_params,
+            opt_state=new_opt,
             updates=st.updates + finite.astype(jnp.int32),
             skipped=st.skipped + (~finite).astype(jnp.int32),
             skipped_in_row=jnp.where(finite, 0, st.skipped_in_row + 1),

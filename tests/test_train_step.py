@@ -94,17 +94,21 @@ def test_nonfinite_update_is_skipped_and_counted(setup):
     _, params, _, batch = setup
     state, fn = _step(setup)
     bad = dict(batch, advantages=np.full(N, np.nan, np.float32))
+    # A real update first, so the skipped one has non-zero Adam moments to keep.
+    state, _ = fn(state, batch, jax.random.key(0), None)
+    params, opt_before = jax.device_get((state.params, state.opt_state))
     s1, m1 = fn(state, bad, jax.random.key(0), None)
     m1 = jax.device_get(m1)
     assert m1["train/skipped_updates"] == 1 and m1["train/skipped_in_row"] == 1
     assert _leaves_equal(s1.params, params)  # The NaN never reached the parameters.
-    assert int(s1.updates) == 0
+    assert _leaves_equal(s1.opt_state, opt_before)  # Nor the optimizer's moments.
+    assert int(s1.updates) == 1
     s2, m2 = fn(s1, bad, jax.random.key(1), None)
     assert int(jax.device_get(m2["train/skipped_in_row"])) == 2
     s3, m3 = fn(s2, batch, jax.random.key(2), None)
     m3 = jax.device_get(m3)
     assert m3["train/skipped_in_row"] == 0 and m3["train/skipped_total"] == 2
-    assert int(s3.updates) == 1 and np.isfinite(m3["train/loss"])
+    assert int(s3.updates) == 2 and np.isfinite(m3["train/loss"])
 
 
 def test_grad_accumulation_matches_one_big_minibatch(setup):
