@@ -120,7 +120,12 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model = ConfigDict()
     # Fails at start-up with this text in the message until --config.model.path is set.
     c.model.path = f"<set --config.model.path to your local {repo} directory>"
-    c.model.dtype = "float32"
+    # Mixed precision: bfloat16 matmuls, float32 parameters and AdamW moments (as TRL's
+    # bf16=True under torch autocast). remat=True recomputes each layer in the backward
+    # pass: about a third more compute for activations that no longer grow with depth.
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat = False
     c.tokenizer = ""  # The checkpoint's own tokenizer (and chat template).
 
     c.data = ConfigDict()

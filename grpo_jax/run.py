@@ -10,8 +10,9 @@ the model, the datasets, the prompt encoder, the reward scorer.
 Top-level keys of a run config:
 
   seed        the run's seed (model init, data order, sampling)
-  model       path ("" = the built-in tiny model), dtype, and for the tiny
-              model any ``grpo_jax.models.ModelConfig`` field (hidden_size, ...)
+  model       path ("" = the built-in tiny model), dtype (compute),
+              param_dtype (storage; default dtype), remat; for the tiny model
+              also any ``grpo_jax.models.ModelConfig`` field (hidden_size, ...)
   tokenizer   "builtin" (the project's character tokenizer) or a Hugging
               Face tokenizer directory ("" = the model's directory)
   data        ``grpo_jax.data.load_dataset`` mapping
@@ -69,7 +70,7 @@ TOP_KEYS = (
     "warm_start",
 )
 SAMPLING_KEYS = ("max_new_tokens", "top_k", "top_p", "prompt_buckets")
-MODEL_KEYS = ("path", "dtype")
+MODEL_KEYS = ("path", "dtype", "param_dtype", "remat")
 BUILTIN_TOKENIZER = "builtin"
 
 
@@ -321,8 +322,9 @@ def model_config(run: RunConfig, tokenizer):
     overrides = {k: v for k, v in run.model.items() if k not in MODEL_KEYS}
     fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
     check_known_keys("model", overrides, fields - {"vocab_size"})
-    if "dtype" in run.model:
-        overrides["dtype"] = run.model["dtype"]
+    for key in ("dtype", "param_dtype", "remat"):
+        if key in run.model:
+            overrides[key] = run.model[key]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, key, None)
         if value is not None:
@@ -346,7 +348,7 @@ def build_model(run: RunConfig, tokenizer, mesh):
                 f"config keys {[f'model.{k}' for k in extra]} only apply to the built-in tiny "
                 f"model; model.path = {path!r} loads its architecture from config.json"
             )
-        kw = {"dtype": run.model["dtype"]} if "dtype" in run.model else {}
+        kw = {k: run.model[k] for k in ("dtype", "param_dtype", "remat") if k in run.model}
         model = models.from_pretrained(path, mesh=mesh, layout=run.mesh.layout, **kw)
     else:
         cfg = model_config(run, tokenizer)

@@ -13,6 +13,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from grpo_jax.config import ConfigError
@@ -297,3 +298,22 @@ def test_main_accepts_the_arg_syntax_and_overrides(tmp_path):
     assert f"no Hugging Face tokenizer files in {missing}" in proc.stderr
     saved = json.loads((tmp_path / "w" / "config.json").read_text())
     assert saved["data"]["jsonl_dir"] == str(tmp_path) and saved["grpo"]["beta"] == 0.0
+
+
+def test_precision_and_remat_keys_reach_the_checkpoint_model(assets):
+    """model.dtype / param_dtype / remat apply to a Hugging Face checkpoint too."""
+    from flax import nnx
+
+    from grpo_jax.run import build_model, build_tokenizer
+
+    config = recipes.get_config("model=qwen2.5-0.5b,runlocal")
+    assert (config.model.dtype, config.model.param_dtype) == ("bfloat16", "float32")
+    config.model.remat = True
+    run = parse_config(config)
+    graphdef, params = build_model(run, build_tokenizer(run, None), build_mesh(run))
+    cfg = nnx.merge(graphdef, params).config
+    assert (cfg.dtype, cfg.param_dtype, cfg.remat) == ("bfloat16", "float32", True)
+    assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
+    config.model.param_dtype = "float16x"
+    with pytest.raises(ValueError, match="param_dtype"):
+        build_model(parse_config(config), build_tokenizer(run, None), build_mesh(run))
