@@ -354,8 +354,8 @@ def _hint(est: MemoryEstimate, part: str) -> str:
         return hint + (", or beta = 0 (no reference model)" if part == "reference" else "")
     if part == "activations":
         return (
-            "use remat, a smaller minibatch or more gradient-accumulation steps, "
-            "or more data/fsdp devices"
+            "use remat (model.remat = True), a smaller minibatch (train.minibatch_size) or "
+            "more gradient-accumulation steps (optim.grad_accum), or more data/fsdp devices"
         )
     return "sample fewer rows at once, shorten max_new_tokens, or use more data/fsdp devices"
 
