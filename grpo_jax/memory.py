@@ -48,6 +48,11 @@ the other, so the peak is
 
   total = params + optimizer + reference + max(kv_cache, grads + activations).
 
+Not counted: under fsdp, XLA may hoist the decode loop's parameter
+all-gathers out of the loop (XLA:CPU does: on 8 fake devices the compiled
+decode loop gathers no weights per token, only before the loop), so the
+sampler can hold one unsharded copy of the weights while it runs.
+
 ``tests/test_memory.py`` checks the activation term against the tensors JAX
 itself saves for the backward pass (``saved_residuals``) for Llama, Qwen and
 Gemma layers, with and without remat. XLA's buffer reuse and fusion move the
