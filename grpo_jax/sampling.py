@@ -363,7 +363,7 @@ def _prefill(
     if mesh is not None:
         # Rows of the cache live with their rows of the batch (KV heads split
         # too under tensor parallelism); the loop then never moves them.
-        from grpo_jax.models.partitioning import cache_shardings  # [L, N, S, K, Dh] layout.
+        from grpo_jax.models.partitioning import cache_shardings
 
         layout = getattr(model, "layout", "fsdp")
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(

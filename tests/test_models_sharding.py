@@ -177,7 +177,8 @@ def test_sharded_cache_decoding_equals_single_device(gemma_checkpoint):
 
     cache = sharded.init_cache(4, S)
     cache = jax.device_put(cache, cache_shardings(cache, mesh, "fsdp_tp"))
-    assert cache["k"].sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert cache["k"][0].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
+    assert cache["v"][-1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
     with jax.set_mesh(mesh):
         got = run(sharded, cache, lambda x: jax.device_put(x, batch_sharding(mesh)))
     expected = run(single, single.init_cache(4, S), lambda x: x)

@@ -139,12 +139,21 @@ class Transformer(nnx.Module):
         x_BxTxD, _ = self._run_layers(x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None)
         return self._logits(x_BxTxD)
 
-    def init_cache(self, batch_size: int, max_len: int) -> dict[str, jax.Array]:
-        """Zeroed cache {"k", "v"}: [L, B, S, K, Dh] each, S = max_len, compute dtype."""
+    def init_cache(self, batch_size: int, max_len: int) -> dict[str, tuple[jax.Array, ...]]:
+        """Zeroed KV cache of S = max_len slots in the compute dtype.
+
+        ``{"k": L x [B, K, S, Dh], "v": L x [B, K, Dh, S]}``: tuples of one
+        array per layer; head-major, keys slot-major and values
+        slot-minor: the layouts the decode step's attention dots read without
+        a copy (see :meth:`Attention.__call__`).
+        """
         cfg = self.config
-        shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
-        zeros = jnp.zeros(shape, cfg.compute_dtype)
-        return {"k": zeros, "v": zeros}
+        K, Dh, dt = cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype
+        layers = range(cfg.num_layers)
+        return {
+            "k": tuple(jnp.zeros((batch_size, K, max_len, Dh), dt) for _ in layers),
+            "v": tuple(jnp.zeros((batch_size, K, Dh, max_len), dt) for _ in layers),
+        }
 
     def forward_with_cache(
         self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, last_only=False
