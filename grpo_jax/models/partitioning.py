@@ -69,8 +69,12 @@ def param_shardings(model_or_state, mesh: Mesh, layout: str = "fsdp"):
 
 
 def cache_logical_axes() -> tuple[str | None, ...]:
-    """Logical names of the KV-cache arrays ``[L, B, S, Kh, Dh]``."""
-    return (None, "batch", None, "kv_heads", "head_dim")
+    """Logical names of the KV-cache arrays: keys [B, Kh, S, Dh], values [B, Kh, Dh, S].
+
+    One array per layer and kind (see ``Transformer.init_cache``); neither S
+    nor Dh is ever sharded, so one tuple serves both.
+    """
+    return ("batch", "kv_heads", None, None)
 
 
 def cache_shardings(cache, mesh: Mesh, layout: str = "fsdp"):
