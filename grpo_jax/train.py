@@ -27,7 +27,6 @@ warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pathlib
@@ -42,9 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import distributed, memory, sft
+from grpo_jax import distributed, memory
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import train_step as ts
+from grpo_jax.base_policy import base_policy
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import ConfigError
 from grpo_jax.data import DataIterator
@@ -61,6 +61,7 @@ from grpo_jax.run import (
     parse_config,
     tokenizer_sampling,
 )
+from grpo_jax.run_summary import summarize
 from grpo_jax.sampling import generate
 from grpo_jax.sharding import batch_sharding, batch_shards, replicated
 
@@ -207,103 +208,6 @@ def train(
         writer.close()
 
 
-def _base_policy(
-    run,
-    workdir,
-    graphdef,
-    init_params,
-    param_sh,
-    train_all,
-    encoder,
-    mesh,
-    run_eval,
-    writer,
-    progress,
-    preempt,
-):
-    """The policy GRPO starts from: the initial model, warm-started when configured."""
-    ws = run.warm_start
-    if not ws.enabled:
-        return init_params, None
-    fp = sft.fingerprint(
-        {
-            "model": run.model,
-            "tokenizer": run.tokenizer,
-            "data": run.data,
-            "prompt": run.raw.get("prompt"),
-            "warm_start": run.raw.get("warm_start"),
-            "seed": run.seed,
-            "max_new_tokens": run.sampling["max_new_tokens"],
-            "eval": run.raw.get("eval"),
-            "correct_reward": run.correct_reward,
-        }
-    )
-    cached = sft.load_cached(workdir, init_params, fp) if ws.cache else None
-    if cached is not None:
-        params, info = cached
-        progress.message(
-            f"warm start: loaded from {workdir / 'warm_start'} "
-            f"(validation pass@1 {info['val_pass_at_1']:.3f} after {info['steps']} steps)"
-        )
-        return params, dict(info, cached=True)
-    val_examples = train_all[-ws.val_problems :]
-    sft_examples = train_all[: -ws.val_problems]
-
-    val_cfg = dataclasses.replace(
-        run.eval,
-        num_samples=ws.val_samples if ws.metric == "sampled" else 0,
-        k=1,
-        temperature=run.grpo.temperature,
-    )
-
-    def validate(params):
-        out = run_eval(params, 0, val_examples, prefix="v", cfg=val_cfg)
-        vals = {"greedy": out["v/pass_at_1"]}
-        if ws.metric == "sampled":
-            vals["sampled"] = out["v/sampled_pass_at_1"]
-        return vals
-
-    sft_log = workdir / "warm_start" / "metrics.jsonl"
-
-    def log_fn(step, m):
-        if jax.process_index() == 0:
-            sft_log.parent.mkdir(parents=True, exist_ok=True)
-            with open(sft_log, "a") as f:
-                f.write(json.dumps({"step": step, **m}, sort_keys=True) + "\n")
-        sampled = m.get("sft/val_sampled_pass_at_1")
-        progress.message(
-            f"warm start step {step}: loss {m['sft/loss']:.4f}, token acc "
-            f"{m['sft/token_accuracy']:.3f}, validation pass@1 greedy "
-            f"{m['sft/val_greedy_pass_at_1']:.3f}"
-            + ("" if sampled is None else f", sampled {sampled:.3f}")
-            + f" ({m['sft/seconds']:.0f}s)"
-        )
-
-    progress.message(
-        f"warm start: supervised training until {ws.metric} validation pass@1 >= "
-        f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
-    )
-    params, info = sft.warm_start(
-        graphdef,
-        init_params,
-        sft_examples,
-        val_examples,
-        cfg=ws,
-        encoder=encoder,
-        max_new_tokens=run.sampling["max_new_tokens"],
-        validate=validate,
-        seed=run.seed,
-        mesh=mesh,
-        param_shardings=param_sh,
-        log_fn=log_fn,
-        should_stop=lambda: preempt.requested,
-    )
-    info["fingerprint"] = fp
-    if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
-        sft.save_cache(workdir, params, info)
-    return params, dict(info, cached=False)
-
-
 def _train_loop(
     run,
     workdir,
@@ -344,7 +248,7 @@ def _train_loop(
 
     if not resumed or grpo.beta > 0:
         # A resumed run needs the base policy only as the KL reference.
-        base_params, warm_info = _base_policy(
+        base_params, warm_info = base_policy(
             run,
             workdir,
             graphdef,
@@ -607,7 +511,7 @@ def _train_loop(
     if final_step > start_step or not resumed:
         save(final_step)
     ck.wait()
-    return _summarize(
+    return summarize(
         run,
         workdir,
         before,
@@ -619,53 +523,3 @@ def _train_loop(
         progress,
         is_main,
     )
-
-
-def _summarize(
-    run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main
-):
-    wall = prior_seconds + time.time() - t_start
-    pick = lambda ev: (
-        None
-        if ev is None
-        else {
-            k.split("/", 1)[1]: v
-            for k, v in ev.items()
-            if k.startswith("eval/") and not k.startswith("eval/num")
-        }
-    )
-    summary = {
-        "before": pick(before),
-        "after": pick(after),
-        "wall_seconds": wall,
-        "steps": final_step,
-        "seed": run.seed,
-        "num_problems": int(after["eval/num_problems"]),
-        "warm_start": None
-        if warm_info is None
-        else {
-            k: warm_info.get(k)
-            for k in ("steps", "val_pass_at_1", "reached_target", "seconds", "cached")
-        },
-    }
-    if is_main:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    b = summary["before"]["pass_at_1"] if summary["before"] else float("nan")
-    a = summary["after"]["pass_at_1"]
-    table = [
-        "",
-        f"{'held-out (' + str(summary['num_problems']) + ' problems)':<32}{'before':>10}"
-        f"{'after':>10}{'change':>10}",
-        f"{'greedy pass@1':<32}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}",
-    ]
-    if summary["after"] and "pass_at_k" in summary["after"] and summary["before"]:
-        kb, ka = summary["before"].get("pass_at_k", float("nan")), summary["after"]["pass_at_k"]
-        table.append(
-            f"{f'pass@{run.eval.k} (n={run.eval.num_samples})':<32}{kb:>10.3f}"
-            f"{ka:>10.3f}{ka - kb:>+10.3f}"
-        )
-    table.append(
-        f"wall time {wall:.0f}s, {final_step} GRPO steps; summary in {workdir / 'summary.json'}"
-    )
-    progress.message("\n".join(table))
-    return summary

@@ -1,0 +1,114 @@
+"""The policy GRPO starts from: the initial model, warm-started when configured.
+
+With ``warm_start.enabled`` the initial model is first trained on worked
+solutions (``grpo_jax.sft``) until its validation pass rate reaches the
+target, on training problems held back from it; the result is cached in
+``<workdir>/warm_start`` under a fingerprint of everything it depends on, so
+a rerun (or a resumed run that needs the reference) loads it instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+
+from grpo_jax import sft
+
+
+def base_policy(
+    run,
+    workdir,
+    graphdef,
+    init_params,
+    param_sh,
+    train_all,
+    encoder,
+    mesh,
+    run_eval,
+    writer,
+    progress,
+    preempt,
+):
+    """The policy GRPO starts from: the initial model, warm-started when configured."""
+    ws = run.warm_start
+    if not ws.enabled:
+        return init_params, None
+    fp = sft.fingerprint(
+        {
+            "model": run.model,
+            "tokenizer": run.tokenizer,
+            "data": run.data,
+            "prompt": run.raw.get("prompt"),
+            "warm_start": run.raw.get("warm_start"),
+            "seed": run.seed,
+            "max_new_tokens": run.sampling["max_new_tokens"],
+            "eval": run.raw.get("eval"),
+            "correct_reward": run.correct_reward,
+        }
+    )
+    cached = sft.load_cached(workdir, init_params, fp) if ws.cache else None
+    if cached is not None:
+        params, info = cached
+        progress.message(
+            f"warm start: loaded from {workdir / 'warm_start'} "
+            f"(validation pass@1 {info['val_pass_at_1']:.3f} after {info['steps']} steps)"
+        )
+        return params, dict(info, cached=True)
+    val_examples = train_all[-ws.val_problems :]
+    sft_examples = train_all[: -ws.val_problems]
+
+    val_cfg = dataclasses.replace(
+        run.eval,
+        num_samples=ws.val_samples if ws.metric == "sampled" else 0,
+        k=1,
+        temperature=run.grpo.temperature,
+    )
+
+    def validate(params):
+        out = run_eval(params, 0, val_examples, prefix="v", cfg=val_cfg)
+        vals = {"greedy": out["v/pass_at_1"]}
+        if ws.metric == "sampled":
+            vals["sampled"] = out["v/sampled_pass_at_1"]
+        return vals
+
+    sft_log = workdir / "warm_start" / "metrics.jsonl"
+
+    def log_fn(step, m):
+        if jax.process_index() == 0:
+            sft_log.parent.mkdir(parents=True, exist_ok=True)
+            with open(sft_log, "a") as f:
+                f.write(json.dumps({"step": step, **m}, sort_keys=True) + "\n")
+        sampled = m.get("sft/val_sampled_pass_at_1")
+        progress.message(
+            f"warm start step {step}: loss {m['sft/loss']:.4f}, token acc "
+            f"{m['sft/token_accuracy']:.3f}, validation pass@1 greedy "
+            f"{m['sft/val_greedy_pass_at_1']:.3f}"
+            + ("" if sampled is None else f", sampled {sampled:.3f}")
+            + f" ({m['sft/seconds']:.0f}s)"
+        )
+
+    progress.message(
+        f"warm start: supervised training until {ws.metric} validation pass@1 >= "
+        f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
+    )
+    params, info = sft.warm_start(
+        graphdef,
+        init_params,
+        sft_examples,
+        val_examples,
+        cfg=ws,
+        encoder=encoder,
+        max_new_tokens=run.sampling["max_new_tokens"],
+        validate=validate,
+        seed=run.seed,
+        mesh=mesh,
+        param_shardings=param_sh,
+        log_fn=log_fn,
+        should_stop=lambda: preempt.requested,
+    )
+    info["fingerprint"] = fp
+    if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
+        sft.save_cache(workdir, params, info)
+    return params, dict(info, cached=False)

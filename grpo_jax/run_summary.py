@@ -1,0 +1,56 @@
+"""The end of a run: summary.json and the before/after table."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def summarize(
+    run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main
+):
+    wall = prior_seconds + time.time() - t_start
+    pick = lambda ev: (
+        None
+        if ev is None
+        else {
+            k.split("/", 1)[1]: v
+            for k, v in ev.items()
+            if k.startswith("eval/") and not k.startswith("eval/num")
+        }
+    )
+    summary = {
+        "before": pick(before),
+        "after": pick(after),
+        "wall_seconds": wall,
+        "steps": final_step,
+        "seed": run.seed,
+        "num_problems": int(after["eval/num_problems"]),
+        "warm_start": None
+        if warm_info is None
+        else {
+            k: warm_info.get(k)
+            for k in ("steps", "val_pass_at_1", "reached_target", "seconds", "cached")
+        },
+    }
+    if is_main:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    b = summary["before"]["pass_at_1"] if summary["before"] else float("nan")
+    a = summary["after"]["pass_at_1"]
+    table = [
+        "",
+        f"{'held-out (' + str(summary['num_problems']) + ' problems)':<32}{'before':>10}"
+        f"{'after':>10}{'change':>10}",
+        f"{'greedy pass@1':<32}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}",
+    ]
+    if summary["after"] and "pass_at_k" in summary["after"] and summary["before"]:
+        kb, ka = summary["before"].get("pass_at_k", float("nan")), summary["after"]["pass_at_k"]
+        table.append(
+            f"{f'pass@{run.eval.k} (n={run.eval.num_samples})':<32}{kb:>10.3f}"
+            f"{ka:>10.3f}{ka - kb:>+10.3f}"
+        )
+    table.append(
+        f"wall time {wall:.0f}s, {final_step} GRPO steps; summary in {workdir / 'summary.json'}"
+    )
+    progress.message("\n".join(table))
+    return summary
