@@ -119,6 +119,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.train.track_update = True
     c.train.update_kl_warn = 0.05
     c.train.reward_timeout_s = 5.0
+    c.train.logits_chunk = 0  # Score all completion tokens at once (a 100-token vocabulary).
 
     c.eval = ConfigDict()
     c.eval.every = 50

@@ -188,6 +188,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.train.track_update = True
     c.train.update_kl_warn = 0.05
     c.train.reward_timeout_s = 5.0
+    # Score completions 64 tokens at a time: with ~150k-token vocabularies the float32
+    # logits of 16 rows x 512 tokens alone would be 5 GB (and their gradient as much).
+    c.train.logits_chunk = 64
 
     c.eval = ConfigDict()
     c.eval.every = 50
@@ -301,6 +304,7 @@ def _runlocal(c: ConfigDict, name: str) -> None:
     # Character tokens: prompts are ~300 long; one bucket, so one compilation.
     c.sampling.prompt_buckets = (384,)
     c.sampling.max_new_tokens = 16
+    c.train.logits_chunk = 8  # Still chunked (2 chunks), dividing the shorter completions.
     c.grpo.G = 4
     c.train.steps = 2
     c.train.batch_size = 2

@@ -177,6 +177,7 @@ def grpo_loss(
     max_tokens: int | None = None,
     logits_NxTxV: jax.Array | None = None,
     temperature: float = 1.0,
+    entropy_NxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped GRPO loss and its monitoring metrics.
 
@@ -205,10 +206,13 @@ def grpo_loss(
       max_tokens: the constant of "dr_grpo".
       logits_NxTxV: if given, mean token entropy is reported (no gradient).
       temperature: the temperature ``logits_NxTxV`` is scored at.
+      entropy_NxT: per-token entropies computed elsewhere (e.g. chunk by chunk
+        with the log-probs); reported instead of ``logits_NxTxV``'s.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
-      ratio_min, ratio_max, kl_mean (when ref given), entropy (when logits given).
+      ratio_min, ratio_max, kl_mean (when ref given), entropy (when logits or
+      entropies are given).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction {reduction!r} is not one of {list(REDUCTIONS)}")
@@ -283,7 +287,8 @@ def grpo_loss(
     metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
     if ref_logps_NxT is not None:
         metrics["kl_mean"] = jax.lax.stop_gradient(_masked_mean(kl_NxT, mask_NxT))
-    if logits_NxTxV is not None:
-        ent_NxT = token_entropy(jax.lax.stop_gradient(logits_NxTxV), temperature=temperature)
-        metrics["entropy"] = _masked_mean(ent_NxT, mask_NxT)
+    if entropy_NxT is None and logits_NxTxV is not None:
+        entropy_NxT = token_entropy(jax.lax.stop_gradient(logits_NxTxV), temperature=temperature)
+    if entropy_NxT is not None:
+        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy_NxT), mask_NxT)
     return loss, metrics

@@ -38,9 +38,11 @@ x, 1 where it is not split):
                  and the softmax probabilities: attention is not flash-fused);
                  sandwich norms add 2 D, q/k norms (H + K) Dh, a GELU gate 2 F
                  (its tanh intermediates),
-                 plus float32 logits and their gradient, 8 * V / tp_v per token:
-                 no remat:  n * S * (L * a + 8 V / tp_v)
-                 remat:     n * S * (L * c * D + a + 8 V / tp_v)
+                 plus float32 logits and their gradient, 8 * V / tp_v per scored
+                 token: the LM head runs on the T completion positions only, or on
+                 C = train.logits_chunk of them at a time (C = T when 0):
+                 no remat:  n * S * L * a + n * C * 8 V / tp_v
+                 remat:     n * S * (L * c * D + a) + n * C * 8 V / tp_v
                  (only each layer's input is kept; one layer is recomputed at a time)
 
 The sampler (KV cache) and the update (gradients, activations) run one after
@@ -255,6 +257,7 @@ def estimate(
     compute_bytes: int = 4,
     remat: bool = False,
     sample_rows: int | None = None,
+    logits_chunk: int = 0,
 ) -> MemoryEstimate:
     """Per-device memory of a GRPO run (formulas in the module docstring).
 
@@ -276,6 +279,8 @@ def estimate(
       remat: each layer rematerialised in the backward pass.
       sample_rows: rows the sampler decodes at once (B * G); defaults to
         ``batch_rows``.
+      logits_chunk: completion tokens scored at a time (``train.logits_chunk``;
+        0: all T).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
@@ -328,12 +333,12 @@ def estimate(
         + (6 if gelu else 4) * F // tp_f
     )
     per_layer_token += (4 + c) * (H // tp_h) * S
-    logits_token = 8 * (V // tp_v)
+    logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v)
     if remat:
-        per_token = L * c * D + per_layer_token + logits_token
+        per_token = L * c * D + per_layer_token
     else:
-        per_token = L * per_layer_token + logits_token
-    activations = n * S * per_token
+        per_token = L * per_layer_token
+    activations = n * S * per_token + logits
 
     return MemoryEstimate(
         layout=layout,
@@ -449,6 +454,7 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
         seq_len=sampling["max_new_tokens"],
         prompt_len=max(buckets),
         beta=run.grpo.beta,
+        logits_chunk=getattr(run.train, "logits_chunk", 0),
     )
 
 

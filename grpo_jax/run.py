@@ -221,6 +221,12 @@ def parse_config(config) -> RunConfig:
     )
     # Probing the sampling section now names its bad values at start-up.
     sampling_config(run, eos_ids=(), pad_id=0)
+    chunk, t = run.train.logits_chunk, run.sampling["max_new_tokens"]
+    if chunk and t % chunk:
+        raise ConfigError(
+            f"config key 'train.logits_chunk' = {chunk} must divide "
+            f"sampling.max_new_tokens = {t} (or be 0: no chunking)"
+        )
     return run
 
 

@@ -327,6 +327,7 @@ def _train_loop(
         grad_accum=run.optim.grad_accum,
         batch_shards=shards,
         track_update=tcfg.track_update,
+        logits_chunk=tcfg.logits_chunk,
         state_shardings=state_sh,
         batch_sharding_fn=lambda nd: batch_sharding(mesh, nd),
         ref_shardings=param_sh if grpo.beta > 0 else None,

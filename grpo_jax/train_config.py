@@ -102,6 +102,10 @@ class TrainConfig:
       update_kl_warn: warn loudly when KL(pi_old || pi_new) on the batch
         exceeds this after one step's updates (0: never).
       reward_timeout_s: per-completion time limit of a reward function.
+      logits_chunk: score the completion tokens this many at a time (the LM
+        head, log-softmax and entropy rematerialised per chunk), so the
+        float32 logits are never [rows, T, V] at once; 0: all T together. Must
+        divide sampling.max_new_tokens. For large vocabularies (Qwen, Gemma).
     """
 
     steps: int = 100
@@ -115,6 +119,7 @@ class TrainConfig:
     track_update: bool = True
     update_kl_warn: float = 0.05
     reward_timeout_s: float = 5.0
+    logits_chunk: int = 0
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -128,6 +133,7 @@ class TrainConfig:
         _check_bool("train.track_update", self.track_update)
         check_range("train.update_kl_warn", self.update_kl_warn, lo=0.0)
         check_range("train.reward_timeout_s", self.reward_timeout_s, lo=0.0, lo_open=True)
+        check_range("train.logits_chunk", self.logits_chunk, lo=0, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,31 +100,84 @@ def make_optimizer(cfg: OptimConfig, total_updates: int):
     return optax.chain(*parts), schedule
 
 
-def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
-    """Logits scoring each completion token: one forward over [prompt | completion].
+def _completion_features(model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
+    """The last layer's output at the positions that predict the completion tokens.
 
-    The logits at position P-1+t predict completion token t, so the slice
-    [P-1, P+T-1) lines up with ``tokens_NxT``. Positions default to
-    cumsum(mask) - 1 in the model, the same positions the sampler used.
+    One forward over [prompt | completion]; the output at position P-1+t
+    predicts completion token t, so the slice [P-1, P+T-1) lines up with
+    ``tokens_NxT``. Positions default to cumsum(mask) - 1 in the model, the
+    same positions the sampler used.
     """
-    model = nnx.merge(graphdef, params)
     p, t = prompt_tokens_NxP.shape[1], tokens_NxT.shape[1]
     full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
     full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1).astype(jnp.bool_)
-    logits_NxLxV = model(full_NxL, mask_BxT=full_mask_NxL)
-    return logits_NxLxV[:, p - 1 : p + t - 1]
+    return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
 
 
-def completion_logps(graphdef, params, batch, temperature):
-    logits_NxTxV = completion_logits(
-        graphdef,
-        params,
-        batch["prompt_tokens"],
-        batch["prompt_mask"],
-        batch["tokens"],
-        batch["mask"],
+def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
+    """Float32 logits [N, T, V] scoring each completion token (the LM head runs on those only)."""
+    model = nnx.merge(graphdef, params)
+    return model.logits(
+        _completion_features(model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT)
     )
-    return losses.per_token_logps(logits_NxTxV, batch["tokens"], temperature=temperature)
+
+
+def _is_head(path, _) -> bool:
+    return path[0] in ("final_norm", "embed", "lm_head")
+
+
+def completion_scores(
+    graphdef,
+    params,
+    batch,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    with_entropy: bool = False,
+):
+    """(log-probs [N, T], entropies [N, T] or None) of the completion tokens.
+
+    With ``chunk_size`` (a divisor of T; 0: all T at once) the LM head, the
+    log-softmax and the entropy run over chunks of the completion with
+    rematerialisation: the float32 logits are never formed for more than
+    [N, chunk_size, V] at a time, forward or backward (large vocabularies).
+    Entropies carry no gradient.
+    """
+    model = nnx.merge(graphdef, params)
+    h_NxTxD = _completion_features(
+        model, batch["prompt_tokens"], batch["prompt_mask"], batch["tokens"], batch["mask"]
+    )
+    tokens_NxT = batch["tokens"]
+    n, t = tokens_NxT.shape
+    # The LM head's own parameters are the chunks' inputs; the layers' are
+    # constants there (unused, and no gradient to accumulate across chunks).
+    head_graphdef, head_params, body = nnx.split(model, _is_head, ...)
+    body = jax.lax.stop_gradient(body)
+
+    def one(head_params, h_NxCxD, tokens_NxC):
+        logits_NxCxV = nnx.merge(head_graphdef, head_params, body).logits(h_NxCxD)
+        logps_NxC = losses.per_token_logps(logits_NxCxV, tokens_NxC, temperature=temperature)
+        if not with_entropy:
+            return logps_NxC, None
+        ent_NxC = losses.token_entropy(jax.lax.stop_gradient(logits_NxCxV), temperature=temperature)
+        return logps_NxC, ent_NxC
+
+    if not chunk_size or chunk_size >= t:
+        return one(head_params, h_NxTxD, tokens_NxT)
+    if t % chunk_size:
+        raise ValueError(f"chunk_size = {chunk_size} must divide the completion length T = {t}")
+    k = t // chunk_size
+    h_KxNxCxD = jnp.moveaxis(h_NxTxD.reshape(n, k, chunk_size, -1), 1, 0)
+    tokens_KxNxC = jnp.moveaxis(tokens_NxT.reshape(n, k, chunk_size), 1, 0)
+    chunk_fn = jax.checkpoint(functools.partial(one, head_params))
+    logps_KxNxC, ent_KxNxC = jax.lax.map(lambda a: chunk_fn(*a), (h_KxNxCxD, tokens_KxNxC))
+    unchunk = lambda x_KxNxC: jnp.moveaxis(x_KxNxC, 0, 1).reshape(n, t)
+    return unchunk(logps_KxNxC), None if ent_KxNxC is None else unchunk(ent_KxNxC)
+
+
+def completion_logps(graphdef, params, batch, temperature, *, chunk_size: int = 0):
+    """log pi(completion tokens) [N, T] (no entropy): the reference and update-tracking passes."""
+    return completion_scores(graphdef, params, batch, temperature, chunk_size=chunk_size)[0]
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -163,13 +216,15 @@ def train_step(
     grad_accum: int,
     batch_shards: int,
     track_update: bool,
+    logits_chunk: int = 0,
 ):
     """mu passes over the batch, one optimizer update per minibatch (see module doc).
 
     ``batch`` holds the keys of ``BATCH_KEYS``: prompt_tokens / prompt_mask
     [N, P], tokens / mask / old_logps [N, T], advantages [N]. ``key`` is
     unused by the deterministic update and kept for a uniform signature
-    (stochastic regularisers would fold it).
+    (stochastic regularisers would fold it). ``logits_chunk`` > 0 scores the
+    completions in chunks of that many tokens (``completion_scores``).
     """
     del key
     n = batch["tokens"].shape[0]
@@ -179,15 +234,14 @@ def train_step(
     use_ref = grpo.beta > 0
     if use_ref:
         ref_logps_NxT = jax.lax.stop_gradient(
-            completion_logps(graphdef, ref_params, batch, temperature)
+            completion_logps(graphdef, ref_params, batch, temperature, chunk_size=logits_chunk)
         )
         batch = dict(batch, ref_logps=ref_logps_NxT)
 
     def loss_fn(params, mb):
-        logits_NxTxV = completion_logits(
-            graphdef, params, mb["prompt_tokens"], mb["prompt_mask"], mb["tokens"], mb["mask"]
+        logps_NxT, entropy_NxT = completion_scores(
+            graphdef, params, mb, temperature, chunk_size=logits_chunk, with_entropy=True
         )
-        logps_NxT = losses.per_token_logps(logits_NxTxV, mb["tokens"], temperature=temperature)
         return losses.grpo_loss(
             logps_NxT,
             mb["old_logps"],
@@ -199,8 +253,7 @@ def train_step(
             epsilon_high=grpo.epsilon_high,
             kl_estimator=grpo.kl_estimator,
             reduction=grpo.reduction,
-            logits_NxTxV=logits_NxTxV,
-            temperature=temperature,
+            entropy_NxT=entropy_NxT,
         )
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -272,7 +325,7 @@ def train_step(
         # How far one step moved the policy on its own samples: KL(pi_old ||
         # pi_new) by the k3 estimator with samples from pi_old, and the ratio range.
         new_NxT = jax.lax.stop_gradient(
-            completion_logps(graphdef, state.params, batch, temperature)
+            completion_logps(graphdef, state.params, batch, temperature, chunk_size=logits_chunk)
         )
         mask_NxT = batch["mask"].astype(jnp.float32)
         log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch["old_logps"], 0.0)
@@ -297,6 +350,7 @@ def jit_train_step(
     batch_shards: int,
     track_update: bool,
     state_shardings,
+    logits_chunk: int = 0,
     batch_sharding_fn,
     ref_shardings,
     replicated,
@@ -312,6 +366,7 @@ def jit_train_step(
         grad_accum=grad_accum,
         batch_shards=batch_shards,
         track_update=track_update,
+        logits_chunk=logits_chunk,
     )
     batch_shardings = {k: batch_sharding_fn(2 if k != "advantages" else 1) for k in BATCH_KEYS}
     return jax.jit(

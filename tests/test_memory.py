@@ -59,8 +59,8 @@ def test_kv_cache_activations_and_total_by_hand():
     # 2 (k, v) * L * (4 rows / 2 shards) * S=8 * K=1 (not split) * Dh=2 * 4 bytes.
     assert est.kv_cache == 2 * 1 * 2 * 8 * 1 * 2 * 4
     # Per layer and token: 4 * (6*4 + 2*1*2 + 2*1*2 + 4*6/2) + (4 + 4) * (2/2) * 8 = 240;
-    # logits 8 * 10/2 = 40; 2 rows * 8 tokens.
-    assert est.activations == 2 * 8 * (240 + 40)
+    # 2 rows * 8 tokens; logits 8 * 10/2 = 40 per scored token: the T = 5 completion tokens.
+    assert est.activations == 2 * 8 * 240 + 2 * 5 * 40
     remat = memory.estimate(
         HAND,
         mesh_shape={"fsdp": 2, "tensor": 2},
@@ -69,12 +69,18 @@ def test_kv_cache_activations_and_total_by_hand():
         remat=True,
         **KW,
     )
-    assert remat.activations == 2 * 8 * (1 * 4 * 4 + 240 + 40)
+    assert remat.activations == 2 * 8 * (1 * 4 * 4 + 240) + 2 * 5 * 40
+    # Scoring one completion token at a time keeps one token's logits.
+    chunked = memory.estimate(
+        HAND, mesh_shape={"fsdp": 2, "tensor": 2}, layout="fsdp_tp", beta=0.04,
+        logits_chunk=1, **KW,
+    )  # fmt: skip
+    assert chunked.activations == 2 * 8 * 240 + 2 * 1 * 40
     p = 56 * 4
     assert (est.params, est.optimizer, est.reference) == (p, 2 * p, p)
-    assert est.training == p + 2 * p + p + p + 4480
+    assert est.training == p + 2 * p + p + p + 4240
     assert est.sampling == p + 2 * p + p + 256
-    assert est.total == est.training == 5600
+    assert est.total == est.training == 5360
     assert est.biggest() == "activations"
     # A sampling batch bigger than the training batch moves the peak to sampling.
     big = memory.estimate(

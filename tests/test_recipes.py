@@ -78,6 +78,7 @@ RUNLOCAL_KEYS = {
     "train.batch_size",
     "train.minibatch_size",
     "train.samples_every",
+    "train.logits_chunk",
     "optim.grad_accum",
     "eval.every",
     "eval.num_problems",

@@ -142,3 +142,12 @@ def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
         assert len(a) == len(b) == 3
         # Every number least significant digit first: "321+954=" is 123 + 459 = 582, "285".
         assert ex["answer"] == str(int(a[::-1]) + int(b[::-1]))[::-1]
+
+
+def test_logits_chunk_must_divide_the_completion_length():
+    t = get_config("smoke").sampling.max_new_tokens
+    assert run_lib.parse_config(_cfg(**{"train.logits_chunk": t})).train.logits_chunk == t
+    with pytest.raises(ConfigError, match=rf"'train.logits_chunk' = {t + 1} must divide"):
+        run_lib.parse_config(_cfg(**{"train.logits_chunk": t + 1}))
+    with pytest.raises(ConfigError, match="train.logits_chunk"):
+        run_lib.parse_config(_cfg(**{"train.logits_chunk": -2}))

@@ -129,6 +129,16 @@ class Transformer(nnx.Module):
         Positions default to cumsum(mask) - 1 clipped at 0 with a mask, to
         0..T-1 without one.
         """
+        return self.logits(
+            self.features(tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT)
+        )
+
+    def features(self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None) -> jax.Array:
+        """The last layer's output [B, T, D], before the final norm: no LM head.
+
+        ``logits(features(...)[:, a:b])`` scores positions a..b-1 only, so a
+        caller that needs a few positions' logits never forms the rest.
+        """
         B, T = tokens_BxT.shape
         if mask_BxT is None:
             mask_BxT = jnp.ones((B, T), bool)
@@ -137,6 +147,10 @@ class Transformer(nnx.Module):
         slot_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
         x_BxTxD, _ = self._run_layers(x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None)
+        return x_BxTxD
+
+    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
+        """Float32 logits [B, T, V] of :meth:`features` output: final norm, LM head, soft-cap."""
         return self._logits(x_BxTxD)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict[str, tuple[jax.Array, ...]]:
