@@ -328,6 +328,7 @@ def _train_loop(
         batch_shards=shards,
         track_update=tcfg.track_update,
         logits_chunk=tcfg.logits_chunk,
+        share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
         batch_sharding_fn=lambda nd: batch_sharding(mesh, nd),
         ref_shardings=param_sh if grpo.beta > 0 else None,

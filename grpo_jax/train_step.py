@@ -100,18 +100,55 @@ def make_optimizer(cfg: OptimConfig, total_updates: int):
     return optax.chain(*parts), schedule
 
 
-def _completion_features(model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
+def _completion_features(
+    model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size: int = 1
+):
     """The last layer's output at the positions that predict the completion tokens.
 
-    One forward over [prompt | completion]; the output at position P-1+t
-    predicts completion token t, so the slice [P-1, P+T-1) lines up with
-    ``tokens_NxT``. Positions default to cumsum(mask) - 1 in the model, the
-    same positions the sampler used.
+    The output at position P-1+t of [prompt | completion] predicts completion
+    token t, so the slice [P-1, P+T-1) lines up with ``tokens_NxT``. Positions
+    are cumsum(mask) - 1, the same positions the sampler used.
+
+    ``group_size`` G > 1 says rows come in aligned groups of G sharing one
+    prompt (rows b*G .. b*G+G-1). Then the prompt runs once per group, as the
+    sampler's prefill does, filling a KV cache that is repeated to the G rows
+    the completions are then run against: the same values as one forward
+    over [prompt | completion] per row, with (G-1)/G of the prompt's work
+    saved, forward and backward (the repeat's gradient sums over the group).
     """
-    p, t = prompt_tokens_NxP.shape[1], tokens_NxT.shape[1]
-    full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
-    full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1).astype(jnp.bool_)
-    return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
+    n, p = prompt_tokens_NxP.shape
+    t = tokens_NxT.shape[1]
+    prompt_mask_NxP = prompt_mask_NxP.astype(jnp.bool_)
+    mask_NxT = mask_NxT.astype(jnp.bool_)
+    if group_size <= 1:
+        full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
+        full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1)
+        return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
+    g, b = group_size, n // group_size
+    first = lambda x: x.reshape(b, g, *x.shape[1:])[:, 0]
+    repeat = lambda x: jnp.repeat(x, g, axis=0)
+    prompt_BxP, pmask_BxP = first(prompt_tokens_NxP).astype(jnp.int32), first(prompt_mask_NxP)
+    positions_BxP = jnp.maximum(jnp.cumsum(pmask_BxP, axis=1, dtype=jnp.int32) - 1, 0)
+    kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
+    x_BxPxD, cache = model.features_with_cache(
+        prompt_BxP,
+        positions_BxT=positions_BxP,
+        kv_mask_BxS=kv_mask_BxS,
+        cache=model.init_cache(b, p + t),
+        cache_index=0,
+    )
+    cache = jax.tree.map(repeat, cache)
+    # Completion tokens 0..T-2 are fed at slots P..P+T-2 (token T-1 predicts nothing).
+    prompt_len_N = prompt_mask_NxP.sum(axis=1, dtype=jnp.int32)
+    positions_NxT = prompt_len_N[:, None] + jnp.cumsum(mask_NxT, axis=1, dtype=jnp.int32) - 1
+    x_NxTmxD, _ = model.features_with_cache(
+        tokens_NxT[:, :-1].astype(jnp.int32),
+        positions_BxT=positions_NxT[:, :-1],
+        kv_mask_BxS=jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1),
+        cache=cache,
+        cache_index=p,
+    )
+    return jnp.concatenate([repeat(x_BxPxD[:, -1:]), x_NxTmxD], axis=1)
 
 
 def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
@@ -134,6 +171,7 @@ def completion_scores(
     *,
     chunk_size: int = 0,
     with_entropy: bool = False,
+    group_size: int = 1,
 ):
     """(log-probs [N, T], entropies [N, T] or None) of the completion tokens.
 
@@ -141,11 +179,17 @@ def completion_scores(
     log-softmax and the entropy run over chunks of the completion with
     rematerialisation: the float32 logits are never formed for more than
     [N, chunk_size, V] at a time, forward or backward (large vocabularies).
-    Entropies carry no gradient.
+    Entropies carry no gradient. ``group_size`` G > 1: rows come in aligned
+    groups of G with one prompt each, run once per group (``_completion_features``).
     """
     model = nnx.merge(graphdef, params)
     h_NxTxD = _completion_features(
-        model, batch["prompt_tokens"], batch["prompt_mask"], batch["tokens"], batch["mask"]
+        model,
+        batch["prompt_tokens"],
+        batch["prompt_mask"],
+        batch["tokens"],
+        batch["mask"],
+        group_size=group_size,
     )
     tokens_NxT = batch["tokens"]
     n, t = tokens_NxT.shape
@@ -175,9 +219,13 @@ def completion_scores(
     return unchunk(logps_KxNxC), None if ent_KxNxC is None else unchunk(ent_KxNxC)
 
 
-def completion_logps(graphdef, params, batch, temperature, *, chunk_size: int = 0):
+def completion_logps(
+    graphdef, params, batch, temperature, *, chunk_size: int = 0, group_size: int = 1
+):
     """log pi(completion tokens) [N, T] (no entropy): the reference and update-tracking passes."""
-    return completion_scores(graphdef, params, batch, temperature, chunk_size=chunk_size)[0]
+    return completion_scores(
+        graphdef, params, batch, temperature, chunk_size=chunk_size, group_size=group_size
+    )[0]
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -217,6 +265,7 @@ def train_step(
     batch_shards: int,
     track_update: bool,
     logits_chunk: int = 0,
+    share_prompts: bool = False,
 ):
     """mu passes over the batch, one optimizer update per minibatch (see module doc).
 
@@ -225,6 +274,9 @@ def train_step(
     unused by the deterministic update and kept for a uniform signature
     (stochastic regularisers would fold it). ``logits_chunk`` > 0 scores the
     completions in chunks of that many tokens (``completion_scores``).
+    ``share_prompts``: the batch's rows come in groups of G = ``grpo.G`` that
+    share one prompt (as the sampler writes them); each prompt is then run
+    once per group wherever a (micro-)batch holds whole groups.
     """
     del key
     n = batch["tokens"].shape[0]
@@ -232,15 +284,28 @@ def train_step(
     num_mb = n // m
     temperature = grpo.temperature
     use_ref = grpo.beta > 0
+    G = grpo.G if share_prompts else 1
+    # Groups stay whole and aligned in a part of the batch when each shard's
+    # block of it holds a multiple of G rows (``_split_rows`` takes blocks).
+    g_full = G if (n // batch_shards) % G == 0 else 1
+    g_micro = G if (m // (batch_shards * grad_accum)) % G == 0 else 1
     if use_ref:
         ref_logps_NxT = jax.lax.stop_gradient(
-            completion_logps(graphdef, ref_params, batch, temperature, chunk_size=logits_chunk)
+            completion_logps(
+                graphdef, ref_params, batch, temperature, chunk_size=logits_chunk, group_size=g_full
+            )
         )
         batch = dict(batch, ref_logps=ref_logps_NxT)
 
     def loss_fn(params, mb):
         logps_NxT, entropy_NxT = completion_scores(
-            graphdef, params, mb, temperature, chunk_size=logits_chunk, with_entropy=True
+            graphdef,
+            params,
+            mb,
+            temperature,
+            chunk_size=logits_chunk,
+            with_entropy=True,
+            group_size=g_micro,
         )
         return losses.grpo_loss(
             logps_NxT,
@@ -325,7 +390,14 @@ def train_step(
         # How far one step moved the policy on its own samples: KL(pi_old ||
         # pi_new) by the k3 estimator with samples from pi_old, and the ratio range.
         new_NxT = jax.lax.stop_gradient(
-            completion_logps(graphdef, state.params, batch, temperature, chunk_size=logits_chunk)
+            completion_logps(
+                graphdef,
+                state.params,
+                batch,
+                temperature,
+                chunk_size=logits_chunk,
+                group_size=g_full,
+            )
         )
         mask_NxT = batch["mask"].astype(jnp.float32)
         log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch["old_logps"], 0.0)
@@ -351,6 +423,7 @@ def jit_train_step(
     track_update: bool,
     state_shardings,
     logits_chunk: int = 0,
+    share_prompts: bool = False,
     batch_sharding_fn,
     ref_shardings,
     replicated,
@@ -367,6 +440,7 @@ def jit_train_step(
         batch_shards=batch_shards,
         track_update=track_update,
         logits_chunk=logits_chunk,
+        share_prompts=share_prompts,
     )
     batch_shardings = {k: batch_sharding_fn(2 if k != "advantages" else 1) for k in BATCH_KEYS}
     return jax.jit(

@@ -185,16 +185,24 @@ class Transformer(nnx.Module):
         call's. A query in slot cache_index + t attends to slot j iff
         j <= cache_index + t and kv_mask[b, j] (and the window, if sliding).
         """
-        B, T = tokens_BxT.shape
-        index = jnp.asarray(cache_index, jnp.int32)
-        slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
-        x_BxTxD = self._embed(tokens_BxT)
-        x_BxTxD, cache = self._run_layers(
-            x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index
+        x_BxTxD, cache = self.features_with_cache(
+            tokens_BxT,
+            positions_BxT=positions_BxT,
+            kv_mask_BxS=kv_mask_BxS,
+            cache=cache,
+            cache_index=cache_index,
         )
         if last_only:
             x_BxTxD = x_BxTxD[:, -1:]
         return self._logits(x_BxTxD), cache
+
+    def features_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
+        """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head."""
+        B, T = tokens_BxT.shape
+        index = jnp.asarray(cache_index, jnp.int32)
+        slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
+        x_BxTxD = self._embed(tokens_BxT)
+        return self._run_layers(x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index)
 
 
 def create_model(
