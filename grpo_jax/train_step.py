@@ -137,6 +137,9 @@ def _completion_features(
         cache=model.init_cache(b, p + t),
         cache_index=0,
     )
+    h0_Nx1xD = repeat(x_BxPxD[:, -1:])  # the last prompt token predicts completion token 0
+    if t == 1:
+        return h0_Nx1xD
     cache = jax.tree.map(repeat, cache)
     # Completion tokens 0..T-2 are fed at slots P..P+T-2 (token T-1 predicts nothing).
     prompt_len_N = prompt_mask_NxP.sum(axis=1, dtype=jnp.int32)
@@ -148,7 +151,7 @@ def _completion_features(
         cache=cache,
         cache_index=p,
     )
-    return jnp.concatenate([repeat(x_BxPxD[:, -1:]), x_NxTmxD], axis=1)
+    return jnp.concatenate([h0_Nx1xD, x_NxTmxD], axis=1)
 
 
 def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):

@@ -311,3 +311,12 @@ def test_share_prompts_gives_the_same_update(setup):
             np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
         for k in ("train/loss", "train/kl", "train/entropy", "policy/kl_old_new"):
             np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_prompt_once_per_group_with_one_completion_token(setup):
+    graphdef, params, _, _ = setup
+    b = _grouped_batch(np.random.default_rng(5), 2, 4, 5, 1, V)
+    b["mask"][:] = True
+    one = ts.completion_logps(graphdef, params, b, 1.0, group_size=4)
+    per_row = ts.completion_logps(graphdef, params, b, 1.0)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(per_row), atol=2e-6)
