@@ -331,16 +331,29 @@ def train_step(
             (loss, aux), grads = grad_fn(st.params, mb)
         else:
             micro = jax.tree.map(lambda x: _split_rows(x, grad_accum, batch_shards), mb)
+            # Each micro-batch's share of the minibatch: its rows (1 / A) for the
+            # per-sequence reductions, its tokens for "token_mean", whose loss is a
+            # mean over all the minibatch's tokens. Token means in the metrics
+            # (KL, entropy, clip fractions) are weighted by tokens either way.
+            tokens_A = micro["mask"].astype(jnp.float32).sum(axis=(1, 2))
+            tok_w_A = tokens_A / jnp.maximum(tokens_A.sum(), 1.0)
+            if grpo.reduction == "token_mean":
+                w_A = tok_w_A
+            else:
+                w_A = jnp.full((grad_accum,), 1.0 / grad_accum)
 
-            def acc(carry, mbi):
+            def acc(carry, xs):
+                mbi, w = xs
                 (l_i, aux_i), g_i = grad_fn(st.params, mbi)
-                return jax.tree.map(jnp.add, carry, g_i), (l_i, aux_i)
+                return jax.tree.map(lambda c, g: c + w * g, carry, g_i), (l_i, aux_i)
 
             zeros = jax.tree.map(jnp.zeros_like, st.params)
-            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, micro)
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            loss = loss_A.mean()
-            aux = {k: _metric_reduce(k)(v) for k, v in aux_A.items()}
+            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A))
+            loss = (loss_A * w_A).sum()
+            aux = {
+                k: (v * tok_w_A).sum() if _metric_reduce(k) is jnp.mean else _metric_reduce(k)(v)
+                for k, v in aux_A.items()
+            }
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
