@@ -128,3 +128,50 @@ def test_layout_matches_one_device(setup, layout, axes):
         scale = np.abs(g1).max()
         assert scale > 0, f"zero gradient at {path}"
         np.testing.assert_allclose(g, g1, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+
+
+@pytest.mark.parametrize(
+    "layout,axes",
+    [("fsdp", {"data": 2, "fsdp": 4}), ("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2})],
+)
+def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
+    """The update's shared-prompt path (KV cache repeated to the group) under a mesh."""
+    from grpo_jax import train_step as ts
+    from grpo_jax.models import Transformer, param_shardings
+
+    model, batch, _, _ = setup
+    G = 2
+    prompt_NxP = np.repeat(batch["tokens"][::G, :P_LEN], G, axis=0)
+    pmask_NxP = np.repeat(batch["mask"][::G, :P_LEN], G, axis=0)
+    grouped = {
+        "prompt_tokens": prompt_NxP,
+        "prompt_mask": pmask_NxP,
+        "tokens": batch["tokens"][:, P_LEN:],
+        "mask": batch["mask"][:, P_LEN:],
+    }
+    w_NxT = np.asarray(grouped["mask"], np.float32) * np.arange(1.0, T + 1)
+
+    def score(params, graphdef, b, g):
+        logps, _ = ts.completion_scores(graphdef, params, b, 1.0, group_size=g)
+        return (logps * w_NxT).sum()
+
+    graphdef1, params1 = nnx.split(model)
+    want, want_g = jax.value_and_grad(score)(params1, graphdef1, grouped, 1)
+
+    mesh = make_mesh(axes)
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: Transformer(model.config, rngs=nnx.Rngs(0), layout=layout))
+    )
+    params = jax.device_put(nnx.state(model), param_shardings(nnx.state(model), mesh, layout))
+    b = {k: jax.device_put(v, batch_sharding(mesh, v.ndim)) for k, v in grouped.items()}
+    step = jax.jit(jax.value_and_grad(score), static_argnums=(1, 3), compiler_options=FAST_COMPILE)
+    with jax.set_mesh(mesh):
+        got, got_g = step(params, graphdef, b, G)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    flat1, flat = dict(nnx.to_flat_state(want_g)), dict(nnx.to_flat_state(got_g))
+    for path, g1 in flat1.items():
+        g1 = np.asarray(g1[...])
+        scale = np.abs(g1).max()
+        np.testing.assert_allclose(
+            np.asarray(flat[path][...]), g1, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path)
+        )
