@@ -339,7 +339,9 @@ def gather_rows(tree):
     For statistics over a whole batch that each host computed for its own
     rows (rewards, lengths, ...): the result holds every row once, in order of
     process index, on every host. Each host must pass the same structure and
-    shapes. With one process it returns ``tree`` as numpy.
+    shapes. The whole tree crosses hosts in one all-gather, packed as float32
+    (exact for flags and for integers below 2**24), and comes back in each
+    leaf's dtype. With one process it returns ``tree`` as numpy.
     """
     import jax
     import numpy as np
@@ -347,9 +349,15 @@ def gather_rows(tree):
 
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
-    return jax.tree.map(
-        lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True)), tree
-    )
+    leaves, treedef = jax.tree.flatten(jax.tree.map(np.asarray, tree))
+    packed = np.concatenate([x.astype(np.float32).ravel() for x in leaves])
+    all_HxL = np.asarray(multihost_utils.process_allgather(packed))  # stacked, [hosts, L]
+    out, at = [], 0
+    for x in leaves:
+        part = all_HxL[:, at : at + x.size].reshape(-1, *x.shape[1:])
+        out.append(part.astype(x.dtype))
+        at += x.size
+    return jax.tree.unflatten(treedef, out)
 
 
 def max_over_hosts(value: int) -> int:

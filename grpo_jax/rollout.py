@@ -178,7 +178,9 @@ class Scorer:
 
 
 def host_prompts(encoder: PromptEncoder, examples, *, mesh, num_rows: int, max_new_tokens: int):
-    """Encodes this host's examples; -> (texts, global tokens_BxP, global mask_BxP).
+    """Encodes this host's examples; -> (texts, global tokens_BxP, global mask_BxP, real tokens).
+
+    The last is the number of real (unpadded) tokens in this host's prompts.
 
     Every host pads to the widest bucket any host needs (one compiled shape),
     then contributes its rows to the global arrays split over the batch axes.
@@ -190,7 +192,7 @@ def host_prompts(encoder: PromptEncoder, examples, *, mesh, num_rows: int, max_n
         tokens_bxP = np.pad(tokens_bxP, ((0, 0), (extra, 0)), constant_values=encoder.pad_id)
         mask_bxP = np.pad(mask_bxP, ((0, 0), (extra, 0)))
     tokens_BxP, mask_BxP = distributed.global_batch((tokens_bxP, mask_bxP), mesh, num_rows)
-    return texts, tokens_BxP, mask_BxP
+    return texts, tokens_BxP, mask_BxP, int(mask_bxP.sum())
 
 
 @dataclasses.dataclass
@@ -207,12 +209,25 @@ class HostRollout:
 
 
 def score_host_rows(
-    out, examples, prompts, *, rows_n: slice, tokenizer, scorer: Scorer, G: int, grpo, mesh
+    out,
+    examples,
+    prompts,
+    *,
+    prompt_tokens: int,
+    rows_n: slice,
+    tokenizer,
+    scorer: Scorer,
+    G: int,
+    grpo,
+    mesh,
 ) -> HostRollout:
-    """Decodes, scores and normalises this host's rows ``rows_n`` of the sampler's ``out``."""
+    """Decodes, scores and normalises this host's rows ``rows_n`` of the sampler's ``out``.
+
+    ``prompt_tokens``: real tokens in this host's prompts (``host_prompts``).
+    """
     N = out.tokens.shape[0]
-    tokens_nxT, lengths_n, trunc_n, prompt_mask_nxP = distributed.local_rows(
-        (out.tokens, out.lengths, out.truncated, out.prompt_mask), rows_n
+    tokens_nxT, lengths_n, trunc_n = distributed.local_rows(
+        (out.tokens, out.lengths, out.truncated), rows_n
     )
     completions = decode(tokenizer, tokens_nxT, lengths_n)
     prompts_n = [p for p in prompts for _ in range(G)]
@@ -232,7 +247,7 @@ def score_host_rows(
             "total": result.total,
             "per_reward": {k: result.per_reward[k] for k in names},
             "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
-            "prompt_tokens": np.array([prompt_mask_nxP.sum()], np.int64),
+            "prompt_tokens": np.array([prompt_tokens * G]),  # each prompt heads G rows
             "correct": correct_n,
             "lengths": lengths_n,
             "truncated": trunc_n,

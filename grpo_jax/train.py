@@ -249,19 +249,9 @@ def _train_loop(
     if not resumed or grpo.beta > 0:
         # A resumed run needs the base policy only as the KL reference.
         base_params, warm_info = base_policy(
-            run,
-            workdir,
-            graphdef,
-            init_params,
-            param_sh,
-            train_all,
-            encoder,
-            mesh,
-            run_eval,
-            writer,
-            progress,
-            preempt,
-        )
+            run, workdir, graphdef, init_params, param_sh=param_sh, train_all=train_all,
+            encoder=encoder, mesh=mesh, run_eval=run_eval, progress=progress, preempt=preempt,
+        )  # fmt: skip
         if preempt.requested:
             progress.message("preempted during the warm start; rerun to start again")
             return {"preempted": True, "step": 0}
@@ -272,12 +262,11 @@ def _train_loop(
     state = ts.init_state(base_params, tx, mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     # Each host reads, samples for and scores only the rows its devices hold.
-    rows_B = distributed.host_rows(mesh, B)
-    rows_N = slice(rows_B.start * G, rows_B.stop * G)
-    if rows_N != distributed.host_rows(mesh, N):
+    rows_B, rows_N = distributed.host_rows(mesh, B), distributed.host_rows(mesh, N)
+    if (rows_N.start, rows_N.stop) != (rows_B.start * G, rows_B.stop * G):
         raise distributed.DistributedError(
-            f"this host holds prompt rows {rows_B} but completion rows "
-            f"{distributed.host_rows(mesh, N)}: the mesh splits groups across hosts"
+            f"this host holds prompt rows {rows_B} but completion rows {rows_N}: "
+            "the mesh splits groups across hosts"
         )
     it = DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B)
     if jax.process_count() > 1:
@@ -397,7 +386,7 @@ def _train_loop(
         k_sample, k_train = jax.random.split(key)
         t0 = time.perf_counter()
         examples = it.next()  # this host's rows of the global batch
-        prompts, tokens_BxP, mask_BxP = host_prompts(
+        prompts, tokens_BxP, mask_BxP, prompt_tokens = host_prompts(
             encoder, examples, mesh=mesh, num_rows=B, max_new_tokens=T
         )
         t_ready = None
@@ -421,6 +410,7 @@ def _train_loop(
             out,
             examples,
             prompts,
+            prompt_tokens=prompt_tokens,
             rows_n=rows_N,
             tokenizer=tokenizer,
             scorer=scorer,

@@ -98,9 +98,12 @@ def _check_host_rows(mesh) -> None:
     np.testing.assert_array_equal(distributed.fetch(glob), np.arange(N * 3).reshape(N, 3))
     # A computation on the global array sees every host's rows.
     assert float(jax.jit(lambda x: x.sum())(glob)) == sum(range(N * 3))
-    got = distributed.gather_rows({"a": np.full(2, me), "b": np.array([[me, 10 + me]])})
+    got = distributed.gather_rows(
+        {"a": np.full(2, me), "b": np.array([[me, 10 + me]]), "c": np.array([me == 0, True])}
+    )
     np.testing.assert_array_equal(got["a"], [0, 0, 1, 1])
     np.testing.assert_array_equal(got["b"], [[0, 10], [1, 11]])
+    assert got["c"].dtype == np.bool_ and got["c"].tolist() == [True, True, False, True]
     assert distributed.max_over_hosts(7 + 5 * me) == 12
 
 
