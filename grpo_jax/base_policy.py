@@ -18,20 +18,15 @@ from grpo_jax import sft
 
 
 def base_policy(
-    run,
-    workdir,
-    graphdef,
-    init_params,
-    param_sh,
-    train_all,
-    encoder,
-    mesh,
-    run_eval,
-    writer,
-    progress,
+    run, workdir, graphdef, init_params, *, param_sh, train_all, encoder, mesh, run_eval, progress,
     preempt,
-):
-    """The policy GRPO starts from: the initial model, warm-started when configured."""
+):  # fmt: skip
+    """(params, warm-start info or None): the initial model, warm-started when configured.
+
+    ``run_eval(params, step, examples, prefix=, cfg=)`` scores the validation
+    problems; ``progress`` gets the messages; ``preempt.requested`` stops the
+    warm start early (nothing is cached then).
+    """
     ws = run.warm_start
     if not ws.enabled:
         return init_params, None

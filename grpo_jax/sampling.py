@@ -55,6 +55,7 @@ from jax.sharding import Mesh
 from grpo_jax import distributed
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.config import ConfigError, check_range
+from grpo_jax.models.transformer import positions_from_mask
 
 # ---------------------------------------------------------------------------
 # Configuration.
@@ -357,7 +358,7 @@ def _prefill(
     s = p + t
     # Positions count real tokens only, so a left-padded prompt sees the same
     # rotary phases as an unpadded one; pads get 0 (they are masked anyway).
-    positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP, axis=1, dtype=jnp.int32) - 1, 0)
+    positions_BxP = positions_from_mask(mask_BxP)
     kv_mask_BxS = jnp.concatenate([mask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
     constrain_cache = lambda c: c
     if mesh is not None:

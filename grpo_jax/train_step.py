@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax import distributed, losses
 from grpo_jax.config import GRPOConfig
+from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.train_config import OptimConfig
 
 BATCH_KEYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "old_logps", "advantages")
@@ -128,7 +129,7 @@ def _completion_features(
     first = lambda x: x.reshape(b, g, *x.shape[1:])[:, 0]
     repeat = lambda x: jnp.repeat(x, g, axis=0)
     prompt_BxP, pmask_BxP = first(prompt_tokens_NxP).astype(jnp.int32), first(prompt_mask_NxP)
-    positions_BxP = jnp.maximum(jnp.cumsum(pmask_BxP, axis=1, dtype=jnp.int32) - 1, 0)
+    positions_BxP = positions_from_mask(pmask_BxP)
     kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
     x_BxPxD, cache = model.features_with_cache(
         prompt_BxP,
