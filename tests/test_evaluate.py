@@ -1,5 +1,6 @@
 """Evaluation: pass@1 / pass@k plumbing with canned completions, checkpoint and HF export parity."""
 
+import functools
 import json
 import os
 import subprocess
@@ -72,16 +73,17 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
         return real_encode(self, exs, **kw)
 
     monkeypatch.setattr(run_lib.PromptEncoder, "encode", counting_encode)
-    out = ev.evaluate(
+    evaluate = functools.partial(
+        ev.evaluate,
         None,
         None,
         examples,
         encoder=run_lib.build_encoder(run, tok),
         scorer=run_lib.build_scorer(run),
         sampling=run_lib.tokenizer_sampling(run, tok),
-        cfg=EvalConfig(batch_size=8, num_samples=4, k=2),
         key=jax.random.key(0),
     )
+    out = evaluate(cfg=EvalConfig(batch_size=8, num_samples=4, k=2))
     assert out["eval/pass_at_1"] == pytest.approx(4 / 7)  # a = 0, 2, 4, 6
     c = np.array([a % 3 for a in range(7)])
     # pass@2 with n = 4: 1 - C(4 - c, 2) / C(4, 2).
@@ -92,16 +94,7 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
     # Fixed-size calls, the last one padded: 8 prompts greedy, 2 prompts x 4 samples.
     assert calls == [8] + [2] * 4
     # k = 1: pass_at_1 stays the greedy figure, the sampled one has its own key.
-    out1 = ev.evaluate(
-        None,
-        None,
-        examples,
-        encoder=run_lib.build_encoder(run, tok),
-        scorer=run_lib.build_scorer(run),
-        sampling=run_lib.tokenizer_sampling(run, tok),
-        cfg=EvalConfig(batch_size=8, num_samples=4, k=1),
-        key=jax.random.key(0),
-    )
+    out1 = evaluate(cfg=EvalConfig(batch_size=8, num_samples=4, k=1))
     assert out1["eval/pass_at_1"] == pytest.approx(4 / 7)
     assert out1["eval/pass_at_k"] == out1["eval/sampled_pass_at_1"] == pytest.approx(c.mean() / 4)
 

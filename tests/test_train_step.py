@@ -74,6 +74,15 @@ def _leaves_equal(a, b):
     )
 
 
+def _assert_same_update(one, other, keys, *, params_atol, metrics_rtol=1e-5, metrics_atol=1e-6):
+    """Two (state, metrics) results of one update: parameters and the named metrics agree."""
+    (a, ma), (b, mb) = one, other
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=params_atol, rtol=1e-5)
+    for k in keys:
+        np.testing.assert_allclose(ma[k], mb[k], rtol=metrics_rtol, atol=metrics_atol, err_msg=k)
+
+
 def test_first_update_starts_at_ratio_one_and_moves_params(setup):
     graphdef, params, _, batch = setup
     state, fn = _step(setup)
@@ -123,14 +132,14 @@ def test_grad_accumulation_matches_one_big_minibatch(setup, reduction):
     grpo = GRPOConfig(G=4, beta=0.1, reduction=reduction)
     s_a, fn_a = _step(setup, grpo=grpo, grad_accum=1, beta_ref=True)
     s_b, fn_b = _step(setup, grpo=grpo, grad_accum=2, beta_ref=True)
-    a, ma = fn_a(s_a, batch, jax.random.key(0), params)
-    b, mb = fn_b(s_b, batch, jax.random.key(0), params)
     # One AdamW step of lr 1e-2 moves a parameter by ~lr * g / (|g| + eps): float32
     # noise matters only where |g| is near eps, hence 1e-4 (a wrong weighting moves ~1e-2).
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4, rtol=1e-5)
-    for k in ("train/loss", "train/grad_norm", "train/kl", "train/entropy"):
-        np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    _assert_same_update(
+        fn_a(s_a, batch, jax.random.key(0), params),
+        fn_b(s_b, batch, jax.random.key(0), params),
+        ("train/loss", "train/grad_norm", "train/kl", "train/entropy"),
+        params_atol=1e-4,
+    )
 
 
 def test_logits_chunk_gives_the_same_update(setup):
@@ -138,12 +147,13 @@ def test_logits_chunk_gives_the_same_update(setup):
     grpo = GRPOConfig(G=4, beta=0.1)
     s_a, fn_a = _step(setup, grpo=grpo, beta_ref=True)
     s_b, fn_b = _step(setup, grpo=grpo, beta_ref=True, logits_chunk=1)  # T = 5 chunks of 1
-    a, ma = fn_a(s_a, batch, jax.random.key(0), params)
-    b, mb = fn_b(s_b, batch, jax.random.key(0), params)
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
-    for k in ("train/loss", "train/entropy", "train/kl", "policy/kl_old_new"):
-        np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    _assert_same_update(
+        fn_a(s_a, batch, jax.random.key(0), params),
+        fn_b(s_b, batch, jax.random.key(0), params),
+        ("train/loss", "train/entropy", "train/kl", "policy/kl_old_new"),
+        params_atol=2e-6,
+        metrics_atol=1e-7,
+    )
 
 
 def test_minibatches_mu_and_frozen_reference(setup):
@@ -314,13 +324,14 @@ def test_share_prompts_gives_the_same_update(setup):
     assert flops[True, 1] < 0.8 * flops[False, 1]
     assert flops[True, 2] < flops[False, 2]  # the reference and tracking passes only
     for accum in (1, 2):
-        (a, ma), (b, mb) = results[False, accum], results[True, accum]
         # Four AdamW updates of lr 1e-2: m / sqrt(v) magnifies float32 noise in
         # near-zero gradient coordinates, hence 1e-5 (a wrong prompt moves them ~1e-2).
-        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
-        for k in ("train/loss", "train/kl", "train/entropy", "policy/kl_old_new"):
-            np.testing.assert_allclose(ma[k], mb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        _assert_same_update(
+            results[False, accum],
+            results[True, accum],
+            ("train/loss", "train/kl", "train/entropy", "policy/kl_old_new"),
+            params_atol=1e-5,
+        )
 
 
 def test_prompt_once_per_group_with_one_completion_token(setup):
