@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +33,41 @@ from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.sampling import pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+    """One step's rollouts as the update consumes them: global arrays split over the batch axes.
+
+    Rows come in aligned groups of G completions of one prompt (rows b*G ..
+    b*G+G-1 share prompt b and group id b), as the sampler writes them.
+
+    Attributes:
+      prompt_tokens_NxP, prompt_mask_NxP: each row's left-padded prompt.
+      tokens_NxT, mask_NxT: the completion, right-padded; the mask covers the
+        sampled tokens up to and including EOS.
+      behavior_logps_NxT: log-probs of the completion tokens under the policy
+        that sampled them (pi_old), as the sampler recorded them; 0 where masked.
+      rewards_N: each row's weighted total reward.
+      advantages_N: each row's group-normalised advantage.
+      weights_N: per-row weight of the row's tokens in the loss (1.0 for a
+        real row, 0.0 for a row that only pads the batch to its static shape).
+      group_ids_N: the global index of each row's prompt in the batch.
+    """
+
+    prompt_tokens_NxP: jax.Array
+    prompt_mask_NxP: jax.Array
+    tokens_NxT: jax.Array
+    mask_NxT: jax.Array
+    behavior_logps_NxT: jax.Array
+    rewards_N: jax.Array
+    advantages_N: jax.Array
+    weights_N: jax.Array
+    group_ids_N: jax.Array
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens_NxT.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
