@@ -29,9 +29,9 @@ import numpy as np
 
 from grpo_jax import distributed
 from grpo_jax import metrics as metrics_lib
+from grpo_jax.config import EvalConfig
 from grpo_jax.rollout import PromptEncoder, Scorer, decode
 from grpo_jax.sampling import SamplingConfig, generate
-from grpo_jax.train_config import EvalConfig
 
 
 def generate_texts(

@@ -37,18 +37,20 @@ from typing import Any
 import jax
 
 from grpo_jax import data, rewards, sharding
-from grpo_jax.config import ConfigError, GRPOConfig, check_known_keys
-from grpo_jax.rollout import PromptEncoder, Scorer
-from grpo_jax.sampling import SamplingConfig
-from grpo_jax.sft import WarmStartConfig
-from grpo_jax.train_config import (
+from grpo_jax.config import (
     CheckpointConfig,
+    ConfigError,
     EvalConfig,
+    GRPOConfig,
     MeshConfig,
     OptimConfig,
     TrainConfig,
+    WarmStartConfig,
+    check_known_keys,
     from_mapping,
 )
+from grpo_jax.rollout import PromptEncoder, Scorer
+from grpo_jax.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 

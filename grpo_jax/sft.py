@@ -24,7 +24,6 @@ fingerprint of everything it depends on, so a rerun loads it instead.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -38,87 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from grpo_jax.config import ConfigError, check_choice, check_range
-from grpo_jax.train_config import OptimConfig
+from grpo_jax.config import ConfigError, WarmStartConfig
 
 log = logging.getLogger(__name__)
-
-TARGETS = ("solution", "answer")
-METRICS = ("greedy", "sampled")
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """The supervised phase before GRPO.
-
-    Attributes:
-      enabled: run it (needs examples with a "solution" field).
-      max_steps: hard cap on optimizer steps.
-      min_steps: never stop before this many steps.
-      target_pass_at_1: stop once validation pass@1 (``metric``) reaches this.
-      metric: "greedy" (pass@1 of the argmax completion) or "sampled" (the
-        share of completions sampled at the GRPO temperature that are
-        correct, ``val_samples`` per problem): what GRPO will see. A policy
-        caught mid-way through learning can be right under argmax yet sample
-        correct answers only a few percent of the time, and GRPO, learning
-        only from groups with a correct sample, then has almost no signal.
-      val_samples: samples per validation problem for the "sampled" metric.
-      eval_every: validate every this many steps.
-      val_problems: training problems held back for validation (never trained on).
-      batch_size: sequences per step.
-      learning_rate, warmup_steps, weight_decay, max_grad_norm: AdamW with
-        linear warmup, then constant.
-      cache: save the result in <workdir>/warm_start and reuse it on rerun.
-      target: the example field trained on: "solution" (the worked solution,
-        ending in the checked answer format) or "answer" (the bare reference
-        answer, for tasks scored by exact match of the whole completion,
-        ``exact_match(tag=None)``: the shortest completions, the cheapest
-        rollouts).
-    """
-
-    enabled: bool = False
-    max_steps: int = 2000
-    min_steps: int = 0
-    target_pass_at_1: float = 0.25
-    metric: str = "greedy"
-    val_samples: int = 4
-    eval_every: int = 50
-    val_problems: int = 256
-    batch_size: int = 64
-    learning_rate: float = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    cache: bool = True
-    target: str = "solution"
-
-    def __post_init__(self):
-        for key in ("enabled", "cache"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(
-                    f"config key 'warm_start.{key}' = {getattr(self, key)!r} must be True or False"
-                )
-        check_range("warm_start.max_steps", self.max_steps, lo=1, integer=True)
-        check_range("warm_start.min_steps", self.min_steps, lo=0, hi=self.max_steps, integer=True)
-        check_range("warm_start.target_pass_at_1", self.target_pass_at_1, lo=0.0, hi=1.0)
-        check_range("warm_start.eval_every", self.eval_every, lo=1, integer=True)
-        check_range("warm_start.val_problems", self.val_problems, lo=1, integer=True)
-        check_range("warm_start.batch_size", self.batch_size, lo=1, integer=True)
-        check_range("warm_start.learning_rate", self.learning_rate, lo=0.0, lo_open=True)
-        check_range("warm_start.warmup_steps", self.warmup_steps, lo=0, integer=True)
-        check_range("warm_start.weight_decay", self.weight_decay, lo=0.0)
-        check_range("warm_start.max_grad_norm", self.max_grad_norm, lo=0.0)
-        check_choice("warm_start.target", self.target, TARGETS)
-        check_choice("warm_start.metric", self.metric, METRICS)
-        check_range("warm_start.val_samples", self.val_samples, lo=1, integer=True)
-
-    def optim(self) -> OptimConfig:
-        return OptimConfig(
-            learning_rate=self.learning_rate,
-            warmup_steps=self.warmup_steps,
-            weight_decay=self.weight_decay,
-            max_grad_norm=self.max_grad_norm,
-        )
 
 
 # ---------------------------------------------------------------------------

@@ -35,9 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import distributed, losses
-from grpo_jax.config import GRPOConfig
+from grpo_jax.config import GRPOConfig, OptimConfig
 from grpo_jax.models.transformer import positions_from_mask
-from grpo_jax.train_config import OptimConfig
 
 BATCH_KEYS = ("prompt_tokens", "prompt_mask", "tokens", "mask", "old_logps", "advantages")
 

@@ -15,9 +15,9 @@ from configs.default import get_config
 from grpo_jax import evaluate as ev
 from grpo_jax import run as run_lib
 from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.config import EvalConfig
 from grpo_jax.export import export_hf
 from grpo_jax.sampling import SampleOutput
-from grpo_jax.train_config import EvalConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,8 +8,7 @@ from flax import nnx
 
 from grpo_jax import models, sharding
 from grpo_jax import train_step as ts
-from grpo_jax.config import GRPOConfig
-from grpo_jax.train_config import OptimConfig
+from grpo_jax.config import GRPOConfig, OptimConfig
 
 N, P, T, V = 8, 6, 5, 100
 
