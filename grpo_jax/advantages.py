@@ -3,7 +3,9 @@
 Shapes: B prompts, G completions per prompt; ``rewards_BxG[b, g]`` is the
 reward of completion g of prompt b. A non-finite reward (NaN: a reward
 function that could not score that completion) is left out of its group's
-statistics and gets advantage 0, so it pushes the policy neither way.
+statistics and gets advantage 0, so it pushes the policy neither way. A group
+whose finite rewards are all equal gets advantage exactly 0 under every
+estimator, whatever the values and eps.
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ DEFAULT_EPS = 1e-4
 
 
 def _valid_stats(rewards_BxG: jax.Array):
-    """Masked group mean and population std over the finite rewards."""
+    """Masked group mean, centred rewards and population std over the finite rewards.
+
+        centered_i = r_i - mean(r),   std = sqrt(mean(centered**2))
+
+    except that a group whose finite rewards are all equal (max == min) has
+    centered_i = 0 exactly, and so std = 0: its rounded float mean can differ
+    from the common value (mean of eight 0.1 is not 0.1 in float32), and that
+    rounding error must not become a learning signal.
+    """
     valid_BxG = jnp.isfinite(rewards_BxG)
     r_BxG = jnp.where(valid_BxG, rewards_BxG, 0.0)
     n_Bx1 = valid_BxG.sum(axis=1, keepdims=True)
     denom_Bx1 = jnp.maximum(n_Bx1, 1)
     mean_Bx1 = r_BxG.sum(axis=1, keepdims=True) / denom_Bx1
-    centered_BxG = jnp.where(valid_BxG, r_BxG - mean_Bx1, 0.0)
+    max_Bx1 = jnp.where(valid_BxG, rewards_BxG, -jnp.inf).max(axis=1, keepdims=True)
+    min_Bx1 = jnp.where(valid_BxG, rewards_BxG, jnp.inf).min(axis=1, keepdims=True)
+    varies_Bx1 = max_Bx1 != min_Bx1
+    centered_BxG = jnp.where(valid_BxG & varies_Bx1, r_BxG - mean_Bx1, 0.0)
     var_Bx1 = (centered_BxG**2).sum(axis=1, keepdims=True) / denom_Bx1
     return valid_BxG, r_BxG, n_Bx1, mean_Bx1, centered_BxG, jnp.sqrt(var_Bx1)
 
@@ -45,9 +58,9 @@ def group_advantages(
 
     Args:
       rewards_BxG: rewards, one row per prompt; NaN where unscored.
-      eps: added to the std; it keeps a group whose rewards all agree at
-        A = 0 / eps = 0 (never NaN) and bounds |A| for near-constant groups.
-        Default 1e-4.
+      eps: added to the std; it bounds |A| for near-constant groups.
+        Default 1e-4. A group whose finite rewards all agree gets A = 0
+        exactly (never NaN), at any eps including 0.
       scale: "group" (the paper: divide by the group's std), "batch" (divide
         by the std of all finite rewards in the batch, as in Hu et al.'s
         REINFORCE++ and TRL's ``scale_rewards="batch"``: less noisy for small

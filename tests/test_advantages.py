@@ -82,3 +82,54 @@ def test_sharded_advantages_equal_single_device():
         out_shardings=sharding.batch_sharding(mesh),
     )
     np.testing.assert_allclose(f(rewards), advantages.group_advantages(rewards), rtol=1e-6)
+
+
+def _formula_BxG(rewards_BxG, eps, estimator):
+    """The estimators' formulas, op for op, for groups whose rewards vary."""
+    valid = jnp.isfinite(rewards_BxG)
+    r = jnp.where(valid, rewards_BxG, 0.0)
+    n = valid.sum(axis=1, keepdims=True)
+    denom = jnp.maximum(n, 1)
+    mean = r.sum(axis=1, keepdims=True) / denom
+    centered = jnp.where(valid, r - mean, 0.0)
+    if estimator == "dr_grpo":
+        return jnp.where(valid, centered, 0.0)
+    if estimator == "rloo":
+        return jnp.where(valid, centered * jnp.where(n > 1, n / jnp.maximum(n - 1, 1), 0.0), 0.0)
+    if estimator == "grpo":
+        std = jnp.sqrt((centered**2).sum(axis=1, keepdims=True) / denom)
+    else:
+        n_all = jnp.maximum(valid.sum(), 1)
+        batch_mean = r.sum() / n_all
+        std = jnp.sqrt((jnp.where(valid, r - batch_mean, 0.0) ** 2).sum() / n_all)
+    return jnp.where(valid, jnp.where(std > 0, centered / (std + eps), 0.0), 0.0)
+
+
+@pytest.mark.parametrize("estimator", sorted(advantages.ESTIMATORS))
+@pytest.mark.parametrize("eps", [0.0, 1e-4])
+@pytest.mark.parametrize("G", [3, 4, 8, 16])
+def test_groups_without_variance_get_exactly_zero(estimator, eps, G):
+    # r_i - mean(r) is 0 for every member of a group whose rewards all agree, so
+    # every estimator's advantage is 0 there, although float32 rounds mean(r)
+    # of 1.1, 0.1 or 0.3 away from the value itself.
+    rng = np.random.default_rng(G)
+    const = [[v] * G for v in (1.1, 0.1, 0.3, 0.7, 1e-3, -0.9)]
+    const.append([0.3] * (G - 1) + [nan])  # the finite members agree
+    varying = [list(rng.choice([0.0, 0.1, 1.0, 1.1], G)) for _ in range(3)]
+    varying[0][:2] = [0.1, 1.1]  # make sure each varying group does vary
+    varying[1][:2] = [0.0, 1.0]
+    varying[2][:2] = [0.3, 0.30000001]
+    r = jnp.asarray(const + varying, jnp.float32)
+    a = np.asarray(advantages.compute_advantages(r, estimator=estimator, eps=eps))
+    k = len(const)
+    assert np.all(a[:k] == 0.0), a[:k]
+    # Groups that vary keep the formula's values bit for bit.
+    np.testing.assert_array_equal(a[k:], np.asarray(_formula_BxG(r, eps, estimator))[k:])
+
+
+def test_group_reward_stats_count_constant_float_groups_as_zero_variance():
+    r = jnp.asarray([[0.1] * 8, [1.1] * 8, [0.0, 1.0] * 4], jnp.float32)
+    s = advantages.group_reward_stats(r)
+    assert float(s["frac_zero_var_groups"]) == pytest.approx(2 / 3)
+    assert int(s["groups_with_signal"]) == 1
+    np.testing.assert_allclose(s["group_reward_var"], 0.25 / 3, rtol=1e-6)
