@@ -245,3 +245,57 @@ def test_scorer_passes_token_lengths_to_training_and_evaluation_scoring():
     assert scorer.correct(texts, examples, repeat=2, lengths_N=lengths).tolist() == [True, False]
     # Without them the reward cannot score: NaN, counted as not correct, never a crash.
     assert scorer.correct(texts, examples, repeat=2).tolist() == [False, False]
+
+
+def test_weight_zero_reward_that_fails_leaves_total_finite_and_is_counted():
+    # A weight-0 reward is scored (for logging or correctness) but is no part of
+    # sum_k w_k r_k: its NaN on a failed row must not make that row's total NaN.
+    completions = ["ok", "boom", "fine"]
+    res = score(
+        [RewardSpec("exact_match(tag=None)", 0.5), RewardSpec("test_raises_on_boom", 0.0)],
+        ["p"] * 3,
+        completions,
+        {"answer": ["ok", "boom", "x"]},
+        timeout_s=5.0,
+    )
+    assert _nan_at(res.per_reward["test_raises_on_boom"]) == [1]
+    assert res.errors == {"exact_match(tag=None)": 0, "test_raises_on_boom": 1}
+    np.testing.assert_array_equal(
+        res.total, np.float32(0.5) * res.per_reward["exact_match(tag=None)"]
+    )
+    np.testing.assert_array_equal(res.total, [0.5, 0.5, 0.0])
+    assert res.total.dtype == np.float32
+    m = res.metrics()
+    assert m["rewards/test_raises_on_boom/errors"] == 1.0
+    assert m["rewards/total/unscored_frac"] == 0.0
+    # A reward of non-zero weight that fails still makes the total NaN there.
+    res = score(
+        [RewardSpec("exact_match(tag=None)", 0.5), RewardSpec("test_raises_on_boom", 1e-3)],
+        ["p"] * 3,
+        completions,
+        {"answer": ["ok", "boom", "x"]},
+        timeout_s=5.0,
+    )
+    assert _nan_at(res.total) == [1]
+
+
+def test_scorer_correctness_reward_outside_the_specs_that_fails_leaves_total_finite():
+    from grpo_jax.rollout import Scorer
+
+    @rewards.register("test_correct_raises_on_boom", override=True)
+    def correct_or_boom(prompts, completions, *, answer, **_):
+        if any("boom" in c for c in completions):
+            raise RuntimeError("boom")
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+    scorer = Scorer(
+        (RewardSpec("exact_match(tag=None)", 1.0),),
+        correct_reward="test_correct_raises_on_boom",
+        timeout_s=5.0,
+    )
+    examples = [{"prompt": "q", "answer": "boom"}, {"prompt": "r", "answer": "7"}]
+    texts = ["boom", "x", "7", "8"]
+    result, correct, _ = scorer.score(["q", "q", "r", "r"], texts, examples, repeat=2)
+    np.testing.assert_array_equal(result.total, [1.0, 0.0, 1.0, 0.0])
+    assert correct.tolist() == [False, False, True, False]
+    assert result.errors == {"exact_match(tag=None)": 0}

@@ -60,11 +60,13 @@ class RewardResult:
     """Rewards of N completions.
 
     Attributes:
-      total: float32[N], sum_k weight_k * per_reward[k]; NaN where any
-        component is NaN (that completion then gets advantage 0).
+      total: float32[N], sum over the rewards of non-zero weight of
+        weight_k * per_reward[k]; NaN where any of those is NaN (that
+        completion then gets advantage 0). A reward of weight 0 is left out of
+        the sum, so its failures never make the total NaN.
       per_reward: name -> float32[N], each reward unweighted.
       errors: name -> number of completions whose reward raised, timed out or
-        was malformed (each also NaN in ``per_reward``).
+        was malformed (each also NaN in ``per_reward``), weight 0 included.
     """
 
     total: np.ndarray
@@ -231,7 +233,9 @@ def score(
         ``completion_lengths`` field (the over-length penalty needs it).
 
     Returns:
-      RewardResult with ``total = sum_k w_k r_k`` (NaN where any r_k is NaN).
+      RewardResult with ``total = sum_{k: w_k != 0} w_k r_k`` (NaN where any
+      r_k of non-zero weight is NaN; a weight-0 reward is scored and its
+      errors counted, but it adds nothing to the total).
     """
     n = len(completions)
     fields = dict(fields or {})
@@ -256,7 +260,8 @@ def score(
         values, n_err = run_reward(spec.name, fn, prompts, completions, fields, timeout_s=timeout_s)
         per_reward[spec.name] = values
         errors[spec.name] = n_err
-        total = total + np.float32(spec.weight) * values
+        if spec.weight != 0:  # 0 * NaN is NaN: a weight-0 reward adds nothing, failed or not.
+            total = total + np.float32(spec.weight) * values
     return RewardResult(total=total.astype(np.float32), per_reward=per_reward, errors=errors)
 
 
