@@ -6,14 +6,18 @@ bucket), T = ``max_new_tokens`` completion slots, S = P + T KV-cache slots,
 V vocabulary, K candidate tokens kept by top-k / top-p.
 
 The sampler reads the policy's own parameter pytree (``nnx.split`` of the
-model), so the log-probs it records are pi_old's by construction:
+model), so the log-probs it records are pi_old's:
 
     logp_t = log softmax(logits_t / temperature)[o_t]
 
 over the *untruncated* vocabulary, whatever top-k / top-p did to the draw.
-That is exactly ``grpo_jax.losses.per_token_logps(logits, tokens,
-temperature=temperature)`` of a full forward pass over [prompt | completion]
-(DESIGN 2.2), so the GRPO ratio starts at exactly 1 on the first update.
+That is the formula of ``grpo_jax.losses.per_token_logps(logits, tokens,
+temperature=temperature)`` on a full forward pass over [prompt | completion]
+(DESIGN 2.2); the KV-cache decode and that batched forward differ only in the
+order of their floating-point operations. With float32 compute the two agree
+to float32 rounding, so the first update's GRPO ratio is 1 up to rounding.
+With bfloat16 compute they differ (up to about 3e-2 per token on a small
+model), so the first ratio is not 1 and clipping can bind on the first pass.
 
 The draw itself follows the usual pipeline (Holtzman et al. 2020 for top-p,
 Fan et al. 2018 for top-k): scale by 1/temperature, keep the k largest
