@@ -1,0 +1,292 @@
+"""The jitted GRPO update: mu passes over a rollout batch in minibatches, guarded.
+
+Shapes: N completion rows (B prompts x G, grouped contiguously), P padded
+prompt length, T completion length, U optimizer updates per step (mu * N / M
+for minibatches of M rows), A gradient-accumulation micro-batches per update.
+
+    update(state, batch, key, ref_params) -> (state, metrics)
+
+is a pure function of its arguments, compiled once with explicit shardings and
+``donate_argnames=("state",)`` (:func:`jit_update`). ``batch`` is a
+``grpo_jax.rollout.RolloutBatch``; it carries pi_old's log-probs as the
+sampler recorded them, so no old-policy forward pass is needed: all mu passes
+start from the parameters that sampled the batch. The reference parameters
+are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
+in which case no reference forward pass is traced at all. Every optimizer
+update goes through ``grpo_jax.optimizer.apply_guarded``: a non-finite one is
+dropped and counted.
+
+Row weights: the loss sees the token mask mask_NxT * weights_N[:, None], so a
+row of weight 0 (one that only pads the batch to its static shape) adds no
+gradient, no token to a token mean and nothing to the metrics. The "grpo" and
+"dr_grpo" reductions still divide by the static row count, as for a row with
+an empty completion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_jax import losses, optimizer
+from grpo_jax.config import GRPOConfig
+from grpo_jax.optimizer import TrainState
+from grpo_jax.rollout import RolloutBatch
+from grpo_jax.scoring import completion_logps, completion_scores
+from grpo_jax.sharding import batch_sharding
+
+
+def rollout_batch_shardings(mesh) -> RolloutBatch:
+    """A RolloutBatch of shardings: every field's rows split over the batch axes."""
+    return RolloutBatch(
+        **{
+            f.name: batch_sharding(mesh, 1 if f.name.endswith("_N") else 2)
+            for f in dataclasses.fields(RolloutBatch)
+        }
+    )
+
+
+def _split_rows(x, num_parts: int, shards: int):
+    """[N, ...] -> [num_parts, N / num_parts, ...], each part drawing rows from every shard.
+
+    The batch's leading dimension is split over ``shards`` devices; taking a
+    part's rows from every shard (rather than one contiguous slice) keeps
+    every device busy on every part.
+    """
+    n = x.shape[0]
+    per = n // (shards * num_parts)
+    y = x.reshape(shards, num_parts, per, *x.shape[1:])
+    y = jnp.swapaxes(y, 0, 1)
+    return y.reshape(num_parts, shards * per, *x.shape[1:])
+
+
+def _metric_reduce(name: str):
+    if name.endswith("ratio_min"):
+        return jnp.min
+    if name.endswith("ratio_max"):
+        return jnp.max
+    return jnp.mean
+
+
+def _loss_mask(b: RolloutBatch):
+    """mask_NxT * weights_N[:, None] (float32): the tokens the loss and the metrics see."""
+    return b.mask_NxT * b.weights_N[..., None]
+
+
+def update(
+    state: TrainState,
+    batch: RolloutBatch,
+    key: jax.Array,
+    ref_params=None,
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+    logits_chunk: int = 0,
+    share_prompts: bool = False,
+):
+    """mu passes over the batch, one optimizer update per minibatch (see module doc).
+
+    Each pass splits the N rows into N / M minibatches (M = ``minibatch_size``,
+    0: all N), each drawing rows from every one of ``batch_shards`` shards,
+    and updates once per minibatch; with A = ``grad_accum`` > 1 a
+    minibatch's gradient is accumulated over A micro-batches,
+
+        grad = sum_a w_a grad L_a,   w_a = tokens_a / sum_a' tokens_a'  ("token_mean")
+                                     w_a = 1 / A                         (otherwise)
+
+    so it is the gradient of the whole minibatch's loss. ``key`` is unused by
+    the deterministic update and kept for a uniform signature (stochastic
+    regularisers would fold it). ``logits_chunk`` > 0 scores the completions
+    in chunks of that many tokens (``grpo_jax.scoring.completion_scores``).
+    ``share_prompts``: the batch's rows come in groups of G = ``grpo.G`` that
+    share one prompt (as the sampler writes them); each prompt is then run
+    once per group wherever a (micro-)batch holds whole groups.
+
+    Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
+    entropy, update counters) and, with ``track_update``, ``policy/*``: how
+    far the step moved the policy on its own samples.
+    """
+    del key
+    n = batch.num_rows
+    m = n if minibatch_size == 0 else minibatch_size
+    num_mb = n // m
+    temperature = grpo.temperature
+    use_ref = grpo.beta > 0
+    G = grpo.G if share_prompts else 1
+    # Groups stay whole and aligned in a part of the batch when each shard's
+    # block of it holds a multiple of G rows (``_split_rows`` takes blocks).
+    g_full = G if (n // batch_shards) % G == 0 else 1
+    g_micro = G if (m // (batch_shards * grad_accum)) % G == 0 else 1
+
+    def logps(params, b: RolloutBatch, group_size: int):
+        return completion_logps(
+            graphdef,
+            params,
+            b.prompt_tokens_NxP,
+            b.prompt_mask_NxP,
+            b.tokens_NxT,
+            b.mask_NxT,
+            temperature,
+            chunk_size=logits_chunk,
+            group_size=group_size,
+        )
+
+    # The reference log-probs are computed once per step and travel beside
+    # the batch through the minibatch and micro-batch splits.
+    ref_logps_NxT = None
+    if use_ref:
+        ref_logps_NxT = jax.lax.stop_gradient(logps(ref_params, batch, g_full))
+
+    def loss_fn(params, mb):
+        b, ref_NxT = mb
+        logps_NxT, entropy_NxT = completion_scores(
+            graphdef,
+            params,
+            b.prompt_tokens_NxP,
+            b.prompt_mask_NxP,
+            b.tokens_NxT,
+            b.mask_NxT,
+            temperature,
+            chunk_size=logits_chunk,
+            with_entropy=True,
+            group_size=g_micro,
+        )
+        return losses.grpo_loss(
+            logps_NxT,
+            b.behavior_logps_NxT,
+            b.advantages_N,
+            _loss_mask(b),
+            ref_logps_NxT=ref_NxT,
+            beta=grpo.beta,
+            epsilon_low=grpo.epsilon_low,
+            epsilon_high=grpo.epsilon_high,
+            kl_estimator=grpo.kl_estimator,
+            reduction=grpo.reduction,
+            entropy_NxT=entropy_NxT,
+        )
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one_update(st: TrainState, mb):
+        if grad_accum == 1:
+            (loss, aux), grads = grad_fn(st.params, mb)
+        else:
+            micro = jax.tree.map(lambda x: _split_rows(x, grad_accum, batch_shards), mb)
+            # Each micro-batch's share of the minibatch: its rows (1 / A) for the
+            # per-sequence reductions, its tokens for "token_mean", whose loss is a
+            # mean over all the minibatch's tokens. Token means in the metrics
+            # (KL, entropy, clip fractions) are weighted by tokens either way.
+            tokens_A = _loss_mask(micro[0]).astype(jnp.float32).sum(axis=(1, 2))
+            tok_w_A = tokens_A / jnp.maximum(tokens_A.sum(), 1.0)
+            if grpo.reduction == "token_mean":
+                w_A = tok_w_A
+            else:
+                w_A = jnp.full((grad_accum,), 1.0 / grad_accum)
+
+            def acc(carry, xs):
+                mbi, w = xs
+                (l_i, aux_i), g_i = grad_fn(st.params, mbi)
+                return jax.tree.map(lambda c, g: c + w * g, carry, g_i), (l_i, aux_i)
+
+            zeros = jax.tree.map(jnp.zeros_like, st.params)
+            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A))
+            loss = (loss_A * w_A).sum()
+            aux = {
+                k: (v * tok_w_A).sum() if _metric_reduce(k) is jnp.mean else _metric_reduce(k)(v)
+                for k, v in aux_A.items()
+            }
+        lr = schedule(st.updates)
+        st, grad_norm, _ = optimizer.apply_guarded(st, grads, loss, tx)
+        metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr)
+        return st, metrics
+
+    parts = jax.tree.map(lambda x: _split_rows(x, num_mb, batch_shards), (batch, ref_logps_NxT))
+    skipped_before = state.skipped
+    all_metrics = []
+    for _ in range(grpo.mu):  # mu is small and static: unrolled passes.
+        state, m_U = jax.lax.scan(one_update, state, parts)
+        all_metrics.append(m_U)
+    m_U = jax.tree.map(lambda *xs: jnp.concatenate([jnp.atleast_1d(x) for x in xs]), *all_metrics)
+    metrics = {}
+    for k, v in m_U.items():
+        if k in ("ratio_min", "ratio_max"):
+            metrics[f"train/{k}"] = _metric_reduce(k)(v)
+        elif k == "kl_mean":
+            metrics["train/kl"] = v.mean()
+        elif k == "lr":
+            metrics["train/lr"] = v[-1]
+        else:
+            metrics[f"train/{k}"] = v.mean()
+    metrics["train/skipped_updates"] = state.skipped - skipped_before
+    metrics["train/skipped_total"] = state.skipped
+    metrics["train/skipped_in_row"] = state.skipped_in_row
+    metrics["train/updates"] = state.updates
+
+    if track_update:
+        # How far one step moved the policy on its own samples: KL(pi_old ||
+        # pi_new) by the k3 estimator with samples from pi_old, and the ratio range.
+        new_NxT = jax.lax.stop_gradient(logps(state.params, batch, g_full))
+        mask_NxT = _loss_mask(batch).astype(jnp.float32)
+        log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch.behavior_logps_NxT, 0.0)
+        denom = jnp.maximum(mask_NxT.sum(), 1.0)
+        k3_NxT = jnp.exp(log_r_NxT) - log_r_NxT - 1.0
+        metrics["policy/kl_old_new"] = (k3_NxT * mask_NxT).sum() / denom
+        metrics["policy/ratio_max"] = jnp.max(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), 0.0))
+        metrics["policy/ratio_min"] = jnp.min(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), jnp.inf))
+        metrics["policy/abs_log_ratio_mean"] = (jnp.abs(log_r_NxT) * mask_NxT).sum() / denom
+    state = state.replace(step=state.step + 1)
+    return state, metrics
+
+
+def jit_update(
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+    state_shardings,
+    batch_shardings: RolloutBatch,
+    ref_shardings,
+    replicated,
+    logits_chunk: int = 0,
+    share_prompts: bool = False,
+):
+    """:func:`update` bound to its static configuration and jitted with shardings.
+
+    ``batch_shardings`` is a RolloutBatch of shardings (:func:`rollout_batch_shardings`);
+    ``ref_shardings`` those of the reference parameters (None when beta = 0);
+    ``replicated`` the sharding of the key and the metrics.
+    """
+    fn = functools.partial(
+        update,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grpo=grpo,
+        minibatch_size=minibatch_size,
+        grad_accum=grad_accum,
+        batch_shards=batch_shards,
+        track_update=track_update,
+        logits_chunk=logits_chunk,
+        share_prompts=share_prompts,
+    )
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_shardings, replicated, ref_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnames=("state",),
+    )
