@@ -398,9 +398,19 @@ class WarmStartConfig:
         check_range("warm_start.val_samples", self.val_samples, lo=1, integer=True)
 
     def optim(self) -> OptimConfig:
+        """The warm start's optimizer: AdamW with linear warmup, then a constant rate.
+
+        The warm start keeps Adam's b2 = 0.999 (with b1 = 0.9, eps = 1e-8),
+        where ``OptimConfig`` (the GRPO phase) defaults to b2 = 0.99; the
+        learning rate, warmup, weight decay and clipping are this section's.
+        """
         return OptimConfig(
             learning_rate=self.learning_rate,
+            schedule="constant",
             warmup_steps=self.warmup_steps,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-8,
             weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm,
         )

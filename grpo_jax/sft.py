@@ -9,8 +9,11 @@ solution and EOS tokens carry loss:
 (the token mean over the batch, temperature 1). The layout is the GRPO
 batch's (left-padded prompt, right-padded completion of T =
 ``sampling.max_new_tokens`` slots) and the logits come from the same
-``completion_logits``, so the warm-started policy is scored the same way the
-sampler and the GRPO loss score it.
+``grpo_jax.scoring.completion_logits``, so the warm-started policy is scored
+the same way the sampler and the GRPO loss score it. Its optimizer steps are
+the GRPO update's: ``grpo_jax.optimizer.make_optimizer`` with
+``WarmStartConfig.optim()``, each step through ``optimizer.apply_guarded``
+(a non-finite step is skipped, parameters and optimizer state unchanged).
 
 The phase stops on a validation criterion, not a step count: every
 ``eval_every`` steps greedy pass@1 on ``val_problems`` training problems that
@@ -35,9 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from grpo_jax import optimizer
 from grpo_jax.config import ConfigError, WarmStartConfig
+from grpo_jax.losses import per_token_logps
+from grpo_jax.scoring import completion_logits
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +91,6 @@ def sft_batch(
 
 def sft_loss(params, batch, *, graphdef):
     """Token-mean negative log-likelihood of the completion tokens (see module doc)."""
-    from grpo_jax.losses import per_token_logps
-    from grpo_jax.train_step import completion_logits
-
     logits_BxTxV = completion_logits(
         graphdef,
         params,
@@ -107,24 +109,12 @@ def sft_loss(params, batch, *, graphdef):
 
 
 def sft_step(state, batch, *, graphdef, tx, schedule):
-    """One guarded AdamW step on the SFT loss (a non-finite step is skipped)."""
+    """One guarded optimizer step on the SFT loss (``optimizer.apply_guarded``)."""
     (loss, aux), grads = jax.value_and_grad(
         functools.partial(sft_loss, graphdef=graphdef), has_aux=True
     )(state.params, batch)
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-    upd, new_opt = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, upd)
-    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    state = state.replace(
-        params=pick(new_params, state.params),
-        opt_state=pick(new_opt, state.opt_state),
-        step=state.step + 1,
-        updates=state.updates + finite.astype(jnp.int32),
-        skipped=state.skipped + (~finite).astype(jnp.int32),
-        skipped_in_row=jnp.where(finite, 0, state.skipped_in_row + 1),
-    )
+    state, grad_norm, _ = optimizer.apply_guarded(state, grads, loss, tx)
+    state = state.replace(step=state.step + 1)
     metrics = {
         "sft/loss": loss,
         "sft/grad_norm": grad_norm,
@@ -230,16 +220,11 @@ def warm_start(
     """
     from grpo_jax import distributed, sharding
     from grpo_jax.data import DataIterator
-    from grpo_jax.train_step import init_state, lr_schedule
 
     del val_examples  # validate() closes over them.
     t0 = time.perf_counter()
-    ocfg = cfg.optim()
-    schedule = lr_schedule(ocfg, cfg.max_steps)
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm > 0 else []
-    parts.append(optax.adamw(schedule, weight_decay=cfg.weight_decay))
-    tx = optax.chain(*parts)
-    state = init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+    tx, schedule = optimizer.make_optimizer(cfg.optim(), cfg.max_steps)
+    state = optimizer.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     rows = {
         k: sharding.batch_sharding(mesh, 2)

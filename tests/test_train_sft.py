@@ -1,5 +1,7 @@
 """The supervised warm start: batch layout, masked loss, stop criterion, cache."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,15 +9,15 @@ import pytest
 from flax import nnx
 
 from configs.default import get_config
-from grpo_jax import run as run_lib
-from grpo_jax import sft
-from grpo_jax.config import ConfigError
-from grpo_jax.train_step import completion_logits
+from grpo_jax import optimizer, sft
+from grpo_jax import setup as run_lib
+from grpo_jax.config import ConfigError, parse_config
+from grpo_jax.scoring import completion_logits
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    run = run_lib.parse_config(get_config("smoke"))
+    run = parse_config(get_config("smoke"))
     tok = run_lib.build_tokenizer(run, tmp_path_factory.mktemp("wd"))
     mesh = run_lib.build_mesh(run)
     graphdef, params = run_lib.build_model(run, tok, mesh)
@@ -109,6 +111,33 @@ def test_stops_on_the_validation_criterion_and_caches(parts, tmp_path):
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(out), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sft.fingerprint({"a": 1, "b": [2]}) == sft.fingerprint({"b": [2], "a": 1})
+
+
+def test_nonfinite_step_is_skipped_with_params_and_moments_unchanged(parts):
+    _, _, mesh, graphdef, params, enc = parts
+    cfg = sft.WarmStartConfig(learning_rate=1e-2, warmup_steps=0)
+    tx, schedule = optimizer.make_optimizer(cfg.optim(), cfg.max_steps)
+    state = optimizer.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+    step = jax.jit(functools.partial(sft.sft_step, graphdef=graphdef, tx=tx, schedule=schedule))
+    good = sft.sft_batch(EXAMPLES, enc, 6, "answer")
+    # An id outside the vocabulary embeds as NaN (jnp.take fills): the loss is not finite.
+    vocab = nnx.merge(graphdef, params).config.vocab_size
+    bad = dict(good, prompt_tokens=np.where(good["prompt_mask"], vocab + 7, 0).astype(np.int32))
+    # A real step first, so the skipped one has non-zero Adam moments to keep.
+    state, m0 = step(state, good)
+    assert np.isfinite(float(m0["sft/loss"]))
+    before = jax.device_get((state.params, state.opt_state))
+    for i in (1, 2):
+        state, m = step(state, bad)
+        assert not np.isfinite(float(m["sft/loss"]))
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before[0]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)  # the parameters
+        for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(before[1]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)  # and both Adam moments
+        assert (int(state.skipped), int(state.skipped_in_row), int(state.updates)) == (i, i, 1)
+    state, m = step(state, good)
+    assert np.isfinite(float(m["sft/loss"]))
+    assert (int(state.step), int(state.updates), int(state.skipped_in_row)) == (4, 2, 0)
 
 
 def test_config_errors():
