@@ -282,8 +282,8 @@ def global_batch(host_tree, mesh, num_rows: int):
     """One global array per leaf from this host's block of rows (:func:`host_rows`).
 
     Every leaf of ``host_tree`` holds this host's rows only (leading dimension
-    ``host_rows(mesh, num_rows)``'s length); the result is split over the
-    batch axes like ``grpo_jax.sharding.shard_batch`` of the full batch.
+    ``host_rows(mesh, num_rows)``'s length); the result is the full batch
+    placed with ``grpo_jax.sharding.batch_sharding``: rows split over the batch axes.
     """
     import jax
     import numpy as np

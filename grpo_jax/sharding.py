@@ -125,8 +125,3 @@ def check_group_layout(num_rows: int, G: int, mesh: Mesh) -> None:
             f"{num_rows} rows cannot be split into {shards} batch shards of whole groups "
             f"of G={G}: make the number of prompts per step a multiple of {shards}"
         )
-
-
-def shard_batch(tree, mesh: Mesh):
-    """Places every array of ``tree`` with its leading dimension split over the batch axes."""
-    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), tree)

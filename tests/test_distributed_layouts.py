@@ -136,7 +136,7 @@ def test_layout_matches_one_device(setup, layout, axes):
 )
 def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
     """The update's shared-prompt path (KV cache repeated to the group) under a mesh."""
-    from grpo_jax import train_step as ts
+    from grpo_jax import scoring
     from grpo_jax.models import Transformer, param_shardings
 
     model, batch, _, _ = setup
@@ -152,7 +152,8 @@ def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
     w_NxT = np.asarray(grouped["mask"], np.float32) * np.arange(1.0, T + 1)
 
     def score(params, graphdef, b, g):
-        logps, _ = ts.completion_scores(graphdef, params, b, 1.0, group_size=g)
+        rows = (b["prompt_tokens"], b["prompt_mask"], b["tokens"], b["mask"])
+        logps, _ = scoring.completion_scores(graphdef, params, *rows, 1.0, group_size=g)
         return (logps * w_NxT).sum()
 
     graphdef1, params1 = nnx.split(model)
