@@ -4,10 +4,12 @@ Sizes: V vocabulary, D width, L layers, H query heads, K key/value heads, Dh
 head width, F MLP width; P prompt tokens, T completion tokens, S = P + T
 positions (the KV cache's slots and the trainer's forward length).
 
-Every parameter tensor is listed with its logical axis names, exactly as
-``grpo_jax.models`` declares them, and sharded by the layout's rules
-(``grpo_jax.sharding.LAYOUTS``) the way ``grpo_jax.models.param_shardings``
-shards it: a dimension is split over its mesh axes only when they divide it.
+Every parameter tensor is read, with its shape, dtype and logical axis
+names, from the model itself (``param_tensors``: an abstract
+``grpo_jax.models.Transformer`` built by ``nnx.eval_shape``, nothing
+allocated), and sharded by the layout's rules (``grpo_jax.sharding.LAYOUTS``)
+the way ``grpo_jax.models.param_shardings`` shards it: a dimension is split
+over its mesh axes only when they divide it.
 So with mesh axes of sizes (data, fsdp, tensor):
 
   dp       parameters, gradients, optimizer state and reference replicated;
@@ -65,6 +67,7 @@ layouts that cannot fit, not for tuning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -164,54 +167,62 @@ def _model_sizes(cfg) -> dict:
     return {f: getattr(cfg, f) for f in _MODEL_FIELDS}
 
 
-def param_tensors(cfg) -> list[tuple[str, tuple[int, ...], tuple[str, ...], int]]:
-    """(name, shape, logical axes, count) of every parameter tensor of ``grpo_jax.models``.
+def _model_config(cfg):
+    """``cfg`` as a ``grpo_jax.models.ModelConfig``.
 
-    ``count`` is how many layers hold that tensor. Optional switches
-    (qkv_bias, out_bias, mlp_bias, qk_norm, sandwich_norm) are read when the
-    config has them, False otherwise.
+    A ModelConfig is returned as it is. Any other object needs the fields of
+    ``_MODEL_FIELDS``; the ModelConfig fields it also has (qkv_bias, out_bias,
+    mlp_bias, qk_norm, sandwich_norm, activation, family, ...) are taken
+    over, the rest keep their defaults (switches off, family "llama").
     """
-    s = _model_sizes(cfg)
-    V, D, L = s["vocab_size"], s["hidden_size"], s["num_layers"]
-    H, K, Dh, F = s["num_heads"], s["num_kv_heads"], s["head_dim"], s["mlp_dim"]
-    flag = lambda name: bool(getattr(cfg, name, False))
-    out = [("embed", (V, D), ("vocab", "embed"), 1)]
-    layer = [
-        ("attn_norm", (D,), ("norm",)),
-        ("mlp_norm", (D,), ("norm",)),
-        ("q_proj", (D, H, Dh), ("embed", "heads", "head_dim")),
-        ("k_proj", (D, K, Dh), ("embed", "kv_heads", "head_dim")),
-        ("v_proj", (D, K, Dh), ("embed", "kv_heads", "head_dim")),
-        ("o_proj", (H, Dh, D), ("heads", "head_dim", "embed")),
-        ("gate_proj", (D, F), ("embed", "mlp")),
-        ("up_proj", (D, F), ("embed", "mlp")),
-        ("down_proj", (F, D), ("mlp", "embed")),
-    ]
-    if flag("qkv_bias"):
-        layer += [
-            ("q_bias", (H, Dh), ("heads", "head_dim")),
-            ("k_bias", (K, Dh), ("kv_heads", "head_dim")),
-            ("v_bias", (K, Dh), ("kv_heads", "head_dim")),
-        ]
-    if flag("out_bias"):
-        layer.append(("o_bias", (D,), ("norm",)))
-    if flag("qk_norm"):
-        layer += [("q_norm", (Dh,), ("norm",)), ("k_norm", (Dh,), ("norm",))]
-    if flag("mlp_bias"):
-        layer += [("gate_bias", (F,), ("mlp",)), ("up_bias", (F,), ("mlp",))]
-        layer.append(("down_bias", (D,), ("norm",)))
-    if flag("sandwich_norm"):
-        layer += [("post_attn_norm", (D,), ("norm",)), ("post_mlp_norm", (D,), ("norm",))]
-    out += [(f"layers.{n}", shape, axes, L) for n, shape, axes in layer]
-    out.append(("final_norm", (D,), ("norm",), 1))
-    if not s["tie_embeddings"]:
-        out.append(("lm_head", (D, V), ("embed", "vocab"), 1))
-    return out
+    from grpo_jax.models import ModelConfig
+
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    _model_sizes(cfg)
+    fields = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if hasattr(cfg, f.name)
+    }
+    fields.setdefault("family", "llama")
+    return ModelConfig(**fields)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_params(cfg) -> tuple[tuple[str, tuple[int, ...], str, tuple[str | None, ...]], ...]:
+    from flax import nnx
+
+    from grpo_jax.models import Transformer
+
+    # Abstract: shapes, dtypes and metadata only, no parameter is allocated.
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return tuple(
+        (
+            ".".join(str(k) for k in path),
+            tuple(v.shape),
+            str(v.dtype),
+            tuple(v.get_metadata().get("logical_axes") or ()),
+        )
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    )
+
+
+def param_tensors(cfg) -> list[tuple[str, tuple[int, ...], str, tuple[str | None, ...]]]:
+    """(name, shape, dtype, logical axes) of every parameter tensor of the model ``cfg`` builds.
+
+    Read from the model itself: ``grpo_jax.models.Transformer`` built
+    abstractly (``nnx.eval_shape``) from ``_model_config`` of ``cfg``, each
+    ``nnx.Param``'s shape, dtype and ``logical_axes`` metadata, named by its
+    path ("embed", "layers.0.attn.q_proj", ...). A tied LM head is the
+    embedding and appears once.
+    """
+    return list(_model_params(_model_config(cfg)))
 
 
 def param_count(cfg) -> int:
     """Number of parameters (a tied LM head counted once)."""
-    return sum(math.prod(shape) * n for _, shape, _, n in param_tensors(cfg))
+    return sum(math.prod(shape) for _, shape, _, _ in param_tensors(cfg))
 
 
 def _ways(axes, mesh_shape: Mapping[str, int]) -> int:
@@ -262,9 +273,10 @@ def estimate(
     """Per-device memory of a GRPO run (formulas in the module docstring).
 
     Args:
-      model_cfg_like: any object with vocab_size, hidden_size, num_layers,
-        num_heads, num_kv_heads, head_dim, mlp_dim, tie_embeddings (e.g.
-        ``grpo_jax.models.ModelConfig``).
+      model_cfg_like: a ``grpo_jax.models.ModelConfig``, or any object with
+        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+        head_dim, mlp_dim, tie_embeddings (``_model_config``).
+        ``param_bytes`` and ``compute_bytes``, not its dtypes, size the bytes.
       mesh_shape: mesh axis sizes, e.g. ``{"data": 1, "fsdp": 8, "tensor": 1}``
         or ``mesh.shape``; missing axes have size 1.
       layout: a key of ``grpo_jax.sharding.LAYOUTS`` ("dp", "fsdp", "fsdp_tp").
@@ -305,13 +317,13 @@ def estimate(
     if not beta >= 0:
         raise ValueError(f"memory.estimate: beta = {beta!r} must be >= 0")
 
-    s = _model_sizes(model_cfg_like)
-    V, D, L = s["vocab_size"], s["hidden_size"], s["num_layers"]
-    H, K, Dh, F = s["num_heads"], s["num_kv_heads"], s["head_dim"], s["mlp_dim"]
+    cfg = _model_config(model_cfg_like)
+    V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+    H, K, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     S, c = prompt_len + seq_len, compute_bytes
 
-    tensors = param_tensors(model_cfg_like)
-    per_device = sum(shard_numel(shape, axes, mesh, layout) * n for _, shape, axes, n in tensors)
+    tensors = param_tensors(cfg)
+    per_device = sum(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
     params = per_device * param_bytes
     reference = params if beta > 0 else 0
 
@@ -324,12 +336,11 @@ def estimate(
     tp_v = _tensor_ways(V, "vocab", mesh, layout)
 
     kv_cache = 2 * L * m * S * (K // tp_k) * Dh * c
-    flag = lambda name: bool(getattr(model_cfg_like, name, False))
-    gelu = getattr(model_cfg_like, "activation", "silu") != "silu"
+    gelu = cfg.activation != "silu"
     per_layer_token = c * (
-        (8 if flag("sandwich_norm") else 6) * D
-        + (3 if flag("qk_norm") else 2) * (H // tp_h) * Dh
-        + (3 if flag("qk_norm") else 2) * (K // tp_k) * Dh
+        (8 if cfg.sandwich_norm else 6) * D
+        + (3 if cfg.qk_norm else 2) * (H // tp_h) * Dh
+        + (3 if cfg.qk_norm else 2) * (K // tp_k) * Dh
         + (6 if gelu else 4) * F // tp_f
     )
     per_layer_token += (4 + c) * (H // tp_h) * S
@@ -349,7 +360,7 @@ def estimate(
         reference=reference,
         kv_cache=kv_cache,
         activations=activations,
-        num_params=param_count(model_cfg_like),
+        num_params=sum(math.prod(shape) for _, shape, _, _ in tensors),
     )
 
 
