@@ -36,39 +36,24 @@ def _scaled_f32(logits: jax.Array, temperature: float) -> jax.Array:
 
 
 def per_token_logps(
-    logits_NxTxV: jax.Array,
-    tokens_NxT: jax.Array,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
+    logits_NxTxV: jax.Array, tokens_NxT: jax.Array, *, temperature: float = 1.0
 ) -> jax.Array:
     """log softmax(logits / temperature) gathered at ``tokens``, in float32.
+
+        logps[n, t] = z[n, t, tokens[n, t]] - logsumexp_v z[n, t, v],  z = logits / temperature
 
     ``logits[:, t]`` scores ``tokens[:, t]``: the caller aligns the shift
     (logits at position t-1 predict token t). All three policies (current, old,
     reference) must score with the same ``temperature`` as the sampler used.
 
     Computed as gathered logit minus logsumexp, never forming the full
-    log-softmax. ``chunk_size`` (a divisor of T) additionally maps over
-    sequence chunks with rematerialisation, bounding the backward pass's
-    float32 working set to [N, chunk_size, V] for very large vocabularies.
+    log-softmax. Scoring in chunks of the completion (large vocabularies) is
+    ``grpo_jax.scoring.completion_scores``'s ``chunk_size``: it chunks the LM
+    head too, so the logits themselves are never whole.
     """
-    n, t, _ = logits_NxTxV.shape
-
-    def one(logits_NxCxV, tokens_NxC):
-        x_NxCxV = _scaled_f32(logits_NxCxV, temperature)
-        picked_NxC = jnp.take_along_axis(x_NxCxV, tokens_NxC[..., None], axis=-1)[..., 0]
-        return picked_NxC - jax.nn.logsumexp(x_NxCxV, axis=-1)
-
-    if chunk_size is None or chunk_size >= t:
-        return one(logits_NxTxV, tokens_NxT)
-    if t % chunk_size:
-        raise ValueError(f"chunk_size={chunk_size} must divide the sequence length T={t}")
-    k = t // chunk_size
-    logits_KxNxCxV = jnp.moveaxis(logits_NxTxV.reshape(n, k, chunk_size, -1), 1, 0)
-    tokens_KxNxC = jnp.moveaxis(tokens_NxT.reshape(n, k, chunk_size), 1, 0)
-    out_KxNxC = jax.lax.map(lambda a: jax.checkpoint(one)(*a), (logits_KxNxCxV, tokens_KxNxC))
-    return jnp.moveaxis(out_KxNxC, 0, 1).reshape(n, t)
+    x_NxTxV = _scaled_f32(logits_NxTxV, temperature)
+    picked_NxT = jnp.take_along_axis(x_NxTxV, tokens_NxT[..., None], axis=-1)[..., 0]
+    return picked_NxT - jax.nn.logsumexp(x_NxTxV, axis=-1)
 
 
 def token_entropy(logits_NxTxV: jax.Array, *, temperature: float = 1.0) -> jax.Array:

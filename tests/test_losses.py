@@ -169,7 +169,7 @@ def test_k1_as_a_loss_has_zero_expected_gradient_but_k2_k3_pull_to_the_reference
     np.testing.assert_allclose(jax.grad(sample_loss)(theta, "k3"), g_rev, atol=0.02)
 
 
-def test_per_token_logps_temperature_and_chunking():
+def test_per_token_logps_temperature():
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 3, (3, 8, 50)).astype(np.float32)
     tokens = rng.integers(0, 50, (3, 8))
@@ -178,15 +178,9 @@ def test_per_token_logps_temperature_and_chunking():
         want = np.take_along_axis(np.asarray(want), tokens[..., None], -1)[..., 0]
         got = losses.per_token_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature=temp)
         np.testing.assert_allclose(got, want, atol=1e-5)
-        got_chunked = losses.per_token_logps(
-            jnp.asarray(logits), jnp.asarray(tokens), temperature=temp, chunk_size=2
-        )
-        np.testing.assert_allclose(got_chunked, want, atol=1e-5)
     bf16 = losses.per_token_logps(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(tokens))
     assert bf16.dtype == jnp.float32
     np.testing.assert_allclose(bf16, want if temp == 1.0 else bf16, atol=0.1)
-    with pytest.raises(ValueError, match="chunk_size=3 must divide"):
-        losses.per_token_logps(jnp.asarray(logits), jnp.asarray(tokens), chunk_size=3)
 
 
 def test_entropy_metric():
