@@ -27,23 +27,30 @@ summary.json holds greedy pass@1 on 512 held-out problems (never trained on)
 before and after GRPO, and the wall time.
 
 Variants (``--config=configs/default.py:<arg>``):
-  smoke   seconds, for tests: a smaller model, a few steps, small evaluations.
+  runlocal  seconds: a smaller model, a few steps, small evaluations (tests use
+            it); ``smoke`` is the same variant.
 
 Override anything, e.g. ``--config.seed=1 --config.grpo.beta=0.04
 --config.rewards=exact_match(tag=None):1.0``.
 """
 
+import importlib.util
+import pathlib
+
 from ml_collections import ConfigDict
+
+_spec = importlib.util.spec_from_file_location(
+    "grpo_jax_configs_common", pathlib.Path(__file__).with_name("common.py")
+)
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    c = ConfigDict()
-    c.seed = 0
+    a = common.parse_arg(arg, where="configs/default.py", runlocal=False, smoke=False)
+    c = common.base()
 
-    # Any grpo_jax.models.ModelConfig field overrides tiny_config's; a non-empty
-    # path loads a Hugging Face checkpoint instead.
-    c.model = ConfigDict()
-    c.model.path = ""
+    # Any grpo_jax.models.ModelConfig field overrides tiny_config's.
     c.model.hidden_size = 128
     c.model.num_layers = 4
     c.model.num_heads = 4
@@ -52,7 +59,6 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.model.mlp_dim = 384
     c.model.rope_theta = 100.0
     c.model.max_position_embeddings = 64
-    c.tokenizer = "builtin"
 
     c.data = ConfigDict()
     c.data.source = "synthetic"
@@ -68,83 +74,22 @@ def get_config(arg: str | None = None) -> ConfigDict:
     # The data seed follows the run seed (a FieldReference: --config.seed moves both).
     c.data.seed = c.get_ref("seed")
 
-    c.prompt = ConfigDict()
-    c.prompt.template = "{prompt}"
-    c.prompt.chat = False
-    c.prompt.system = ""
-
     # "name:weight,...": the completion is the bare answer, so exact match of the
     # whole completion, plus a small reward for writing digits only.
     c.rewards = "exact_match(tag=None):1.0,format(pattern='[0-9]+'):0.1"
     c.correct_reward = "exact_match(tag=None)"
 
-    c.grpo = ConfigDict()
-    c.grpo.G = 8
-    c.grpo.beta = 0.0
-    c.grpo.epsilon = 0.2
-    c.grpo.mu = 1
-    c.grpo.kl_estimator = "k3"
-    c.grpo.reduction = "grpo"
-    c.grpo.advantage_estimator = "grpo"
-    c.grpo.advantage_eps = 1e-4
-    c.grpo.temperature = 1.0
-
-    c.sampling = ConfigDict()
     c.sampling.max_new_tokens = 6  # 4 digits + EOS, one slot to spare
-    c.sampling.top_k = 0
-    c.sampling.top_p = 1.0
     c.sampling.prompt_buckets = (9, 16, 32)
 
-    c.optim = ConfigDict()
     c.optim.learning_rate = 2e-4
-    c.optim.schedule = "constant"
     c.optim.warmup_steps = 5
-    c.optim.end_lr_factor = 0.0
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.99
-    c.optim.eps = 1e-8
-    c.optim.weight_decay = 0.0
-    c.optim.max_grad_norm = 1.0
-    c.optim.grad_accum = 1
 
-    c.train = ConfigDict()
     c.train.steps = 200
-    c.train.batch_size = 32
-    c.train.minibatch_size = 0
-    c.train.log_every = 1
-    c.train.samples_every = 25
-    c.train.num_samples_logged = 4
-    c.train.max_nonfinite_in_row = 5
-    c.train.no_signal_steps = 10
-    c.train.track_update = True
-    c.train.update_kl_warn = 0.05
-    c.train.reward_timeout_s = 5.0
-    c.train.logits_chunk = 0  # Score all completion tokens at once (a 100-token vocabulary).
 
-    c.eval = ConfigDict()
-    c.eval.every = 50
-    c.eval.at_start = True
     c.eval.num_problems = 512
-    c.eval.batch_size = 256
     c.eval.num_samples = 8
-    c.eval.k = 4
-    c.eval.temperature = 1.0
-    c.eval.split = "test"
 
-    c.checkpoint = ConfigDict()
-    c.checkpoint.every = 50
-    c.checkpoint.keep = 2
-    c.checkpoint.async_save = True
-
-    c.mesh = ConfigDict()
-    c.mesh.data = -1
-    c.mesh.fsdp = 1
-    c.mesh.tensor = 1
-    c.mesh.num_devices = 0
-    c.mesh.layout = "fsdp"
-    c.mesh.memory_budget_gb = 0.0  # 0: what the accelerator reports.
-
-    c.warm_start = ConfigDict()
     c.warm_start.enabled = True
     c.warm_start.target = "answer"
     c.warm_start.max_steps = 3000
@@ -163,7 +108,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.warm_start.max_grad_norm = 1.0
     c.warm_start.cache = True
 
-    if arg == "smoke":
+    if a.runlocal or a.smoke:
         c.model.hidden_size = 32
         c.model.num_layers = 1
         c.model.num_heads = 2
@@ -190,6 +135,4 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.warm_start.batch_size = 8
         c.warm_start.target_pass_at_1 = 1.0
         c.mesh.num_devices = 1
-    elif arg:
-        raise ValueError(f"unknown variant {arg!r} of configs/default.py; known: 'smoke'")
     return c

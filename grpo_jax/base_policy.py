@@ -11,36 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import TYPE_CHECKING
 
 import jax
 
 from grpo_jax import sft
 
+if TYPE_CHECKING:
+    from grpo_jax.setup import Setup
 
-def base_policy(
-    run, workdir, graphdef, init_params, *, param_sh, train_all, encoder, mesh, run_eval, progress,
-    preempt,
-):  # fmt: skip
+
+def base_policy(s: Setup, init_params, *, evaluate, preempt):
     """(params, warm-start info or None): the initial model, warm-started when configured.
 
-    ``run_eval(params, step, examples, prefix=, cfg=)`` scores the validation
-    problems; ``progress`` gets the messages; ``preempt.requested`` stops the
-    warm start early (nothing is cached then).
+    ``evaluate(params, step, examples, prefix=, cfg=)`` scores the validation
+    problems; ``preempt.requested`` stops the warm start early (nothing is
+    cached then).
     """
+    run, workdir, progress = s.run, s.workdir, s.progress
     ws = run.warm_start
     if not ws.enabled:
         return init_params, None
     fp = sft.fingerprint(
         {
-            "model": run.model,
+            "model": run.section("model"),
             "tokenizer": run.tokenizer,
-            "data": run.data,
-            "prompt": run.raw.get("prompt"),
-            "warm_start": run.raw.get("warm_start"),
+            "data": run.section("data"),
+            "prompt": run.section("prompt"),
+            "warm_start": run.section("warm_start"),
             "seed": run.seed,
-            "max_new_tokens": run.sampling["max_new_tokens"],
-            "eval": run.raw.get("eval"),
-            "correct_reward": run.correct_reward,
+            "max_new_tokens": run.sampling.max_new_tokens,
+            "eval": run.section("eval"),
+            "correct_reward": run.rewards.correct,
         }
     )
     cached = sft.load_cached(workdir, init_params, fp) if ws.cache else None
@@ -51,8 +53,8 @@ def base_policy(
             f"(validation pass@1 {info['val_pass_at_1']:.3f} after {info['steps']} steps)"
         )
         return params, dict(info, cached=True)
-    val_examples = train_all[-ws.val_problems :]
-    sft_examples = train_all[: -ws.val_problems]
+    val_examples = s.train_examples[-ws.val_problems :]
+    sft_examples = s.train_examples[: -ws.val_problems]
 
     val_cfg = dataclasses.replace(
         run.eval,
@@ -62,7 +64,7 @@ def base_policy(
     )
 
     def validate(params):
-        out = run_eval(params, 0, val_examples, prefix="v", cfg=val_cfg)
+        out = evaluate(params, 0, val_examples, prefix="v", cfg=val_cfg)
         vals = {"greedy": out["v/pass_at_1"]}
         if ws.metric == "sampled":
             vals["sampled"] = out["v/sampled_pass_at_1"]
@@ -89,17 +91,17 @@ def base_policy(
         f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
     )
     params, info = sft.warm_start(
-        graphdef,
+        s.graphdef,
         init_params,
         sft_examples,
         val_examples,
         cfg=ws,
-        encoder=encoder,
-        max_new_tokens=run.sampling["max_new_tokens"],
+        encoder=s.encoder,
+        max_new_tokens=run.sampling.max_new_tokens,
         validate=validate,
         seed=run.seed,
-        mesh=mesh,
-        param_shardings=param_sh,
+        mesh=s.mesh,
+        param_shardings=s.param_shardings,
         log_fn=log_fn,
         should_stop=lambda: preempt.requested,
     )

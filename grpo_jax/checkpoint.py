@@ -10,17 +10,24 @@ A checkpoint at step s holds three items:
 Saves are asynchronous (the host writes while the device trains) and atomic:
 orbax writes into a temporary directory and renames it when complete, so a run
 killed mid-save resumes from the previous checkpoint.
+
+``restore_or_init`` starts a training run from its workdir (resuming from the
+latest checkpoint, or making the base policy), and ``save_run`` saves one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
+
+if TYPE_CHECKING:
+    from grpo_jax.setup import Setup
 
 
 def _abstract(tree):
@@ -121,3 +128,122 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+# ---------------------------------------------------------------------------
+# A training run's start: resume from the workdir's latest checkpoint, or begin.
+
+COUNTERS = ("step", "updates", "skipped", "skipped_in_row")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """Where a run starts: its train state, reference policy and bookkeeping.
+
+    Attributes:
+      state: the ``TrainState`` to train on.
+      ref_params: the frozen reference policy (the base policy), None when beta = 0.
+      resumed: whether ``state`` came from a checkpoint.
+      start_step: GRPO steps already taken.
+      before: the evaluation of the base policy ("before" in summary.json).
+      warm_info: what the warm start did (None without one).
+      prior_seconds: wall time of the run's earlier processes.
+      no_signal_run: steps in a row without reward variance so far.
+    """
+
+    state: Any
+    ref_params: Any
+    resumed: bool
+    start_step: int
+    before: dict | None
+    warm_info: dict | None
+    prior_seconds: float
+    no_signal_run: int
+
+
+def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
+    """Resumes from ``s.checkpointer``'s latest step, or makes the base policy and starts.
+
+    ``state`` is the setup's initial ``TrainState``. A fresh run makes the base
+    policy (``grpo_jax.base_policy``: warm-started when configured) and
+    evaluates it when ``eval.at_start``; a resumed run restores parameters,
+    optimizer state, counters and the data iterator, truncates metrics.jsonl to
+    the checkpoint's step, and remakes the base policy only as the KL
+    reference (beta > 0). Returns None when SIGTERM (``preempt.requested``)
+    arrived during the warm start.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    from grpo_jax import distributed
+    from grpo_jax import optimizer as optim_lib
+    from grpo_jax.base_policy import base_policy
+    from grpo_jax.sharding import replicated
+
+    run, ck = s.run, s.checkpointer
+    latest = ck.latest_step()
+    resumed = latest is not None
+    warm_info = None
+    base_params = state.params
+    if not resumed or run.grpo.beta > 0:
+        # A resumed run needs the base policy only as the KL reference.
+        base_params, warm_info = base_policy(s, state.params, evaluate=evaluate, preempt=preempt)
+        if preempt.requested:
+            s.progress.message("preempted during the warm start; rerun to start again")
+            return None
+    ref_params = jax.tree.map(jnp.copy, base_params) if run.grpo.beta > 0 else None
+    if base_params is not state.params:
+        state = optim_lib.init_state(base_params, s.tx, s.mesh)
+    before, prior_seconds, no_signal_run = None, 0.0, 0
+    if resumed:
+        params, opt_state, meta = ck.restore(
+            latest, params_like=state.params, opt_state_like=state.opt_state
+        )
+        rep = replicated(s.mesh)
+        state = state.replace(
+            params=params,
+            opt_state=opt_state,
+            **{k: distributed.put(np.int32(v), rep) for k, v in meta["counters"].items()},
+        )
+        s.iterator.restore(meta["data_iterator"])
+        prior_seconds = float(meta.get("wall_seconds", 0.0))
+        before = meta.get("before")
+        warm_info = meta.get("warm_start", warm_info)
+        no_signal_run = int(meta.get("no_signal_run", 0))
+        if s.is_main:
+            s.writer.truncate(latest)
+        s.progress.message(f"resuming from the checkpoint at step {latest} in {ck.directory}")
+    elif run.eval.at_start:
+        before = evaluate(state.params, 0)
+        s.writer.write(0, before)
+        s.progress.message(
+            f"before GRPO: held-out pass@1 {before['eval/pass_at_1']:.3f} "
+            f"on {len(s.eval_examples)} problems"
+        )
+    return RunStart(
+        state=state,
+        ref_params=ref_params,
+        resumed=resumed,
+        start_step=int(jax.device_get(state.step)),
+        before=before,
+        warm_info=warm_info,
+        prior_seconds=prior_seconds,
+        no_signal_run=no_signal_run,
+    )
+
+
+def save_run(s: Setup, state, step: int, start: RunStart, *, no_signal_run: int, wall_seconds):
+    """Starts saving ``state`` as step ``step``, with what an exact resume needs."""
+    import numpy as np
+
+    meta = {
+        "counters": {k: int(jax.device_get(getattr(state, k))) for k in COUNTERS},
+        "data_iterator": s.iterator.state(),
+        "key_data": np.asarray(jax.random.key_data(s.base_key)).tolist(),
+        "config": dict(s.run.raw),
+        "before": start.before,
+        "warm_start": start.warm_info,
+        "wall_seconds": wall_seconds,
+        "no_signal_run": no_signal_run,
+    }
+    s.checkpointer.save(step, params=state.params, opt_state=state.opt_state, meta=meta)

@@ -9,6 +9,7 @@ what is allowed, so that a bad sweep value fails at start-up, not mid-run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -413,4 +414,377 @@ class WarmStartConfig:
             eps=1e-8,
             weight_decay=self.weight_decay,
             max_grad_norm=self.max_grad_norm,
+        )
+
+
+# ---------------------------------------------------------------------------
+# The sections whose runtime objects carry another name (``models.ModelConfig``,
+# ``sampling.SamplingConfig``): the run config's view of them.
+
+MODEL_KEYS = ("path", "dtype", "param_dtype", "remat")
+BUILTIN_TOKENIZER = "builtin"
+TINY_PREFIX = "tiny:"  # model.path "tiny:<family>": a small random checkpoint, made at start
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """The policy model.
+
+    Attributes:
+      path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
+        "tiny:<family>" (qwen2, qwen3, llama, gemma3) a small random
+        checkpoint of that family, written when the run starts
+        (``grpo_jax.runlocal``).
+      dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
+      param_dtype: storage dtype of the parameters (None: ``dtype``).
+      remat: recompute each layer in the backward pass.
+      overrides: for the built-in tiny model only, ``grpo_jax.models.ModelConfig``
+        fields (hidden_size, num_layers, ...), given as further keys of the
+        ``model`` section.
+    """
+
+    path: str = ""
+    dtype: str | None = None
+    param_dtype: str | None = None
+    remat: bool | None = None
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.path, str):
+            raise ConfigError(f"config key 'model.path' = {self.path!r} must be a string")
+        if self.remat is not None:
+            check_bool("model.remat", self.remat)
+        if self.path and self.overrides:
+            raise ConfigError(
+                f"config keys {[f'model.{k}' for k in sorted(self.overrides)]} only apply to "
+                f"the built-in tiny model; model.path = {self.path!r} loads its architecture "
+                "from config.json"
+            )
+
+    @classmethod
+    def from_mapping(cls, mapping) -> ModelSection:
+        cfg = to_dict(mapping)
+        known = {k: cfg.pop(k) for k in MODEL_KEYS if k in cfg}
+        return cls(**known, overrides=cfg)
+
+    def loader_kwargs(self) -> dict:
+        """The keys that were set among dtype, param_dtype and remat."""
+        return {k: getattr(self, k) for k in MODEL_KEYS[1:] if getattr(self, k) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    """How GRPO samples completions (``grpo_jax.sampling.SamplingConfig`` at run time).
+
+    The temperature is ``grpo.temperature``: the sampler and the loss must
+    score tokens from the same logits / temperature.
+
+    Attributes:
+      max_new_tokens: T, completion slots per row.
+      top_k: keep the k most likely tokens; 0 switches it off.
+      top_p: nucleus sampling mass; 1 switches it off.
+      prompt_buckets: allowed padded prompt lengths, increasing (one
+        compilation per bucket).
+    """
+
+    max_new_tokens: int
+    top_k: int = 0
+    top_p: float = 1.0
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+
+    @classmethod
+    def from_mapping(cls, mapping) -> SamplingSection:
+        cfg = to_dict(mapping)
+        if "temperature" in cfg:
+            raise ConfigError(
+                "config key 'sampling.temperature' is not allowed: the sampling temperature is "
+                "'grpo.temperature' (sampler and loss must score with the same one)"
+            )
+        check_known_keys("sampling", cfg, {f.name for f in dataclasses.fields(cls)})
+        if "max_new_tokens" not in cfg:
+            raise ConfigError("config key 'sampling.max_new_tokens' is required")
+        buckets = cfg.get("prompt_buckets")
+        if isinstance(buckets, (list, tuple)):
+            cfg["prompt_buckets"] = tuple(buckets)
+        section = cls(**cfg)
+        section.sampler()  # The sampler's own checks name the bad value now.
+        return section
+
+    def sampler(self, *, temperature: float = 1.0, eos_ids=(), pad_id: int = 0, greedy=False):
+        """The jitted sampler's static ``SamplingConfig`` for this section."""
+        from grpo_jax.sampling import SamplingConfig
+
+        return SamplingConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            greedy=greedy,
+            eos_ids=tuple(eos_ids),
+            pad_id=pad_id,
+            prompt_buckets=self.prompt_buckets,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """The dataset: ``source`` and that loader's options (``grpo_jax.data.load_dataset``).
+
+    Sources: "synthetic" (task, seed, n_train, n_test, ...), "gsm8k" (TFDS
+    ``data_dir``, or GSM8K-format JSONL files in ``jsonl_dir``; "tiny:word_problems"
+    makes a small synthetic set at start), "jsonl" (train_path, test_path,
+    field names). docs/data.md describes each.
+    """
+
+    source: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, mapping) -> DataSection:
+        from grpo_jax import data
+
+        cfg = data.check_keys(to_dict(mapping))
+        source = cfg.pop("source")
+        return cls(source=source, options=cfg)
+
+    def as_mapping(self) -> dict:
+        return {"source": self.source, **self.options}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsSection:
+    """The weighted training rewards and the reward that judges correctness.
+
+    Attributes:
+      specs: ``rewards.RewardSpec`` (registry name, options allowed, and weight),
+        from the ``rewards`` key: "name:weight,..." or a mapping name -> weight.
+      correct: the reward whose value 1.0 means "correct" (pass rate, pass@k),
+        from the ``correct_reward`` key; scored apart when not among ``specs``.
+    """
+
+    specs: tuple
+    correct: str = "exact_match"
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Splits "a:1,b(x=1, y=2):0.5" at commas outside parentheses."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_rewards(value: Any) -> tuple:
+    """Parses the ``rewards`` key: "name:weight,..." or a mapping name -> weight.
+
+    Names may carry options, "format(think_tag=None):0.1"; a missing weight is
+    1.0. Both spellings are sweepable from the command line
+    (``--config.rewards=exact_match:1.0,format:0.2``).
+    """
+    from grpo_jax import rewards
+
+    if isinstance(value, str):
+        specs = []
+        for item in _split_top_level(value):
+            name, weight = item, "1.0"
+            head, sep, tail = item.rpartition(":")
+            if sep and ")" not in tail:
+                name, weight = head, tail
+            try:
+                w = float(weight)
+            except ValueError:
+                raise ConfigError(
+                    f"config key 'rewards' = {value!r}: weight {weight!r} of reward "
+                    f"{name.strip()!r} is not a number (expected 'name:weight,...')"
+                ) from None
+            specs.append((name.strip(), w))
+    elif hasattr(value, "items"):
+        specs = [(str(k), v) for k, v in to_dict(value).items()]
+    else:
+        raise ConfigError(
+            f"config key 'rewards' = {value!r} must be a string 'name:weight,...' "
+            "or a mapping of name to weight"
+        )
+    if not specs:
+        raise ConfigError("config key 'rewards' names no reward function")
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config key 'rewards' = {value!r} names a reward twice")
+    out = tuple(rewards.RewardSpec(n, w) for n, w in specs)
+    for s in out:
+        rewards.get(s.name)  # An unknown name fails here, listing the available ones.
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptConfig:
+    """How an example becomes a prompt (``grpo_jax.data.format_prompt``).
+
+    template: str.format template over the example's fields ("{prompt}").
+    chat: wrap in the tokenizer's chat template.
+    system: system message (chat) or preamble (plain); "" for none.
+    """
+
+    template: str = "{prompt}"
+    chat: bool = False
+    system: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.template, str) or "{" not in self.template:
+            raise ConfigError(
+                f"config key 'prompt.template' = {self.template!r} must be a format string "
+                "over the example's fields, such as '{prompt}'"
+            )
+        check_bool("prompt.chat", self.chat)
+
+
+# ---------------------------------------------------------------------------
+# The whole run.
+
+TOP_KEYS = (
+    "seed",
+    "model",
+    "tokenizer",
+    "data",
+    "prompt",
+    "rewards",
+    "correct_reward",
+    "grpo",
+    "sampling",
+    "optim",
+    "train",
+    "eval",
+    "checkpoint",
+    "mesh",
+    "warm_start",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A training run's config, every section validated (``parse_config``).
+
+    ``raw`` is the config as plain data, kept for the record (config.json,
+    checkpoints); nothing reads settings from it.
+    """
+
+    seed: int
+    model: ModelSection
+    tokenizer: str
+    data: DataSection
+    prompt: PromptConfig
+    rewards: RewardsSection
+    grpo: GRPOConfig
+    sampling: SamplingSection
+    optim: OptimConfig
+    train: TrainConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    mesh: MeshConfig
+    warm_start: WarmStartConfig
+    raw: Mapping[str, Any]
+
+    def section(self, name: str) -> dict:
+        """A section as plain data (fingerprints, logs)."""
+        value = getattr(self, name)
+        if dataclasses.is_dataclass(value):
+            return json.loads(json.dumps(dataclasses.asdict(value), default=str))
+        return value
+
+
+def parse_config(config) -> RunConfig:
+    """Validates a run config (ConfigDict or mapping) into a :class:`RunConfig`.
+
+    A misspelled key fails naming it and the known keys of its section; a bad
+    value fails naming the key, the value and what is allowed.
+    """
+    raw = to_dict(config)
+    check_known_keys("config", raw, TOP_KEYS)
+    missing = [k for k in ("data", "rewards") if k not in raw]
+    if missing:
+        raise ConfigError(f"config is missing the required key(s) {missing}")
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"config key 'seed' = {seed!r} must be a non-negative integer")
+    tokenizer = raw.get("tokenizer", BUILTIN_TOKENIZER)
+    if not isinstance(tokenizer, str):
+        raise ConfigError(f"config key 'tokenizer' = {tokenizer!r} must be a string")
+    from grpo_jax import rewards
+
+    correct = raw.get("correct_reward", "exact_match")
+    rewards.get(correct)
+    run = RunConfig(
+        seed=seed,
+        model=ModelSection.from_mapping(raw.get("model")),
+        tokenizer=tokenizer,
+        data=DataSection.from_mapping(raw["data"]),
+        prompt=from_mapping(PromptConfig, "prompt", raw.get("prompt")),
+        rewards=RewardsSection(specs=parse_rewards(raw["rewards"]), correct=correct),
+        grpo=GRPOConfig.from_mapping(to_dict(raw.get("grpo"))),
+        sampling=SamplingSection.from_mapping(raw.get("sampling")),
+        optim=from_mapping(OptimConfig, "optim", raw.get("optim")),
+        train=from_mapping(TrainConfig, "train", raw.get("train")),
+        eval=from_mapping(EvalConfig, "eval", raw.get("eval")),
+        checkpoint=from_mapping(CheckpointConfig, "checkpoint", raw.get("checkpoint")),
+        mesh=from_mapping(MeshConfig, "mesh", raw.get("mesh")),
+        warm_start=from_mapping(WarmStartConfig, "warm_start", raw.get("warm_start")),
+        raw=json.loads(json.dumps(raw, default=str)),
+    )
+    chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
+    if chunk and t % chunk:
+        raise ConfigError(
+            f"config key 'train.logits_chunk' = {chunk} must divide "
+            f"sampling.max_new_tokens = {t} (or be 0: no chunking)"
+        )
+    return run
+
+
+def check_batch_layout(run: RunConfig, shards: int, num_processes: int = 1) -> None:
+    """Cross-section checks that need the mesh: whole groups and minibatches per shard.
+
+    ``shards``: the mesh's batch shards (``grpo_jax.sharding.batch_shards``).
+    """
+    G, B = run.grpo.G, run.train.batch_size
+    n = B * G
+    if B % shards:
+        raise ConfigError(
+            f"config key 'train.batch_size' = {B} must be a multiple of the {shards} batch "
+            "shards of the mesh (each shard holds whole groups)"
+        )
+    m = run.train.minibatch_size or n
+    if n % m or m % shards:
+        raise ConfigError(
+            f"config key 'train.minibatch_size' = {run.train.minibatch_size} must divide "
+            f"N = batch_size * G = {n} and be a multiple of the {shards} batch shards"
+        )
+    if (m // shards) % run.optim.grad_accum:
+        raise ConfigError(
+            f"config key 'optim.grad_accum' = {run.optim.grad_accum} must divide the "
+            f"{m // shards} rows per shard of a minibatch"
+        )
+    ev = run.eval
+    if ev.batch_size % shards:
+        raise ConfigError(
+            f"config key 'eval.batch_size' = {ev.batch_size} must be a multiple of the "
+            f"{shards} batch shards"
+        )
+    if ev.num_samples and (
+        ev.batch_size % ev.num_samples or (ev.batch_size // ev.num_samples) % shards
+    ):
+        raise ConfigError(
+            f"config key 'eval.batch_size' = {ev.batch_size} must be a multiple of "
+            f"eval.num_samples = {ev.num_samples} times the {shards} batch shards"
+        )
+    ws = run.warm_start
+    if ws.enabled and ws.batch_size % shards:
+        raise ConfigError(
+            f"config key 'warm_start.batch_size' = {ws.batch_size} must be a multiple of the "
+            f"{shards} batch shards"
         )

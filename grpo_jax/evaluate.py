@@ -155,7 +155,8 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
 
     from grpo_jax import models
     from grpo_jax.checkpoint import Checkpointer
-    from grpo_jax.run import BUILTIN_TOKENIZER, build_model, build_tokenizer
+    from grpo_jax.config import BUILTIN_TOKENIZER
+    from grpo_jax.setup import build_model, build_tokenizer
 
     path = pathlib.Path(checkpoint)
     if _is_hf_dir(path):
@@ -190,23 +191,23 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
 def main(argv):
     from absl import flags
 
-    from grpo_jax.run import (
+    from grpo_jax import runlocal
+    from grpo_jax.config import parse_config
+    from grpo_jax.setup import (
         build_datasets,
         build_encoder,
         build_mesh,
         build_scorer,
-        parse_config,
+        eval_examples,
         tokenizer_sampling,
     )
 
     del argv
     FLAGS = flags.FLAGS
-    run = parse_config(FLAGS.config)
+    run = runlocal.resolve(parse_config(FLAGS.config))
     mesh = build_mesh(run)
     graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
-    examples = build_datasets(run)[run.eval.split]
-    if run.eval.num_problems:
-        examples = examples[: run.eval.num_problems]
+    examples = eval_examples(run, build_datasets(run))
     out = evaluate(
         graphdef,
         params,

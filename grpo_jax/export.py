@@ -21,15 +21,16 @@ def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.P
     """Writes checkpoint ``step`` (latest when None) of ``workdir`` as a HF directory ``out``."""
     from flax import nnx
 
-    from grpo_jax import models
+    from grpo_jax import models, runlocal
     from grpo_jax.checkpoint import Checkpointer
-    from grpo_jax.run import build_mesh, build_model, build_tokenizer, parse_config
+    from grpo_jax.config import parse_config
+    from grpo_jax.setup import build_mesh, build_model, build_tokenizer
 
     workdir = pathlib.Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: is {workdir} a training workdir?")
-    run = parse_config(json.loads(config_path.read_text()))
+    run = runlocal.resolve(parse_config(json.loads(config_path.read_text())))
     tokenizer = build_tokenizer(run, workdir)
     mesh = build_mesh(run)
     graphdef, params = build_model(run, tokenizer, mesh)

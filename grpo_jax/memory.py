@@ -431,7 +431,7 @@ def plan(
 
 
 def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None):
-    """:func:`plan` for a training run (a ``grpo_jax.run.RunConfig``).
+    """:func:`plan` for a training run (a ``grpo_jax.config.RunConfig``).
 
     Rows and lengths come from the run: one forward/backward pass holds
     ``(train.minibatch_size or B * G) / optim.grad_accum`` rows (or the warm
@@ -444,17 +444,12 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
     stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
     if budget_bytes is None and stated_gb > 0:
         budget_bytes = int(stated_gb * 2**30)
-    sampling = dict(run.sampling)
     n = run.train.batch_size * run.grpo.G
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
     warm = getattr(run, "warm_start", None)
     if warm is not None and warm.enabled:
         rows = max(rows, warm.batch_size)
-    buckets = sampling.get("prompt_buckets")
-    if not buckets:
-        from grpo_jax.sampling import SamplingConfig
-
-        buckets = SamplingConfig.__dataclass_fields__["prompt_buckets"].default
+    buckets = run.sampling.prompt_buckets
     return plan(
         model_cfg_like,
         mesh_shape=mesh_shape,
@@ -462,7 +457,7 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
         budget_bytes=budget_bytes,
         batch_rows=rows,
         sample_rows=max(n, run.eval.batch_size),
-        seq_len=sampling["max_new_tokens"],
+        seq_len=run.sampling.max_new_tokens,
         prompt_len=max(buckets),
         beta=run.grpo.beta,
         logits_chunk=getattr(run.train, "logits_chunk", 0),

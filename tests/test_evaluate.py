@@ -12,8 +12,10 @@ import pytest
 from flax import nnx
 
 from configs.default import get_config
+from grpo_jax import config as config_lib
 from grpo_jax import evaluate as ev
-from grpo_jax import run as run_lib
+from grpo_jax import rollout
+from grpo_jax import setup as setup_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import EvalConfig
 from grpo_jax.export import export_hf
@@ -25,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     wd = tmp_path_factory.mktemp("wd")
-    run = run_lib.parse_config(get_config("smoke"))
-    tok = run_lib.build_tokenizer(run, wd)
+    run = config_lib.parse_config(get_config("smoke"))
+    tok = setup_lib.build_tokenizer(run, wd)
     return run, tok, wd
 
 
@@ -66,21 +68,21 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
         _fake_generate(tok, lambda a, s, greedy: a % 2 == 0 if greedy else s < a % 3),
     )
     calls = []
-    real_encode = run_lib.PromptEncoder.encode
+    real_encode = rollout.PromptEncoder.encode
 
     def counting_encode(self, exs, **kw):
         calls.append(len(exs))
         return real_encode(self, exs, **kw)
 
-    monkeypatch.setattr(run_lib.PromptEncoder, "encode", counting_encode)
+    monkeypatch.setattr(rollout.PromptEncoder, "encode", counting_encode)
     evaluate = functools.partial(
         ev.evaluate,
         None,
         None,
         examples,
-        encoder=run_lib.build_encoder(run, tok),
-        scorer=run_lib.build_scorer(run),
-        sampling=run_lib.tokenizer_sampling(run, tok),
+        encoder=setup_lib.build_encoder(run, tok),
+        scorer=setup_lib.build_scorer(run),
+        sampling=setup_lib.tokenizer_sampling(run, tok),
         key=jax.random.key(0),
     )
     out = evaluate(cfg=EvalConfig(batch_size=8, num_samples=4, k=2))
@@ -105,10 +107,10 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     cfg = get_config("smoke").to_dict()
     wd.mkdir()
     (wd / "config.json").write_text(json.dumps(cfg))
-    run = run_lib.parse_config(cfg)
-    tok = run_lib.build_tokenizer(run, wd)
-    mesh = run_lib.build_mesh(run)
-    graphdef, params = run_lib.build_model(run, tok, mesh)
+    run = config_lib.parse_config(cfg)
+    tok = setup_lib.build_tokenizer(run, wd)
+    mesh = setup_lib.build_mesh(run)
+    graphdef, params = setup_lib.build_model(run, tok, mesh)
     params = jax.tree.map(lambda x: x * 3.0, params)  # Not the seed's init: a real restore.
     ck = Checkpointer(wd / "checkpoints")
     ck.save(5, params=params, opt_state={"count": np.zeros((), np.int32)}, meta={})
@@ -132,11 +134,11 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a training workdir"):
         ev.load_policy(run, tmp_path / "missing", mesh)
 
-    examples = run_lib.build_datasets(run)["test"][:8]
+    examples = setup_lib.build_datasets(run)["test"][:8]
     kw = dict(
-        encoder=run_lib.build_encoder(run, tok),
-        scorer=run_lib.build_scorer(run),
-        sampling=run_lib.tokenizer_sampling(run, tok),
+        encoder=setup_lib.build_encoder(run, tok),
+        scorer=setup_lib.build_scorer(run),
+        sampling=setup_lib.tokenizer_sampling(run, tok),
         mesh=mesh,
         cfg=EvalConfig(batch_size=8, num_samples=0),
         key=jax.random.key(0),

@@ -266,7 +266,7 @@ def test_plan_run_takes_rows_and_lengths_from_the_run():
         grpo=types.SimpleNamespace(G=4, beta=0.04),
         train=types.SimpleNamespace(batch_size=8, minibatch_size=16),
         optim=types.SimpleNamespace(grad_accum=2),
-        sampling={"max_new_tokens": 5, "prompt_buckets": (2, 3)},
+        sampling=config.SamplingSection(max_new_tokens=5, prompt_buckets=(2, 3)),
         eval=types.SimpleNamespace(batch_size=64),
         mesh=types.SimpleNamespace(layout="fsdp_tp"),
         warm_start=types.SimpleNamespace(enabled=False, batch_size=100),

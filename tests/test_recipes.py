@@ -16,8 +16,10 @@ import sys
 import jax
 import pytest
 
-from grpo_jax.config import ConfigError
-from grpo_jax.run import build_mesh, check_batch_layout, parse_config
+from grpo_jax import runlocal
+from grpo_jax.config import ConfigError, check_batch_layout, parse_config
+from grpo_jax.setup import build_mesh
+from grpo_jax.sharding import batch_shards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "llama3.2-1b", "gemma3-1b")
@@ -51,7 +53,7 @@ def assets(tmp_path_factory):
     """One runlocal asset folder for the module: TFDS prepares the data once."""
     root = tmp_path_factory.mktemp("runlocal")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(recipes.RUNLOCAL_ENV, str(root))
+        mp.setenv(runlocal.RUNLOCAL_ENV, str(root))
         yield root
 
 
@@ -99,9 +101,11 @@ def test_runlocal_trains(name, assets, tmp_path):
         k for k, v in _flat(config.to_dict()).items() if _flat(real.to_dict()).get(k, object()) != v
     }
     assert changed <= RUNLOCAL_KEYS, changed - RUNLOCAL_KEYS
-    assert pathlib.Path(config.model.path).parent == assets
+    assert config.model.path == f"tiny:{family}"
 
     summary = train(config, tmp_path)
+    # The library made the checkpoint when the run started, in the assets folder.
+    assert list(assets.glob(f"{family}-tiny-*/config.json"))
 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
@@ -124,9 +128,9 @@ def test_recipe_validates(name):
     config = recipes.get_config(f"model={name}")
     run = parse_config(config)
     family, repo, max_new = recipes.MODELS[name]
-    assert repo in run.model["path"] and "--config.model.path" in run.model["path"]
-    assert run.tokenizer == "" and run.prompt.chat and run.data["source"] == "gsm8k"
-    assert run.data["jsonl_dir"] is None and run.data["data_dir"] is None
+    assert repo in run.model.path and "--config.model.path" in run.model.path
+    assert run.tokenizer == "" and run.prompt.chat and run.data.source == "gsm8k"
+    assert run.data.options["jsonl_dir"] is None and run.data.options["data_dir"] is None
     assert (run.grpo.G, run.grpo.beta, run.grpo.epsilon_low, run.grpo.temperature) == (
         8,
         0.04,
@@ -135,15 +139,15 @@ def test_recipe_validates(name):
     )
     assert run.grpo.epsilon_high == 0.2
     assert run.optim.learning_rate == 1e-6 and not run.warm_start.enabled
-    assert run.sampling["max_new_tokens"] == max_new
-    assert [s.name for s in run.rewards] == ["gsm8k", "format"]
+    assert run.sampling.max_new_tokens == max_new
+    assert [s.name for s in run.rewards.specs] == ["gsm8k", "format"]
     import jax
 
     for n in (1, 8):  # Batch, minibatch and grad_accum fit one device and eight.
         config.mesh.num_devices = n
         run = parse_config(config)
         assert len(build_mesh(run).devices.flat) == n == len(jax.devices()[:n])
-        check_batch_layout(run, build_mesh(run))
+        check_batch_layout(run, batch_shards(build_mesh(run)))
 
 
 def test_unset_model_path_fails_naming_the_flag(tmp_path):
@@ -169,32 +173,49 @@ def test_arguments():
         recipes.get_config("model=qwen3-0.6b,lr=1")
 
 
+def test_config_files_write_nothing(tmp_path, monkeypatch):
+    """A config only describes a run: building every variant writes no file."""
+    from configs import default
+
+    monkeypatch.setenv(runlocal.RUNLOCAL_ENV, str(tmp_path / "assets"))
+    for name in MODELS:
+        for arg in (f"model={name}", f"model={name},runlocal"):
+            parse_config(recipes.get_config(arg))
+    for arg in (None, "runlocal", "smoke"):
+        parse_config(default.get_config(arg))
+    assert not (tmp_path / "assets").exists()
+    with pytest.raises(ConfigError, match="tiny:"):
+        config = recipes.get_config("model=qwen2.5-0.5b,runlocal")
+        config.model.path = "tiny:mamba"
+        runlocal.resolve(parse_config(config))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gemma3"])
 def test_tiny_tokenizer_chat_template(family):
     from grpo_jax.data import format_prompt
 
-    tok = recipes.tiny_tokenizer(family)
+    tok = runlocal.tiny_tokenizer(family)
     text = format_prompt({"prompt": "1+1?"}, template="{prompt}", tokenizer=tok, chat=True)
     assert text == USER_TURN[family] + "1+1?" + GEN_PROMPT[family]
     ids = tok(text, add_special_tokens=False).input_ids
     # Every marker is one token, and decoding with skip_special_tokens drops it.
-    for m in recipes._SPECIALS[family]["specials"]:
+    for m in runlocal._SPECIALS[family]["specials"]:
         assert ids.count(tok.convert_tokens_to_ids(m)) == text.count(m), m
         assert m not in tok.decode(ids, skip_special_tokens=True)
     assert "1+1?" in tok.decode(ids, skip_special_tokens=True)
-    assert tok.eos_token == recipes._SPECIALS[family]["eos"]
+    assert tok.eos_token == runlocal._SPECIALS[family]["eos"]
 
 
 def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
-    tok = recipes.tiny_tokenizer("gemma3")
-    path = recipes.tiny_checkpoint("gemma3", assets)
+    tok = runlocal.tiny_tokenizer("gemma3")
+    path = runlocal.tiny_checkpoint("gemma3", assets)
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
-    assert recipes.tiny_checkpoint("gemma3", assets) == path  # Content-addressed, reused.
+    assert runlocal.tiny_checkpoint("gemma3", assets) == path  # Content-addressed, reused.
     # The sampler stops at the tokenizer's EOS and at generation_config's end of turn.
-    from grpo_jax.run import build_tokenizer, tokenizer_sampling
+    from grpo_jax.setup import build_tokenizer, tokenizer_sampling
 
-    run = parse_config(recipes.get_config("model=gemma3-1b,runlocal"))
+    run = runlocal.resolve(parse_config(recipes.get_config("model=gemma3-1b,runlocal")))
     assert tokenizer_sampling(run, build_tokenizer(run, assets)).eos_ids == tuple(
         gen["eos_token_id"]
     )
@@ -203,7 +224,7 @@ def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
 def test_word_problems_are_gsm8k_format(assets):
     from grpo_jax.data import gsm8k
 
-    d = recipes.word_problems_dir(assets)
+    d = runlocal.word_problems_dir(assets)
     train, skipped = gsm8k.read_gsm8k_jsonl(d / "train.jsonl")
     test, _ = gsm8k.read_gsm8k_jsonl(d / "test.jsonl")
     assert (len(train), len(test), skipped) == (32, 16, [])
@@ -305,16 +326,18 @@ def test_precision_and_remat_keys_reach_the_checkpoint_model(assets):
     """model.dtype / param_dtype / remat apply to a Hugging Face checkpoint too."""
     from flax import nnx
 
-    from grpo_jax.run import build_model, build_tokenizer
+    from grpo_jax.setup import build_model, build_tokenizer
 
     config = recipes.get_config("model=qwen2.5-0.5b,runlocal")
     assert (config.model.dtype, config.model.param_dtype) == ("bfloat16", "float32")
     config.model.remat = True
-    run = parse_config(config)
+    run = runlocal.resolve(parse_config(config))
     graphdef, params = build_model(run, build_tokenizer(run, None), build_mesh(run))
     cfg = nnx.merge(graphdef, params).config
     assert (cfg.dtype, cfg.param_dtype, cfg.remat) == ("bfloat16", "float32", True)
     assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
     config.model.param_dtype = "float16x"
     with pytest.raises(ValueError, match="param_dtype"):
-        build_model(parse_config(config), build_tokenizer(run, None), build_mesh(run))
+        build_model(
+            runlocal.resolve(parse_config(config)), build_tokenizer(run, None), build_mesh(run)
+        )

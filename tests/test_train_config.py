@@ -7,9 +7,11 @@ import sys
 import pytest
 
 from configs.default import get_config
-from grpo_jax import run as run_lib
+from grpo_jax import config as config_lib
+from grpo_jax import setup as setup_lib
 from grpo_jax.config import ConfigError
 from grpo_jax.models.builtin_tokenizer import build_tokenizer
+from grpo_jax.sharding import batch_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,12 +29,15 @@ def _cfg(**updates):
 
 
 def test_default_and_smoke_parse():
-    run = run_lib.parse_config(get_config())
+    run = config_lib.parse_config(get_config())
     assert run.grpo.G == 8 and run.train.batch_size == 32 and run.eval.num_problems >= 500
     assert run.grpo.beta == 0.0 and run.grpo.mu == 1 and run.grpo.epsilon_low == 0.2
-    assert [s.name for s in run.rewards] == ["exact_match(tag=None)", "format(pattern='[0-9]+')"]
-    run_lib.parse_config(get_config("smoke"))
-    with pytest.raises(ValueError, match="unknown variant 'big'"):
+    assert [s.name for s in run.rewards.specs] == [
+        "exact_match(tag=None)",
+        "format(pattern='[0-9]+')",
+    ]
+    config_lib.parse_config(get_config("smoke"))
+    with pytest.raises(ValueError, match="unknown argument 'big'"):
         get_config("big")
 
 
@@ -66,12 +71,12 @@ def test_default_and_smoke_parse():
 def test_bad_values_name_the_key(updates, message):
     with pytest.raises(ConfigError, match=message):
         c = _cfg(**updates)
-        run = run_lib.parse_config(c)
-        run_lib.model_config(run, build_tokenizer())
+        run = config_lib.parse_config(c)
+        setup_lib.model_config(run, build_tokenizer())
 
 
 def test_rewards_spellings():
-    specs = run_lib.parse_rewards(
+    specs = config_lib.parse_rewards(
         "exact_match:1.0, format(think_tag=None, answer_tag='a'):0.25,gsm8k"
     )
     assert [(s.name, s.weight) for s in specs] == [
@@ -79,28 +84,28 @@ def test_rewards_spellings():
         ("format(think_tag=None, answer_tag='a')", 0.25),
         ("gsm8k", 1.0),
     ]
-    specs = run_lib.parse_rewards({"exact_match": 2.0, "format": 0.5})
+    specs = config_lib.parse_rewards({"exact_match": 2.0, "format": 0.5})
     assert [(s.name, s.weight) for s in specs] == [("exact_match", 2.0), ("format", 0.5)]
     with pytest.raises(ConfigError, match="must be a string 'name:weight"):
-        run_lib.parse_rewards(3)
+        config_lib.parse_rewards(3)
 
 
 def test_batch_layout_checked_against_the_mesh():
     import jax
 
-    run = run_lib.parse_config(_cfg(**{"mesh.num_devices": 2, "train.batch_size": 3}))
-    mesh = run_lib.build_mesh(run)
+    run = config_lib.parse_config(_cfg(**{"mesh.num_devices": 2, "train.batch_size": 3}))
+    mesh = setup_lib.build_mesh(run)
     with pytest.raises(ConfigError, match=r"'train.batch_size' = 3 must be a multiple of the 2"):
-        run_lib.check_batch_layout(run, mesh)
-    run = run_lib.parse_config(_cfg(**{"train.minibatch_size": 6}))
+        config_lib.check_batch_layout(run, batch_shards(mesh))
+    run = config_lib.parse_config(_cfg(**{"train.minibatch_size": 6}))
     with pytest.raises(ConfigError, match=r"'train.minibatch_size' = 6 must divide N"):
-        run_lib.check_batch_layout(run, run_lib.build_mesh(run))
-    run = run_lib.parse_config(_cfg(**{"optim.grad_accum": 3}))
+        config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
+    run = config_lib.parse_config(_cfg(**{"optim.grad_accum": 3}))
     with pytest.raises(ConfigError, match=r"'optim.grad_accum' = 3 must divide the 16 rows"):
-        run_lib.check_batch_layout(run, run_lib.build_mesh(run))
-    run = run_lib.parse_config(_cfg(**{"mesh.num_devices": len(jax.devices()) + 1}))
+        config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
+    run = config_lib.parse_config(_cfg(**{"mesh.num_devices": len(jax.devices()) + 1}))
     with pytest.raises(ConfigError, match="'mesh.num_devices' = 9, but only 8 devices"):
-        run_lib.build_mesh(run)
+        setup_lib.build_mesh(run)
 
 
 def _main(*args, tmp_path):
@@ -133,8 +138,8 @@ def test_main_rejects_a_misspelled_override(tmp_path):
 
 
 def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
-    run = run_lib.parse_config(get_config())
-    splits = run_lib.build_datasets(run)
+    run = config_lib.parse_config(get_config())
+    splits = setup_lib.build_datasets(run)
     assert len(splits["test"]) >= 500
     assert not {ex["prompt"] for ex in splits["test"]} & {ex["prompt"] for ex in splits["train"]}
     for ex in splits["test"][:50]:
@@ -146,8 +151,8 @@ def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
 
 def test_logits_chunk_must_divide_the_completion_length():
     t = get_config("smoke").sampling.max_new_tokens
-    assert run_lib.parse_config(_cfg(**{"train.logits_chunk": t})).train.logits_chunk == t
+    assert config_lib.parse_config(_cfg(**{"train.logits_chunk": t})).train.logits_chunk == t
     with pytest.raises(ConfigError, match=rf"'train.logits_chunk' = {t + 1} must divide"):
-        run_lib.parse_config(_cfg(**{"train.logits_chunk": t + 1}))
+        config_lib.parse_config(_cfg(**{"train.logits_chunk": t + 1}))
     with pytest.raises(ConfigError, match="train.logits_chunk"):
-        run_lib.parse_config(_cfg(**{"train.logits_chunk": -2}))
+        config_lib.parse_config(_cfg(**{"train.logits_chunk": -2}))

@@ -104,11 +104,12 @@ def _final_params(workdir, like):
 
 
 def _like_params():
-    from grpo_jax import run as run_lib
+    from grpo_jax import config as config_lib
+    from grpo_jax import setup as setup_lib
     from grpo_jax.models.builtin_tokenizer import build_tokenizer
 
-    run = run_lib.parse_config(_quick())
-    return run_lib.build_model(run, build_tokenizer(), run_lib.build_mesh(run))[1]
+    run = config_lib.parse_config(_quick())
+    return setup_lib.build_model(run, build_tokenizer(), setup_lib.build_mesh(run))[1]
 
 
 def _deterministic(records):

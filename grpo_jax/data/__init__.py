@@ -57,6 +57,28 @@ def _plain(cfg) -> dict:
     return dict(cfg)
 
 
+def check_keys(cfg_like) -> dict:
+    """Validates a data section's source and keys without loading anything; -> plain dict."""
+    cfg = _plain(cfg_like)
+    source = cfg.get("source")
+    if source is None:
+        raise ConfigError(f"data config has no 'source'; choose one of {list(SOURCES)}")
+    check_choice("data.source", source, SOURCES)
+    if source == "synthetic":
+        task = cfg.get("task", "arithmetic")
+        check_choice("data.task", task, synthetic.TASKS)
+        check_known_keys("data", cfg, _SYNTHETIC_KEYS | set(synthetic.TASKS[task][0]))
+    elif source == "gsm8k":
+        check_known_keys("data", cfg, _GSM8K_KEYS)
+    else:
+        check_known_keys("data", cfg, _JSONL_KEYS)
+        on_error = cfg.get("on_error", "raise")
+        check_choice("data.on_error", on_error, ("raise", "skip"))
+        if not any(cfg.get(f"{s}_path") for s in ("train", "test")):
+            raise ConfigError("data.source='jsonl' needs data.train_path and/or data.test_path")
+    return cfg
+
+
 def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]]:
     """Loads the dataset a (section of a) config describes -> {split: examples}.
 
@@ -74,18 +96,13 @@ def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]
     Rows skipped as malformed are logged and counted in ``stats`` (when given)
     under "skipped/<split>".
     """
-    cfg = _plain(cfg_like)
-    source = cfg.get("source")
-    if source is None:
-        raise ConfigError(f"data config has no 'source'; choose one of {list(SOURCES)}")
-    check_choice("data.source", source, SOURCES)
+    cfg = check_keys(cfg_like)
+    source = cfg["source"]
     stats = {} if stats is None else stats
 
     if source == "synthetic":
         task = cfg.get("task", "arithmetic")
-        check_choice("data.task", task, synthetic.TASKS)
         knobs = set(synthetic.TASKS[task][0])
-        check_known_keys("data", cfg, _SYNTHETIC_KEYS | knobs)
         kw = {k: cfg[k] for k in knobs if k in cfg}
         if "heldout_fraction" in cfg:
             kw["heldout_fraction"] = cfg["heldout_fraction"]
@@ -96,7 +113,6 @@ def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]
         }
 
     if source == "gsm8k":
-        check_known_keys("data", cfg, _GSM8K_KEYS)
         splits = cfg.get("splits") or ("train", "test")
         if isinstance(splits, str):
             splits = (splits,)
@@ -105,12 +121,8 @@ def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]
             for s in splits
         }
 
-    check_known_keys("data", cfg, _JSONL_KEYS)
     on_error = cfg.get("on_error", "raise")
-    check_choice("data.on_error", on_error, ("raise", "skip"))
     paths = {s: cfg.get(f"{s}_path") for s in ("train", "test") if cfg.get(f"{s}_path")}
-    if not paths:
-        raise ConfigError("data.source='jsonl' needs data.train_path and/or data.test_path")
     out = {}
     for split, path in paths.items():
         examples, skipped = read_jsonl(
@@ -140,6 +152,7 @@ __all__ = [
     "SOURCES",
     "THINK_ANSWER_TEMPLATE",
     "DataIterator",
+    "check_keys",
     "MalformedRowError",
     "format_prompt",
     "gsm8k",

@@ -1,0 +1,127 @@
+"""The base every run config starts from, and the parsing of a config's argument.
+
+Each ``configs/*.py`` file calls :func:`base` and sets only what its run
+changes; :func:`parse_arg` reads the ``:arg`` of ``--config=configs/x.py:arg``
+("model=qwen3-0.6b,runlocal") into typed values, and every config file has a
+``runlocal`` variant: the same run, shrunk to seconds or a minute on a CPU.
+A config file only describes a run: files a variant needs (a tiny checkpoint,
+synthetic data) are named by "tiny:..." values that the library makes when the
+run starts (``grpo_jax.runlocal``).
+
+The keys and their meaning: docs/architecture.md and the dataclasses of
+``grpo_jax/config.py``.
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+
+def parse_arg(arg: str | None, *, where: str, **defaults) -> ConfigDict:
+    """ "model=qwen3-0.6b,runlocal" -> ConfigDict(model="qwen3-0.6b", runlocal=True).
+
+    ``defaults`` names every allowed key with its default; a bare name sets a
+    bool key to True; an unknown key fails naming ``where`` and the known keys.
+    """
+    out = ConfigDict(dict(defaults))
+    for part in (p.strip() for p in (arg or "").split(",")):
+        if not part:
+            continue
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if key not in defaults:
+            raise ValueError(
+                f"{where}: unknown argument {part!r} in {arg!r}; known: {sorted(defaults)}"
+            )
+        if isinstance(defaults[key], bool):
+            if sep:
+                raise ValueError(f"{where}: {key!r} is a flag and takes no value ({arg!r})")
+            out[key] = True
+        elif not sep:
+            raise ValueError(f"{where}: {key!r} needs a value, '{key}=...' ({arg!r})")
+        else:
+            out[key] = value
+    return out
+
+
+def base() -> ConfigDict:
+    """Every section with the library's defaults; model, data, prompt, rewards and
+    sampling.max_new_tokens are each config file's own."""
+    c = ConfigDict()
+    c.seed = 0
+
+    c.model = ConfigDict()
+    c.model.path = ""  # "" is the built-in tiny model.
+    c.tokenizer = "builtin"
+
+    c.prompt = ConfigDict()
+    c.prompt.template = "{prompt}"
+    c.prompt.chat = False
+    c.prompt.system = ""
+
+    c.grpo = ConfigDict()
+    c.grpo.G = 8
+    c.grpo.beta = 0.0
+    c.grpo.epsilon = 0.2
+    c.grpo.mu = 1
+    c.grpo.kl_estimator = "k3"
+    c.grpo.reduction = "grpo"
+    c.grpo.advantage_estimator = "grpo"
+    c.grpo.advantage_eps = 1e-4
+    c.grpo.temperature = 1.0  # Sampling and loss temperature.
+
+    c.sampling = ConfigDict()
+    c.sampling.top_k = 0
+    c.sampling.top_p = 1.0
+
+    c.optim = ConfigDict()
+    c.optim.learning_rate = 3e-4
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.end_lr_factor = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.99
+    c.optim.eps = 1e-8
+    c.optim.weight_decay = 0.0
+    c.optim.max_grad_norm = 1.0
+    c.optim.grad_accum = 1
+
+    c.train = ConfigDict()
+    c.train.steps = 100
+    c.train.batch_size = 32
+    c.train.minibatch_size = 0
+    c.train.log_every = 1
+    c.train.samples_every = 25
+    c.train.num_samples_logged = 4
+    c.train.max_nonfinite_in_row = 5
+    c.train.no_signal_steps = 10
+    c.train.track_update = True
+    c.train.update_kl_warn = 0.05
+    c.train.reward_timeout_s = 5.0
+    c.train.logits_chunk = 0
+
+    c.eval = ConfigDict()
+    c.eval.every = 50
+    c.eval.at_start = True
+    c.eval.num_problems = 500
+    c.eval.batch_size = 256
+    c.eval.num_samples = 0
+    c.eval.k = 4
+    c.eval.temperature = 1.0
+    c.eval.split = "test"
+
+    c.checkpoint = ConfigDict()
+    c.checkpoint.every = 50
+    c.checkpoint.keep = 2
+    c.checkpoint.async_save = True
+
+    c.mesh = ConfigDict()
+    c.mesh.data = -1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.num_devices = 0
+    c.mesh.layout = "fsdp"
+    c.mesh.memory_budget_gb = 0.0  # 0: what the accelerator reports.
+
+    c.warm_start = ConfigDict()
+    c.warm_start.enabled = False
+    return c

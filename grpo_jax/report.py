@@ -1,0 +1,155 @@
+"""The training run's reporting: metrics one step late, alarms, progress and the schedule.
+
+A :class:`Reporter` receives each step's device metrics (still on the device)
+and host metrics right after the step's update is dispatched, and writes the
+step's record only when the next step's sampling has waited for the update
+anyway, so the host never stalls the device to read a number. It owns:
+
+  * metrics.jsonl / TensorBoard records and the progress line,
+  * the loud warnings (skipped non-finite updates, a policy that moved too far
+    in one step, no reward variance for many steps),
+  * the non-finite stop (:class:`NonFiniteError`),
+  * sample completions as text,
+  * which steps evaluate and checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import jax
+
+if TYPE_CHECKING:
+    from grpo_jax.rollout import HostRollout
+    from grpo_jax.setup import Setup
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class Reporter:
+    """Writes each step's record one step late and raises the run's alarms (module doc)."""
+
+    def __init__(self, s: Setup, *, no_signal_run: int = 0):
+        self.s = s
+        self.cfg = s.run.train
+        self.no_signal_run = no_signal_run  # steps in a row with no reward variance
+        self._pending = None  # (step, device metrics, host metrics, dispatch time)
+
+    def loud(self, text: str) -> None:
+        bar = "!" * 78
+        log.warning(text)
+        self.s.progress.message(f"{bar}\nWARNING: {text}\n{bar}")
+
+    def message(self, text: str) -> None:
+        self.s.progress.message(text)
+
+    # -- the schedule ----------------------------------------------------------
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
+        run = self.s.run
+        last = step == run.train.steps
+        do_eval = bool(run.eval.every) and step % run.eval.every == 0 and not last
+        do_ckpt = bool(run.checkpoint.every) and step % run.checkpoint.every == 0 and not last
+        return do_eval, do_ckpt
+
+    # -- records -----------------------------------------------------------------
+
+    def step_done(self, step: int, dev_metrics, host: HostRollout, t_dispatch: float) -> None:
+        """Queues ``step``'s record and writes the previous step's (its update is done)."""
+        m = dict(host.metrics)
+        train_tokens = (host.prompt_tokens + host.completion_tokens) * self.s.run.grpo.mu
+        m["train/epoch"] = float(self.s.iterator.epoch)
+        m["_train_tokens"] = float(train_tokens)
+        if self._pending is not None:
+            self._finish(self._pending, host.t_params_ready)
+        self._pending = (step, dev_metrics, m, t_dispatch)
+        self._rollout_alarms(step, host)
+
+    def flush(self, state, evaluate=None, *, write_alone: bool = True) -> dict | None:
+        """Waits for the last update, runs ``evaluate()`` (if given) and writes the record now.
+
+        The evaluation joins the last step's record; with no step pending it is
+        written alone when ``write_alone``. Returns the evaluation.
+        """
+        jax.block_until_ready(state.step)
+        t_ready = time.perf_counter()
+        extra = evaluate() if evaluate is not None else None
+        if self._pending is not None:
+            self._finish(self._pending, t_ready, extra)
+            self._pending = None
+        elif extra is not None and write_alone:
+            self.s.writer.write(int(jax.device_get(state.step)), extra)
+        return extra
+
+    def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
+        step, dev, host, t_dispatch = pending
+        m = dict(host)
+        m.update({k: float(v) for k, v in jax.device_get(dev).items()})
+        m.update(extra or {})
+        t_train = t_ready - t_dispatch
+        m["perf/time_train_s"] = t_train
+        m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)
+        m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train
+        self.s.writer.write(step, m)
+        self.s.progress.update(step, m)
+        self._update_alarms(step, m)
+        return m
+
+    # -- alarms ------------------------------------------------------------------
+
+    def _update_alarms(self, step: int, m: dict) -> None:
+        cfg = self.cfg
+        if m["train/skipped_updates"] > 0:
+            self.loud(
+                f"step {step}: {int(m['train/skipped_updates'])} update(s) had a "
+                "non-finite loss or gradient and were skipped (parameters unchanged)"
+            )
+        if m["train/skipped_in_row"] >= cfg.max_nonfinite_in_row:
+            raise NonFiniteError(
+                f"stopping at step {step}: the last {int(m['train/skipped_in_row'])} updates "
+                f"had a non-finite loss or gradient (train.max_nonfinite_in_row = "
+                f"{cfg.max_nonfinite_in_row}); no bad update reached the parameters. Lower "
+                "optim.learning_rate, check the rewards, or resume from the last checkpoint."
+            )
+        kl = m.get("policy/kl_old_new", 0.0)
+        if cfg.update_kl_warn and kl > cfg.update_kl_warn:
+            self.loud(
+                f"step {step}: the policy moved too far in one step: KL(pi_old || pi_new) = "
+                f"{kl:.4f} > train.update_kl_warn = {cfg.update_kl_warn} (ratios "
+                f"{m['policy/ratio_min']:.2f}..{m['policy/ratio_max']:.2f}); lower "
+                "optim.learning_rate or grpo.mu if this repeats"
+            )
+
+    def _rollout_alarms(self, step: int, host: HostRollout) -> None:
+        cfg, m = self.cfg, host.metrics
+        no_signal = m["rollout/frac_zero_var_groups"] >= 1.0
+        self.no_signal_run = self.no_signal_run + 1 if no_signal else 0
+        n = self.no_signal_run
+        if cfg.no_signal_steps and n and n % cfg.no_signal_steps == 0:
+            self.loud(
+                f"step {step}: no group has had any reward variance for {n} steps "
+                "in a row, so every advantage is 0 and GRPO is not learning. The policy "
+                f"solves all or none of each group (pass rate {m['rollout/pass_rate']:.2f});"
+                " warm-start longer, make the task easier or raise grpo.G / temperature"
+            )
+        if cfg.samples_every and step % cfg.samples_every == 0 and cfg.num_samples_logged:
+            G = self.s.run.grpo.G
+            self.s.writer.write_samples(
+                step,
+                [
+                    {
+                        "prompt": host.prompts_n[i],
+                        "completion": host.completions[i],
+                        "answer": host.examples[i // G].get("answer"),
+                        "reward": float(host.total_n[i]),
+                    }
+                    for i in range(min(cfg.num_samples_logged, len(host.completions)))
+                ],
+            )

@@ -1,0 +1,331 @@
+"""What a training run needs, built once from its validated config.
+
+    s, state = setup(run, workdir)
+
+returns a frozen :class:`Setup` (the mesh, the model's graphdef and
+shardings, the tokenizer, prompt encoder, reward scorer and sampler config,
+the data, the optimizer and the jitted update, the checkpointer and the
+writers) and the initial :class:`grpo_jax.optimizer.TrainState` (the model as
+built, with a fresh optimizer state). Everything below reads settings from
+the typed ``RunConfig`` (``grpo_jax.config``), never from the ConfigDict.
+The ``build_*`` helpers are shared with evaluation and export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+from typing import Any
+
+import jax
+
+from grpo_jax import data, distributed, memory, runlocal, sharding
+from grpo_jax import metrics as metrics_lib
+from grpo_jax import optimizer as optim_lib
+from grpo_jax import update as update_lib
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_batch_layout
+from grpo_jax.rollout import PromptEncoder, Scorer
+from grpo_jax.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------
+# Builders.
+
+
+def build_mesh(run: RunConfig):
+    devices = jax.devices()
+    if run.mesh.num_devices:
+        if run.mesh.num_devices > len(devices):
+            raise ConfigError(
+                f"config key 'mesh.num_devices' = {run.mesh.num_devices}, but only "
+                f"{len(devices)} devices are available"
+            )
+        devices = devices[: run.mesh.num_devices]
+    axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
+    try:
+        return sharding.make_mesh(axes, devices)
+    except ValueError as e:
+        raise ConfigError(f"config section 'mesh' = {axes}: {e}") from None
+
+
+def build_tokenizer(run: RunConfig, workdir: str | pathlib.Path | None):
+    """The tokenizer, always loaded through ``transformers.AutoTokenizer``.
+
+    "builtin" saves the project's character tokenizer under
+    ``<workdir>/tokenizer`` first (once), so a run directory is self-contained.
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_jax.models import builtin_tokenizer
+
+    name = run.tokenizer
+    if name == BUILTIN_TOKENIZER:
+        path = builtin_tokenizer.ensure_tokenizer(pathlib.Path(workdir) / "tokenizer")
+    else:
+        path = pathlib.Path(name or run.model.path)
+        if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+            raise ConfigError(
+                f"config key 'tokenizer' = {name!r}: no Hugging Face tokenizer files in {path}"
+            )
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.eos_token_id is None:
+        raise ConfigError(f"tokenizer at {path} has no EOS token; completions could not end")
+    return tok
+
+
+def model_config(run: RunConfig, tokenizer):
+    """The built-in tiny model's ``ModelConfig`` (``model.path`` empty) for ``tokenizer``.
+
+    The vocabulary size and the special token ids come from the tokenizer (an
+    exported model then stops where the tokenizer's EOS says).
+    """
+    from grpo_jax import models
+    from grpo_jax.config import check_known_keys
+
+    overrides = dict(run.model.overrides)
+    fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
+    check_known_keys("model", overrides, fields - {"vocab_size"})
+    overrides.update(run.model.loader_kwargs())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            overrides.setdefault(key, int(value))
+    return models.tiny_config(len(tokenizer), **overrides)
+
+
+def build_model(run: RunConfig, tokenizer, mesh):
+    """(graphdef, params): the tiny model at ``seed`` or a Hugging Face checkpoint."""
+    from flax import nnx
+
+    from grpo_jax import models
+
+    if run.model.path:
+        model = models.from_pretrained(
+            run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs()
+        )
+    else:
+        cfg = model_config(run, tokenizer)
+        model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)
+    return nnx.split(model)
+
+
+def build_datasets(run: RunConfig) -> dict[str, list[dict]]:
+    splits = data.load_dataset(run.data.as_mapping())
+    if "train" not in splits:
+        raise ConfigError(f"the dataset has no 'train' split (splits: {sorted(splits)})")
+    if run.eval.split not in splits:
+        raise ConfigError(
+            f"config key 'eval.split' = {run.eval.split!r} is not a split of the dataset "
+            f"(splits: {sorted(splits)})"
+        )
+    return splits
+
+
+def build_encoder(run: RunConfig, tokenizer) -> PromptEncoder:
+    return PromptEncoder(
+        tokenizer=tokenizer,
+        template=run.prompt.template,
+        chat=run.prompt.chat,
+        system=run.prompt.system or None,
+        buckets=run.sampling.prompt_buckets,
+    )
+
+
+def build_scorer(run: RunConfig) -> Scorer:
+    return Scorer(
+        run.rewards.specs, correct_reward=run.rewards.correct, timeout_s=run.train.reward_timeout_s
+    )
+
+
+def tokenizer_sampling(run: RunConfig, tokenizer, **kw) -> SamplingConfig:
+    """The sampler's config: the run's sampling section, temperature and stop tokens."""
+    eos = int(tokenizer.eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    # An instruct checkpoint may end its turns with a token other than the tokenizer's
+    # EOS (Gemma 3: <end_of_turn>), listed in generation_config.json: stop there too.
+    extra = ()
+    if run.model.path:
+        from grpo_jax.models.hf_config import generation_eos_ids
+
+        extra = tuple(i for i in generation_eos_ids(run.model.path) if i != eos)
+    kw.setdefault("temperature", run.grpo.temperature)
+    return run.sampling.sampler(eos_ids=(eos, *extra), pad_id=int(pad), **kw)
+
+
+def eval_examples(run: RunConfig, datasets) -> list[dict]:
+    examples = datasets[run.eval.split]
+    if run.eval.num_problems:
+        if len(examples) < run.eval.num_problems:
+            raise ConfigError(
+                f"config key 'eval.num_problems' = {run.eval.num_problems}, but split "
+                f"{run.eval.split!r} has only {len(examples)} problems"
+            )
+        examples = examples[: run.eval.num_problems]
+    return examples
+
+
+# ---------------------------------------------------------------------------
+# The run's setup.
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a training run needs; built once by :func:`setup`, never changed.
+
+    Shapes: B prompts per step, G completions per prompt, N = B * G rows, T
+    completion slots. ``rows_B`` / ``rows_N`` are this host's rows of the
+    global prompt and completion batches (all of them in one process).
+    """
+
+    run: RunConfig
+    workdir: pathlib.Path
+    mesh: Any
+    graphdef: Any
+    param_shardings: Any
+    state_shardings: Any
+    tokenizer: Any
+    encoder: PromptEncoder
+    scorer: Scorer
+    sampling: SamplingConfig
+    train_examples: list  # every training example, solutions included (warm start)
+    eval_examples: list
+    iterator: data.DataIterator  # GRPO prompts: this host's rows of each batch
+    rows_B: slice
+    rows_N: slice
+    tx: Any
+    schedule: Any
+    update: Any  # jitted (state, RolloutBatch, key, ref_params) -> (state, metrics)
+    checkpointer: Checkpointer
+    writer: metrics_lib.MetricsWriter
+    progress: metrics_lib.ProgressLine
+    base_key: jax.Array
+    eval_key: jax.Array
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.writer.close()
+
+
+def _host_rows(mesh, B: int, G: int) -> tuple[slice, slice]:
+    rows_B, rows_N = distributed.host_rows(mesh, B), distributed.host_rows(mesh, B * G)
+    if (rows_N.start, rows_N.stop) != (rows_B.start * G, rows_B.stop * G):
+        raise distributed.DistributedError(
+            f"this host holds prompt rows {rows_B} but completion rows {rows_N}: "
+            "the mesh splits groups across hosts"
+        )
+    if jax.process_count() > 1:
+        log.info(
+            "process %d of %d reads, samples for and scores rows %d:%d of every batch of %d",
+            jax.process_index(),
+            jax.process_count(),
+            rows_B.start,
+            rows_B.stop,
+            B,
+        )
+    return rows_B, rows_N
+
+
+def setup(run: RunConfig, workdir, *, stream=None):
+    """-> (:class:`Setup`, the initial ``TrainState``) for ``run`` in ``workdir``.
+
+    Raises ``ConfigError`` for what the config alone could not show (a missing
+    tokenizer, a batch that does not fit the mesh, a memory plan that cannot
+    fit the devices) before any training.
+    """
+    run = runlocal.resolve(run)
+    workdir = pathlib.Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+    mesh = build_mesh(run)
+    shards = sharding.batch_shards(mesh)
+    check_batch_layout(run, shards)
+    G, B = run.grpo.G, run.train.batch_size
+    N = B * G
+    if is_main:
+        (workdir / "config.json").write_text(json.dumps(run.raw, indent=2, sort_keys=True) + "\n")
+
+    tokenizer = build_tokenizer(run, workdir)
+    datasets = build_datasets(run)
+    train_all = datasets["train"]
+    ws = run.warm_start
+    if ws.enabled and len(train_all) <= ws.val_problems + ws.batch_size:
+        raise ConfigError(
+            f"warm_start.val_problems = {ws.val_problems} leaves too few of the "
+            f"{len(train_all)} training problems to train on"
+        )
+    graphdef, params = build_model(run, tokenizer, mesh)
+    # The per-device memory plan of this layout; one that cannot fit what the devices
+    # report (GPUs, TPUs) stops the run here, before any training.
+    from flax import nnx
+
+    mem = memory.plan_run(run, nnx.merge(graphdef, params).config, mesh.shape)
+    if is_main:
+        print(mem.table(), file=stream or sys.stdout, flush=True)
+
+    m_rows = run.train.minibatch_size or N
+    total_updates = run.train.steps * run.grpo.mu * (N // m_rows)
+    tx, schedule = optim_lib.make_optimizer(run.optim, total_updates)
+    state = optim_lib.init_state(params, tx, mesh)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    replicated = sharding.replicated(mesh)
+    step_fn = update_lib.jit_update(
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grpo=run.grpo,
+        minibatch_size=m_rows,
+        grad_accum=run.optim.grad_accum,
+        batch_shards=shards,
+        track_update=run.train.track_update,
+        logits_chunk=run.train.logits_chunk,
+        share_prompts=True,  # the sampler writes each prompt's G rows together
+        state_shardings=state_sh,
+        batch_shardings=update_lib.rollout_batch_shardings(mesh),
+        ref_shardings=param_sh if run.grpo.beta > 0 else None,
+        replicated=replicated,
+    )
+    rows_B, rows_N = _host_rows(mesh, B, G)
+    # The GRPO phase sees prompts and reference answers only, never worked solutions.
+    grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
+    base_key = jax.random.key(run.seed)
+    s = Setup(
+        run=run,
+        workdir=workdir,
+        mesh=mesh,
+        graphdef=graphdef,
+        param_shardings=param_sh,
+        state_shardings=state_sh,
+        tokenizer=tokenizer,
+        encoder=build_encoder(run, tokenizer),
+        scorer=build_scorer(run),
+        sampling=tokenizer_sampling(run, tokenizer),
+        train_examples=train_all,
+        eval_examples=eval_examples(run, datasets),
+        iterator=data.DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B),
+        rows_B=rows_B,
+        rows_N=rows_N,
+        tx=tx,
+        schedule=schedule,
+        update=step_fn,
+        checkpointer=Checkpointer(
+            workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
+        ),
+        writer=metrics_lib.MetricsWriter(workdir, enabled=is_main),
+        progress=metrics_lib.ProgressLine(
+            run.train.steps, stream=stream, enabled=is_main, every=run.train.log_every
+        ),
+        base_key=base_key,
+        eval_key=jax.random.fold_in(base_key, 0x5EED),
+    )
+    return s, state
