@@ -4,7 +4,7 @@
   decode          completion tokens -> texts (up to each row's length, EOS dropped)
   Scorer          texts -> weighted rewards, correctness, format validity
   host_prompts    this host's examples -> its rows of the global prompt arrays
-  score_host_rows this host's rows of a sampled batch -> rewards, advantages, metrics
+  collect         one step's rollouts: sample, decode, score, normalise -> RolloutBatch
 
 Shapes: B prompts, G completions per prompt, N = B*G rows (grouped
 contiguously), P padded prompt length, T completion slots. Lower-case b, n:
@@ -13,14 +13,16 @@ the rows of one host (all of them in a one-process run).
 In a multi-host run every host encodes, decodes and scores only its own block
 of rows (the rows its devices hold), so the reward functions, the slowest
 host code, run in parallel on all hosts; the groups of G never straddle hosts,
-so the group advantages are exact per host. Only per-row numbers cross hosts,
-for the batch's statistics.
+and only per-row numbers cross hosts: the rewards, for the advantages and the
+batch's statistics.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -30,7 +32,10 @@ import numpy as np
 from grpo_jax import advantages as adv_lib
 from grpo_jax import data, distributed, rewards
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
-from grpo_jax.sampling import pad_prompts
+from grpo_jax.sampling import generate, pad_prompts
+
+if TYPE_CHECKING:
+    from grpo_jax.setup import Setup
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
 
@@ -126,17 +131,14 @@ def decode(tokenizer, tokens_NxT: np.ndarray, lengths_N: np.ndarray) -> list[str
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-def parse_specs(specs: Sequence) -> tuple[rewards.RewardSpec, ...]:
-    return tuple(rewards.RewardSpec(s.name, s.weight) for s in specs)
-
-
 class Scorer:
     """Scores completions with the training rewards and judges correctness.
 
     Args:
       specs: the weighted training rewards (``rewards.RewardSpec``).
       correct_reward: the reward whose value 1.0 means "correct" (pass rate,
-        pass@k); scored separately when it is not among ``specs``.
+        pass@k); when it is not among ``specs`` it is scored with weight 0 (no
+        part of the training reward, but logged and its errors counted).
       timeout_s: per-reward time budget (``rewards.score``).
 
     A completion has an invalid format when a reward named "format..." is among
@@ -153,13 +155,14 @@ class Scorer:
             rewards.get(s.name)  # Unknown names fail now, naming the choices.
         rewards.get(correct_reward)
         names = [s.name for s in self.specs]
+        self._format_name = next((n for n in names if n.split("(")[0] == "format"), None)
+        self._extra = () if correct_reward in names else (rewards.RewardSpec(correct_reward, 0.0),)
+        names += [s.name for s in self._extra]
         # Metric names: "format(pattern='[0-9]+')" logs as "format" when unambiguous.
         short = [n.split("(")[0] for n in names]
         self.display = {
             n: (b if short.count(b) == 1 else n) for n, b in zip(names, short, strict=True)
         }
-        self._format_name = next((n for n in names if n.split("(")[0] == "format"), None)
-        self._extra = () if correct_reward in names else (rewards.RewardSpec(correct_reward, 0.0),)
 
     def fields(self, examples: Sequence[Mapping], repeat: int) -> dict[str, list]:
         return rewards.fields_from_examples(examples, repeat, exclude=("prompt", "solution"))
@@ -188,9 +191,8 @@ class Scorer:
             invalid_N = np.nan_to_num(result.per_reward[self._format_name]) <= 0
         else:
             invalid_N = np.array([rewards.extract_answer(c) is None for c in completions])
-        for extra in self._extra:  # Weight 0: the total is unchanged; keep the logs clean.
-            result.per_reward.pop(extra.name, None)
-            result.errors.pop(extra.name, None)
+        # The correctness reward, when not a training reward, has weight 0: it leaves
+        # the total alone but is logged (rewards/<name>/...) with its errors counted.
         return result, correct_N, invalid_N
 
     def correct(
@@ -234,54 +236,54 @@ def host_prompts(encoder: PromptEncoder, examples, *, mesh, num_rows: int, max_n
 
 @dataclasses.dataclass
 class HostRollout:
-    """One step's scored rollout: this host's rows, the global advantages and statistics."""
+    """What the host keeps of one step's rollout: texts of its rows and the batch's statistics."""
 
+    examples: list[dict]  # this host's prompts' examples
     prompts_n: list[str]
     completions: list[str]
     total_n: np.ndarray
-    advantages_N: object  # global jax.Array split over the batch axes
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # the whole batch's (all hosts) rollout/, rewards/, perf/ metrics
     completion_tokens: int  # all N rows, all hosts
     prompt_tokens: int  # real (unpadded) prompt tokens of all N rows, all hosts
+    t_params_ready: float  # perf_counter() when the parameters were ready to sample from
 
 
-def score_host_rows(
-    out,
-    examples,
-    prompts,
-    *,
-    prompt_tokens: int,
-    rows_n: slice,
-    tokenizer,
-    scorer: Scorer,
-    G: int,
-    grpo,
-    mesh,
-) -> HostRollout:
-    """Decodes, scores and normalises this host's rows ``rows_n`` of the sampler's ``out``.
+def collect(s: Setup, params, examples: list[dict], key: jax.Array):
+    """Samples, scores and normalises one step's rollouts -> (RolloutBatch, HostRollout).
 
-    ``prompt_tokens``: real tokens in this host's prompts (``host_prompts``).
+    ``examples`` are this host's rows of the step's B prompts. The G
+    completions of each prompt are sampled from ``params`` (pi_old, whose
+    log-probs the sampler records), decoded and scored by this host, and
+    their rewards normalised within each group into advantages over the
+    global batch (so ``batch_std`` does not depend on the number of hosts).
     """
-    N = out.tokens.shape[0]
-    tokens_nxT, lengths_n, trunc_n = distributed.local_rows(
-        (out.tokens, out.lengths, out.truncated), rows_n
+    run, G = s.run, s.run.grpo.G
+    B = run.train.batch_size
+    N = B * G
+    prompts, tokens_BxP, mask_BxP, prompt_tokens = host_prompts(
+        s.encoder, examples, mesh=s.mesh, num_rows=B, max_new_tokens=run.sampling.max_new_tokens
     )
-    completions = decode(tokenizer, tokens_nxT, lengths_n)
+    # The previous update must finish before sampling anyway; waiting here times each part.
+    jax.block_until_ready(params)
+    t0 = time.perf_counter()
+    out = generate(
+        s.graphdef, params, tokens_BxP, mask_BxP, key, s.sampling, num_samples=G, mesh=s.mesh
+    )
+    jax.block_until_ready(out.lengths)
+    t1 = time.perf_counter()
+    tokens_nxT, lengths_n, trunc_n = distributed.local_rows(
+        (out.tokens, out.lengths, out.truncated), s.rows_N
+    )
+    completions = decode(s.tokenizer, tokens_nxT, lengths_n)
     prompts_n = [p for p in prompts for _ in range(G)]
-    result, correct_n, invalid_n = scorer.score(
+    result, correct_n, invalid_n = s.scorer.score(
         prompts_n, completions, examples, repeat=G, lengths_N=lengths_n
     )
-    advantages_n = np.asarray(
-        adv_lib.compute_advantages(
-            jnp.asarray(result.total.reshape(-1, G)),
-            estimator=grpo.advantage_estimator,
-            eps=grpo.advantage_eps,
-        )
-    ).reshape(-1)
     names = list(result.per_reward)
     rows = distributed.gather_rows(
         {
             "total": result.total,
+            "row": np.arange(s.rows_N.start, s.rows_N.stop),
             "per_reward": {k: result.per_reward[k] for k in names},
             "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
             "prompt_tokens": np.array([prompt_tokens * G]),  # each prompt heads G rows
@@ -292,11 +294,21 @@ def score_host_rows(
             "duplicate": duplicate_flags(completions, G),
         }
     )
+    # Hosts' blocks come in process order; the groups need the batch's row order.
+    total_N = rows["total"][np.argsort(rows["row"], kind="stable")]
+    advantages_N = np.asarray(
+        adv_lib.compute_advantages(
+            jnp.asarray(total_N.reshape(-1, G)),
+            estimator=run.grpo.advantage_estimator,
+            eps=run.grpo.advantage_eps,
+        )
+    ).reshape(-1)
+    t2 = time.perf_counter()
     errors = rows["errors"].sum(axis=0)
     metrics = rollout_metrics(
         total_N=rows["total"],
-        per_reward={scorer.display[k]: rows["per_reward"][k] for k in names},
-        errors={scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
+        per_reward={s.scorer.display[k]: rows["per_reward"][k] for k in names},
+        errors={s.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
         correct_N=rows["correct"],
         lengths_N=rows["lengths"],
         truncated_N=rows["truncated"],
@@ -304,12 +316,34 @@ def score_host_rows(
         G=G,
         invalid_N=rows["invalid"],
     )
-    return HostRollout(
+    completion_tokens = int(rows["lengths"].sum())
+    metrics.update(
+        {
+            "perf/time_sample_s": t1 - t0,
+            "perf/time_reward_s": t2 - t1,
+            "perf/sample_tokens_per_s": completion_tokens / max(t1 - t0, 1e-9),
+        }
+    )
+    host_rows_N = lambda x_N: distributed.global_batch(x_N[s.rows_N], s.mesh, N)
+    batch = RolloutBatch(
+        prompt_tokens_NxP=out.prompt_tokens,
+        prompt_mask_NxP=out.prompt_mask,
+        tokens_NxT=out.tokens,
+        mask_NxT=out.mask,
+        behavior_logps_NxT=out.logps,
+        rewards_N=host_rows_N(total_N.astype(np.float32)),
+        advantages_N=host_rows_N(advantages_N),
+        weights_N=host_rows_N(np.ones((N,), np.float32)),
+        group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
+    )
+    host = HostRollout(
+        examples=list(examples),
         prompts_n=prompts_n,
         completions=completions,
         total_n=result.total,
-        advantages_N=distributed.global_batch(advantages_n, mesh, N),
         metrics=metrics,
-        completion_tokens=int(rows["lengths"].sum()),
+        completion_tokens=completion_tokens,
         prompt_tokens=int(rows["prompt_tokens"].sum()),
+        t_params_ready=t0,
     )
+    return batch, host

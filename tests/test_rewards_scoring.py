@@ -298,4 +298,6 @@ def test_scorer_correctness_reward_outside_the_specs_that_fails_leaves_total_fin
     result, correct, _ = scorer.score(["q", "q", "r", "r"], texts, examples, repeat=2)
     np.testing.assert_array_equal(result.total, [1.0, 0.0, 1.0, 0.0])
     assert correct.tolist() == [False, False, True, False]
-    assert result.errors == {"exact_match(tag=None)": 0}
+    # Its failure is counted and logged under its own name, though it is no training reward.
+    assert result.errors == {"exact_match(tag=None)": 0, "test_correct_raises_on_boom": 1}
+    assert scorer.display["test_correct_raises_on_boom"] == "test_correct_raises_on_boom"
