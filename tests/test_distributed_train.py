@@ -5,7 +5,9 @@ Both runs go through ``launch/local_multiprocess.sh`` (the 1-process run with
 tiny smoke config, a reward with variance on random completions (the DAPO
 over-length penalty), a large learning rate so that two GRPO steps move the
 parameters visibly, and no warm start. The final checkpoints' parameters must
-agree to float32 rounding, and only process 0 may write the metrics file.
+agree to float32 rounding, and only process 0 may write the metrics file. With
+``batch_std`` advantages (one std over the whole batch) this holds only if the
+std is the global batch's, not each host's rows'.
 """
 
 import json
@@ -39,7 +41,7 @@ RUN_ARGS = [
 ]
 
 
-def _launch(tmp_path, name: str, processes: int, devices: int) -> pathlib.Path:
+def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> pathlib.Path:
     workdir, logs = tmp_path / name, tmp_path / f"{name}_logs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
     env.update(XLA_FLAGS="", PYTHONPATH=str(ROOT))
@@ -56,6 +58,7 @@ def _launch(tmp_path, name: str, processes: int, devices: int) -> pathlib.Path:
         str(devices),
         str(processes),
         *RUN_ARGS,
+        *extra,
         f"--workdir={workdir}",
     ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
@@ -81,9 +84,11 @@ def _final_params(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def test_two_processes_train_like_one(tmp_path):
-    multi = _launch(tmp_path, "two_by_two", processes=2, devices=2)
-    single = _launch(tmp_path, "one_by_four", processes=1, devices=4)
+@pytest.mark.parametrize("estimator", ["grpo", "batch_std"])
+def test_two_processes_train_like_one(tmp_path, estimator):
+    extra = [f"--config.grpo.advantage_estimator={estimator}"]
+    multi = _launch(tmp_path, "two_by_two", processes=2, devices=2, extra=extra)
+    single = _launch(tmp_path, "one_by_four", processes=1, devices=4, extra=extra)
 
     logs = tmp_path / "two_by_two_logs"
     log0, log1 = (logs / "process_0.log").read_text(), (logs / "process_1.log").read_text()
