@@ -48,6 +48,9 @@ def base() -> ConfigDict:
     sampling.max_new_tokens are each config file's own."""
     c = ConfigDict()
     c.seed = 0
+    # Modules or .py files whose import registers your own reward functions
+    # ("my_pkg.rewards,/path/rewards.py"); their names may then appear in `rewards`.
+    c.reward_modules = ""
 
     c.model = ConfigDict()
     c.model.path = ""  # "" is the built-in tiny model.

@@ -560,10 +560,37 @@ class RewardsSection:
         from the ``rewards`` key: "name:weight,..." or a mapping name -> weight.
       correct: the reward whose value 1.0 means "correct" (pass rate, pass@k),
         from the ``correct_reward`` key; scored apart when not among ``specs``.
+      modules: user modules imported first, from the ``reward_modules`` key
+        (:func:`load_reward_modules`): their import registers further rewards.
     """
 
     specs: tuple
     correct: str = "exact_match"
+    modules: tuple[str, ...] = ()
+
+
+def load_reward_modules(value: Any) -> tuple[str, ...]:
+    """Imports the ``reward_modules`` key's modules, whose import registers rewards.
+
+    A comma-separated string or a list of dotted module names
+    (``my_pkg.rewards``) or ``.py`` paths (``rewards.load_user_module``).
+    """
+    from grpo_jax import rewards
+
+    if value in (None, ""):
+        return ()
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(
+            f"config key 'reward_modules' = {value!r} must be a comma-separated string or "
+            "a list of module names or .py paths"
+        )
+    for item in items:
+        rewards.load_user_module(item)
+    return tuple(items)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -650,6 +677,7 @@ class PromptConfig:
 
 TOP_KEYS = (
     "seed",
+    "reward_modules",
     "model",
     "tokenizer",
     "data",
@@ -718,6 +746,7 @@ def parse_config(config) -> RunConfig:
         raise ConfigError(f"config key 'tokenizer' = {tokenizer!r} must be a string")
     from grpo_jax import rewards
 
+    modules = load_reward_modules(raw.get("reward_modules"))  # before names are looked up
     correct = raw.get("correct_reward", "exact_match")
     rewards.get(correct)
     run = RunConfig(
@@ -726,7 +755,9 @@ def parse_config(config) -> RunConfig:
         tokenizer=tokenizer,
         data=DataSection.from_mapping(raw["data"]),
         prompt=from_mapping(PromptConfig, "prompt", raw.get("prompt")),
-        rewards=RewardsSection(specs=parse_rewards(raw["rewards"]), correct=correct),
+        rewards=RewardsSection(
+            specs=parse_rewards(raw["rewards"]), correct=correct, modules=modules
+        ),
         grpo=GRPOConfig.from_mapping(to_dict(raw.get("grpo"))),
         sampling=SamplingSection.from_mapping(raw.get("sampling")),
         optim=from_mapping(OptimConfig, "optim", raw.get("optim")),

@@ -156,3 +156,24 @@ def test_logits_chunk_must_divide_the_completion_length():
         config_lib.parse_config(_cfg(**{"train.logits_chunk": t + 1}))
     with pytest.raises(ConfigError, match="train.logits_chunk"):
         config_lib.parse_config(_cfg(**{"train.logits_chunk": -2}))
+
+
+def test_reward_modules_register_user_rewards_before_names_are_checked(tmp_path):
+    module = tmp_path / "my_rewards.py"
+    module.write_text(
+        "from grpo_jax import rewards\n\n\n"
+        "@rewards.register('test_user_short', override=True)\n"
+        "def short(prompts, completions, **_):\n"
+        "    return [1.0 if len(c) < 3 else 0.0 for c in completions]\n"
+    )
+    run = config_lib.parse_config(
+        _cfg(reward_modules=str(module), rewards="test_user_short:1.0,exact_match:0.5")
+    )
+    assert run.rewards.modules == (str(module),)
+    assert [s.name for s in run.rewards.specs] == ["test_user_short", "exact_match"]
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_lib.parse_config(_cfg(reward_modules=str(tmp_path / "missing.py")))
+    with pytest.raises(ConfigError, match="not found on sys.path"):
+        config_lib.parse_config(_cfg(reward_modules="no_such_pkg_xyz.rewards"))
+    with pytest.raises(ConfigError, match="reward_modules"):
+        config_lib.parse_config(_cfg(reward_modules=3))

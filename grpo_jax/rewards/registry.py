@@ -17,7 +17,7 @@ Names are registered two ways:
 
 Users add their own rewards in a module that registers them on import and name
 that module (``pkg.my_rewards``) or file (``/path/to/my_rewards.py``) in the
-config; :func:`load_user_module` imports it.
+run config's ``reward_modules`` key; :func:`load_user_module` imports it.
 """
 
 from __future__ import annotations
