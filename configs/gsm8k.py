@@ -7,7 +7,7 @@ r"""GRPO on GSM8K with a small instruct model from a local Hugging Face checkpoi
 Models (``model=<name>``; the checkpoint directory holds config.json,
 model.safetensors and the tokenizer files, e.g. from ``hf download
 Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct`` on a
-machine with network; the README section is docs/recipes.md):
+machine with network; docs/recipes.md walks through the recipes):
 
   qwen2.5-0.5b   Qwen/Qwen2.5-0.5B-Instruct
   qwen2.5-1.5b   Qwen/Qwen2.5-1.5B-Instruct

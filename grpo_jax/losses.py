@@ -4,7 +4,7 @@ Shapes: N = B*G completion rows, grouped contiguously (G rows per prompt),
 T completion tokens (padded), V vocabulary. ``mask_NxT`` is 1 on real
 completion tokens and 0 on padding; |o_i| = mask_NxT[i].sum().
 
-Per token (DeepSeekMath, Shao et al. 2024, eq. 3; DESIGN 2):
+Per token (DeepSeekMath, Shao et al. 2024, eq. 3; derived in docs/objective.md):
 
     rho_t       = exp(logp_theta - logp_old)
     surrogate_t = min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
@@ -106,14 +106,20 @@ def kl_k3(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
 
 
 def kl_k3_seed(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
-    """The seed document's form: exp(log_theta - log_ref) - (log_theta - log_ref) - 1.
+    """The source document's form: exp(log_theta - log_ref) - (log_theta - log_ref) - 1.
 
     The ratio is inverted relative to k3. With r' = pi_theta / pi_ref and
-    samples from pi_theta, E[r'] - 1 = chi^2(pi_theta || pi_ref) >= 0, so its
-    expectation is KL(pi_theta || pi_ref) + chi^2(pi_theta || pi_ref): biased
-    upwards, growing fast (exponentially in the log-ratio) where pi_theta puts
-    much more mass than pi_ref. It is k3 written for samples from pi_ref. Still
-    >= 0 per sample; offered for reproducing the seed's formula.
+    samples from pi_theta, E[r'] = 1 + chi^2(pi_theta || pi_ref) and
+    E[log r'] = KL(pi_theta || pi_ref), so its expectation is
+
+        chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref),
+
+    not the KL: it can be larger or smaller (pi_theta = (0.001, 0.999),
+    pi_ref = (0.5, 0.5): KL 0.685, expectation 0.311), and its expected
+    gradient is that of chi^2 / 2, which grows fast where pi_theta puts much
+    more mass than pi_ref. It is k3 written for samples from pi_ref (under
+    which it is unbiased for KL(pi_ref || pi_theta)). Still >= 0 per sample;
+    offered for reproducing the source document's formula (docs/objective.md).
     """
     log_r = logps - ref_logps
     return jnp.exp(log_r) - log_r - 1.0

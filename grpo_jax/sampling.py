@@ -13,7 +13,7 @@ model), so the log-probs it records are pi_old's:
 over the *untruncated* vocabulary, whatever top-k / top-p did to the draw.
 That is the formula of ``grpo_jax.losses.per_token_logps(logits, tokens,
 temperature=temperature)`` on a full forward pass over [prompt | completion]
-(DESIGN 2.2); the KV-cache decode and that batched forward differ only in the
+(docs/objective.md); the KV-cache decode and that batched forward differ only in the
 order of their floating-point operations. With float32 compute the two agree
 to float32 rounding, so the first update's GRPO ratio is 1 up to rounding.
 With bfloat16 compute they differ (up to about 3e-2 per token on a small

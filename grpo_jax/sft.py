@@ -16,8 +16,9 @@ the GRPO update's: ``grpo_jax.optimizer.make_optimizer`` with
 (a non-finite step is skipped, parameters and optimizer state unchanged).
 
 The phase stops on a validation criterion, not a step count: every
-``eval_every`` steps greedy pass@1 on ``val_problems`` training problems that
-it never trains on is measured, and it stops as soon as that reaches
+``eval_every`` steps pass@1 on ``val_problems`` training problems that it
+never trains on is measured (greedy, or of completions sampled at the GRPO
+temperature: ``warm_start.metric``), and it stops as soon as that reaches
 ``target_pass_at_1`` (or at ``max_steps``). A fixed step count leaves some
 seeds with a base policy that almost never samples a correct answer, and
 GRPO, which learns only from groups with reward variance, then has nothing to

@@ -19,8 +19,9 @@ evaluates it ("before"). Rerunning the same command resumes from the latest
 checkpoint in <workdir>/checkpoints, truncating metrics.jsonl to that step.
 SIGTERM saves a checkpoint at the end of the current step and returns. The
 run ends with a final evaluation ("after"), a final checkpoint and
-<workdir>/summary.json: {"before": {"pass_at_1"}, "after": {"pass_at_1"},
-"wall_seconds"}.
+<workdir>/summary.json (``grpo_jax.run_summary``): the "before" and "after"
+evaluations, wall seconds, steps, seed, number of problems and what the warm
+start did.
 
 Workdir layout: metrics.jsonl, tensorboard/, samples/, checkpoints/,
 warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.

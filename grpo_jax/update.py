@@ -9,8 +9,9 @@ for minibatches of M rows), A gradient-accumulation micro-batches per update.
 is a pure function of its arguments, compiled once with explicit shardings and
 ``donate_argnames=("state",)`` (:func:`jit_update`). ``batch`` is a
 ``grpo_jax.rollout.RolloutBatch``; it carries pi_old's log-probs as the
-sampler recorded them, so no old-policy forward pass is needed: all mu passes
-start from the parameters that sampled the batch. The reference parameters
+sampler recorded them, so no old-policy forward pass is needed: the first
+update starts from the parameters that sampled the batch, and pi_old's
+log-probs stay fixed while the parameters move over the mu passes. The reference parameters
 are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
 in which case no reference forward pass is traced at all. Every optimizer
 update goes through ``grpo_jax.optimizer.apply_guarded``: a non-finite one is

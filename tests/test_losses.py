@@ -11,7 +11,7 @@ from grpo_jax import losses, sharding
 
 
 def seed_example():
-    """The seed's worked example (DESIGN 2.7): G = 2, A = [-1, +1], padded to T = 6."""
+    """The source document's worked example (docs/objective.md): G = 2, A = [-1, +1], T = 6."""
     new1, old1 = np.array([0.05, 0.07, 0.03]), np.array([0.15, 0.28, 0.36])
     logps = np.zeros((2, 6))
     old = np.zeros((2, 6))
@@ -94,7 +94,7 @@ def test_gradient_matches_finite_differences(reduction, kl):
 def test_one_inner_step_equals_reinforce_with_group_baseline():
     """At rho = 1 and beta = 0, the clipped objective's gradient is REINFORCE's.
 
-    The second seed document's objective: J = (1/N) sum_i A_i (1/|o_i|) sum_t log pi(o_it),
+    The second source document's objective: J = (1/N) sum_i A_i (1/|o_i|) sum_t log pi(o_it),
     with A the group-relative advantage (the group mean as baseline).
     """
     logps, _, _, _, mask = random_batch(seed=1, n=8)
