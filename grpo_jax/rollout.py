@@ -157,12 +157,17 @@ class Scorer:
         names = [s.name for s in self.specs]
         self._format_name = next((n for n in names if n.split("(")[0] == "format"), None)
         self._extra = () if correct_reward in names else (rewards.RewardSpec(correct_reward, 0.0),)
-        names += [s.name for s in self._extra]
         # Metric names: "format(pattern='[0-9]+')" logs as "format" when unambiguous.
         short = [n.split("(")[0] for n in names]
         self.display = {
             n: (b if short.count(b) == 1 else n) for n, b in zip(names, short, strict=True)
         }
+        for extra in self._extra:  # the correctness reward never takes a training reward's name
+            taken = set(self.display.values())
+            b = extra.name.split("(")[0]
+            self.display[extra.name] = next(
+                x for x in (b, extra.name, f"{extra.name}[correct]") if x not in taken
+            )
 
     def fields(self, examples: Sequence[Mapping], repeat: int) -> dict[str, list]:
         return rewards.fields_from_examples(examples, repeat, exclude=("prompt", "solution"))

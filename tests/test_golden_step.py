@@ -1,0 +1,99 @@
+"""A golden one-step regression: every metric of one GRPO step of the tiny default.
+
+The tiny default (``configs/default.py:smoke``) with a fixed seed, no warm start,
+a reward with variance on an untrained model's completions (the over-length
+penalty), beta > 0 (the reference pass), mu = 2 passes over two minibatches and a
+large learning rate so that the ratios move and both clip sides bind. The numbers
+below were produced by the trainer before it was split into setup / collect /
+update / report, and the split reproduced them bit for bit; they change only
+when a change means to change what one step computes (then update them and say
+why in the commit).
+"""
+
+import json
+import math
+
+import pytest
+
+from configs.default import get_config
+
+GOLDEN = {
+    "policy/abs_log_ratio_mean": 0.29083314538002014,
+    "policy/kl_old_new": 0.05640989914536476,
+    "policy/ratio_max": 1.9631223678588867,
+    "policy/ratio_min": 0.3528597354888916,
+    "rewards/mean": -0.958333333954215,
+    "rewards/overlong/errors": 0.0,
+    "rewards/overlong/mean": -0.958333333954215,
+    "rewards/overlong/std": 0.145057458402725,
+    "rewards/overlong[correct]/errors": 0.0,
+    "rewards/overlong[correct]/mean": 0.0,
+    "rewards/overlong[correct]/std": 0.0,
+    "rewards/std": 0.145057458402725,
+    "rollout/duplicate_frac": 0.0,
+    "rollout/frac_zero_var_groups": 0.5,
+    "rollout/group_reward_var": 0.01708333297322194,
+    "rollout/invalid_format_frac": 0.375,
+    "rollout/length_max": 16.0,
+    "rollout/length_mean": 15.375,
+    "rollout/pass_rate": 0.0,
+    "rollout/truncated_frac": 0.75,
+    "step": 1,
+    "train/clip_frac_high": 0.04423344135284424,
+    "train/clip_frac_low": 0.10934294760227203,
+    "train/entropy": 4.587641716003418,
+    "train/epoch": 0.0,
+    "train/grad_norm": 0.4200092554092407,
+    "train/kl": 0.02396206557750702,
+    "train/loss": -0.038066066801548004,
+    "train/lr": 0.009999999776482582,
+    "train/ratio_max": 2.4419920444488525,
+    "train/ratio_mean": 0.9967502951622009,
+    "train/ratio_min": 0.45149099826812744,
+    "train/skipped_in_row": 0.0,
+    "train/skipped_total": 0.0,
+    "train/skipped_updates": 0.0,
+    "train/updates": 4.0,
+}
+# Counts, rewards and rollout statistics are exact; float32 training metrics may
+# differ in the last bits on another CPU.
+EXACT = ("rollout/", "rewards/", "train/updates", "train/skipped", "train/epoch", "step")
+
+
+def _config():
+    c = get_config("smoke")
+    c.warm_start.enabled = False
+    c.eval.at_start = False
+    c.eval.every = 0
+    c.train.steps = 1
+    c.rewards = "overlong(max_len=16,buffer=15):1.0"
+    c.correct_reward = "overlong"
+    c.sampling.max_new_tokens = 16
+    c.grpo.beta = 0.04
+    c.grpo.mu = 2
+    c.train.minibatch_size = 8
+    c.optim.learning_rate = 0.01
+    c.optim.warmup_steps = 0
+    c.checkpoint.every = 0
+    return c
+
+
+def test_one_step_of_the_tiny_default_matches_its_golden_metrics(tmp_path):
+    import io
+
+    from grpo_jax.train import train
+
+    train(_config(), tmp_path, stream=io.StringIO())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (got,) = [r for r in rows if "train/loss" in r]
+    got = {k: v for k, v in got.items() if not k.startswith(("perf/", "eval/"))}
+    assert sorted(got) == sorted(GOLDEN)
+    # What makes the golden values a meaningful check: both clip sides bind, the
+    # policy moved, the KL term is live, and some groups have reward variance.
+    assert GOLDEN["train/clip_frac_low"] > 0 and GOLDEN["train/clip_frac_high"] > 0
+    assert GOLDEN["train/kl"] > 0 and 0 < GOLDEN["rollout/frac_zero_var_groups"] < 1
+    for key, want in GOLDEN.items():
+        if key.startswith(EXACT):
+            assert got[key] == want, key
+        else:
+            assert math.isfinite(got[key]) and got[key] == pytest.approx(want, rel=1e-5), key
