@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from grpo_jax import sft
+from grpo_jax import workdir as workdir_lib
 
 if TYPE_CHECKING:
     from grpo_jax.setup import Setup
@@ -71,6 +72,8 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         return vals
 
     sft_log = workdir / "warm_start" / "metrics.jsonl"
+    if jax.process_index() == 0:
+        workdir_lib.set_aside(sft_log)  # an earlier, unfinished warm start's records
 
     def log_fn(step, m):
         if jax.process_index() == 0:

@@ -42,11 +42,15 @@ def main(argv):
     logging.getLogger("absl").setLevel(logging.WARNING)
     from grpo_jax.config import ConfigError
     from grpo_jax.train import NonFiniteError, train
+    from grpo_jax.workdir import WorkdirBusyError
 
     try:
         summary = train(FLAGS.config, FLAGS.workdir, start_time=_T0)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except WorkdirBusyError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)

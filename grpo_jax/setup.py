@@ -26,6 +26,7 @@ from grpo_jax import data, distributed, memory, runlocal, sharding
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import update as update_lib
+from grpo_jax import workdir as workdir_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_batch_layout
 from grpo_jax.rollout import PromptEncoder, Scorer
@@ -202,6 +203,7 @@ class Setup:
     schedule: Any
     update: Any  # jitted (state, RolloutBatch, key, ref_params) -> (state, metrics)
     checkpointer: Checkpointer
+    lock: workdir_lib.WorkdirLock | None  # process 0's hold on the workdir
     writer: metrics_lib.MetricsWriter
     progress: metrics_lib.ProgressLine
     base_key: jax.Array
@@ -214,6 +216,8 @@ class Setup:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _host_rows(mesh, B: int, G: int) -> tuple[slice, slice]:
@@ -242,8 +246,20 @@ def setup(run: RunConfig, workdir, *, stream=None):
     tokenizer, a batch that does not fit the mesh, a memory plan that cannot
     fit the devices) before any training.
     """
-    run = runlocal.resolve(run)
     workdir = pathlib.Path(workdir).absolute()
+    is_main = jax.process_index() == 0
+    # One run per workdir: a second one stops here, before it touches anything.
+    lock = workdir_lib.WorkdirLock(workdir) if is_main else None
+    try:
+        return _setup(run, workdir, lock, stream)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
+    run = runlocal.resolve(run)
     workdir.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = build_mesh(run)
@@ -299,6 +315,13 @@ def setup(run: RunConfig, workdir, *, stream=None):
     # The GRPO phase sees prompts and reference answers only, never worked solutions.
     grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
     base_key = jax.random.key(run.seed)
+    checkpointer = Checkpointer(
+        workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
+    )
+    kept = []
+    if is_main and checkpointer.latest_step() is None:
+        # A fresh start: an earlier attempt's records (no checkpoint continues it) go aside.
+        kept = [workdir_lib.set_aside(workdir / n) for n in ("metrics.jsonl", "tensorboard")]
     s = Setup(
         run=run,
         workdir=workdir,
@@ -318,9 +341,8 @@ def setup(run: RunConfig, workdir, *, stream=None):
         tx=tx,
         schedule=schedule,
         update=step_fn,
-        checkpointer=Checkpointer(
-            workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
-        ),
+        checkpointer=checkpointer,
+        lock=lock,
         writer=metrics_lib.MetricsWriter(workdir, enabled=is_main),
         progress=metrics_lib.ProgressLine(
             run.train.steps, stream=stream, enabled=is_main, every=run.train.log_every
@@ -328,4 +350,6 @@ def setup(run: RunConfig, workdir, *, stream=None):
         base_key=base_key,
         eval_key=jax.random.fold_in(base_key, 0x5EED),
     )
+    for path in filter(None, kept):
+        s.progress.message(f"starting afresh: the earlier attempt's records are kept as {path}")
     return s, state
