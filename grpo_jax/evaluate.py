@@ -1,13 +1,15 @@
 """Held-out evaluation: greedy pass@1 and unbiased pass@k, as a library call and a CLI.
 
-    python -m grpo_jax.evaluate --config=configs/default.py --checkpoint=<workdir>
+    python -m grpo_jax.evaluate --checkpoint=<workdir> [--config=configs/default.py]
 
 ``--checkpoint`` is a training workdir (its latest checkpoint), a checkpoint
 directory (``<workdir>/checkpoints``, latest step), one step of it
 (``<workdir>/checkpoints/120``) or a Hugging Face model directory
 (``config.json`` + safetensors, e.g. one written by ``grpo_jax.export``). The
-dataset, prompts, correctness reward and eval settings come from the config
-(override them as usual, ``--config.eval.num_samples=8``).
+dataset, prompts, correctness reward and eval settings come from the run's
+own ``<workdir>/config.json``, or from ``--config`` (override them as usual,
+``--config.eval.num_samples=8``); a ``--config`` whose model or tokenizer
+differs from the run's is refused, naming the keys.
 
 pass@1 is greedy: one argmax completion per problem, the share that is
 correct. pass@k draws n = ``eval.num_samples`` completions per problem at
@@ -159,7 +161,7 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     from grpo_jax.setup import build_model, build_tokenizer
 
     path = pathlib.Path(checkpoint)
-    if _is_hf_dir(path):
+    if _workdir_of(path) is None and _is_hf_dir(path):
         model = models.from_pretrained(str(path), mesh=mesh, layout=run.mesh.layout)
         if run.tokenizer == BUILTIN_TOKENIZER:
             tokenizer = models.load_tokenizer(path)  # Exports carry their tokenizer.
@@ -188,11 +190,49 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     return graphdef, params, tokenizer
 
 
+def _workdir_of(path: pathlib.Path) -> pathlib.Path | None:
+    """The training workdir that ``path`` (workdir, checkpoints dir or step) belongs to."""
+    for d in (path, path.parent, path.parent.parent):
+        if (d / "checkpoints").is_dir() and (d / "config.json").is_file():
+            return d
+    return None
+
+
+def run_config_for(checkpoint, config=None):
+    """The ``RunConfig`` to evaluate ``checkpoint`` with: ``config``, or the run's own.
+
+    A training workdir's ``config.json`` is the default; a given ``config``
+    must agree with it on the model and tokenizer (else ConfigError naming them).
+    """
+    from grpo_jax.config import ConfigError, parse_config
+
+    workdir = _workdir_of(pathlib.Path(checkpoint))
+    saved = json.loads((workdir / "config.json").read_text()) if workdir is not None else None
+    if config is None:
+        if saved is None:
+            raise ConfigError(
+                f"--checkpoint={checkpoint} is not a training workdir (no config.json beside "
+                "checkpoints/): give the run's --config"
+            )
+        return parse_config(saved)
+    run = parse_config(config)
+    if saved is not None:
+        differ = [k for k in ("model", "tokenizer") if saved.get(k) != run.raw.get(k)]
+        if differ:
+            raise ConfigError(
+                f"--config does not match the run in {workdir}: its {differ} differ from "
+                f"{workdir / 'config.json'} ({ {k: saved.get(k) for k in differ} }); the "
+                "checkpoint's parameters are that model's. Omit --config to evaluate with the "
+                "run's own config"
+            )
+    return run
+
+
 def main(argv):
     from absl import flags
 
-    from grpo_jax import runlocal
-    from grpo_jax.config import parse_config
+    from grpo_jax import cli, runlocal
+    from grpo_jax.config import ConfigError
     from grpo_jax.setup import (
         build_datasets,
         build_encoder,
@@ -203,11 +243,16 @@ def main(argv):
     )
 
     del argv
+    cli.quiet()
     FLAGS = flags.FLAGS
-    run = runlocal.resolve(parse_config(FLAGS.config))
-    mesh = build_mesh(run)
-    graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
-    examples = eval_examples(run, build_datasets(run))
+    try:
+        run = runlocal.resolve(run_config_for(FLAGS.checkpoint, FLAGS.config))
+        mesh = build_mesh(run)
+        graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
+        examples = eval_examples(run, build_datasets(run))
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = evaluate(
         graphdef,
         params,
@@ -223,16 +268,19 @@ def main(argv):
     print(text)
     if FLAGS.output:
         pathlib.Path(FLAGS.output).write_text(text + "\n")
+    return 0
 
 
 def _define_flags():
     from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "Run config file.", lock_config=True)
+    config_flags.DEFINE_config_file(
+        "config", None, "Run config file (default: the run's own config.json).", lock_config=True
+    )
     flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint (step) dir or HF model dir.")
     flags.DEFINE_string("output", "", "Optional path for the results as JSON.")
-    flags.mark_flags_as_required(["config", "checkpoint"])
+    flags.mark_flags_as_required(["checkpoint"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ default) and writes config.json, generation_config.json, model.safetensors and
 the tokenizer's files (``grpo_jax.models.save_pretrained``), so that
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` and
 ``grpo_jax.models.from_pretrained(out)`` load it. The run's config is read from
-``<workdir>/config.json``.
+``<workdir>/config.json``. ``out`` may not lie inside a training workdir or hold
+a run: an export there would replace the run's config.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,28 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+
+
+class ExportError(ValueError):
+    """The export's source or destination is not usable."""
+
+
+def _holds_a_run(path: pathlib.Path) -> bool:
+    """A training workdir: its config.json beside its checkpoints or its metrics."""
+    return (path / "config.json").is_file() and any(
+        (path / n).exists() for n in ("checkpoints", "metrics.jsonl")
+    )
+
+
+def check_destination(workdir, out) -> None:
+    """Refuses an ``out`` inside a training workdir (``workdir`` or another) or holding a run."""
+    workdir, out = pathlib.Path(workdir).resolve(), pathlib.Path(out).resolve()
+    for parent in (out, *out.parents):
+        if parent == workdir or _holds_a_run(parent):
+            raise ExportError(
+                f"--out={out} is inside the training workdir {parent}; an export there would "
+                "replace the run's config.json. Choose a directory outside any workdir"
+            )
 
 
 def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.Path:
@@ -29,7 +52,8 @@ def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.P
     workdir = pathlib.Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: is {workdir} a training workdir?")
+        raise ExportError(f"{config_path} not found: is {workdir} a training workdir?")
+    check_destination(workdir, out)
     run = runlocal.resolve(parse_config(json.loads(config_path.read_text())))
     tokenizer = build_tokenizer(run, workdir)
     mesh = build_mesh(run)
@@ -47,10 +71,19 @@ def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.P
 def main(argv):
     from absl import flags
 
+    from grpo_jax import cli
+    from grpo_jax.config import ConfigError
+
     del argv
+    cli.quiet()
     FLAGS = flags.FLAGS
-    path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step)
+    try:
+        path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step)
+    except (ExportError, ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported to {path}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ import time
 
 _T0 = time.time()  # Before the heavy imports: the wall time counts them.
 
-import logging  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from grpo_jax import distributed  # noqa: E402
+from grpo_jax import cli, distributed  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
@@ -32,6 +31,7 @@ distributed.define_flags()  # --coordinator_address, --num_processes, --process_
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.quiet()
     # Multi-host runs (TPU pod, SLURM, the flags, GRPO_JAX_* variables) join here, before
     # anything asks JAX for devices; a single process goes on unchanged.
     try:
@@ -39,7 +39,6 @@ def main(argv):
     except distributed.DistributedError as e:
         print(f"multi-process settings error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("absl").setLevel(logging.WARNING)
     from grpo_jax.config import ConfigError
     from grpo_jax.train import NonFiniteError, train
     from grpo_jax.workdir import WorkdirBusyError

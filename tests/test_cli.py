@@ -1,0 +1,80 @@
+"""The command-line tools on a finished run: export guards the run, evaluate reads its config,
+and the console carries no library chatter."""
+
+import io
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from configs.default import get_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each test runs a command-line tool on a trained workdir
+
+LIBRARY_INFO = re.compile(r"^I\d{4} |Unable to initialize backend|PyTorch was not found", re.M)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from grpo_jax.train import train
+
+    w = tmp_path_factory.mktemp("run")
+    c = get_config("smoke")
+    c.warm_start.enabled = False
+    c.eval.num_samples = 0
+    c.eval.every = 0
+    c.train.steps = 1
+    train(c, w, stream=io.StringIO())
+    return w
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_export_refuses_a_destination_inside_a_run(workdir, tmp_path):
+    from grpo_jax.export import ExportError, export_hf
+
+    config = (workdir / "config.json").read_text()
+    for out in (workdir, workdir / "hf", workdir / "checkpoints" / "x"):
+        with pytest.raises(ExportError, match="inside the training workdir"):
+            export_hf(workdir, out)
+    proc = _cli("grpo_jax.export", f"--workdir={workdir}", f"--out={workdir}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --out=")
+    assert (workdir / "config.json").read_text() == config  # the run is untouched
+    out = export_hf(workdir, tmp_path / "hf")
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_evaluate_defaults_to_the_runs_config_and_refuses_another_model(workdir):
+    proc = _cli("grpo_jax.evaluate", f"--checkpoint={workdir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert out["eval/num_problems"] == 16  # the smoke run's eval.num_problems
+    assert not LIBRARY_INFO.search(proc.stdout + proc.stderr), proc.stderr[-2000:]
+    # The shipped default config builds a bigger model than the smoke run trained.
+    proc = _cli("grpo_jax.evaluate", f"--checkpoint={workdir}", "--config=configs/default.py")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "does not match the run" in last and "['model']" in last and "Omit --config" in last
+
+
+def test_training_console_has_no_library_chatter(tmp_path):
+    proc = _cli(
+        "grpo_jax.main",
+        "--config=configs/default.py:smoke",
+        "--config.warm_start.enabled=False",
+        "--config.train.steps=1",
+        "--config.eval.num_samples=0",
+        f"--workdir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not LIBRARY_INFO.search(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[:2000]
+    assert "step 1/1" in proc.stdout
