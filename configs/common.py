@@ -14,7 +14,7 @@ The keys and their meaning: docs/architecture.md and the dataclasses of
 
 from __future__ import annotations
 
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, config_dict
 
 
 def parse_arg(arg: str | None, *, where: str, **defaults) -> ConfigDict:
@@ -65,6 +65,9 @@ def base() -> ConfigDict:
     c.grpo.G = 8
     c.grpo.beta = 0.0
     c.grpo.epsilon = 0.2
+    # Each clip side on its own (DAPO's clip-higher: epsilon_high = 0.28); unset: epsilon.
+    c.grpo.epsilon_low = config_dict.placeholder(float)
+    c.grpo.epsilon_high = config_dict.placeholder(float)
     c.grpo.mu = 1
     c.grpo.kl_estimator = "k3"
     c.grpo.reduction = "grpo"
