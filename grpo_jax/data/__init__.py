@@ -93,12 +93,36 @@ def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]
       ("prompt"), ``answer_field`` ("answer"), ``solution_field`` (None),
       ``on_error`` ("raise" or "skip").
 
-    Rows skipped as malformed are logged and counted in ``stats`` (when given)
-    under "skipped/<split>".
+    Rows skipped as malformed (``on_error="skip"``) are logged as a warning
+    and counted under "skipped/<split>", 0 when none were, for every split
+    returned: in ``stats`` when given, and in :func:`last_load_stats` either
+    way.
     """
-    cfg = check_keys(cfg_like)
+    _LAST_STATS.clear()
+    counts: dict[str, int] = {}
+    splits = _load(check_keys(cfg_like), counts)
+    counts = {f"skipped/{split}": counts.get(f"skipped/{split}", 0) for split in splits}
+    _LAST_STATS.update(counts)
+    if stats is not None:
+        stats.update(counts)
+    return splits
+
+
+_LAST_STATS: dict[str, int] = {}
+
+
+def last_load_stats() -> dict[str, int]:
+    """The counts of the latest :func:`load_dataset` call in this process (a copy).
+
+    ``{"skipped/<split>": rows skipped as malformed}`` for each split it
+    returned; empty before the first call. For a caller that did not pass
+    ``stats``, such as a trainer that wants the counts in its metrics or summary.
+    """
+    return dict(_LAST_STATS)
+
+
+def _load(cfg: dict, stats: dict) -> dict[str, list[dict]]:
     source = cfg["source"]
-    stats = {} if stats is None else stats
 
     if source == "synthetic":
         task = cfg.get("task", "arithmetic")
@@ -156,6 +180,7 @@ __all__ = [
     "MalformedRowError",
     "format_prompt",
     "gsm8k",
+    "last_load_stats",
     "load_dataset",
     "make_split",
     "read_jsonl",

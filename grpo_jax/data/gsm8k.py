@@ -30,7 +30,8 @@ import json
 import pathlib
 import re
 
-from grpo_jax.data.jsonl import MalformedRowError, read_jsonl
+from grpo_jax.config import ConfigError
+from grpo_jax.data.jsonl import MalformedRowError, iter_rows, read_jsonl, row_problem
 from grpo_jax.rewards.extract import format_number, normalize_number
 
 LOCAL_NAME = "gsm8k_local"
@@ -132,12 +133,12 @@ def local_builder_class():
 
 
 def _iter_checked(path):
-    from grpo_jax.data.jsonl import iter_rows
-
+    """(line, row) of a GSM8K-format JSONL file; a malformed row raises MalformedRowError."""
     for lineno, row in iter_rows(path):
         try:
-            if not isinstance(row, dict):
-                raise ValueError(f"expected a JSON object, got {row!r}"[:200])
+            problem = row_problem(row)
+            if problem is not None:
+                raise ValueError(problem)
             _convert_row(row)
             if "#### " not in row["answer"]:
                 raise ValueError("answer has no '#### ' final-answer marker")
@@ -182,18 +183,89 @@ def prepare_local(jsonl_dir, data_dir=None):
     return builder
 
 
+DOWNLOAD_HOST = ("raw.githubusercontent.com", 443)
+
+
+def network_reachable(host: tuple[str, int] = DOWNLOAD_HOST, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to ``host`` (or to the HTTPS proxy, when one is set) opens.
+
+    Bounded by ``timeout`` seconds in all, name resolution included: the
+    attempt runs in a daemon thread that is abandoned when it takes longer.
+    """
+    import socket
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    proxy = urllib.request.getproxies().get("https")
+    if proxy:
+        parsed = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        if parsed.hostname:
+            host = (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80))
+    result = []
+
+    def attempt():
+        try:
+            socket.create_connection(host, timeout=timeout).close()
+            result.append(True)
+        except Exception:  # Any failure to connect means no download.
+            result.append(False)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def download_cached(data_dir=None) -> bool:
+    """Whether TFDS's download cache in ``data_dir`` already holds the files gsm8k downloads.
+
+    TFDS then prepares ``gsm8k`` from that cache with no network. When TFDS's
+    cache layout cannot be inspected, True: TFDS is left to decide.
+    """
+    try:
+        from tensorflow_datasets.core.download import resource
+        from tensorflow_datasets.text.gsm8k.gsm8k import _URLS
+
+        root = pathlib.Path(_tfds().core.constants.DATA_DIR if data_dir is None else data_dir)
+        downloads = root.expanduser() / "downloads"
+        return all(
+            any(
+                resource.is_locally_cached(folder / resource.get_dl_fname(url))
+                for folder in (downloads / "gsm8k", downloads)
+            )
+            for url in _URLS.values()
+        )
+    except (ImportError, AttributeError):
+        return True
+
+
 def prepare_online(data_dir=None):
-    """Downloads and prepares TFDS's ``gsm8k`` in ``data_dir`` (once) -> builder."""
+    """Downloads and prepares TFDS's ``gsm8k`` in ``data_dir`` (once) -> builder.
+
+    Where it is not prepared, its files are not in TFDS's download cache and
+    the download host cannot be reached (:func:`network_reachable`), raises
+    ConfigError within seconds, pointing to the offline route, rather than
+    letting TFDS retry the download for minutes.
+    """
     tfds = _tfds()
     builder = tfds.builder("gsm8k", data_dir=None if data_dir is None else str(data_dir))
     if not builder.is_prepared():
+        root = builder.data_dir_root
+        if not download_cached(root) and not network_reachable():
+            raise ConfigError(
+                f"GSM8K is not prepared in {root} and it cannot be downloaded here (no "
+                "network): put GSM8K's train.jsonl/test.jsonl in a folder and set "
+                "data.jsonl_dir=<folder> (docs/data.md); or set data.data_dir to a copy of "
+                "a TFDS data_dir where gsm8k was prepared"
+            )
         try:
             builder.download_and_prepare(file_format="array_record")
         except Exception as e:
             raise RuntimeError(
-                f"could not download and prepare GSM8K in {builder.data_dir_root} ({e}). "
-                "With no network, pass jsonl_dir= a folder of GSM8K-format JSONL files "
-                "(see docs/data.md)"
+                f"could not download and prepare GSM8K in {root} ({e}). "
+                "With no network, put GSM8K's train.jsonl/test.jsonl in a folder and set "
+                "data.jsonl_dir=<folder> (docs/data.md)"
             ) from e
     return builder
 

@@ -4,9 +4,9 @@ Each row becomes an example dict with ``"prompt"`` (from ``prompt_field``),
 ``"answer"`` (from ``answer_field``, as text), optionally ``"solution"`` (from
 ``solution_field``), and every other column of the row unchanged (reward
 functions receive them as fields). Blank lines are ignored. A malformed row
-(bad JSON, not an object, a missing or non-text prompt, a missing answer)
-either raises :class:`MalformedRowError` naming the file and line, or is
-skipped and counted, as ``on_error`` chooses.
+(a line that is not UTF-8, bad JSON, not an object, a missing or non-text
+prompt, a missing answer) either raises :class:`MalformedRowError` naming the
+file and line, or is skipped and counted, as ``on_error`` chooses.
 """
 
 from __future__ import annotations
@@ -35,19 +35,63 @@ def _text(value) -> str | None:
     return None
 
 
+class NotUTF8Error(ValueError):
+    """A line of a dataset file is not valid UTF-8; the message gives the first bad byte."""
+
+
+def _not_utf8(line: str) -> NotUTF8Error | None:
+    """The error for a line decoded with ``surrogateescape``, or None when it is valid UTF-8.
+
+    Undecodable bytes come through that handler as lone surrogates U+DC80..U+DCFF,
+    which no valid UTF-8 decodes to.
+    """
+    if line.isascii():
+        return None
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        offset = len(line[: e.start].encode("utf-8", "surrogateescape"))
+        byte = ord(line[e.start]) - 0xDC00
+        return NotUTF8Error(
+            f"line is not valid UTF-8 (byte 0x{byte:02x} at byte offset {offset} of the line); "
+            "re-encode the file as UTF-8"
+        )
+    return None
+
+
 def iter_rows(path):
-    """(line number, parsed JSON or the exception) for each non-blank line of ``path``."""
+    """(line number, parsed JSON or the exception) for each non-blank line of ``path``.
+
+    The exception is a :class:`json.JSONDecodeError` for a line that is not
+    JSON, a :class:`NotUTF8Error` for a line that is not UTF-8; either way the
+    following lines are still read.
+    """
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} does not exist")
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
+                continue
+            bad = _not_utf8(line)
+            if bad is not None:
+                yield lineno, bad
                 continue
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 yield lineno, e
+
+
+def row_problem(row) -> str | None:
+    """Why a row from :func:`iter_rows` cannot be used before its fields are looked at, or None."""
+    if isinstance(row, json.JSONDecodeError):
+        return f"invalid JSON ({row.msg} at column {row.colno})"
+    if isinstance(row, NotUTF8Error):
+        return str(row)
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    return None
 
 
 def read_jsonl(
@@ -78,10 +122,9 @@ def read_jsonl(
     examples, skipped = [], []
     for lineno, row in iter_rows(path):
         try:
-            if isinstance(row, json.JSONDecodeError):
-                raise ValueError(f"invalid JSON ({row.msg} at column {row.colno})")
-            if not isinstance(row, dict):
-                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            problem = row_problem(row)
+            if problem is not None:
+                raise ValueError(problem)
             if convert is not None:
                 examples.append(convert(row))
                 continue

@@ -94,8 +94,9 @@ def from_pretrained(
     generation_config.json lists (instruct models' end-of-turn tokens).
 
     Raises CheckpointError naming the file and the problem: no directory or
-    config.json, unsupported model_type or RoPE type, a missing tensor, a
-    shape mismatch, or unused text-model tensors.
+    config.json, unsupported model_type or RoPE type, a truncated or corrupt
+    safetensors file (naming the tensor), a missing tensor, a shape mismatch,
+    or unused text-model tensors.
     """
     check_layout(layout)
     directory = pathlib.Path(path)

@@ -15,6 +15,7 @@ when the total exceeds ``max_shard_bytes``, as transformers does.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
@@ -45,28 +46,92 @@ class CheckpointError(ValueError):
     """A checkpoint directory or file is missing, malformed or does not fit the model."""
 
 
-def _read_header(file: pathlib.Path) -> tuple[dict, int]:
+def _read_header(file: pathlib.Path) -> tuple[dict, int, int]:
+    """(tensor entries, where the data starts, the file's size in bytes)."""
+    size = file.stat().st_size
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{file}: not a safetensors file (shorter than its header)")
         (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(
+                f"{file}: not a safetensors file (its header length {n} exceeds the "
+                f"{size - 8} bytes after the length field; truncated or corrupt file)"
+            )
         if n > 100_000_000:
             raise CheckpointError(f"{file}: not a safetensors file (header length {n})")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file}: not a safetensors file ({e})") from e
+        except json.JSONDecodeError as e:
+            raise CheckpointError(
+                f"{file}: not a safetensors file (header is not JSON: {e})"
+            ) from e
+        except UnicodeDecodeError as e:
+            raise CheckpointError(
+                f"{file}: not a safetensors file (header is not UTF-8 JSON: {e})"
+            ) from e
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{file}: not a safetensors file (header is a {type(header).__name__}, "
+            "not a JSON object)"
+        )
     header.pop("__metadata__", None)
-    return header, 8 + n
+    return header, 8 + n, size
+
+
+def _byte_range_problem(name: str, entry, available: int) -> str | None:
+    """What is wrong with one header entry's data_offsets, or None.
+
+    ``available`` is the number of data bytes after the header.
+    """
+    if not isinstance(entry, dict):
+        return f"tensor {name!r} has header {entry!r}, not an object"
+    offsets, shape, code = entry.get("data_offsets"), entry.get("shape"), entry.get("dtype")
+    if offsets is None:
+        return f"tensor {name!r} has no data_offsets"
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return f"tensor {name!r} has bad data_offsets {offsets!r}"
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        return f"tensor {name!r} has bad shape {shape!r}"
+    begin, end = offsets
+    if code in _DTYPES:  # Unknown dtypes fail when such a tensor is read, if ever.
+        need = math.prod(shape) * _DTYPES[code].itemsize
+        if end - begin != need:
+            return (
+                f"tensor {name!r} has data_offsets {offsets} ({end - begin} bytes), but dtype "
+                f"{code} and shape {shape} need {need} bytes"
+            )
+    if end > available:
+        return (
+            f"tensor {name!r} needs bytes {begin}..{end} but the file has only {available} "
+            "bytes after its header (truncated or corrupt file)"
+        )
+    return None
 
 
 class SafetensorsFile:
-    """One memory-mapped safetensors file; ``file[name]`` is a lazy numpy view."""
+    """One memory-mapped safetensors file; ``file[name]`` is a lazy numpy view.
+
+    Opening checks every tensor's byte range against its dtype and shape and
+    against the file's size, so a truncated or corrupt file raises
+    CheckpointError naming the file and the tensor before anything is read.
+    """
 
     def __init__(self, file: str | os.PathLike):
         self.path = pathlib.Path(file)
-        self.header, self._data_start = _read_header(self.path)
+        self.header, self._data_start, size = _read_header(self.path)
+        for name, entry in self.header.items():
+            problem = _byte_range_problem(name, entry, size - self._data_start)
+            if problem is not None:
+                raise CheckpointError(f"{self.path}: {problem}")
         self._mmap = None
 
     def keys(self) -> list[str]:
@@ -82,11 +147,18 @@ class SafetensorsFile:
         return _DTYPES[code]
 
     def __getitem__(self, name: str) -> np.ndarray:
+        dtype = self.dtype(name)
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         begin, end = self.header[name]["data_offsets"]
+        available = len(self._mmap) - self._data_start
+        if end > available:  # The file shrank since it was opened.
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} needs bytes {begin}..{end} but the file has only "
+                f"{max(available, 0)} bytes after its header (truncated or corrupt file)"
+            )
         raw = self._mmap[self._data_start + begin : self._data_start + end]
-        return raw.view(self.dtype(name)).reshape(self.shape(name))
+        return raw.view(dtype).reshape(self.shape(name))
 
 
 class SafetensorsCheckpoint:
