@@ -28,3 +28,50 @@ def gsm8k_dir():
     if not (d / "test.jsonl").exists():
         pytest.skip(f"GSM8K data not found at {d}")
     return d
+
+
+# ---------------------------------------------------------------------------
+# Shared toy models and tokenizer. Tests must treat these as read-only: the
+# session-scoped ones are shared by every module that asks for them.
+
+# A one-layer Qwen2-style transformer: D 32, 2 query heads of 16 sharing 1 KV
+# head, SwiGLU width 64. Compiles in about a second on CPU.
+TINY_MODEL_FIELDS = dict(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
+)
+
+
+@pytest.fixture(scope="session")
+def builtin_tokenizer():
+    """The project's character tokenizer (vocabulary 100), built once per session."""
+    from grpo_jax.models.builtin_tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config():
+    """``tiny_config(100, **TINY_MODEL_FIELDS)``; ``.replace(vocab_size=v)`` gives vocabulary v."""
+    from grpo_jax.models import tiny_config
+
+    return tiny_config(100, **TINY_MODEL_FIELDS)
+
+
+@pytest.fixture(scope="session")
+def one_device_mesh():
+    """A mesh of the first device alone, with the single axis "data"."""
+    import jax
+
+    from grpo_jax import sharding
+
+    return sharding.make_mesh({"data": -1}, jax.devices()[:1])
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_model_config, one_device_mesh):
+    """(graphdef, params) of ``tiny_model_config`` with seed 0, created on ``one_device_mesh``."""
+    from flax import nnx
+
+    from grpo_jax.models import create_model
+
+    return nnx.split(create_model(tiny_model_config, seed=0, mesh=one_device_mesh))

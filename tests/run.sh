@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: makes .venv with the runtime and test requirements when it is missing,
 # lints, then runs the suite. Usage: bash tests/run.sh [pytest args...]
+# The fast tier (tests not marked slow, about a minute on 2 CPU cores): bash tests/run.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ! -x .venv/bin/python ]]; then

@@ -281,6 +281,7 @@ def test_flags_are_defined_on_request_only():
     assert out.stdout.split() == ["h:1", "2", "1"]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_four_devices(tmp_path):
     """2 processes x 2 CPU devices over loopback == 1 process x 4 devices, to float32 rounding."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}

@@ -99,10 +99,10 @@ def _sharded_loss_and_grads(model, batch, mesh, layout):
     "layout,axes",
     [
         ("dp", {"data": 8}),
-        ("fsdp", {"fsdp": 8}),
-        ("fsdp", {"data": 2, "fsdp": 4}),
-        ("fsdp_tp", {"fsdp": 4, "tensor": 2}),
-        ("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}),
+        pytest.param("fsdp", {"fsdp": 8}, marks=pytest.mark.slow),
+        pytest.param("fsdp", {"data": 2, "fsdp": 4}, marks=pytest.mark.slow),
+        pytest.param("fsdp_tp", {"fsdp": 4, "tensor": 2}, marks=pytest.mark.slow),
+        pytest.param("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, marks=pytest.mark.slow),
     ],
 )
 def test_layout_matches_one_device(setup, layout, axes):
@@ -134,6 +134,7 @@ def test_layout_matches_one_device(setup, layout, axes):
     "layout,axes",
     [("fsdp", {"data": 2, "fsdp": 4}), ("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2})],
 )
+@pytest.mark.slow
 def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
     """The update's shared-prompt path (KV cache repeated to the group) under a mesh."""
     from grpo_jax import scoring

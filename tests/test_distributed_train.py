@@ -21,6 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+pytestmark = pytest.mark.slow  # two multi-process training runs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 2
 RUN_ARGS = [

@@ -101,6 +101,7 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
     assert out1["eval/pass_at_k"] == out1["eval/sampled_pass_at_1"] == pytest.approx(c.mean() / 4)
 
 
+@pytest.mark.slow
 def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     run, tok, _ = smoke
     wd = tmp_path / "wd"

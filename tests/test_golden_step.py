@@ -78,6 +78,7 @@ def _config():
     return c
 
 
+@pytest.mark.slow
 def test_one_step_of_the_tiny_default_matches_its_golden_metrics(tmp_path):
     import io
 

@@ -138,6 +138,7 @@ def test_kl_estimators_match_numpy(name, value, grad):
         assert np.all(value(lp, r) >= 0)
 
 
+@pytest.mark.slow
 def test_k1_as_a_loss_has_zero_expected_gradient_but_k2_k3_pull_to_the_reference():
     """Gradients through log pi_theta at fixed on-policy samples, in expectation.
 
@@ -226,6 +227,7 @@ def test_gspo_clips_the_sequence_ratio():
     np.testing.assert_allclose(m["ratio_mean"], np.exp(0.1), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fully_masked_rows_give_no_nan():
     logps, old, ref, adv, mask = random_batch(seed=5)
     mask[2] = 0
@@ -261,6 +263,7 @@ def _loss_fn(logps, old, adv, mask, ref):
     return losses.grpo_loss(logps, old, adv, mask, ref_logps_NxT=ref, beta=0.04)
 
 
+@pytest.mark.slow
 def test_jit_and_sharded_match_single_device():
     logps, old, ref, adv, mask = random_batch(seed=6, n=16, t=7)
     args = [jnp.asarray(a, jnp.float32) for a in (logps, old, adv, mask, ref)]

@@ -134,6 +134,7 @@ def test_unknown_layout_is_an_error():
 # The forward pass.
 
 
+@pytest.mark.slow
 def test_state_is_params_only_and_jits_as_a_pure_function():
     model = random_model(small_config("qwen3"))
     graphdef, params = nnx.split(model)
@@ -151,6 +152,7 @@ def test_state_is_params_only_and_jits_as_a_pure_function():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.slow
 def test_left_padding_equals_the_unpadded_rows(family):
     """Masked pads change nothing: each padded row's real logits equal its own forward pass."""
     cfg = small_config(family)
@@ -164,6 +166,7 @@ def test_left_padding_equals_the_unpadded_rows(family):
         np.testing.assert_allclose(logits[b, T - n :], alone[0], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_explicit_positions_are_used():
     """RoPE sees relative positions: a uniform shift changes nothing, a gap does."""
     model = jitted(random_model(small_config("llama")))
@@ -182,6 +185,7 @@ def test_positions_from_mask():
     np.testing.assert_array_equal(positions_from_mask(mask), expected)
 
 
+@pytest.mark.slow
 def test_sliding_window_limits_what_a_layer_sees():
     """Changing a token further back than the window changes only global layers' view."""
     local = small_config("gemma3", layer_types=("sliding_attention",) * 3)
@@ -203,6 +207,7 @@ def test_sliding_window_limits_what_a_layer_sees():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_cache_decoding_equals_the_full_forward_pass(family):
     """Prefill a left-padded batch, then decode one token at a time; every step's logits
     equal those of the full (masked) forward pass over the whole sequence."""
@@ -250,6 +255,7 @@ def test_cache_is_in_the_compute_dtype():
     assert logits.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_mixed_precision_float32_params_bfloat16_compute():
     cfg = small_config("qwen3")
     model = random_model(cfg)
@@ -266,6 +272,7 @@ def test_mixed_precision_float32_params_bfloat16_compute():
 # Rematerialisation.
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients():
     cfg = small_config("gemma3")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
@@ -285,10 +292,9 @@ def test_remat_gives_the_same_loss_and_gradients():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_prefill_last_only_equals_the_last_column():
-    cfg = tiny_config(
-        64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
-    )
+@pytest.mark.slow
+def test_prefill_last_only_equals_the_last_column(tiny_model_config):
+    cfg = tiny_model_config.replace(vocab_size=64)
     model = create_model(cfg, seed=0)
     tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5) % 64
     kw = dict(

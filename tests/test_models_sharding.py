@@ -110,6 +110,7 @@ def test_indivisible_dimensions_fall_back_to_replicated():
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+@pytest.mark.slow
 def test_sharded_forward_equals_single_device(layout, gemma_checkpoint):
     mesh = make_mesh(MESHES[layout])
     single = from_pretrained(gemma_checkpoint)
@@ -128,6 +129,7 @@ def test_sharded_forward_equals_single_device(layout, gemma_checkpoint):
     )
 
 
+@pytest.mark.slow
 def test_create_model_on_a_mesh_equals_the_single_device_model():
     cfg = family_config(
         "qwen3",
@@ -153,6 +155,7 @@ def test_create_model_on_a_mesh_equals_the_single_device_model():
     )
 
 
+@pytest.mark.slow
 def test_sharded_cache_decoding_equals_single_device(gemma_checkpoint):
     mesh = make_mesh(MESHES["fsdp_tp"])
     single = from_pretrained(gemma_checkpoint)

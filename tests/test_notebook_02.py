@@ -1,6 +1,9 @@
 """Executes notebooks/02_train_tiny.ipynb: a short CPU training and its metric plots."""
 
+import pytest
 from helpers_notebook import run_notebook
+
+pytestmark = pytest.mark.slow  # executes a notebook that trains
 
 
 def test_notebook_02_trains_and_plots():

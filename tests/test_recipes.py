@@ -91,6 +91,7 @@ RUNLOCAL_KEYS = {
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_runlocal_trains(name, assets, tmp_path):
     from grpo_jax.train import train
 
@@ -297,6 +298,7 @@ def test_sweep_errors(tmp_path, capsys):
     assert "unknown model 'x'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_main_accepts_the_arg_syntax_and_overrides(tmp_path):
     """Through absl/config_flags: the arg, and overrides of the placeholder data keys."""
     missing = tmp_path / "no_model"

@@ -244,6 +244,7 @@ def test_greedy_step_is_argmax_with_logps_at_temperature():
 # The state machine on the toy model.
 
 
+@pytest.mark.slow
 def test_greedy_equals_stepwise_full_forward_argmax():
     model, graphdef, params, cfg, toks, mask = _setup(greedy=True)
     out = sampling.generate(graphdef, params, toks, mask, jax.random.key(0), cfg)
@@ -257,7 +258,12 @@ def test_greedy_equals_stepwise_full_forward_argmax():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(temperature=0.7, top_p=0.8)]
+    "kw",
+    [
+        pytest.param(dict(temperature=1.0), marks=pytest.mark.slow),
+        dict(temperature=0.7, top_k=4),
+        pytest.param(dict(temperature=0.7, top_p=0.8), marks=pytest.mark.slow),
+    ],
 )
 def test_logps_equal_full_forward(kw):
     model, graphdef, params, cfg, toks, mask = _setup(eos_ids=(4,), **kw)
@@ -266,6 +272,7 @@ def test_logps_equal_full_forward(kw):
     np.testing.assert_allclose(out.logps, np.where(out.mask, want, 0.0), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_eos_mask_lengths_truncated_and_padding():
     # A small vocabulary with EOS ids 4 and 7 and many draws: rows end at
     # different steps, some never.
@@ -317,6 +324,7 @@ def test_loop_exits_when_every_row_is_done(stop_column):
     assert not np.asarray(truncated).any()
 
 
+@pytest.mark.slow
 def test_groups_keys_and_determinism():
     _, graphdef, params, cfg, toks, mask = _setup()
     g = 4

@@ -52,6 +52,7 @@ def _full_logps(model, out, temperature):
     return losses.per_token_logps(logits[:, p - 1 : p - 1 + t], out.tokens, temperature=temperature)
 
 
+@pytest.mark.slow
 def test_greedy_equals_stepwise_full_forward_argmax(model):
     cfg = SamplingConfig(max_new_tokens=6, greedy=True, prompt_buckets=(8, 16))
     graphdef, params = nnx.split(model)
@@ -75,9 +76,9 @@ def test_greedy_equals_stepwise_full_forward_argmax(model):
     "kw",
     [
         dict(temperature=1.0),
-        dict(temperature=0.7),
-        dict(temperature=0.7, top_k=5, top_p=0.9),
-        dict(temperature=1.0, top_k=8, top_p=0.7),
+        pytest.param(dict(temperature=0.7), marks=pytest.mark.slow),
+        pytest.param(dict(temperature=0.7, top_k=5, top_p=0.9), marks=pytest.mark.slow),
+        pytest.param(dict(temperature=1.0, top_k=8, top_p=0.7), marks=pytest.mark.slow),
     ],
 )
 def test_logps_equal_full_forward_per_token_logps(model, kw):
@@ -96,6 +97,7 @@ def one_device():
     return graphdef, jax.device_put(_sharpen(params), jax.devices()[0])
 
 
+@pytest.mark.slow
 def test_greedy_on_8_devices_equals_one_device(one_device):
     cfg = SamplingConfig(max_new_tokens=6, greedy=True, prompt_buckets=(8,))
     toks, mask = _pad(PROMPTS, buckets=(8,))
@@ -116,6 +118,7 @@ def test_greedy_on_8_devices_equals_one_device(one_device):
             assert (shard.index[0].start or 0) % 2 == 0
 
 
+@pytest.mark.slow
 def test_sharded_sampling_matches_one_device_and_never_recompiles(one_device):
     # threefry draws are partitionable: the same key gives the same samples
     # however the rows are split (up to logits round-off, tiny here).
@@ -146,6 +149,7 @@ def test_sharded_sampling_matches_one_device_and_never_recompiles(one_device):
         sampling.generate(graphdef, params, toks[:4], mask[:4], key, cfg, num_samples=2, mesh=mesh)
 
 
+@pytest.mark.slow
 def test_bucketed_steps_do_not_recompile(model):
     cfg = SamplingConfig(max_new_tokens=5, temperature=0.9, prompt_buckets=(8, 16))
     graphdef, params = nnx.split(model)

@@ -17,11 +17,9 @@ def _rows(b):
 
 
 @pytest.fixture(scope="module")
-def setup():
-    cfg = models.tiny_config(
-        V, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
-    )
-    graphdef, params = nnx.split(models.create_model(cfg, seed=0))
+def setup(tiny_policy, tiny_model_config):
+    assert tiny_model_config.vocab_size == V
+    graphdef, params = tiny_policy
     rng = np.random.default_rng(0)
     pm = np.ones((N, P), bool)
     pm[:, :2] = False
@@ -46,6 +44,7 @@ def test_completion_logits_score_only_the_completion_positions(setup):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
     graphdef, params, batch = setup
     rng = np.random.default_rng(1)
@@ -82,11 +81,10 @@ def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
         scores(params, 4)
 
 
-def test_chunked_scoring_never_holds_all_the_logits():
+@pytest.mark.slow
+def test_chunked_scoring_never_holds_all_the_logits(tiny_model_config):
     """XLA's own buffer plan: chunking bounds the backward pass's float32 logits."""
-    cfg = models.tiny_config(
-        4096, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
-    )
+    cfg = tiny_model_config.replace(vocab_size=4096)
     graphdef, params = nnx.split(models.create_model(cfg))
     n, t = 4, 128
     rows = (
@@ -124,6 +122,7 @@ def grouped_batch(rng, B, G, P, T, V):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.slow
 def test_prompt_run_once_per_group_equals_once_per_row(family):
     cfg = models.tiny_config(
         V, family=family, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -149,6 +148,7 @@ def test_prompt_run_once_per_group_equals_once_per_row(family):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_prompt_once_per_group_with_one_completion_token(setup):
     graphdef, params, _ = setup
     b = grouped_batch(np.random.default_rng(5), 2, 4, 5, 1, V)

@@ -10,7 +10,6 @@ from configs.default import get_config
 from grpo_jax import config as config_lib
 from grpo_jax import setup as setup_lib
 from grpo_jax.config import ConfigError
-from grpo_jax.models.builtin_tokenizer import build_tokenizer
 from grpo_jax.sharding import batch_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,11 +67,11 @@ def test_default_and_smoke_parse():
         ({"seed": -1}, r"'seed' = -1 must be a non-negative integer"),
     ],
 )
-def test_bad_values_name_the_key(updates, message):
+def test_bad_values_name_the_key(updates, message, builtin_tokenizer):
     with pytest.raises(ConfigError, match=message):
         c = _cfg(**updates)
         run = config_lib.parse_config(c)
-        setup_lib.model_config(run, build_tokenizer())
+        setup_lib.model_config(run, builtin_tokenizer)
 
 
 def test_rewards_spellings():

@@ -20,6 +20,8 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
 from grpo_jax.train import TIMING_PREFIXES, NonFiniteError, train
 
+pytestmark = pytest.mark.slow  # every test trains the smoke config end to end
+
 REQUIRED_KEYS = [
     "rewards/mean",
     "rewards/std",
@@ -103,13 +105,12 @@ def _final_params(workdir, like):
         ck.close()
 
 
-def _like_params():
+def _like_params(tokenizer):
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib
-    from grpo_jax.models.builtin_tokenizer import build_tokenizer
 
     run = config_lib.parse_config(_quick())
-    return setup_lib.build_model(run, build_tokenizer(), setup_lib.build_mesh(run))[1]
+    return setup_lib.build_model(run, tokenizer, setup_lib.build_mesh(run))[1]
 
 
 def _deterministic(records):
@@ -155,7 +156,7 @@ class _Kill(Exception):
     pass
 
 
-def test_resume_after_kill_is_exact(tmp_path):
+def test_resume_after_kill_is_exact(tmp_path, builtin_tokenizer):
     cfg = _quick()
     train(cfg, tmp_path / "whole")
 
@@ -174,7 +175,7 @@ def test_resume_after_kill_is_exact(tmp_path):
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert _deterministic(resumed) == _deterministic(whole)
-    like = _like_params()
+    like = _like_params(builtin_tokenizer)
     a, sa = _final_params(tmp_path / "whole", like)
     b, sb = _final_params(tmp_path / "killed", like)
     assert sa == sb == 4

@@ -45,6 +45,7 @@ def test_batch_layout_masks_the_prompt(parts):
         sft.sft_batch([{"prompt": "1+1=", "answer": "2"}], enc, 6, "solution")
 
 
+@pytest.mark.slow
 def test_loss_is_the_mean_nll_of_the_target_tokens(parts):
     _, tok, _, graphdef, params, enc = parts
     b = sft.sft_batch(EXAMPLES, enc, 6, "answer")
@@ -69,6 +70,7 @@ def test_loss_is_the_mean_nll_of_the_target_tokens(parts):
     assert float(aux["token_accuracy"]) == pytest.approx(hits.sum() / b["mask"].sum())
 
 
+@pytest.mark.slow
 def test_stops_on_the_validation_criterion_and_caches(parts, tmp_path):
     run, _, mesh, graphdef, params, enc = parts
     examples = [dict(ex, answer=str(i % 10)) for i, ex in enumerate(EXAMPLES * 8)]

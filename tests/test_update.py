@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from test_scoring import grouped_batch
 
-from grpo_jax import models, optimizer, scoring, sharding
+from grpo_jax import optimizer, scoring, sharding
 from grpo_jax import update as upd
 from grpo_jax.config import GRPOConfig, OptimConfig
 from grpo_jax.rollout import RolloutBatch
@@ -43,12 +42,10 @@ def rollout_batch(graphdef, params, rows, advantages_N, weights_N=None, G=4):
 
 
 @pytest.fixture(scope="module")
-def setup():
-    cfg = models.tiny_config(
-        V, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
-    )
-    mesh = sharding.make_mesh({"data": -1}, jax.devices()[:1])
-    graphdef, params = nnx.split(models.create_model(cfg, seed=0, mesh=mesh))
+def setup(tiny_policy, tiny_model_config, one_device_mesh):
+    assert tiny_model_config.vocab_size == V
+    graphdef, params = tiny_policy
+    mesh = one_device_mesh
     rng = np.random.default_rng(0)
     pm = np.ones((N, P), bool)
     pm[:, :2] = False
@@ -166,6 +163,7 @@ def test_nonfinite_update_is_skipped_and_counted(setup):
 
 
 @pytest.mark.parametrize("reduction", ["grpo", "token_mean", "dr_grpo"])
+@pytest.mark.slow
 def test_grad_accumulation_matches_one_big_minibatch(setup, reduction):
     _, params, _, batch = setup
     # Micro-batches with different token counts (rows 0-3 short, 4-7 full): a
@@ -186,6 +184,7 @@ def test_grad_accumulation_matches_one_big_minibatch(setup, reduction):
     )
 
 
+@pytest.mark.slow
 def test_logits_chunk_gives_the_same_update(setup):
     _, params, _, batch = setup
     grpo = GRPOConfig(G=4, beta=0.1)
@@ -200,6 +199,7 @@ def test_logits_chunk_gives_the_same_update(setup):
     )
 
 
+@pytest.mark.slow
 def test_minibatches_mu_and_frozen_reference(setup):
     _, params, _, batch = setup
     grpo = GRPOConfig(G=4, mu=2, beta=0.1)
@@ -213,6 +213,7 @@ def test_minibatches_mu_and_frozen_reference(setup):
 
 
 @pytest.mark.parametrize("reduction", ["grpo", "token_mean"])
+@pytest.mark.slow
 def test_weight_zero_rows_add_nothing(setup, reduction):
     """A row of weight 0 contributes no gradient, no token and no metric, whatever it holds."""
     graphdef, params, _, batch = setup
@@ -250,6 +251,7 @@ def test_split_rows_takes_every_shard():
     np.testing.assert_array_equal(np.asarray(parts), [[0, 1, 4, 5], [2, 3, 6, 7]])
 
 
+@pytest.mark.slow
 def test_share_prompts_gives_the_same_update(setup):
     graphdef, params, mesh, _ = setup
     rng = np.random.default_rng(3)
