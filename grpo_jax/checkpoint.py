@@ -121,6 +121,32 @@ class Checkpointer:
             )
         return step
 
+    def set_aside(self, steps) -> pathlib.Path | None:
+        """Moves ``steps`` to ``<directory>.unrestorable/`` (kept, no longer listed).
+
+        For steps that fail to restore: the run goes on from an older one, and
+        its next saves may reuse their numbers.
+        """
+        import shutil
+
+        from jax.experimental import multihost_utils
+
+        steps = list(steps)
+        if not steps:
+            return None
+        aside = self.directory.with_name(self.directory.name + ".unrestorable")
+        if jax.process_index() == 0:
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                k, target = 0, aside / str(step)
+                while target.exists():
+                    k += 1
+                    target = aside / f"{step}.{k}"
+                shutil.move(str(self.directory / str(step)), target)
+        multihost_utils.sync_global_devices("grpo_jax checkpoints set aside")
+        self._manager.reload()
+        return aside
+
     def wait(self) -> None:
         """Blocks until every pending asynchronous save is on disk."""
         self._manager.wait_until_finished()
@@ -181,8 +207,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     from grpo_jax.sharding import replicated
 
     run, ck = s.run, s.checkpointer
-    latest = ck.latest_step()
-    resumed = latest is not None
+    resumed = ck.latest_step() is not None
     warm_info = None
     base_params = state.params
     if not resumed or run.grpo.beta > 0:
@@ -196,9 +221,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         state = optim_lib.init_state(base_params, s.tx, s.mesh)
     before, prior_seconds, no_signal_run = None, 0.0, 0
     if resumed:
-        params, opt_state, meta = ck.restore(
-            latest, params_like=state.params, opt_state_like=state.opt_state
-        )
+        latest, params, opt_state, meta = restore_newest(s, state)
         rep = replicated(s.mesh)
         state = state.replace(
             params=params,
@@ -229,6 +252,43 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         warm_info=warm_info,
         prior_seconds=prior_seconds,
         no_signal_run=no_signal_run,
+    )
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of the workdir could be restored."""
+
+
+def restore_newest(s: Setup, state):
+    """(step, params, opt_state, meta) of the newest checkpoint that restores.
+
+    A step that fails to restore (a file missing or corrupt) is skipped with a
+    message naming it and the error, and the one before is tried; the steps
+    skipped are moved to ``checkpoints.unrestorable/`` (nothing is deleted)
+    once an older one restores. Raises CheckpointError when none restores.
+    """
+    ck, failures, bad = s.checkpointer, [], []
+    for step in sorted(ck.all_steps(), reverse=True):
+        try:
+            params, opt_state, meta = ck.restore(
+                step, params_like=state.params, opt_state_like=state.opt_state
+            )
+        except Exception as e:  # Orbax / TensorStore raise many types for a bad step.
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+            failures.append(f"step {step} ({why})")
+            bad.append(step)
+            s.progress.message(
+                f"checkpoint step {step} in {ck.directory} could not be restored ({why}); "
+                "trying the one before (the bad step is left in place)"
+            )
+            continue
+        aside = ck.set_aside(bad)
+        if aside is not None:
+            s.progress.message(f"checkpoint step(s) {bad} moved to {aside}")
+        return step, params, opt_state, meta
+    raise CheckpointError(
+        f"no checkpoint in {ck.directory} could be restored: {'; '.join(failures)}. Move the "
+        "checkpoints aside to start afresh, or restore the missing files"
     )
 
 

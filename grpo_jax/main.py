@@ -39,6 +39,7 @@ def main(argv):
     except distributed.DistributedError as e:
         print(f"multi-process settings error: {e}", file=sys.stderr)
         return 2
+    from grpo_jax.checkpoint import CheckpointError
     from grpo_jax.config import ConfigError
     from grpo_jax.train import NonFiniteError, train
     from grpo_jax.workdir import WorkdirBusyError
@@ -48,7 +49,7 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except WorkdirBusyError as e:
+    except (WorkdirBusyError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

@@ -1,0 +1,54 @@
+"""Resuming when the newest checkpoint is damaged: fall back to the newest one that restores."""
+
+import io
+import json
+
+import pytest
+
+from configs.default import get_config
+from grpo_jax.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.slow  # trains the smoke config twice
+
+
+def _config(steps):
+    c = get_config("smoke")
+    c.warm_start.enabled = False
+    c.eval.every = 0
+    c.eval.num_samples = 0
+    c.train.steps = steps
+    c.checkpoint.every = 2
+    c.checkpoint.keep = 3
+    return c
+
+
+def _damage(step_dir):
+    """Deletes the data files of a step's parameters (a disk error or a partial copy)."""
+    data = [p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data
+    for p in data:
+        p.unlink()
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path):
+    from grpo_jax.train import train
+
+    train(_config(4), tmp_path, stream=io.StringIO())
+    _damage(tmp_path / "checkpoints" / "4")
+    out = io.StringIO()
+    summary = train(_config(6), tmp_path, stream=out)
+    text = out.getvalue()
+    assert "checkpoint step 4" in text and "could not be restored" in text
+    assert "resuming from the checkpoint at step 2" in text
+    assert summary["steps"] == 6
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == sorted(steps) and steps.count(4) == 1 and steps[-1] == 6
+
+
+def test_no_checkpoint_that_restores_is_a_clear_error(tmp_path):
+    from grpo_jax.train import train
+
+    train(_config(2), tmp_path, stream=io.StringIO())
+    _damage(tmp_path / "checkpoints" / "2")
+    with pytest.raises(CheckpointError, match="no checkpoint in .* could be restored: step 2"):
+        train(_config(4), tmp_path, stream=io.StringIO())
