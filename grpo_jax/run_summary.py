@@ -7,8 +7,9 @@ import time
 
 
 def summarize(
-    run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main
-):
+    run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main,
+    data_stats=None,
+):  # fmt: skip
     wall = prior_seconds + time.time() - t_start
     pick = lambda ev: (
         None
@@ -32,6 +33,7 @@ def summarize(
             k: warm_info.get(k)
             for k in ("steps", "val_pass_at_1", "reached_target", "seconds", "cached")
         },
+        "data": dict(data_stats or {}),  # "skipped/<split>": malformed rows skipped
     }
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -116,8 +116,9 @@ def build_model(run: RunConfig, tokenizer, mesh):
     return nnx.split(model)
 
 
-def build_datasets(run: RunConfig) -> dict[str, list[dict]]:
-    splits = data.load_dataset(run.data.as_mapping())
+def build_datasets(run: RunConfig, stats: dict | None = None) -> dict[str, list[dict]]:
+    """{split: examples}; ``stats`` (when given) gets "skipped/<split>": malformed rows skipped."""
+    splits = data.load_dataset(run.data.as_mapping(), stats=stats)
     if "train" not in splits:
         raise ConfigError(f"the dataset has no 'train' split (splits: {sorted(splits)})")
     if run.eval.split not in splits:
@@ -195,6 +196,7 @@ class Setup:
     scorer: Scorer
     sampling: SamplingConfig
     train_examples: list  # every training example, solutions included (warm start)
+    data_stats: dict  # "skipped/<split>": malformed rows skipped (data.on_error = "skip")
     eval_examples: list
     iterator: data.DataIterator  # GRPO prompts: this host's rows of each batch
     rows_B: slice
@@ -271,7 +273,8 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
         (workdir / "config.json").write_text(json.dumps(run.raw, indent=2, sort_keys=True) + "\n")
 
     tokenizer = build_tokenizer(run, workdir)
-    datasets = build_datasets(run)
+    data_stats = {}
+    datasets = build_datasets(run, data_stats)
     train_all = datasets["train"]
     ws = run.warm_start
     if ws.enabled and len(train_all) <= ws.val_problems + ws.batch_size:
@@ -334,6 +337,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
         scorer=build_scorer(run),
         sampling=tokenizer_sampling(run, tokenizer),
         train_examples=train_all,
+        data_stats=data_stats,
         eval_examples=eval_examples(run, datasets),
         iterator=data.DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B),
         rows_B=rows_B,
@@ -350,6 +354,9 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
         base_key=base_key,
         eval_key=jax.random.fold_in(base_key, 0x5EED),
     )
+    skipped = {k: v for k, v in data_stats.items() if v}
+    if skipped:
+        s.progress.message(f"malformed data rows skipped (data.on_error='skip'): {skipped}")
     for path in filter(None, kept):
         s.progress.message(f"starting afresh: the earlier attempt's records are kept as {path}")
     return s, state

@@ -193,4 +193,5 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         final_step,
         s.progress,
         s.is_main,
+        data_stats=s.data_stats,
     )

@@ -310,3 +310,35 @@ def test_network_probe_is_bounded_and_false_on_failure(monkeypatch):
     t0 = time.monotonic()
     assert gsm8k.network_reachable(timeout=0.3) is False
     assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.slow
+def test_skipped_rows_reach_the_run_summary(tmp_path):
+    """A run on a JSONL file with a malformed row skips it and says so in summary.json."""
+    import io
+
+    from configs.default import get_config
+    from grpo_jax.train import train
+
+    rows = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(40)]
+    (tmp_path / "train.jsonl").write_bytes(
+        ("\n".join(rows) + "\n").encode() + b'{"prompt": "bad \xff", "answer": "1"}\n'
+    )
+    (tmp_path / "test.jsonl").write_text("\n".join(rows[:8]) + "\n")
+    c = get_config("smoke")
+    c.data = {
+        "source": "jsonl",
+        "train_path": str(tmp_path / "train.jsonl"),
+        "test_path": str(tmp_path / "test.jsonl"),
+        "on_error": "skip",
+    }
+    c.warm_start.enabled = False
+    c.train.steps = 1
+    c.eval.num_problems = 8
+    c.eval.batch_size = 8
+    c.eval.num_samples = 0
+    c.eval.every = 0
+    out = io.StringIO()
+    summary = train(c, tmp_path / "w", stream=out)
+    assert summary["data"] == {"skipped/train": 1, "skipped/test": 0}
+    assert "malformed data rows skipped" in out.getvalue()
