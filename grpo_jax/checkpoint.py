@@ -255,6 +255,72 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     )
 
 
+# Keys a resumed run may change: how long it runs, what it logs and evaluates, where
+# it checkpoints, how it is laid out on the devices. Any other change would make
+# the resumed run a different run than the one its checkpoints continue.
+RESUME_MAY_CHANGE = (
+    "train.steps",
+    "train.log_every",
+    "train.samples_every",
+    "train.num_samples_logged",
+    "train.max_nonfinite_in_row",
+    "train.no_signal_steps",
+    "train.track_update",
+    "train.update_kl_warn",
+    "train.reward_timeout_s",
+    "eval.",
+    "checkpoint.",
+    "mesh.",
+    "model.remat",
+)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_config(run, ck: Checkpointer) -> None:
+    """Refuses to resume ``ck``'s run with a config that changes what the run computes.
+
+    Compares ``run`` with the config saved in the newest readable checkpoint;
+    only the keys of ``RESUME_MAY_CHANGE`` may differ. Raises ``ConfigError``
+    naming each changed key with its old and new value.
+    """
+    from grpo_jax.config import ConfigError
+
+    saved = None
+    for step in sorted(ck.all_steps(), reverse=True):
+        try:
+            saved = ck.restore_meta(step).get("config")
+            break
+        except Exception:  # An unreadable step: restore_newest reports it.
+            continue
+    if saved is None:
+        return
+    old, new = _flat(saved), _flat(dict(run.raw))
+    unset = (None, "")  # a key one side lacks and the other leaves unset is no change
+    changed = [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+        and not k.startswith(RESUME_MAY_CHANGE)
+        and not (old.get(k) in unset and new.get(k) in unset)
+    ]
+    if changed:
+        raise ConfigError(
+            f"the checkpoints in {ck.directory} continue a run with another config "
+            f"({'; '.join(changed)}); resuming would not continue that run. Set these back, "
+            "or use another --workdir (a resumed run may change train.steps, logging, "
+            "evaluation, checkpointing and the mesh)"
+        )
+
+
 class CheckpointError(RuntimeError):
     """No checkpoint of the workdir could be restored."""
 

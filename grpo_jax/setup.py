@@ -27,7 +27,7 @@ from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import update as update_lib
 from grpo_jax import workdir as workdir_lib
-from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.checkpoint import Checkpointer, check_resume_config
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_batch_layout
 from grpo_jax.rollout import PromptEncoder, Scorer
 from grpo_jax.sampling import SamplingConfig
@@ -252,25 +252,33 @@ def setup(run: RunConfig, workdir, *, stream=None):
     is_main = jax.process_index() == 0
     # One run per workdir: a second one stops here, before it touches anything.
     lock = workdir_lib.WorkdirLock(workdir) if is_main else None
+    checkpointer = None
     try:
-        return _setup(run, workdir, lock, stream)
+        checkpointer = Checkpointer(
+            workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
+        )
+        # A resumed run must be the run its checkpoints continue: refuse before writing.
+        check_resume_config(run, checkpointer)
+        if is_main:
+            text = json.dumps(run.raw, indent=2, sort_keys=True) + "\n"
+            (workdir / "config.json").write_text(text)
+        return _setup(run, workdir, lock, checkpointer, stream)
     except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
         if lock is not None:
             lock.release()
         raise
 
 
-def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
+def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     run = runlocal.resolve(run)
-    workdir.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = build_mesh(run)
     shards = sharding.batch_shards(mesh)
     check_batch_layout(run, shards)
     G, B = run.grpo.G, run.train.batch_size
     N = B * G
-    if is_main:
-        (workdir / "config.json").write_text(json.dumps(run.raw, indent=2, sort_keys=True) + "\n")
 
     tokenizer = build_tokenizer(run, workdir)
     data_stats = {}
@@ -318,9 +326,6 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, stream):
     # The GRPO phase sees prompts and reference answers only, never worked solutions.
     grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
     base_key = jax.random.key(run.seed)
-    checkpointer = Checkpointer(
-        workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
-    )
     kept = []
     if is_main and checkpointer.latest_step() is None:
         # A fresh start: an earlier attempt's records (no checkpoint continues it) go aside.

@@ -52,3 +52,23 @@ def test_no_checkpoint_that_restores_is_a_clear_error(tmp_path):
     _damage(tmp_path / "checkpoints" / "2")
     with pytest.raises(CheckpointError, match="no checkpoint in .* could be restored: step 2"):
         train(_config(4), tmp_path, stream=io.StringIO())
+
+
+def test_resume_refuses_a_config_that_changes_the_run(tmp_path):
+    from grpo_jax.config import ConfigError
+    from grpo_jax.train import train
+
+    train(_config(2), tmp_path, stream=io.StringIO())
+    saved = (tmp_path / "config.json").read_text()
+    changed = _config(4)
+    changed.grpo.G = 8
+    changed.optim.learning_rate = 1e-3
+    with pytest.raises(ConfigError, match=r"grpo\.G: 4 -> 8; optim\.learning_rate: 0\.0002 -> "):
+        train(changed, tmp_path, stream=io.StringIO())
+    assert (tmp_path / "config.json").read_text() == saved  # the run's record is kept
+    # Running longer, evaluating or checkpointing differently continues the run.
+    longer = _config(4)
+    longer.eval.num_problems = 8
+    out = io.StringIO()
+    assert train(longer, tmp_path, stream=out)["steps"] == 4
+    assert "resuming from the checkpoint at step 2" in out.getvalue()
