@@ -176,3 +176,16 @@ def test_reward_modules_register_user_rewards_before_names_are_checked(tmp_path)
         config_lib.parse_config(_cfg(reward_modules="no_such_pkg_xyz.rewards"))
     with pytest.raises(ConfigError, match="reward_modules"):
         config_lib.parse_config(_cfg(reward_modules=3))
+
+
+def test_each_clip_side_is_settable_on_a_shipped_config():
+    """--config.grpo.epsilon_high=0.28 (DAPO's clip-higher) on a locked shipped config."""
+    from configs import gsm8k
+
+    for c in (get_config(), gsm8k.get_config("model=qwen3-0.6b")):
+        c.lock()
+        c.grpo.epsilon_high = 0.28
+        run = config_lib.parse_config(c)
+        assert (run.grpo.epsilon_low, run.grpo.epsilon_high) == (0.2, 0.28)
+        c.grpo.epsilon_low = 0.1
+        assert config_lib.parse_config(c).grpo.epsilon_low == 0.1
