@@ -119,6 +119,8 @@ def base() -> ConfigDict:
     c.checkpoint.every = 50
     c.checkpoint.keep = 2
     c.checkpoint.async_save = True
+    c.checkpoint.resume_from = 0  # 0: the newest step
+    c.checkpoint.allow_changed_config = False
 
     c.mesh = ConfigDict()
     c.mesh.data = -1

@@ -121,11 +121,11 @@ class Checkpointer:
             )
         return step
 
-    def set_aside(self, steps) -> pathlib.Path | None:
-        """Moves ``steps`` to ``<directory>.unrestorable/`` (kept, no longer listed).
+    def set_aside(self, steps, suffix: str = "unrestorable") -> pathlib.Path | None:
+        """Moves ``steps`` to ``<directory>.<suffix>/`` (kept, no longer listed).
 
-        For steps that fail to restore: the run goes on from an older one, and
-        its next saves may reuse their numbers.
+        For steps a run does not continue from (unrestorable ones, or those
+        after ``checkpoint.resume_from``): its next saves may reuse their numbers.
         """
         import shutil
 
@@ -134,7 +134,7 @@ class Checkpointer:
         steps = list(steps)
         if not steps:
             return None
-        aside = self.directory.with_name(self.directory.name + ".unrestorable")
+        aside = self.directory.with_name(f"{self.directory.name}.{suffix}")
         if jax.process_index() == 0:
             aside.mkdir(exist_ok=True)
             for step in steps:
@@ -226,7 +226,11 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         state = state.replace(
             params=params,
             opt_state=opt_state,
-            **{k: distributed.put(np.int32(v), rep) for k, v in meta["counters"].items()},
+            # A resumed run gets train.max_nonfinite_in_row fresh tries.
+            **{
+                k: distributed.put(np.int32(0 if k == "skipped_in_row" else v), rep)
+                for k, v in meta["counters"].items()
+            },
         )
         s.iterator.restore(meta["data_iterator"])
         prior_seconds = float(meta.get("wall_seconds", 0.0))
@@ -285,12 +289,13 @@ def _flat(d, prefix=""):
     return out
 
 
-def check_resume_config(run, ck: Checkpointer) -> None:
+def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     """Refuses to resume ``ck``'s run with a config that changes what the run computes.
 
     Compares ``run`` with the config saved in the newest readable checkpoint;
     only the keys of ``RESUME_MAY_CHANGE`` may differ. Raises ``ConfigError``
-    naming each changed key with its old and new value.
+    naming each changed key with its old and new value, unless
+    ``checkpoint.allow_changed_config``: then returns those changes.
     """
     from grpo_jax.config import ConfigError
 
@@ -302,7 +307,7 @@ def check_resume_config(run, ck: Checkpointer) -> None:
         except Exception:  # An unreadable step: restore_newest reports it.
             continue
     if saved is None:
-        return
+        return None
     old, new = _flat(saved), _flat(dict(run.raw))
     unset = (None, "")  # a key one side lacks and the other leaves unset is no change
     changed = [
@@ -312,13 +317,17 @@ def check_resume_config(run, ck: Checkpointer) -> None:
         and not k.startswith(RESUME_MAY_CHANGE)
         and not (old.get(k) in unset and new.get(k) in unset)
     ]
+    if changed and run.checkpoint.allow_changed_config:
+        return changed
     if changed:
         raise ConfigError(
             f"the checkpoints in {ck.directory} continue a run with another config "
             f"({'; '.join(changed)}); resuming would not continue that run. Set these back, "
             "or use another --workdir (a resumed run may change train.steps, logging, "
-            "evaluation, checkpointing and the mesh)"
+            "evaluation, checkpointing and the mesh), or resume anyway with "
+            "--config.checkpoint.allow_changed_config=True"
         )
+    return None
 
 
 class CheckpointError(RuntimeError):
@@ -334,6 +343,17 @@ def restore_newest(s: Setup, state):
     once an older one restores. Raises CheckpointError when none restores.
     """
     ck, failures, bad = s.checkpointer, [], []
+    want = s.run.checkpoint.resume_from
+    if want:
+        if want not in ck.all_steps():
+            raise CheckpointError(
+                f"checkpoint.resume_from = {want}: no such step in {ck.directory} "
+                f"(steps: {ck.all_steps()})"
+            )
+        later = [k for k in ck.all_steps() if k > want]
+        aside = ck.set_aside(later, suffix=f"after-{want}")
+        if aside is not None:
+            s.progress.message(f"resuming from step {want}: steps {later} moved to {aside}")
     for step in sorted(ck.all_steps(), reverse=True):
         try:
             params, opt_state, meta = ck.restore(

@@ -284,16 +284,25 @@ class CheckpointConfig:
       every: save every this many steps (and always at the end); 0: end only.
       keep: keep the last this many checkpoints.
       async_save: write in a background thread while training continues.
+      resume_from: resume from this step rather than the newest (0: the newest);
+        the newer steps are moved to ``checkpoints.after-<step>/``, kept.
+      allow_changed_config: resume even though the config changes keys that
+        make the resumed run another run (a lower learning rate after a
+        blow-up, say); the changes are reported. False: such a resume is refused.
     """
 
     every: int = 50
     keep: int = 2
     async_save: bool = True
+    resume_from: int = 0
+    allow_changed_config: bool = False
 
     def __post_init__(self):
         check_range("checkpoint.every", self.every, lo=0, integer=True)
         check_range("checkpoint.keep", self.keep, lo=1, integer=True)
         check_bool("checkpoint.async_save", self.async_save)
+        check_range("checkpoint.resume_from", self.resume_from, lo=0, integer=True)
+        check_bool("checkpoint.allow_changed_config", self.allow_changed_config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ anyway, so the host never stalls the device to read a number. It owns:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -35,10 +36,13 @@ class NonFiniteError(FloatingPointError):
 class Reporter:
     """Writes each step's record one step late and raises the run's alarms (module doc)."""
 
-    def __init__(self, s: Setup, *, no_signal_run: int = 0):
+    def __init__(self, s: Setup, *, no_signal_run: int = 0, start_step: int = 0):
         self.s = s
         self.cfg = s.run.train
         self.no_signal_run = no_signal_run  # steps in a row with no reward variance
+        # The last step whose update was applied, finite and moved the policy no more
+        # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
+        self.last_healthy = start_step
         self._pending = None  # (step, device metrics, host metrics, dispatch time)
 
     def loud(self, text: str) -> None:
@@ -106,6 +110,14 @@ class Reporter:
 
     def _update_alarms(self, step: int, m: dict) -> None:
         cfg = self.cfg
+        kl = m.get("policy/kl_old_new", 0.0)
+        if (
+            m["train/skipped_updates"] == 0
+            and math.isfinite(m["train/loss"])
+            and math.isfinite(kl)
+            and not (cfg.update_kl_warn and kl > cfg.update_kl_warn)
+        ):
+            self.last_healthy = step
         if m["train/skipped_updates"] > 0:
             self.loud(
                 f"step {step}: {int(m['train/skipped_updates'])} update(s) had a "
@@ -115,10 +127,9 @@ class Reporter:
             raise NonFiniteError(
                 f"stopping at step {step}: the last {int(m['train/skipped_in_row'])} updates "
                 f"had a non-finite loss or gradient (train.max_nonfinite_in_row = "
-                f"{cfg.max_nonfinite_in_row}); no bad update reached the parameters. Lower "
-                "optim.learning_rate, check the rewards, or resume from the last checkpoint."
+                f"{cfg.max_nonfinite_in_row}); no non-finite update reached the parameters, "
+                f"but steps after {self.last_healthy} were unhealthy. {self._way_back()}"
             )
-        kl = m.get("policy/kl_old_new", 0.0)
         if cfg.update_kl_warn and kl > cfg.update_kl_warn:
             self.loud(
                 f"step {step}: the policy moved too far in one step: KL(pi_old || pi_new) = "
@@ -126,6 +137,22 @@ class Reporter:
                 f"{m['policy/ratio_min']:.2f}..{m['policy/ratio_max']:.2f}); lower "
                 "optim.learning_rate or grpo.mu if this repeats"
             )
+
+    def _way_back(self) -> str:
+        ck = self.s.checkpointer
+        ck.wait()
+        good = [k for k in ck.all_steps() if k <= self.last_healthy]
+        if not good:
+            return (
+                "No checkpoint from before that is kept: start again with a lower "
+                "optim.learning_rate (and check the rewards) in a new --workdir."
+            )
+        return (
+            f"Checkpoint step {good[-1]} is the newest from before: rerun with "
+            f"--config.checkpoint.resume_from={good[-1]} "
+            "--config.checkpoint.allow_changed_config=True and a lower "
+            "--config.optim.learning_rate (and check the rewards)."
+        )
 
     def _rollout_alarms(self, step: int, host: HostRollout) -> None:
         cfg, m = self.cfg, host.metrics

@@ -258,7 +258,11 @@ def setup(run: RunConfig, workdir, *, stream=None):
             workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
         )
         # A resumed run must be the run its checkpoints continue: refuse before writing.
-        check_resume_config(run, checkpointer)
+        changed = check_resume_config(run, checkpointer)
+        if changed and is_main:
+            print(
+                f"resuming with a changed config: {'; '.join(changed)}", file=stream or sys.stdout
+            )
         if is_main:
             text = json.dumps(run.raw, indent=2, sort_keys=True) + "\n"
             (workdir / "config.json").write_text(text)

@@ -142,7 +142,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
     if start is None:
         return {"preempted": True, "step": 0}
     state, ref_params = start.state, start.ref_params
-    report = Reporter(s, no_signal_run=start.no_signal_run)
+    report = Reporter(s, no_signal_run=start.no_signal_run, start_step=start.start_step)
     save = functools.partial(_save, s, start=start, report=report, t_start=t_start)
     for step in range(start.start_step + 1, run.train.steps + 1):
         k_sample, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))

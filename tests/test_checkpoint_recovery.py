@@ -72,3 +72,39 @@ def test_resume_refuses_a_config_that_changes_the_run(tmp_path):
     out = io.StringIO()
     assert train(longer, tmp_path, stream=out)["steps"] == 4
     assert "resuming from the checkpoint at step 2" in out.getvalue()
+
+
+def test_after_a_blow_up_the_advice_to_resume_works(tmp_path):
+    """lr 1e30 after a warmup step: the stop names the last healthy checkpoint, and the
+    rerun it advises (that step, a lower learning rate) trains on."""
+    from grpo_jax.train import NonFiniteError, train
+
+    c = _config(6)
+    c.rewards = "overlong(max_len=16,buffer=15):1.0"  # variance on an untrained model
+    c.correct_reward = "overlong"
+    c.sampling.max_new_tokens = 16
+    c.checkpoint.every = 1
+    c.checkpoint.keep = 10
+    c.optim.learning_rate = 1e30
+    c.optim.warmup_steps = 3  # update 0 has lr 0: step 1 is healthy, step 2 blows up
+    c.train.max_nonfinite_in_row = 2
+    with pytest.raises(NonFiniteError) as e:
+        train(c, tmp_path, stream=io.StringIO())
+    message = str(e.value)
+    assert "steps after 1 were unhealthy" in message
+    assert "--config.checkpoint.resume_from=1 --config.checkpoint.allow_changed_config=True" in (
+        message
+    )
+    c.optim.learning_rate = 1e-4
+    c.optim.warmup_steps = 0
+    c.checkpoint.resume_from = 1
+    c.checkpoint.allow_changed_config = True
+    out = io.StringIO()
+    summary = train(c, tmp_path, stream=out)
+    assert summary["steps"] == 6
+    assert "resuming with a changed config: optim.learning_rate: 1e+30 -> 0.0001" in (
+        out.getvalue()
+    )
+    assert (tmp_path / "checkpoints.after-1").is_dir()  # the blown-up steps, kept aside
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert all(r["train/skipped_updates"] == 0 for r in records if r["step"] > 1)
