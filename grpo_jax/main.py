@@ -24,6 +24,7 @@ from grpo_jax import cli, distributed  # noqa: E402
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and summary.json.")
+flags.DEFINE_bool("verbose", False, "Show the full traceback of a user error (bad config, input).")
 flags.mark_flags_as_required(["config", "workdir"])
 distributed.define_flags()  # --coordinator_address, --num_processes, --process_id
 
@@ -39,19 +40,14 @@ def main(argv):
     except distributed.DistributedError as e:
         print(f"multi-process settings error: {e}", file=sys.stderr)
         return 2
-    from grpo_jax.checkpoint import CheckpointError
-    from grpo_jax.config import ConfigError
     from grpo_jax.train import NonFiniteError, train
-    from grpo_jax.workdir import WorkdirBusyError
 
     try:
         summary = train(FLAGS.config, FLAGS.workdir, start_time=_T0)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (WorkdirBusyError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except cli.user_errors() as e:
+        if FLAGS.verbose:
+            raise
+        return cli.report_user_error(e)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
@@ -59,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -78,3 +78,42 @@ def test_training_console_has_no_library_chatter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not LIBRARY_INFO.search(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[:2000]
     assert "step 1/1" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, first_words",
+    [
+        (["--worldir=/tmp/x"], "error: Unknown command line flag 'worldir'"),
+        (["--config.grpo.GG=3"], "config error: an override names a key the config does not"),
+        (["--config.data.train_path=/no/such.jsonl", "--config.data.source=jsonl"], None),
+        (
+            ["--config=configs/gsm8k.py:model=qwen2.5-0.5b", "--config.model.path=/no/such/dir"],
+            "config error: config key 'tokenizer' = '': no Hugging Face tokenizer files in /no/",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_status_2(tmp_path, args, first_words):
+    config = (
+        []
+        if any(a.startswith("--config=") for a in args)
+        else ["--config=configs/default.py:smoke"]
+    )
+    proc = _cli("grpo_jax.main", *config, f"--workdir={tmp_path}", *args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    if first_words is not None:
+        assert lines[-1].startswith(first_words), lines[-1]
+
+
+def test_help_exits_0_and_verbose_shows_the_traceback(tmp_path):
+    proc = _cli("grpo_jax.main", "--help")
+    assert proc.returncode == 0 and "--workdir" in proc.stdout
+    proc = _cli(
+        "grpo_jax.main",
+        "--config=configs/gsm8k.py:model=qwen2.5-0.5b",
+        f"--workdir={tmp_path}",
+        "--config.model.path=/no/such/dir",
+        "--verbose",
+    )
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
