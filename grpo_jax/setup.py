@@ -299,9 +299,20 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     # report (GPUs, TPUs) stops the run here, before any training.
     from flax import nnx
 
-    mem = memory.plan_run(run, nnx.merge(graphdef, params).config, mesh.shape)
+    model_cfg = nnx.merge(graphdef, params).config
+    mem = memory.plan_run(run, model_cfg, mesh.shape)
     if is_main:
         print(mem.table(), file=stream or sys.stdout, flush=True)
+        longest = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+        if longest > model_cfg.max_position_embeddings:
+            print(
+                f"WARNING: the longest prompt bucket ({max(run.sampling.prompt_buckets)}) plus "
+                f"sampling.max_new_tokens ({run.sampling.max_new_tokens}) is {longest} "
+                f"positions, past the model's context of {model_cfg.max_position_embeddings} "
+                "(max_position_embeddings): positions beyond it were never trained",
+                file=stream or sys.stdout,
+                flush=True,
+            )
 
     m_rows = run.train.minibatch_size or N
     total_updates = run.train.steps * run.grpo.mu * (N // m_rows)

@@ -117,3 +117,16 @@ def test_help_exits_0_and_verbose_shows_the_traceback(tmp_path):
         "--verbose",
     )
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_sequences_past_the_models_context_are_warned_about(tmp_path):
+    from grpo_jax.train import train
+
+    c = get_config("smoke")  # the tiny model's context: max_position_embeddings = 64
+    c.warm_start.enabled = False
+    c.train.steps = 0
+    c.eval.at_start = False
+    c.sampling.max_new_tokens = 40  # + the largest prompt bucket, 32
+    out = io.StringIO()
+    train(c, tmp_path, stream=out)
+    assert "is 72 positions, past the model's context of 64" in out.getvalue()
