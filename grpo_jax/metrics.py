@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from grpo_jax.rewards.scoring import REWARD_LIMIT
+
 # ---------------------------------------------------------------------------
 # pass@k.
 
@@ -67,6 +69,10 @@ def _stats(prefix: str, x: np.ndarray) -> dict[str, float]:
     return {f"{prefix}/mean": float(finite.mean()), f"{prefix}/std": float(finite.std())}
 
 
+def _unscored_frac(x: np.ndarray) -> float:
+    return float(np.mean(~np.isfinite(x))) if x.size else 0.0
+
+
 def duplicate_flags(completions: Sequence[str], G: int) -> np.ndarray:
     """bool per completion: it repeats an earlier completion of its group of G."""
     n = len(completions)
@@ -104,6 +110,14 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """The per-step statistics of one rollout batch of N = B*G completions.
 
+    Besides mean and std, ``rewards/<name>/errors`` counts the completions
+    each reward failed on (raised, timed out, malformed or infinite). Present
+    only in a step where they are not 0 (absent means 0): ``rewards/unscored_frac``,
+    the share of completions with no usable total reward (NaN: advantage 0);
+    ``rewards/<name>/unscored_frac``, a reward's share of NaN values; and
+    ``rewards/<name>/clipped``, the completions whose value sits at the clip
+    bound +-``REWARD_LIMIT`` (:mod:`grpo_jax.rewards.scoring`).
+
     Args:
       total_N: weighted total reward per completion (NaN where unscored).
       per_reward: each reward function's raw score per completion.
@@ -118,9 +132,16 @@ def rollout_metrics(
     """
     total_N = np.asarray(total_N, dtype=np.float64)
     out = _stats("rewards", total_N)
+    if unscored := _unscored_frac(total_N):
+        out["rewards/unscored_frac"] = unscored
     for name, r_N in per_reward.items():
+        r_N = np.asarray(r_N, dtype=np.float64)
         out.update(_stats(f"rewards/{name}", r_N))
         out[f"rewards/{name}/errors"] = float(errors.get(name, 0))
+        if unscored := _unscored_frac(r_N):
+            out[f"rewards/{name}/unscored_frac"] = unscored
+        if clipped := int(np.sum(np.abs(r_N) >= np.float32(REWARD_LIMIT))):
+            out[f"rewards/{name}/clipped"] = float(clipped)
     out["rollout/pass_rate"] = float(np.mean(correct_N))
     out["rollout/length_mean"] = float(np.mean(lengths_N))
     out["rollout/length_max"] = float(np.max(lengths_N))

@@ -1,6 +1,7 @@
 """Built-in verifiable rewards: GSM8K correctness, format, over-length, exact match, countdown.
 
-All are pure Python and regex-based (thousands of completions per second) and
+All are pure Python and regex-based, linear in the completion's length
+(thousands of completions per second), and run in the trainer's process; they
 return 1.0 / 0.0 (the over-length penalty: a value in [-1, 0]). A completion
 that states no answer scores 0.0 (it is wrong, and scorable); NaN is kept for
 completions that cannot be scored at all, such as an example whose reference
@@ -51,6 +52,18 @@ def gsm8k_correct(prompts, completions, *, answer, **_) -> list[float]:
     return out
 
 
+def _block(tag: str) -> str:
+    """Regex of ``\\s*<tag>content</tag>``: content with no <tag> or </tag> and a non-space.
+
+    The content's leading whitespace is matched apart from its first non-space
+    character, so there is a single way to split it and the match is linear in
+    the text's length (a long block that is never closed, as in a truncated
+    completion, costs one scan).
+    """
+    t = re.escape(tag)
+    return rf"\s*<{t}>\s*(?!</?{t}>)\S(?:(?!</?{t}>).)*</{t}>"
+
+
 def make_format_reward(
     think_tag: str | None = "think", answer_tag: str = "answer", pattern: str | None = None
 ):
@@ -59,14 +72,15 @@ def make_format_reward(
     Whitespace is allowed around the blocks; both must be non-empty and nothing
     may follow the answer (DeepSeek-R1's format reward). ``think_tag=None``
     asks for the answer block alone; ``pattern`` replaces the template with any
-    regex, matched with ``re.fullmatch`` and DOTALL.
+    regex, matched with ``re.fullmatch`` and DOTALL. The template matches in
+    time linear in the completion's length; a ``pattern`` may not, so a format
+    reward with one runs in a killable worker process
+    (:mod:`grpo_jax.rewards.isolation`).
     """
     if pattern is None:
-        a = re.escape(answer_tag)
-        body = rf"\s*<{a}>(?:(?!</?{a}>).)*?(?!</?{a}>)\S(?:(?!</?{a}>).)*?</{a}>\s*"
+        body = _block(answer_tag) + r"\s*"
         if think_tag is not None:
-            t = re.escape(think_tag)
-            body = rf"\s*<{t}>(?:(?!</?{t}>).)*?(?!</?{t}>)\S(?:(?!</?{t}>).)*?</{t}>" + body
+            body = _block(think_tag) + body
         pattern = body
     regex = re.compile(pattern, re.DOTALL)
 

@@ -30,7 +30,7 @@ _NUMBER_RE = re.compile(
     r"|\.\d+"  # .5
     r")"
 )
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_ANSWER_TAGS_RE = re.compile(r"<(/?)answer>", re.IGNORECASE)
 _LATEX_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*(-?[\d.,]+)\s*\}")
 _LATEX_FRAC_SHORT_RE = re.compile(r"\\[dt]?frac\s*(\d)(\d)")  # \frac12
 _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-"})
@@ -56,13 +56,22 @@ def last_boxed(text: str) -> str | None:
 
 
 def last_tag(text: str, tag: str = "answer") -> str | None:
-    """Content of the last ``<tag>...</tag>`` in ``text``, or None."""
-    if tag == "answer":
-        matches = _ANSWER_TAG_RE.findall(text)
-    else:
-        t = re.escape(tag)
-        matches = re.findall(rf"<{t}>(.*?)</{t}>", text, re.DOTALL | re.IGNORECASE)
-    return matches[-1] if matches else None
+    """Content of the last ``<tag>...</tag>`` in ``text``, or None.
+
+    Tags match case-insensitively; a block runs from an opening tag to the
+    first closing tag after it (``re.findall(r"<tag>(.*?)</tag>")``, whose
+    last match this is), found in one linear scan over the tags.
+    """
+    t = re.escape(tag)
+    tags = _ANSWER_TAGS_RE if tag == "answer" else re.compile(rf"<(/?){t}>", re.IGNORECASE)
+    last, start = None, None
+    for m in tags.finditer(text):
+        if not m.group(1):
+            if start is None:
+                start = m.end()
+        elif start is not None:
+            last, start = text[start : m.start()], None
+    return last
 
 
 def answer_segment(text: str) -> str:

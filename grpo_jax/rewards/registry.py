@@ -18,6 +18,12 @@ Names are registered two ways:
 Users add their own rewards in a module that registers them on import and name
 that module (``pkg.my_rewards``) or file (``/path/to/my_rewards.py``) in the
 run config's ``reward_modules`` key; :func:`load_user_module` imports it.
+
+:func:`register` records the module that called it, so that a worker process
+can import the same module to find a user reward: user rewards are scored in
+worker processes that a deadline can kill (:mod:`grpo_jax.rewards.isolation`),
+and a reward registered where a worker cannot re-import it (in ``__main__``,
+or defined inside a function) is scored in this process instead.
 """
 
 from __future__ import annotations
@@ -40,6 +46,30 @@ RewardFn = Callable[..., list]
 class _Entry:
     obj: Callable
     factory: bool
+    module: str | None = None  # __name__ of the module whose code called register()
+    file: str | None = None  # and its __file__, when it has one
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a registered reward comes from: what a worker process imports to find it.
+
+    Attributes:
+      name: the registry name (``spec`` without its options).
+      options: the options of ``spec`` (keyword arguments of a factory).
+      module, file: ``__name__`` and ``__file__`` of the module that called
+        :func:`register` (``file`` is None for a module without one).
+      identity: ``(module, qualname)`` of the registered function or factory,
+        which a worker compares with its own registry entry after the import.
+      builtin: registered by grpo_jax.rewards itself.
+    """
+
+    name: str
+    options: dict
+    module: str | None
+    file: str | None
+    identity: tuple[str | None, str | None]
+    builtin: bool
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -57,6 +87,8 @@ def register(name: str, *, factory: bool = False, override: bool = False):
     """
     if not isinstance(name, str) or not name or "(" in name or ")" in name:
         raise ValueError(f"reward name {name!r} must be a non-empty string without parentheses")
+    caller = sys._getframe(1).f_globals  # the registering module, for worker processes
+    module, file = caller.get("__name__"), caller.get("__file__")
 
     def deco(obj: Callable) -> Callable:
         if not callable(obj):
@@ -68,12 +100,28 @@ def register(name: str, *, factory: bool = False, override: bool = False):
                     f"reward name {name!r} is already registered (to {old.obj!r}); "
                     "pass override=True to replace it"
                 )
-            _REGISTRY[name] = _Entry(obj, factory)
+            _REGISTRY[name] = _Entry(obj, factory, module, file)
             for key in [k for k in _BUILT if k == name or k.startswith(name + "(")]:
                 del _BUILT[key]
         return obj
 
     return deco
+
+
+def identity(obj) -> tuple[str | None, str | None]:
+    """``(module, qualname)`` of a function, class or callable instance."""
+    qualname = getattr(obj, "__qualname__", None) or getattr(type(obj), "__qualname__", None)
+    return getattr(obj, "__module__", None), qualname
+
+
+def origin(spec: str) -> Origin:
+    """Where the reward ``spec`` was registered (ConfigError for unknown names)."""
+    name, options = _parse_spec(spec) if isinstance(spec, str) else (spec, {})
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise ConfigError(f"unknown reward {name!r}; available rewards: {available()}")
+    builtin = entry.module is not None and entry.module.startswith("grpo_jax.rewards.")
+    return Origin(name, options, entry.module, entry.file, identity(entry.obj), builtin)
 
 
 def available() -> list[str]:

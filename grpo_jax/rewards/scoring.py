@@ -1,30 +1,55 @@
 """Scoring a rollout batch with several weighted rewards, robust to failures.
 
-A reward that raises, runs past its time budget, or returns something other
-than one number per completion must never stop a training run: the affected
-completions get NaN (which :func:`grpo_jax.advantages.group_advantages` leaves
-out of their group's statistics and gives advantage 0) and are counted in
-``RewardResult.errors`` (logged as ``rewards/<name>/errors``).
+A reward that raises, runs past its time budget, returns something other than
+one number per completion, or returns an infinite value must never stop a
+training run: the affected completions get NaN (which
+:func:`grpo_jax.advantages.group_advantages` leaves out of their group's
+statistics and gives advantage 0) and are counted in ``RewardResult.errors``
+(logged as ``rewards/<name>/errors``). NaN (or None) returned by a reward is
+its documented way of saying "cannot score this one" (a reference answer with
+no number): unscored, not an error; the share of unscored completions is
+logged per reward and for the total (``rewards/<name>/unscored_frac``,
+``rewards/total/unscored_frac``). Finite values beyond ``REWARD_LIMIT``
+(1e6) in magnitude are clipped to +-``REWARD_LIMIT`` and counted
+(``RewardResult.clipped``, ``rewards/<name>/clipped``), so that the advantages
+computed from them in float32 stay finite.
 
-How a reward runs (N completions):
+Where a reward runs (:mod:`grpo_jax.rewards.isolation`): rewards registered by
+user code run in worker processes that are killed at their deadline; the
+built-in rewards (``gsm8k``, ``exact_match``, ``countdown``, ``overlong``,
+``format`` without a custom ``pattern``, ``math_verify``) run in this process.
 
-1. one call on the whole batch, in a daemon thread joined with a deadline of
-   ``timeout_s`` seconds (cheap rewards stay one Python call per batch);
-2. if that call raises or times out, the completions are re-scored one at a
-   time, each in its own daemon thread, all under one further deadline of
-   ``timeout_s``, so that only the completions that raise or hang get NaN.
+How a reward runs (N completions), in a worker or in this process alike:
 
-A thread past its deadline is abandoned, not stopped (Python cannot stop a
-thread). That is enough for code that eventually returns or blocks without the
-GIL; a verifier that can spin forever in C (sympy) must run in a process it can
-kill, as the ``math_verify`` reward does. Such a reward sets the attribute
-``manages_timeout = True`` on its function: it is then called directly, with
+1. one call on the whole batch, with a deadline of ``timeout_s`` seconds
+   (cheap rewards stay one Python call per batch);
+2. if that call raises, times out or kills its worker, the completions are
+   re-scored one at a time, so that only the completions that raise or hang
+   get NaN. In a worker each completion has its own deadline of ``timeout_s``
+   (the completions are spread over the pool's workers; a completion past its
+   deadline costs its worker, which is replaced in the background, and once
+   as many completions as the pool has workers, at least 2, have cost one,
+   the rest of the batch is given up: NaN, counted). In this process each
+   runs in its own daemon thread, all under one further deadline of
+   ``timeout_s``.
+
+In this process, a thread past its deadline is abandoned, not stopped (Python
+cannot stop a thread): enough for the built-in rewards, which are linear-time,
+and the fallback for a user reward that a worker cannot import (a warning then
+says so). A reward that must bound its own work (``math_verify``, whose
+verifier runs in a process of its own) sets the attribute ``manages_timeout =
+True`` on its function: in this process it is then called directly, with
 exceptions still caught, and may report per-completion failures by returning
 an ``Exception`` instance in place of a float.
+
+Each reward sees its own copy of the fields (deep-copied in this process,
+pickled to a worker), so a reward that mutates them cannot change what the
+rewards after it see.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -35,9 +60,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from grpo_jax.config import ConfigError
-from grpo_jax.rewards import registry
+from grpo_jax.rewards import isolation, registry
 
 log = logging.getLogger(__name__)
+
+REWARD_LIMIT = 1e6  # |reward| above this is clipped to it (and counted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +92,24 @@ class RewardResult:
         completion then gets advantage 0). A reward of weight 0 is left out of
         the sum, so its failures never make the total NaN.
       per_reward: name -> float32[N], each reward unweighted.
-      errors: name -> number of completions whose reward raised, timed out or
-        was malformed (each also NaN in ``per_reward``), weight 0 included.
+      errors: name -> number of completions whose reward raised, timed out,
+        was malformed or infinite (each also NaN in ``per_reward``), weight 0
+        included.
+      clipped: name -> number of completions whose finite reward exceeded
+        ``REWARD_LIMIT`` in magnitude and was clipped to +-``REWARD_LIMIT``.
     """
 
     total: np.ndarray
     per_reward: dict[str, np.ndarray]
     errors: dict[str, int]
+    clipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def metrics(self, prefix: str = "rewards") -> dict[str, float]:
-        """Scalars to log: mean (over scored completions), errors and unscored share."""
+        """Scalars to log: mean (over scored completions), errors, clipped, unscored share.
+
+        ``<prefix>/total/unscored_frac`` is the share of completions with no
+        usable total reward (advantage 0).
+        """
         out = {}
         items = list(self.per_reward.items()) + [("total", self.total)]
         for name, v in items:
@@ -83,6 +118,8 @@ class RewardResult:
             out[f"{prefix}/{name}/unscored_frac"] = float(1.0 - finite.mean()) if v.size else 0.0
             if name in self.errors:
                 out[f"{prefix}/{name}/errors"] = float(self.errors[name])
+            if name in self.clipped:
+                out[f"{prefix}/{name}/clipped"] = float(self.clipped[name])
         return out
 
 
@@ -107,19 +144,27 @@ class _Call:
 
 
 def _as_float(x) -> float | None:
-    """A returned value as float (None -> NaN: cannot score); None if malformed."""
+    """A returned value as float (None -> NaN: cannot score); None if malformed.
+
+    An integer too large for a float becomes +-1e308 (clipped afterwards).
+    """
     if x is None:
         return math.nan
     if isinstance(x, BaseException) or isinstance(x, (str, bytes)):
         return None
     try:
         return float(x)
+    except OverflowError:
+        try:
+            return math.copysign(1e308, 1 if x > 0 else -1)
+        except Exception:  # noqa: BLE001
+            return None
     except (TypeError, ValueError):
         return None
 
 
 def _to_array(name: str, out, n: int) -> tuple[np.ndarray, int]:
-    """Checks a batch output: ``n`` numbers -> (float32[n], malformed count)."""
+    """Checks a batch output: ``n`` numbers -> (float64[n], malformed count)."""
     try:
         values = list(out)
     except TypeError:
@@ -127,7 +172,7 @@ def _to_array(name: str, out, n: int) -> tuple[np.ndarray, int]:
     if values is None or len(values) != n:
         got = f"{len(values)} values" if values is not None else f"{type(out).__name__}"
         log.warning("reward %r returned %s for %d completions; all set to NaN", name, got, n)
-        return np.full(n, np.nan, np.float32), n
+        return np.full(n, np.nan), n
     floats = [_as_float(x) for x in values]
     bad = [i for i, f in enumerate(floats) if f is None]
     if bad:
@@ -140,12 +185,21 @@ def _to_array(name: str, out, n: int) -> tuple[np.ndarray, int]:
             bad[0],
             first,
         )
-    arr = np.array([math.nan if f is None else f for f in floats], np.float32)
+    arr = np.array([math.nan if f is None else f for f in floats], np.float64)
     return arr, len(bad)
 
 
 def _subset(seq_fields: Mapping[str, list], i: int) -> dict[str, list]:
     return {k: v[i : i + 1] for k, v in seq_fields.items()}
+
+
+def _row_value(value) -> float | None:
+    """A one-completion call's output as a float; None if it is not one number."""
+    try:
+        values = list(value)
+    except TypeError:
+        values = []
+    return _as_float(values[0]) if len(values) == 1 else None
 
 
 def _run_one_by_one(name, fn, prompts, completions, fields, timeout_s) -> tuple[np.ndarray, int]:
@@ -155,7 +209,7 @@ def _run_one_by_one(name, fn, prompts, completions, fields, timeout_s) -> tuple[
         _Call(fn, prompts[i : i + 1], completions[i : i + 1], **_subset(fields, i))
         for i in range(n)
     ]
-    out = np.full(n, np.nan, np.float32)
+    out = np.full(n, np.nan)
     errors, first_error = 0, None
     for i, call in enumerate(calls):
         if not call.wait(deadline):
@@ -166,11 +220,7 @@ def _run_one_by_one(name, fn, prompts, completions, fields, timeout_s) -> tuple[
             errors += 1
             first_error = first_error or f"#{i} raised {call.error!r}"
             continue
-        try:
-            values = list(call.value)
-        except TypeError:
-            values = []
-        v = _as_float(values[0]) if len(values) == 1 else None
+        v = _row_value(call.value)
         if v is None:
             errors += 1
             first_error = first_error or f"#{i} returned {call.value!r}"
@@ -183,6 +233,123 @@ def _run_one_by_one(name, fn, prompts, completions, fields, timeout_s) -> tuple[
     return out, errors
 
 
+def _private_fields(fields: Mapping[str, list]) -> dict[str, list]:
+    """A copy of the fields that a reward may change freely (deep where possible)."""
+    try:
+        return copy.deepcopy(dict(fields))
+    except Exception:  # noqa: BLE001 -- an uncopyable value: fresh lists at least
+        return {k: list(v) for k, v in fields.items()}
+
+
+def _run_in_process(name, fn, prompts, completions, fields, timeout_s) -> tuple[np.ndarray, int]:
+    n = len(completions)
+    prompts, completions = list(prompts), list(completions)
+    fields = _private_fields(fields)
+    if getattr(fn, "manages_timeout", False):
+        try:
+            out = fn(prompts, completions, **fields)
+        except Exception as e:  # noqa: BLE001
+            log.warning("reward %r raised %r; its %d completions set to NaN", name, e, n)
+            return np.full(n, np.nan), n
+        return _to_array(name, out, n)
+
+    call = _Call(fn, prompts, completions, **fields)
+    if call.wait(time.monotonic() + timeout_s) and call.error is None:
+        return _to_array(name, call.value, n)
+    why = f"raised {call.error!r}" if call.error is not None else f"ran past {timeout_s}s"
+    log.warning("reward %r %s on a batch of %d; re-scoring one by one", name, why, n)
+    return _run_one_by_one(name, fn, prompts, completions, fields, timeout_s)
+
+
+def _describe(reply: isolation.Reply, timeout_s: float) -> str:
+    if reply.kind == "raised":
+        return f"raised {reply.value!r}"
+    if reply.kind == "timeout":
+        return f"ran past {timeout_s}s (worker killed)"
+    if reply.kind == "died":
+        return "ended its worker process"
+    if reply.kind == "malformed":
+        return f"returned a {reply.value} that cannot be sent back"
+    if reply.kind == "skipped":
+        return "was not tried: too many completions hung"
+    return f"returned {reply.value!r}"
+
+
+def _run_in_worker(name, prompts, completions, fields, timeout_s) -> tuple[np.ndarray, int]:
+    """The two steps of the module docstring in worker processes; raises isolation.Unavailable."""
+    n = len(completions)
+    prompts, completions, fields = list(prompts), list(completions), dict(fields)
+    reply = isolation.call_batch(name, prompts, completions, fields, timeout_s=timeout_s)
+    if reply.kind == "ok":
+        return _to_array(name, reply.value, n)
+    if reply.kind == "malformed" or n == 1:
+        log.warning("reward %r %s on %d completion(s)", name, _describe(reply, timeout_s), n)
+        return np.full(n, np.nan), n
+    why = _describe(reply, timeout_s)
+    log.warning("reward %r %s on a batch of %d; re-scoring one by one", name, why, n)
+    replies = isolation.call_rows(name, prompts, completions, fields, timeout_s=timeout_s)
+    out = np.full(n, np.nan)
+    errors, first_error = 0, None
+    for i, r in enumerate(replies):
+        v = _row_value(r.value) if r.kind == "ok" else None
+        if v is None:
+            errors += 1
+            first_error = first_error or f"#{i} {_describe(r, timeout_s)}"
+        else:
+            out[i] = v
+    if errors:
+        log.warning(
+            "reward %r failed on %d of %d completions (first: %s)", name, errors, n, first_error
+        )
+    skipped = sum(r.kind == "skipped" for r in replies)
+    if skipped:
+        lost = sum(r.kind in ("timeout", "died") for r in replies)
+        log.warning(
+            "reward %r: %d completions not tried: too many completions hung "
+            "(%d cost their worker); all counted as errors",
+            name,
+            skipped,
+            lost,
+        )
+    return out, errors
+
+
+def _finish(name: str, values: np.ndarray, errors: int) -> tuple[np.ndarray, int, int]:
+    """-> (float32 values, errors, clipped): infinite -> NaN and an error, huge -> clipped."""
+    values = np.array(values, np.float64)
+    inf = np.isinf(values)
+    if inf.any():
+        log.warning(
+            "reward %r returned an infinite value for %d completion(s); set to NaN",
+            name,
+            int(inf.sum()),
+        )
+        values[inf] = np.nan
+    big = np.abs(np.nan_to_num(values)) > REWARD_LIMIT
+    if big.any():
+        log.warning(
+            "reward %r returned %d value(s) beyond +-%g (largest %g); clipped",
+            name,
+            int(big.sum()),
+            REWARD_LIMIT,
+            float(np.abs(values[big]).max()),
+        )
+        values[big] = np.clip(values[big], -REWARD_LIMIT, REWARD_LIMIT)
+    return values.astype(np.float32), errors + int(inf.sum()), int(big.sum())
+
+
+def _run(name, fn, prompts, completions, fields, timeout_s) -> tuple[np.ndarray, int]:
+    why = isolation.why_in_process(name)
+    if why is None:
+        try:
+            return _run_in_worker(name, prompts, completions, fields, timeout_s)
+        except isolation.Unavailable as e:
+            why = str(e)
+    if why not in ("built-in", "workers=0"):
+        isolation.warn_in_process(name, why)
+    return _run_in_process(name, fn, prompts, completions, fields, timeout_s)
+
+
 def run_reward(
     name: str,
     fn,
@@ -192,23 +359,15 @@ def run_reward(
     *,
     timeout_s: float = 10.0,
 ) -> tuple[np.ndarray, int]:
-    """One reward on N completions -> (float32[N] with NaN where failed, error count)."""
-    n = len(completions)
-    prompts, completions = list(prompts), list(completions)
-    if getattr(fn, "manages_timeout", False):
-        try:
-            out = fn(prompts, completions, **fields)
-        except Exception as e:  # noqa: BLE001
-            log.warning("reward %r raised %r; its %d completions set to NaN", name, e, n)
-            return np.full(n, np.nan, np.float32), n
-        return _to_array(name, out, n)
+    """One reward function on N completions, in this process -> (float32[N], error count).
 
-    call = _Call(fn, prompts, completions, **fields)
-    if call.wait(time.monotonic() + timeout_s) and call.error is None:
-        return _to_array(name, call.value, n)
-    why = f"raised {call.error!r}" if call.error is not None else f"ran past {timeout_s}s"
-    log.warning("reward %r %s on a batch of %d; re-scoring one by one", name, why, n)
-    return _run_one_by_one(name, fn, prompts, completions, fields, timeout_s)
+    NaN where it failed; infinite values count as errors, finite ones beyond
+    ``REWARD_LIMIT`` are clipped. :func:`score` runs user rewards in worker
+    processes instead.
+    """
+    values, errors = _run_in_process(name, fn, prompts, completions, fields, timeout_s)
+    values, errors, _ = _finish(name, values, errors)
+    return values, errors
 
 
 def score(
@@ -227,15 +386,18 @@ def score(
       prompts: N prompt strings (the prompt of each completion, repeated G times).
       completions: N completion strings.
       fields: dataset columns, each a list of N values aligned with completions.
-      timeout_s: time budget of one reward on the batch (and again for its
-        one-by-one re-scoring after a failure).
+        Never modified: each reward gets its own copy.
+      timeout_s: time budget of one reward on the batch, and again of each
+        completion (in a worker) or of all of them together (in this
+        process) when a failure makes it re-score them one by one.
       completion_lengths: N token counts; passed to rewards as the
         ``completion_lengths`` field (the over-length penalty needs it).
 
     Returns:
       RewardResult with ``total = sum_{k: w_k != 0} w_k r_k`` (NaN where any
       r_k of non-zero weight is NaN; a weight-0 reward is scored and its
-      errors counted, but it adds nothing to the total).
+      errors counted, but it adds nothing to the total); every r_k within
+      +-``REWARD_LIMIT``.
     """
     n = len(completions)
     fields = dict(fields or {})
@@ -255,14 +417,18 @@ def score(
     fns = [registry.get(s.name) for s in specs]  # unknown names fail before any work
 
     total = np.zeros(n, np.float32)
-    per_reward, errors = {}, {}
+    per_reward, errors, clipped = {}, {}, {}
     for spec, fn in zip(specs, fns):
-        values, n_err = run_reward(spec.name, fn, prompts, completions, fields, timeout_s=timeout_s)
+        values, n_err = _run(spec.name, fn, prompts, completions, fields, timeout_s)
+        values, n_err, n_clip = _finish(spec.name, values, n_err)
         per_reward[spec.name] = values
         errors[spec.name] = n_err
+        clipped[spec.name] = n_clip
         if spec.weight != 0:  # 0 * NaN is NaN: a weight-0 reward adds nothing, failed or not.
             total = total + np.float32(spec.weight) * values
-    return RewardResult(total=total.astype(np.float32), per_reward=per_reward, errors=errors)
+    return RewardResult(
+        total=total.astype(np.float32), per_reward=per_reward, errors=errors, clipped=clipped
+    )
 
 
 def fields_from_examples(
