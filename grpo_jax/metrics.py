@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from grpo_jax.rewards.scoring import REWARD_LIMIT
-
 # ---------------------------------------------------------------------------
 # pass@k.
 
@@ -107,16 +105,16 @@ def rollout_metrics(
     duplicate_N: np.ndarray,
     G: int,
     invalid_N: np.ndarray | None = None,
+    clipped: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
     """The per-step statistics of one rollout batch of N = B*G completions.
 
     Besides mean and std, ``rewards/<name>/errors`` counts the completions
-    each reward failed on (raised, timed out, malformed or infinite). Present
-    only in a step where they are not 0 (absent means 0): ``rewards/unscored_frac``,
-    the share of completions with no usable total reward (NaN: advantage 0);
-    ``rewards/<name>/unscored_frac``, a reward's share of NaN values; and
-    ``rewards/<name>/clipped``, the completions whose value sits at the clip
-    bound +-``REWARD_LIMIT`` (:mod:`grpo_jax.rewards.scoring`).
+    each reward failed on (raised, timed out, malformed or infinite);
+    ``rewards/unscored_frac`` is the share of completions with no usable total
+    reward (NaN: advantage 0), ``rewards/<name>/unscored_frac`` a reward's
+    share of NaN values, and ``rewards/<name>/clipped`` the completions whose
+    value was clipped to +-``REWARD_LIMIT`` (:mod:`grpo_jax.rewards.scoring`).
 
     Args:
       total_N: weighted total reward per completion (NaN where unscored).
@@ -129,19 +127,17 @@ def rollout_metrics(
         (:func:`duplicate_flags`; per row, so hosts can each flag their own).
       G: group size.
       invalid_N: bool, no answer could be parsed (invalid format); omitted if None.
+      clipped: number of completions each reward's value was clipped for.
     """
     total_N = np.asarray(total_N, dtype=np.float64)
     out = _stats("rewards", total_N)
-    if unscored := _unscored_frac(total_N):
-        out["rewards/unscored_frac"] = unscored
+    out["rewards/unscored_frac"] = _unscored_frac(total_N)
     for name, r_N in per_reward.items():
         r_N = np.asarray(r_N, dtype=np.float64)
         out.update(_stats(f"rewards/{name}", r_N))
         out[f"rewards/{name}/errors"] = float(errors.get(name, 0))
-        if unscored := _unscored_frac(r_N):
-            out[f"rewards/{name}/unscored_frac"] = unscored
-        if clipped := int(np.sum(np.abs(r_N) >= np.float32(REWARD_LIMIT))):
-            out[f"rewards/{name}/clipped"] = float(clipped)
+        out[f"rewards/{name}/unscored_frac"] = _unscored_frac(r_N)
+        out[f"rewards/{name}/clipped"] = float((clipped or {}).get(name, 0))
     out["rollout/pass_rate"] = float(np.mean(correct_N))
     out["rollout/length_mean"] = float(np.mean(lengths_N))
     out["rollout/length_max"] = float(np.max(lengths_N))

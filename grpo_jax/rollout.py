@@ -291,6 +291,7 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
             "row": np.arange(s.rows_N.start, s.rows_N.stop),
             "per_reward": {k: result.per_reward[k] for k in names},
             "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
+            "clipped": np.array([[result.clipped.get(k, 0) for k in names]], np.int32),
             "prompt_tokens": np.array([prompt_tokens * G]),  # each prompt heads G rows
             "correct": correct_n,
             "lengths": lengths_n,
@@ -309,11 +310,12 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
         )
     ).reshape(-1)
     t2 = time.perf_counter()
-    errors = rows["errors"].sum(axis=0)
+    errors, clipped = rows["errors"].sum(axis=0), rows["clipped"].sum(axis=0)
     metrics = rollout_metrics(
         total_N=rows["total"],
         per_reward={s.scorer.display[k]: rows["per_reward"][k] for k in names},
         errors={s.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
+        clipped={s.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
         correct_N=rows["correct"],
         lengths_N=rows["lengths"],
         truncated_N=rows["truncated"],

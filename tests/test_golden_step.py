@@ -7,7 +7,8 @@ large learning rate so that the ratios move and both clip sides bind. The number
 below were produced by the trainer before it was split into setup / collect /
 update / report, and the split reproduced them bit for bit; they change only
 when a change means to change what one step computes (then update them and say
-why in the commit).
+why in the commit). Since then: the correctness reward is logged under its own
+name, and every step logs the unscored and clipped counts of each reward.
 """
 
 import json
@@ -26,10 +27,15 @@ GOLDEN = {
     "rewards/overlong/errors": 0.0,
     "rewards/overlong/mean": -0.958333333954215,
     "rewards/overlong/std": 0.145057458402725,
+    "rewards/overlong/unscored_frac": 0.0,
+    "rewards/overlong/clipped": 0.0,
     "rewards/overlong[correct]/errors": 0.0,
     "rewards/overlong[correct]/mean": 0.0,
     "rewards/overlong[correct]/std": 0.0,
+    "rewards/overlong[correct]/unscored_frac": 0.0,
+    "rewards/overlong[correct]/clipped": 0.0,
     "rewards/std": 0.145057458402725,
+    "rewards/unscored_frac": 0.0,
     "rollout/duplicate_frac": 0.0,
     "rollout/frac_zero_var_groups": 0.5,
     "rollout/group_reward_var": 0.01708333297322194,

@@ -425,6 +425,7 @@ def test_rollout_metrics_count_unscored_rows_and_clipped_values():
         total_N=total,
         per_reward={"r": np.array([1.0, np.nan, 0.0, limit, np.nan, 0.5, -limit, 0.0])},
         errors={"r": 1},
+        clipped={"r": 2},
         correct_N=np.zeros(8, bool),
         lengths_N=np.ones(8),
         truncated_N=np.zeros(8, bool),
@@ -435,7 +436,7 @@ def test_rollout_metrics_count_unscored_rows_and_clipped_values():
     assert out["rewards/r/unscored_frac"] == 0.25
     assert out["rewards/r/clipped"] == 2.0
     assert out["rewards/r/errors"] == 1.0
-    # Zeros are left out (absent means 0), so a clean run logs the keys it always did.
+    # Every step logs the same keys: zeros in a clean one.
     clean = metrics.rollout_metrics(
         total_N=np.zeros(4),
         per_reward={"r": np.zeros(4)},
@@ -446,8 +447,9 @@ def test_rollout_metrics_count_unscored_rows_and_clipped_values():
         duplicate_N=np.zeros(4, bool),
         G=4,
     )
-    assert not [k for k in clean if k.endswith(("unscored_frac", "clipped"))]
-    assert clean["rewards/r/errors"] == 0.0
+    assert sorted(clean) == sorted(out)
+    assert clean["rewards/r/errors"] == clean["rewards/r/clipped"] == 0.0
+    assert clean["rewards/unscored_frac"] == clean["rewards/r/unscored_frac"] == 0.0
 
 
 # ---------------------------------------------------------------------------
