@@ -130,3 +130,50 @@ def test_sequences_past_the_models_context_are_warned_about(tmp_path):
     out = io.StringIO()
     train(c, tmp_path, stream=out)
     assert "is 72 positions, past the model's context of 64" in out.getvalue()
+
+
+def test_sigterm_ends_a_run_stuck_in_a_reward_within_bounded_time(tmp_path):
+    """A user reward stuck in a regex that holds the interpreter lock: SIGTERM still stops
+    the run (its reward calls are killed at their deadline) with a checkpoint saved."""
+    import signal
+
+    module = tmp_path / "stuck_rewards.py"
+    module.write_text(
+        "import re\n"
+        "from grpo_jax import rewards\n\n\n"
+        "@rewards.register('stuck_regex')\n"
+        "def stuck(prompts, completions, **_):\n"
+        "    re.match(r'(a+)+$', 'a' * 64 + 'b')  # catastrophic backtracking, GIL held\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpo_jax.main",
+            "--config=configs/default.py:smoke",
+            f"--workdir={tmp_path / 'w'}",
+            "--config.warm_start.enabled=False",
+            "--config.eval.at_start=False",
+            "--config.train.steps=1000",
+            f"--config.reward_modules={module}",
+            "--config.rewards=stuck_regex:1.0,exact_match(tag=None):1.0",
+            "--config.train.reward_timeout_s=1.0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:  # wait until a step has finished
+            if line.startswith("step 1/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        # A hang (the old behaviour) raises TimeoutExpired here.
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest[-2000:]
+    assert "preempted: saved the checkpoint of step" in rest
+    assert any(p.name.isdigit() for p in (tmp_path / "w" / "checkpoints").iterdir())
