@@ -43,7 +43,7 @@ class Reporter:
         # The last step whose update was applied, finite and moved the policy no more
         # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
         self.last_healthy = start_step
-        self._pending = None  # (step, device metrics, host metrics, dispatch time)
+        self._pending = None  # (step, device metrics, host metrics, update call time)
 
     def loud(self, text: str) -> None:
         bar = "!" * 78
@@ -65,15 +65,21 @@ class Reporter:
 
     # -- records -----------------------------------------------------------------
 
-    def step_done(self, step: int, dev_metrics, host: HostRollout, t_dispatch: float) -> None:
-        """Queues ``step``'s record and writes the previous step's (its update is done)."""
+    def step_done(self, step: int, dev_metrics, host: HostRollout, t_update: float) -> None:
+        """Queues ``step``'s record and writes the previous step's (its update is done).
+
+        ``t_update``: ``perf_counter()`` when the update was called. The step's
+        ``perf/time_train_s`` runs from then until the host saw the update done:
+        the update itself (its compilation on the first step) plus at most the
+        host work that overlapped it.
+        """
         m = dict(host.metrics)
         train_tokens = (host.prompt_tokens + host.completion_tokens) * self.s.run.grpo.mu
         m["train/epoch"] = float(self.s.iterator.epoch)
         m["_train_tokens"] = float(train_tokens)
         if self._pending is not None:
             self._finish(self._pending, host.t_params_ready)
-        self._pending = (step, dev_metrics, m, t_dispatch)
+        self._pending = (step, dev_metrics, m, t_update)
         self._rollout_alarms(step, host)
 
     def flush(self, state, evaluate=None, *, write_alone: bool = True) -> dict | None:
@@ -93,11 +99,11 @@ class Reporter:
         return extra
 
     def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
-        step, dev, host, t_dispatch = pending
+        step, dev, host, t_update = pending
         m = dict(host)
         m.update({k: float(v) for k, v in jax.device_get(dev).items()})
         m.update(extra or {})
-        t_train = t_ready - t_dispatch
+        t_train = t_ready - t_update
         m["perf/time_train_s"] = t_train
         m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)
         m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train

@@ -149,8 +149,9 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         examples = s.iterator.next()  # this host's rows of the global batch
         batch, host = rollout.collect(s, state.params, examples, k_sample)
         k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
+        t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
         state, dev_metrics = s.update(state, batch, k_train, ref_params)
-        report.step_done(step, dev_metrics, host, time.perf_counter())
+        report.step_done(step, dev_metrics, host, t_update)
 
         do_eval, do_ckpt = report.due(step)
         if do_eval or do_ckpt or preempt.requested:

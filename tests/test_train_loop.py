@@ -221,3 +221,24 @@ def test_nonfinite_updates_stop_the_run(tmp_path, monkeypatch):
     assert [r["train/skipped_updates"] for r in records] == [1, 1]
     assert [r["train/updates"] for r in records] == [0, 0]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_train_time_covers_the_update_on_every_step(tmp_path, monkeypatch):
+    """perf/time_train_s spans the update on checkpoint, evaluation and last steps too:
+    an update made to take at least 0.3 s is never recorded as shorter."""
+    import time
+
+    real = losses.grpo_loss
+
+    def slow_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        jax.debug.callback(lambda x: time.sleep(0.3), loss)
+        return loss, metrics
+
+    monkeypatch.setattr(losses, "grpo_loss", slow_loss)
+    cfg = _quick(**{"train.steps": 4, "checkpoint.every": 2, "eval.every": 3})
+    train(cfg, tmp_path, stream=io.StringIO())
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "perf/time_train_s" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["perf/time_train_s"] >= 0.3, (r["step"], r["perf/time_train_s"])
