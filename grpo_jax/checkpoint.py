@@ -17,7 +17,9 @@ latest checkpoint, or making the base policy), and ``save_run`` saves one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import pathlib
 from collections.abc import Mapping
@@ -77,7 +79,27 @@ class Checkpointer:
             opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(dict(meta, step=int(step))),
         )
-        return self._manager.save(int(step), args=args, force=True)
+        with self._saving(step):
+            return self._manager.save(int(step), args=args, force=True)
+
+    @contextlib.contextmanager
+    def _saving(self, step=None):
+        """Turns a failed save (a full disk, a lost mount) into one CheckpointError."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # Orbax / TensorStore raise many types, often from threads.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
+                first = f"no space left on device ({first[:200]})"
+            kept = [k for k in self._manager.all_steps() if step is None or k < step]
+            intact = f"the checkpoint of step {max(kept)} is intact" if kept else "no earlier one"
+            what = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+            raise CheckpointError(
+                f"saving {what} in {self.directory} failed: {first[:400]}; {intact}. Fix the "
+                "cause (free disk space), then rerun the same command to resume"
+            ) from e
 
     def restore(self, step: int | None = None, *, params_like, opt_state_like):
         """Restores (params, opt_state, meta) of ``step`` (the latest when None).
@@ -149,11 +171,15 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every pending asynchronous save is on disk."""
-        self._manager.wait_until_finished()
+        with self._saving():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            with self._saving():
+                self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
 
 
 # ---------------------------------------------------------------------------

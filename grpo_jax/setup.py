@@ -216,10 +216,12 @@ class Setup:
         return jax.process_index() == 0
 
     def close(self) -> None:
-        self.checkpointer.close()
-        self.writer.close()
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            self.checkpointer.close()  # may raise: a save that failed in the background
+        finally:
+            self.writer.close()
+            if self.lock is not None:
+                self.lock.release()
 
 
 def _host_rows(mesh, B: int, G: int) -> tuple[slice, slice]:

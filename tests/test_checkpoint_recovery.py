@@ -108,3 +108,29 @@ def test_after_a_blow_up_the_advice_to_resume_works(tmp_path):
     assert (tmp_path / "checkpoints.after-1").is_dir()  # the blown-up steps, kept aside
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert all(r["train/skipped_updates"] == 0 for r in records if r["step"] > 1)
+
+
+def test_a_save_that_fails_is_one_clear_error_and_frees_the_workdir(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    from grpo_jax.train import train
+    from grpo_jax.workdir import WorkdirLock
+
+    real = ocp.CheckpointManager.save
+
+    def full_disk(self, step, *args, **kwargs):
+        if step >= 2:
+            raise ValueError(
+                'RESOURCE_EXHAUSTED: Error writing "x": Failed to write 596 bytes to file 28: '
+                "No space left on device [os_error_code='28']"
+            )
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(CheckpointError) as e:
+        train(_config(4), tmp_path, stream=io.StringIO())
+    message = str(e.value)
+    assert "saving the checkpoint of step 2" in message and "no space left on device" in message
+    assert "no earlier one" in message  # checkpoint.every = 2: step 2 is the first
+    assert "rerun the same command to resume" in message
+    WorkdirLock(tmp_path).release()  # the failed run let go of the workdir
