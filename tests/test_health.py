@@ -1,0 +1,170 @@
+"""Training-health alarms: each rule on a synthetic history, quiet on a healthy run."""
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from grpo_jax.config import ConfigError, HealthConfig, parse_config
+from grpo_jax.health import ALARMS, Alarm, diagnose, history_needed
+
+DATA = pathlib.Path(__file__).parent / "data" / "default_run_metrics.jsonl"
+CFG = HealthConfig()
+
+
+def _healthy(n, **overrides):
+    """n steady records (step 1..n); ``overrides`` maps a key to a function of the step."""
+    out = []
+    for s in range(1, n + 1):
+        r = {
+            "step": s,
+            "train/entropy": 0.6,
+            "rollout/length_mean": 100.0,
+            "rollout/truncated_frac": 0.01,
+            "train/clip_frac_low": 0.01,
+            "train/clip_frac_high": 0.01,
+            "train/ratio_max": 1.5,
+            "rollout/frac_zero_var_groups": 0.2,
+            "rewards/mean": 0.5,
+            "policy/abs_log_ratio_mean": 0.04,
+        }
+        for k, f in overrides.items():
+            r[k] = f(s)
+        out.append(r)
+    return out
+
+
+def _only(alarms, name):
+    assert [a.name for a in alarms] == [name], alarms
+    assert alarms[0].name in ALARMS
+    return alarms[0]
+
+
+def test_steady_history_is_quiet_at_every_length():
+    h = _healthy(120, **{"train/kl": lambda s: 0.01})
+    for i in range(len(h) + 1):
+        assert diagnose(h[:i], CFG) == []
+
+
+def test_missing_and_odd_values_never_raise():
+    assert diagnose([], CFG) == []
+    assert diagnose([{}], CFG) == []
+    odd = [{"step": s, "train/entropy": float("nan"), "rewards/mean": None} for s in range(60)]
+    odd += [{"eval/pass_at_1": 0.1}, {"eval/pass_at_1": "x", "step": 3}]
+    assert diagnose(odd, CFG) == []
+
+
+def test_entropy_collapse_relative_to_early_level():
+    h = _healthy(30, **{"train/entropy": lambda s: 0.6 if s <= 20 else 0.1})
+    a = _only(diagnose(h, CFG), "entropy_collapse")
+    assert a.step == 30 and "0.1" in a.message and "0.6" in a.message and "0.2" in a.message
+
+
+def test_entropy_collapse_below_the_floor():
+    h = _healthy(5, **{"train/entropy": lambda s: 0.005})
+    a = _only(diagnose(h, CFG), "entropy_collapse")
+    assert "0.005" in a.message and "entropy_floor 0.01" in a.message
+
+
+def test_length_blowup_and_collapse():
+    h = _healthy(40, **{"rollout/length_mean": lambda s: 100.0 if s <= 30 else 300.0})
+    a = _only(diagnose(h, CFG), "length_blowup")
+    assert "300" in a.message and "100" in a.message and "3x" in a.message
+    h = _healthy(40, **{"rollout/length_mean": lambda s: 100.0 if s <= 30 else 20.0})
+    a = _only(diagnose(h, CFG), "length_collapse")
+    assert "20" in a.message and "0.2x" in a.message
+
+
+def test_truncation_rate():
+    h = _healthy(10, **{"rollout/truncated_frac": lambda s: 0.5 if s > 5 else 0.0})
+    a = _only(diagnose(h, CFG), "truncation")
+    assert "0.5" in a.message and "0.25" in a.message
+
+
+def test_clip_fraction_spike():
+    h = _healthy(3, **{"train/clip_frac_high": lambda s: 0.3 if s == 3 else 0.01})
+    a = _only(diagnose(h, CFG), "clip_frac_spike")
+    assert "0.31" in a.message and "0.2" in a.message
+
+
+def test_ratio_spike():
+    h = _healthy(3, **{"train/ratio_max": lambda s: 42.0 if s == 3 else 1.2})
+    a = _only(diagnose(h, CFG), "ratio_spike")
+    assert "42" in a.message and "10" in a.message
+
+
+def test_kl_spike_only_with_a_kl_penalty():
+    h = _healthy(25, **{"train/kl": lambda s: 0.2 if s == 25 else 0.01})
+    a = _only(diagnose(h, CFG), "kl_spike")
+    assert "0.2" in a.message and "0.01" in a.message
+    # beta = 0: train/kl is 0 or absent, whatever came before.
+    h[-1]["train/kl"] = 0.0
+    assert diagnose(h, CFG) == []
+    del h[-1]["train/kl"]
+    assert diagnose(h, CFG) == []
+
+
+def test_zero_variance_groups_for_many_steps():
+    h = _healthy(30, **{"rollout/frac_zero_var_groups": lambda s: 0.95 if s > 10 else 0.2})
+    a = _only(diagnose(h, CFG), "zero_var_groups")
+    assert "0.95" in a.message and "20 steps" in a.message
+    h[15]["rollout/frac_zero_var_groups"] = 0.5  # one step with signal breaks the run
+    assert diagnose(h, CFG) == []
+
+
+def test_reward_rising_while_held_out_pass_falls():
+    h = _healthy(100, **{"rewards/mean": lambda s: 0.3 if s <= 50 else 0.8})
+    h[49]["eval/pass_at_1"] = 0.6
+    h[99]["eval/pass_at_1"] = 0.4
+    a = _only(diagnose(h, CFG), "reward_vs_eval")
+    assert "0.3 -> 0.8" in a.message and "0.6 -> 0.4" in a.message and "50 -> 100" in a.message
+    h[99]["eval/pass_at_1"] = 0.7  # both rose: healthy
+    assert diagnose(h, CFG) == []
+
+
+@pytest.mark.parametrize(
+    "key,name",
+    [
+        ("policy/abs_log_ratio_mean", "logp_mismatch_policy"),
+        ("behavior/abs_logp_diff_mean", "logp_mismatch_behavior"),
+    ],
+)
+def test_log_prob_mismatch_growing(key, name):
+    h = _healthy(60, **{key: lambda s: 0.04 if s <= 50 else 0.3})
+    a = _only(diagnose(h, CFG), name)
+    assert key in a.message and "0.3" in a.message and "0.04" in a.message
+
+
+def test_alarm_is_frozen_and_history_needed_covers_the_windows():
+    a = Alarm("ratio_spike", 3, "m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.step = 4
+    assert history_needed(CFG) > CFG.mismatch_window + CFG.mismatch_baseline
+
+
+def test_config_section_is_validated():
+    from configs.default import get_config
+
+    c = get_config("smoke").to_dict()
+    run = parse_config(c)
+    assert run.health == HealthConfig()
+    c["health"]["zero_var_steps"] = 0
+    with pytest.raises(ConfigError, match="health.zero_var_steps"):
+        parse_config(c)
+    c["health"]["zero_var_steps"] = 20
+    c["health"]["stop_on_alarm"] = "yes"
+    with pytest.raises(ConfigError, match="health.stop_on_alarm"):
+        parse_config(c)
+    del c["health"]["stop_on_alarm"]
+    c["health"]["entropy_flor"] = 0.1
+    with pytest.raises(ConfigError, match="health.entropy_flor"):
+        parse_config(c)
+
+
+def test_healthy_default_run_is_quiet_on_every_prefix():
+    """200 GRPO steps of the CPU default config (a healthy run), reduced to the keys read."""
+    records = [json.loads(line) for line in DATA.read_text().splitlines()]
+    assert len(records) > 150
+    for i in range(1, len(records) + 1):
+        assert diagnose(records[:i], CFG) == [], records[i - 1]["step"]
