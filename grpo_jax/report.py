@@ -8,6 +8,14 @@ anyway, so the host never stalls the device to read a number. It owns:
   * metrics.jsonl / TensorBoard records and the progress line,
   * the loud warnings (skipped non-finite updates, a policy that moved too far
     in one step, no reward variance for many steps),
+  * the training-health alarms (``grpo_jax.health``, section ``health``): after
+    each step's metrics, the rules run over a bounded history (the recent
+    records, the first ones, the last two evaluations). An alarm fires when it
+    starts and again only after it has been quiet for more than
+    ``health.rearm_steps`` steps; firing adds ``alarms/<name>: 1.0`` to that
+    step's record, prints a loud line, writes the step's samples to
+    ``samples/alarm_<name>_step_XXXXXXX.txt`` and, with ``health.stop_on_alarm``,
+    sets ``stop_requested`` (the loop then saves and returns as on SIGTERM),
   * the non-finite stop (:class:`NonFiniteError`),
   * sample completions as text,
   * which steps evaluate and checkpoint.
@@ -15,12 +23,15 @@ anyway, so the host never stalls the device to read a number. It owns:
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
 from typing import TYPE_CHECKING
 
 import jax
+
+from grpo_jax import health
 
 if TYPE_CHECKING:
     from grpo_jax.rollout import HostRollout
@@ -43,7 +54,13 @@ class Reporter:
         # The last step whose update was applied, finite and moved the policy no more
         # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
         self.last_healthy = start_step
-        self._pending = None  # (step, device metrics, host metrics, update call time)
+        self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
+        self.health = s.run.health
+        self.stop_requested = False  # an alarm asked the run to stop (health.stop_on_alarm)
+        self._recent = collections.deque(maxlen=health.history_needed(self.health))
+        self._early: list[dict] = []  # the first records (early entropy level)
+        self._evals: list[dict] = []  # the last two records with an evaluation
+        self._alarm_seen: dict[str, int] = {}  # alarm name -> last step it was raised
 
     def loud(self, text: str) -> None:
         bar = "!" * 78
@@ -79,7 +96,7 @@ class Reporter:
         m["_train_tokens"] = float(train_tokens)
         if self._pending is not None:
             self._finish(self._pending, host.t_params_ready)
-        self._pending = (step, dev_metrics, m, t_update)
+        self._pending = (step, dev_metrics, m, t_update, host)
         self._rollout_alarms(step, host)
 
     def flush(self, state, evaluate=None, *, write_alone: bool = True) -> dict | None:
@@ -99,7 +116,7 @@ class Reporter:
         return extra
 
     def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
-        step, dev, host, t_update = pending
+        step, dev, host, t_update, rollout = pending
         m = dict(host)
         m.update({k: float(v) for k, v in jax.device_get(dev).items()})
         m.update(extra or {})
@@ -107,8 +124,12 @@ class Reporter:
         m["perf/time_train_s"] = t_train
         m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)
         m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train
+        fired = self._health(step, m)
+        m.update({f"alarms/{a.name}": 1.0 for a in fired})
         self.s.writer.write(step, m)
         self.s.progress.update(step, m)
+        for a in fired:
+            self._report_alarm(a, rollout)
         self._update_alarms(step, m)
         return m
 
@@ -143,6 +164,52 @@ class Reporter:
                 f"{m['policy/ratio_min']:.2f}..{m['policy/ratio_max']:.2f}); lower "
                 "optim.learning_rate or grpo.mu if this repeats"
             )
+
+    def _health(self, step: int, m: dict) -> list[health.Alarm]:
+        """The alarms that fire at ``step`` (``m``: its record), by the rearm rule (module doc)."""
+        if not self.health.enabled:
+            return []
+        rec = {k: m[k] for k in health.KEYS if k in m}
+        rec["step"] = step
+        if len(self._early) < self.health.entropy_window:
+            self._early.append(rec)
+        if "eval/pass_at_1" in rec:
+            self._evals = [*self._evals, rec][-2:]
+        self._recent.append(rec)
+        oldest = self._recent[0]["step"]
+        kept = [r for r in self._early + self._evals if r["step"] < oldest]
+        by_step = {r["step"]: r for r in kept}
+        history = [by_step[k] for k in sorted(by_step)] + list(self._recent)
+        fired = []
+        for a in health.diagnose(history, self.health):
+            last = self._alarm_seen.get(a.name)
+            if last is None or step - last > self.health.rearm_steps:
+                fired.append(a)
+            self._alarm_seen[a.name] = step
+        return fired
+
+    def _report_alarm(self, alarm: health.Alarm, host: HostRollout) -> None:
+        stop = self.health.stop_on_alarm
+        self.loud(
+            f"health alarm {alarm.name}: {alarm.message}"
+            + (" (health.stop_on_alarm: saving a checkpoint and stopping)" if stop else "")
+        )
+        self.stop_requested = self.stop_requested or stop
+        writer = self.s.writer
+        if not writer.enabled or host is None:
+            return
+        G = self.s.run.grpo.G
+        n = max(self.cfg.num_samples_logged, 1)
+        lines = [f"health alarm {alarm.name}: {alarm.message}"]
+        for i in range(min(n, len(host.completions))):
+            lines.append(f"--- sample {i} ---")
+            lines.append(f"[prompt] {host.prompts_n[i]}")
+            lines.append(f"[completion] {host.completions[i]}")
+            lines.append(f"[answer] {host.examples[i // G].get('answer')}")
+            lines.append(f"[reward] {float(host.total_n[i])}")
+        d = writer.workdir / "samples"
+        d.mkdir(exist_ok=True)
+        (d / f"alarm_{alarm.name}_step_{alarm.step:07d}.txt").write_text("\n".join(lines) + "\n")
 
     def _way_back(self) -> str:
         ck = self.s.checkpointer

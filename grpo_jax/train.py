@@ -152,6 +152,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
         state, dev_metrics = s.update(state, batch, k_train, ref_params)
         report.step_done(step, dev_metrics, host, t_update)
+        preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 
         do_eval, do_ckpt = report.due(step)
         if do_eval or do_ckpt or preempt.requested:

@@ -168,3 +168,36 @@ def test_healthy_default_run_is_quiet_on_every_prefix():
     assert len(records) > 150
     for i in range(1, len(records) + 1):
         assert diagnose(records[:i], CFG) == [], records[i - 1]["step"]
+
+
+@pytest.mark.slow
+def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
+    """An entropy floor above the real entropy fires at step 1; the run stops after step 2."""
+    import io
+
+    from configs.default import get_config
+    from grpo_jax.checkpoint import Checkpointer
+    from grpo_jax.metrics import read_metrics
+    from grpo_jax.train import train
+
+    c = get_config("smoke")
+    c.warm_start.enabled = False
+    c.eval.num_samples = 0
+    c.eval.every = 0
+    c.train.steps = 6
+    c.checkpoint.every = 0
+    c.health.stop_on_alarm = True
+    c.health.entropy_window = 1
+    c.health.entropy_floor = 100.0
+    out = train(c, tmp_path, stream=io.StringIO())
+    assert out == {"preempted": True, "step": 2}
+    ck = Checkpointer(tmp_path / "checkpoints")
+    try:
+        assert ck.all_steps() == [2]
+    finally:
+        ck.close()
+    records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert records[1]["alarms/entropy_collapse"] == 1.0
+    assert not any(k.startswith("alarms/") for k in records[2])  # not repeated while active
+    text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
+    assert "entropy_floor 100.0" in text and "[completion]" in text
