@@ -183,7 +183,7 @@ class Reporter:
         fired = []
         for a in health.diagnose(history, self.health):
             last = self._alarm_seen.get(a.name)
-            if last is None or step - last > self.health.rearm_steps:
+            if last is None or step - last - 1 > self.health.rearm_steps:  # quiet steps
                 fired.append(a)
             self._alarm_seen[a.name] = step
         return fired

@@ -201,3 +201,33 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     assert not any(k.startswith("alarms/") for k in records[2])  # not repeated while active
     text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
     assert "entropy_floor 100.0" in text and "[completion]" in text
+
+
+def _reporter(**health):
+    from types import SimpleNamespace
+
+    from grpo_jax.config import TrainConfig
+    from grpo_jax.report import Reporter
+
+    run = SimpleNamespace(train=TrainConfig(), health=HealthConfig(**health))
+    return Reporter(SimpleNamespace(run=run))
+
+
+def test_reporter_fires_an_alarm_when_it_starts_and_after_a_quiet_spell():
+    rep = _reporter(rearm_steps=2)
+    ratio = {1: 50, 2: 50, 3: 50, 6: 50, 7: 50, 11: 50}  # quiet 4-5 (2 steps), 8-10 (3)
+    fired = {
+        s: [a.name for a in rep._health(s, {"train/ratio_max": ratio.get(s, 1.0)})]
+        for s in range(1, 12)
+    }
+    assert [s for s, names in fired.items() if names] == [1, 11]
+    assert fired[11] == ["ratio_spike"]
+
+
+def test_reporter_history_keeps_the_early_entropy_level():
+    rep = _reporter()
+    fired = []
+    for s in range(1, 301):  # entropy decays to a tenth of its start, far past the window
+        fired += rep._health(s, {"train/entropy": 0.6 * (1 - 0.9 * s / 300)})
+    assert [a.name for a in fired] == ["entropy_collapse"]
+    assert len(rep._recent) < 100
