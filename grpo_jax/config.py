@@ -88,6 +88,13 @@ class GRPOConfig:
       advantage_eps: eps in A = (r - mean) / (std + eps).
       temperature: sampling temperature; all three policies score tokens from
         logits / temperature.
+      policy_loss: one of ``grpo_jax.losses.POLICY_LOSSES`` (docs/objective.md).
+      dual_clip_c: dual-clip PPO's c (> 1) for A < 0; None switches it off.
+      sapo_tau_pos, sapo_tau_neg: "sapo" gate temperatures for A > 0 / A < 0.
+      cov_frac: "clip_cov"/"kl_cov" fraction of valid tokens picked by covariance.
+      cov_lb, cov_ub: "clip_cov" covariance band.
+      kl_cov_coef: "kl_cov" penalty weight k.
+      passk_k: k of the "passk" advantage estimator (<= G).
     """
 
     G: int = 8
@@ -100,6 +107,15 @@ class GRPOConfig:
     advantage_estimator: str = "grpo"
     advantage_eps: float = 1e-4
     temperature: float = 1.0
+    policy_loss: str = "clip"
+    dual_clip_c: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    cov_frac: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
+    passk_k: int = 1
 
     def __post_init__(self):
         from grpo_jax import advantages, losses  # Late import: the registries live there.
@@ -116,6 +132,26 @@ class GRPOConfig:
         check_choice("grpo.advantage_estimator", self.advantage_estimator, advantages.ESTIMATORS)
         check_range("grpo.advantage_eps", self.advantage_eps, lo=0.0)
         check_range("grpo.temperature", self.temperature, lo=0.0, lo_open=True)
+        check_choice("grpo.policy_loss", self.policy_loss, losses.POLICY_LOSSES)
+        if self.reduction == "gspo" and self.policy_loss != "clip":
+            raise ConfigError(
+                f"grpo.policy_loss={self.policy_loss!r} does not combine with "
+                "grpo.reduction='gspo'; allowed with 'gspo': ['clip']"
+            )
+        if self.policy_loss in losses.SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
+            raise ConfigError(
+                f"grpo.policy_loss={self.policy_loss!r} needs grpo.reduction='grpo', "
+                f"got {self.reduction!r}"
+            )
+        if self.dual_clip_c is not None:
+            check_range("grpo.dual_clip_c", self.dual_clip_c, lo=1.0, lo_open=True)
+        check_range("grpo.sapo_tau_pos", self.sapo_tau_pos, lo=0.0, lo_open=True)
+        check_range("grpo.sapo_tau_neg", self.sapo_tau_neg, lo=0.0, lo_open=True)
+        check_range("grpo.cov_frac", self.cov_frac, lo=0.0, hi=1.0)
+        check_range("grpo.cov_lb", self.cov_lb)
+        check_range("grpo.cov_ub", self.cov_ub, lo=self.cov_lb)
+        check_range("grpo.kl_cov_coef", self.kl_cov_coef, lo=0.0)
+        check_range("grpo.passk_k", self.passk_k, lo=1, hi=self.G, integer=True)
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> GRPOConfig:

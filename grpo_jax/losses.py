@@ -136,6 +136,169 @@ REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
 
 
 # ---------------------------------------------------------------------------
+# Policy terms. Each returns the per-token objective (to be maximised) before
+# the KL term and the reduction; all take the same keyword arguments:
+# log_ratio, logps, adv (N x 1), mask, eps_low, eps_high, and the options
+# documented in grpo_loss.
+
+
+def _dual_clip(surrogate, rho, adv, dual_clip_c):
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games").
+
+    For A < 0 the clipped surrogate min(rho A, clip(rho) A) is unbounded below
+    as rho grows; dual clip bounds it: max(min(rho A, clip(rho) A), c A), c > 1.
+    """
+    if dual_clip_c is None:
+        return surrogate
+    return jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip_c * adv), surrogate)
+
+
+def policy_clip(*, log_ratio, adv, eps_low, eps_high, dual_clip_c=None, **_):
+    """PPO/GRPO clipped surrogate: min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A).
+
+    With ``dual_clip_c`` = c, tokens with A < 0 take max(that, c A) (dual clip).
+    """
+    rho = jnp.exp(log_ratio)
+    clipped, _, _ = _clip(rho, eps_low, eps_high)
+    surrogate = jnp.minimum(rho * adv, clipped * adv)
+    return _dual_clip(surrogate, rho, adv, dual_clip_c)
+
+
+def policy_cispo(*, log_ratio, logps, adv, eps_low, eps_high, **_):
+    """CISPO (MiniMax-M1, MiniMax 2025, eq. 4): sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi.
+
+    The importance weight is clipped and detached instead of the update: every
+    token keeps the REINFORCE gradient clip(rho) A grad log pi_theta, including
+    the tokens PPO's clip would silence. The value is that of the formula (it
+    contains log pi_theta), not a surrogate of the return.
+    """
+    clipped, _, _ = _clip(jnp.exp(log_ratio), eps_low, eps_high)
+    return jax.lax.stop_gradient(clipped) * adv * logps
+
+
+def policy_sapo(*, log_ratio, adv, sapo_tau_pos=1.0, sapo_tau_neg=1.05, **_):
+    """SAPO (Soft Adaptive Policy Optimization, Qwen 2025): f_tau(rho) A.
+
+        f_tau(rho) = sigmoid(tau (rho - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg
+
+    A smooth gate in place of the hard clip: f'(rho) = 4 s (1 - s) with
+    s = sigmoid(tau (rho - 1)), which is 1 at rho = 1 (on-policy gradient
+    equals the clip's) and decays smoothly as rho leaves 1.
+    """
+    tau = jnp.where(adv > 0, sapo_tau_pos, sapo_tau_neg).astype(log_ratio.dtype)
+    rho = jnp.exp(log_ratio)
+    return jax.nn.sigmoid(tau * (rho - 1.0)) * (4.0 / tau) * adv
+
+
+def _cov_NxT(logps, adv, mask):
+    """Per-token centred cross product (Cui et al. 2025, eq. 9), no gradient.
+
+        cov_t = (log pi_t - mean log pi) (A_t - mean A)
+
+    with both means over the batch's valid tokens (A_t is the row's advantage).
+    """
+    logps, adv = jax.lax.stop_gradient(logps), jax.lax.stop_gradient(adv)
+    adv_NxT = jnp.broadcast_to(adv, logps.shape)
+    centred_lp = logps - _masked_mean(logps, mask)
+    centred_a = adv_NxT - _masked_mean(adv_NxT, mask)
+    return jnp.where(mask > 0, centred_lp * centred_a, 0.0)
+
+
+def _top_by_rank(score, eligible, mask, frac):
+    """The floor(frac * n_valid) eligible tokens of highest score; ties by flat index.
+
+    Deterministic stand-in for the paper's random choice: by rank, not by draw.
+    """
+    n_valid = mask.sum()
+    k = jnp.floor(frac * n_valid)
+    flat = jnp.where(eligible, score, -jnp.inf).reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return eligible & (rank.reshape(score.shape) < k)
+
+
+def policy_clip_cov(
+    *,
+    log_ratio,
+    logps,
+    adv,
+    mask,
+    eps_low,
+    eps_high,
+    dual_clip_c=None,
+    cov_frac=2e-4,
+    cov_lb=1.0,
+    cov_ub=5.0,
+    **_,
+):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", sec. 4.2).
+
+    The clipped surrogate, except that the gradient of floor(cov_frac * n_valid)
+    tokens with cov_lb <= cov_t <= cov_ub is detached (their value stays in
+    the loss). The paper picks them at random among the in-band tokens; here
+    the in-band tokens of highest cov are taken, so the choice is reproducible.
+    """
+    surrogate = policy_clip(
+        log_ratio=log_ratio, adv=adv, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
+    )
+    cov = _cov_NxT(logps, adv, mask)
+    band = (mask > 0) & (cov >= cov_lb) & (cov <= cov_ub)
+    picked = _top_by_rank(cov, band, mask, cov_frac)
+    return jnp.where(picked, jax.lax.stop_gradient(surrogate), surrogate)
+
+
+def policy_kl_cov(*, log_ratio, logps, adv, mask, cov_frac=2e-4, kl_cov_coef=1.0, **_):
+    """KL-Cov (Cui et al. 2025, sec. 4.2): rho A - k |log rho| on the top tokens by cov.
+
+        objective_t = rho_t A - k |log rho_t|   for the floor(cov_frac * n_valid)
+                                               valid tokens of highest cov_t,
+        objective_t = rho_t A                   elsewhere.
+
+    As in the paper, there is no ratio clip: the penalty on the high-covariance
+    tokens takes its place (epsilon_low/high are ignored).
+    """
+    rho = jnp.exp(log_ratio)
+    cov = _cov_NxT(logps, adv, mask)
+    picked = _top_by_rank(cov, mask > 0, mask, cov_frac)
+    return rho * adv - jnp.where(picked, kl_cov_coef * jnp.abs(log_ratio), 0.0)
+
+
+def policy_gmpo(*, log_ratio, adv, mask, eps_low, eps_high, **_):
+    """GMPO (Geometric-Mean Policy Optimization, Zhao et al. 2025, eq. 5), one value per row.
+
+        J_i = sgn(A_i) (prod_t |min(rho_t A_i, clip(rho_t, e^-eps_low, e^eps_high) A_i)|)^(1/|o_i|)
+            = A_i exp((1/|o_i|) sum_t l_t),
+        l_t = min(log rho_t, clip(log rho_t, -eps_low, eps_high))   if A_i > 0
+        l_t = max(log rho_t, clip(log rho_t, -eps_low, eps_high))   if A_i < 0
+
+    The clip is on the token log-ratio (the paper uses eps = 0.4 on each
+    side); the geometric mean of the token ratios replaces their arithmetic
+    mean, so an outlier token ratio moves the sequence term less. Returns the
+    per-sequence objective, shape N x 1 (0 for rows without tokens).
+    """
+    lo = -jnp.inf if eps_low is None else -eps_low
+    hi = jnp.inf if eps_high is None else eps_high
+    clipped = jnp.clip(log_ratio, lo, hi)
+    l_t = jnp.where(adv > 0, jnp.minimum(log_ratio, clipped), jnp.maximum(log_ratio, clipped))
+    n_tokens = mask.sum(1, keepdims=True)
+    mean_l = (l_t * mask).sum(1, keepdims=True) / jnp.maximum(n_tokens, 1.0)
+    return jnp.where(n_tokens > 0, adv * jnp.exp(mean_l), 0.0)
+
+
+# Terms evaluated per sequence (N x 1) rather than per token.
+SEQUENCE_POLICY_LOSSES = ("gmpo",)
+
+POLICY_LOSSES: dict[str, Callable[..., jax.Array]] = {
+    "clip": policy_clip,
+    "cispo": policy_cispo,
+    "sapo": policy_sapo,
+    "gmpo": policy_gmpo,
+    "clip_cov": policy_clip_cov,
+    "kl_cov": policy_kl_cov,
+}
+
+
+# ---------------------------------------------------------------------------
 # The loss.
 
 
@@ -151,6 +314,18 @@ def _clip(rho, epsilon_low, epsilon_high):
     lo = -jnp.inf if epsilon_low is None else 1.0 - epsilon_low
     hi = jnp.inf if epsilon_high is None else 1.0 + epsilon_high
     return jnp.clip(rho, lo, hi), lo, hi
+
+
+def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
+    n_rows = mask_NxT.shape[0]
+    if reduction == "grpo":
+        per_seq_N = objective_NxT.sum(1) / jnp.maximum(n_tokens_N, 1.0)
+        return -per_seq_N.sum() / n_rows
+    if reduction == "token_mean":
+        return -objective_NxT.sum() / jnp.maximum(mask_NxT.sum(), 1.0)
+    # dr_grpo
+    denom = mask_NxT.shape[1] if max_tokens is None else max_tokens
+    return -objective_NxT.sum() / (n_rows * denom)
 
 
 def grpo_loss(
@@ -169,6 +344,14 @@ def grpo_loss(
     logits_NxTxV: jax.Array | None = None,
     temperature: float = 1.0,
     entropy_NxT: jax.Array | None = None,
+    policy_loss: str = "clip",
+    dual_clip_c: float | None = None,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    cov_frac: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    kl_cov_coef: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped GRPO loss and its monitoring metrics.
 
@@ -199,6 +382,16 @@ def grpo_loss(
       temperature: the temperature ``logits_NxTxV`` is scored at.
       entropy_NxT: per-token entropies computed elsewhere (e.g. chunk by chunk
         with the log-probs); reported instead of ``logits_NxTxV``'s.
+      policy_loss: a key of ``POLICY_LOSSES``, the per-token policy term
+        ("clip" by default, the surrogate above). "cispo", "sapo", "clip_cov"
+        and "kl_cov" replace surrogate_t; "gmpo" is one term per sequence and
+        needs reduction "grpo" (mean over rows). Only "clip" combines with
+        reduction "gspo". See each ``policy_*`` function and docs/objective.md.
+      dual_clip_c: c > 1 of dual-clip PPO for A < 0 ("clip", "clip_cov",
+        and the "gspo" reduction); None (default) switches it off.
+      sapo_tau_pos, sapo_tau_neg: "sapo" temperatures for A > 0 and A < 0.
+      cov_frac, cov_lb, cov_ub, kl_cov_coef: "clip_cov"/"kl_cov" parameters:
+        fraction of valid tokens picked, Clip-Cov's covariance band, KL-Cov's k.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -209,6 +402,12 @@ def grpo_loss(
         raise ValueError(f"reduction {reduction!r} is not one of {list(REDUCTIONS)}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator {kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}")
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss {policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
+    if reduction == "gspo" and policy_loss != "clip":
+        raise ValueError(f"reduction 'gspo' needs policy_loss 'clip', not {policy_loss!r}")
+    if policy_loss in SEQUENCE_POLICY_LOSSES and reduction != "grpo":
+        raise ValueError(f"policy_loss {policy_loss!r} needs reduction 'grpo', not {reduction!r}")
     if beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
 
@@ -234,7 +433,9 @@ def grpo_loss(
         )
         rho_Nx1 = jnp.exp(seq_log_ratio_Nx1)
         clipped_Nx1, lo, hi = _clip(rho_Nx1, epsilon_low, epsilon_high)
-        surrogate_N = jnp.minimum(rho_Nx1 * adv_Nx1, clipped_Nx1 * adv_Nx1)[:, 0]
+        surrogate_N = _dual_clip(
+            jnp.minimum(rho_Nx1 * adv_Nx1, clipped_Nx1 * adv_Nx1), rho_Nx1, adv_Nx1, dual_clip_c
+        )[:, 0]
         kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
         has_tokens_N = (n_tokens_N > 0).astype(jnp.float32)
         loss = -((surrogate_N - beta * kl_N) * has_tokens_N).sum() / jnp.maximum(
@@ -245,18 +446,31 @@ def grpo_loss(
         high_NxT = (rho_Nx1 > hi) & (adv_Nx1 > 0)
     else:
         rho_NxT = jnp.exp(log_ratio_NxT)
-        clipped_NxT, lo, hi = _clip(rho_NxT, epsilon_low, epsilon_high)
-        surrogate_NxT = jnp.minimum(rho_NxT * adv_Nx1, clipped_NxT * adv_Nx1)
-        objective_NxT = (surrogate_NxT - beta * kl_NxT) * mask_NxT
+        _, lo, hi = _clip(rho_NxT, epsilon_low, epsilon_high)
+        surrogate = POLICY_LOSSES[policy_loss](
+            log_ratio=log_ratio_NxT,
+            logps=logps_NxT,
+            adv=adv_Nx1,
+            mask=mask_NxT,
+            eps_low=epsilon_low,
+            eps_high=epsilon_high,
+            dual_clip_c=dual_clip_c,
+            sapo_tau_pos=sapo_tau_pos,
+            sapo_tau_neg=sapo_tau_neg,
+            cov_frac=cov_frac,
+            cov_lb=cov_lb,
+            cov_ub=cov_ub,
+            kl_cov_coef=kl_cov_coef,
+        )
         n_rows = mask_NxT.shape[0]
-        if reduction == "grpo":
-            per_seq_N = objective_NxT.sum(1) / jnp.maximum(n_tokens_N, 1.0)
-            loss = -per_seq_N.sum() / n_rows
-        elif reduction == "token_mean":
-            loss = -objective_NxT.sum() / jnp.maximum(mask_NxT.sum(), 1.0)
-        else:  # dr_grpo
-            denom = mask_NxT.shape[1] if max_tokens is None else max_tokens
-            loss = -objective_NxT.sum() / (n_rows * denom)
+        if policy_loss in SEQUENCE_POLICY_LOSSES:
+            # One term per row: the KL enters as its token mean over the row.
+            kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
+            loss = -(surrogate[:, 0] - beta * kl_N).sum() / n_rows
+        else:
+            loss = _reduce(
+                (surrogate - beta * kl_NxT) * mask_NxT, mask_NxT, n_tokens_N, reduction, max_tokens
+            )
         rho_stats_NxT, stats_mask_NxT = rho_NxT, mask_NxT
         low_NxT = (rho_NxT < lo) & (adv_Nx1 < 0)
         high_NxT = (rho_NxT > hi) & (adv_Nx1 > 0)

@@ -174,6 +174,14 @@ def update(
             kl_estimator=grpo.kl_estimator,
             reduction=grpo.reduction,
             entropy_NxT=entropy_NxT,
+            policy_loss=grpo.policy_loss,
+            dual_clip_c=grpo.dual_clip_c,
+            sapo_tau_pos=grpo.sapo_tau_pos,
+            sapo_tau_neg=grpo.sapo_tau_neg,
+            cov_frac=grpo.cov_frac,
+            cov_lb=grpo.cov_lb,
+            cov_ub=grpo.cov_ub,
+            kl_cov_coef=grpo.kl_cov_coef,
         )
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

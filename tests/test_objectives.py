@@ -1,0 +1,289 @@
+"""Policy-gradient objectives beside the clipped surrogate: golden values, gradients, sharding."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax import losses, sharding
+from grpo_jax.config import ConfigError, GRPOConfig
+
+
+def tiny():
+    """Two rows, T = 2, eps = 0.2 on both sides.
+
+    Row 0: A = +1, pi = (0.3, 0.2), ratios (1.1, 0.5), both tokens real.
+    Row 1: A = -1, pi = (0.4, -), ratio 2 on its one real token.
+    """
+    logps = np.log([[0.3, 0.2], [0.4, 0.5]])
+    old = logps - np.log([[1.1, 0.5], [2.0, 1.0]])
+    adv = np.array([1.0, -1.0])
+    mask = np.array([[1.0, 1.0], [1.0, 0.0]])
+    return [jnp.asarray(x, jnp.float32) for x in (logps, old, adv, mask)]
+
+
+def loss_and_grad(policy_loss, **kw):
+    logps, old, adv, mask = tiny()
+    f = lambda lp: losses.grpo_loss(lp, old, adv, mask, policy_loss=policy_loss, **kw)[0]
+    loss, grad = jax.value_and_grad(f)(logps)
+    return float(loss), np.asarray(grad)
+
+
+@pytest.mark.slow  # The first compilation of the loss.
+def test_clip_golden_and_dual_clip_binds():
+    # Row 0: min(1.1, 1.1) = 1.1 and min(0.5, 0.8) = 0.5, mean 0.8.
+    # Row 1: min(-2, -1.2) = -2. Loss = -(0.8 - 2) / 2 = 0.6.
+    loss, grad = loss_and_grad("clip")
+    np.testing.assert_allclose(loss, 0.6, rtol=1e-6)
+    # d/dlogp of rho A is rho A, times -1/(|o_i| N): -1.1/4, -0.5/4, +2/2.
+    np.testing.assert_allclose(grad, [[-0.275, -0.125], [1.0, 0.0]], rtol=1e-6)
+    # Dual clip c = 1.5: row 1 becomes max(-2, 1.5 * -1) = -1.5, flat in rho.
+    loss, grad = loss_and_grad("clip", dual_clip_c=1.5)
+    np.testing.assert_allclose(loss, -(0.8 - 1.5) / 2, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[-0.275, -0.125], [0.0, 0.0]], rtol=1e-6)
+    # c = 3 does not bind (-2 > -3): the plain clip.
+    np.testing.assert_allclose(loss_and_grad("clip", dual_clip_c=3.0)[0], 0.6, rtol=1e-6)
+
+
+def test_cispo_golden():
+    # sg(clip(rho)) A log pi: row 0 (1.1 ln 0.3 + 0.8 ln 0.2) / 2, row 1 -1.2 ln 0.4.
+    loss, grad = loss_and_grad("cispo")
+    row0 = (1.1 * math.log(0.3) + 0.8 * math.log(0.2)) / 2
+    np.testing.assert_allclose(loss, -(row0 - 1.2 * math.log(0.4)) / 2, rtol=1e-6)
+    # Gradient clip(rho) A / (|o_i| N) on every token, the clipped ones too (rows 0/1, t 0).
+    np.testing.assert_allclose(grad, [[-1.1 / 4, -0.8 / 4], [1.2 / 2, 0.0]], rtol=1e-6)
+
+
+def test_sapo_golden():
+    s = lambda x: 1 / (1 + math.exp(-x))
+    # tau = 1 for row 0: 4 s(0.1) and 4 s(-0.5); tau = 1.05 for row 1: -4 s(1.05) / 1.05.
+    loss, grad = loss_and_grad("sapo")
+    row0 = (4 * s(0.1) + 4 * s(-0.5)) / 2
+    row1 = -4 * s(1.05 * 1.0) / 1.05
+    np.testing.assert_allclose(loss, -(row0 + row1) / 2, rtol=1e-6)
+    # d/dlogp f(rho) A = 4 s (1 - s) rho A.
+    g = lambda tau, rho, a: 4 * s(tau * (rho - 1)) * (1 - s(tau * (rho - 1))) * rho * a
+    want = [[-g(1, 1.1, 1) / 4, -g(1, 0.5, 1) / 4], [-g(1.05, 2.0, -1) / 2, 0.0]]
+    np.testing.assert_allclose(grad, want, rtol=1e-5)
+    # f'(1) = 1: on-policy, SAPO's gradient is the clipped surrogate's.
+    logps, _, adv, mask = tiny()
+    for pl in ("sapo", "clip"):
+        gr = jax.grad(lambda lp: losses.grpo_loss(lp, logps, adv, mask, policy_loss=pl)[0])(logps)
+        if pl == "sapo":
+            g_sapo = gr
+    np.testing.assert_allclose(g_sapo, gr, rtol=1e-6)
+
+
+def test_gmpo_golden():
+    # eps 0.4 in log space. Row 0 (A > 0): min(ln 1.1, 0.4) = ln 1.1, min(-ln 2, -0.4) = -ln 2:
+    # exp((ln 1.1 - ln 2) / 2) = sqrt(0.55). Row 1 (A < 0): max(ln 2, 0.4) = ln 2, so -2.
+    loss, grad = loss_and_grad("gmpo", epsilon_low=0.4, epsilon_high=0.4)
+    np.testing.assert_allclose(loss, -(math.sqrt(0.55) - 2) / 2, rtol=1e-6)
+    # d/dlogp_t of A exp(mean l) is A exp(mean l) / |o_i| where l_t is unclipped.
+    r0 = math.sqrt(0.55)
+    np.testing.assert_allclose(grad, [[-r0 / 4, -r0 / 4], [2 / 2, 0.0]], rtol=1e-6)
+    # Tighter clip: row 0 token 0 is clipped at 0.05 (ln 1.1 = 0.0953) and loses its gradient.
+    loss, grad = loss_and_grad("gmpo", epsilon_low=0.05, epsilon_high=0.05)
+    r0 = math.exp((0.05 - math.log(2)) / 2)
+    np.testing.assert_allclose(loss, -(r0 - 2) / 2, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[0.0, -r0 / 4], [1.0, 0.0]], rtol=1e-6)
+
+
+def test_cov_by_hand_picks_the_top_token():
+    # m = mean log pi = ln(0.3 * 0.2 * 0.4) / 3 = -1.2432; mean A = 1/3.
+    # cov = (ln 0.3 - m)(2/3), (ln 0.2 - m)(2/3), (ln 0.4 - m)(-4/3) = 0.0261, -0.2441, -0.4359.
+    logps, _, adv, mask = tiny()
+    cov = np.asarray(losses._cov_NxT(logps, adv[:, None], mask))
+    m = math.log(0.3 * 0.2 * 0.4) / 3
+    want = [(math.log(0.3) - m) * 2 / 3, (math.log(0.2) - m) * 2 / 3, (math.log(0.4) - m) * -4 / 3]
+    np.testing.assert_allclose(cov[mask > 0], want, rtol=1e-5)
+    assert cov[1, 1] == 0.0
+
+
+def test_clip_cov_golden():
+    # cov_frac 0.34 of 3 tokens: floor(1.02) = 1 token, the in-band one of highest cov,
+    # token (0, 0). Its value stays (loss 0.6 as "clip"), its gradient is detached.
+    loss, grad = loss_and_grad("clip_cov", cov_frac=0.34, cov_lb=0.0, cov_ub=1.0)
+    np.testing.assert_allclose(loss, 0.6, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[0.0, -0.125], [1.0, 0.0]], rtol=1e-6)
+    # Band [0.1, 1] holds no token: nothing picked, the plain clip.
+    _, grad = loss_and_grad("clip_cov", cov_frac=0.34, cov_lb=0.1, cov_ub=1.0)
+    np.testing.assert_allclose(grad, [[-0.275, -0.125], [1.0, 0.0]], rtol=1e-6)
+
+
+def test_kl_cov_golden():
+    # Token (0, 0) picked: 1.1 - 0.5 |ln 1.1|; others rho A unclipped (row 1: -2).
+    loss, grad = loss_and_grad("kl_cov", cov_frac=0.34, kl_cov_coef=0.5)
+    row0 = (1.1 - 0.5 * math.log(1.1) + 0.5) / 2
+    np.testing.assert_allclose(loss, -(row0 - 2) / 2, rtol=1e-6)
+    # d/dlogp (rho A - k |log rho|) = rho A - k sign(log rho) = 1.1 - 0.5.
+    np.testing.assert_allclose(grad, [[-(1.1 - 0.5) / 4, -0.125], [1.0, 0.0]], rtol=1e-6)
+    # cov_frac small enough that floor(frac * 3) = 0: no token penalised, no clip.
+    loss, _ = loss_and_grad("kl_cov", cov_frac=0.3)
+    np.testing.assert_allclose(loss, -((1.1 + 0.5) / 2 - 2) / 2, rtol=1e-6)
+
+
+def random_batch(seed=0, n=6, t=5):
+    rng = np.random.default_rng(seed)
+    logps = rng.normal(-1.5, 0.5, (n, t))
+    old = logps + rng.normal(0, 0.3, (n, t))
+    ref = logps + rng.normal(0, 0.3, (n, t))
+    adv = rng.normal(size=n)
+    lengths = rng.integers(1, t + 1, n)
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float64)
+    return logps, old, ref, adv, mask
+
+
+CASES = [
+    ("clip", "grpo", dict(dual_clip_c=1.1)),
+    ("clip", "gspo", dict(dual_clip_c=1.1)),
+    ("cispo", "grpo", {}),
+    ("cispo", "token_mean", {}),
+    ("sapo", "grpo", {}),
+    ("sapo", "dr_grpo", {}),
+    ("gmpo", "grpo", {}),
+    ("clip_cov", "grpo", dict(cov_frac=0.3, cov_lb=-10.0, cov_ub=10.0)),
+    ("kl_cov", "token_mean", dict(cov_frac=0.3)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_loss, reduction, kw", CASES)
+def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
+    logps, old, ref, adv, mask = random_batch()
+    with jax.enable_x64(True):
+        x = jnp.asarray(logps)
+        # CISPO's weight sg(clip(rho)) is no function of log pi to differentiate: its
+        # gradient is that of the loss with the ratio held at its value at x, which
+        # moving pi_old along with pi_theta does.
+        shift = (lambda lp: lp - x) if policy_loss == "cispo" else (lambda lp: 0.0)
+        loss_at = lambda lp, o: losses.grpo_loss(
+            lp,
+            o,
+            jnp.asarray(adv),
+            jnp.asarray(mask),
+            ref_logps_NxT=jnp.asarray(ref),
+            beta=0.1,
+            epsilon_low=0.2,
+            epsilon_high=0.28,
+            reduction=reduction,
+            policy_loss=policy_loss,
+            **kw,
+        )[0]
+        grad = np.asarray(jax.jit(jax.grad(lambda lp: loss_at(lp, jnp.asarray(old))))(x))
+        f = jax.jit(lambda lp: loss_at(lp, jnp.asarray(old) + shift(lp)))
+        if policy_loss == "clip_cov":
+            # The picked tokens keep their value but no gradient: elsewhere the
+            # gradient is the plain clip's.
+            cov = losses._cov_NxT(x, jnp.asarray(adv)[:, None], jnp.asarray(mask))
+            band = (jnp.asarray(mask) > 0) & (cov >= kw["cov_lb"]) & (cov <= kw["cov_ub"])
+            picked = np.asarray(losses._top_by_rank(cov, band, jnp.asarray(mask), kw["cov_frac"]))
+            assert picked.sum() == int(0.3 * mask.sum())
+            f_clip = jax.jit(
+                lambda lp: losses.grpo_loss(
+                    lp,
+                    jnp.asarray(old),
+                    jnp.asarray(adv),
+                    jnp.asarray(mask),
+                    ref_logps_NxT=jnp.asarray(ref),
+                    beta=0.1,
+                    epsilon_low=0.2,
+                    epsilon_high=0.28,
+                )[0]
+            )
+            kl_only = jax.grad(
+                lambda lp: losses.grpo_loss(
+                    lp,
+                    lp,
+                    jnp.zeros_like(jnp.asarray(adv)),
+                    jnp.asarray(mask),
+                    ref_logps_NxT=jnp.asarray(ref),
+                    beta=0.1,
+                )[0]
+            )(x)
+            picked_pg = np.where(picked, np.asarray(kl_only), 0.0)
+            f = f_clip
+        h = 1e-6
+        fd = np.zeros_like(logps)
+        for idx in np.ndindex(*logps.shape):
+            e = np.zeros_like(logps)
+            e[idx] = h
+            fd[idx] = (float(f(x + e)) - float(f(x - e))) / (2 * h)
+    if policy_loss == "clip_cov":
+        # On a picked token only the KL term's gradient is left.
+        fd = np.where(picked, picked_pg, fd)
+    np.testing.assert_allclose(grad, fd, atol=1e-6)
+    assert np.all(grad[mask == 0] == 0), "padding must get no gradient"
+
+
+def test_names_and_combinations_are_checked():
+    logps, old, adv, mask = tiny()
+    with pytest.raises(ValueError, match="policy_loss"):
+        losses.grpo_loss(logps, old, adv, mask, policy_loss="ppo")
+    with pytest.raises(ValueError, match="gspo"):
+        losses.grpo_loss(logps, old, adv, mask, policy_loss="cispo", reduction="gspo")
+    with pytest.raises(ValueError, match="gmpo"):
+        losses.grpo_loss(logps, old, adv, mask, policy_loss="gmpo", reduction="token_mean")
+
+
+def test_config_keys_are_validated():
+    assert GRPOConfig().policy_loss == "clip" and GRPOConfig().dual_clip_c is None
+    assert GRPOConfig.from_mapping({"policy_loss": "cispo"}).policy_loss == "cispo"
+    with pytest.raises(ConfigError, match=r"grpo\.policy_loss.*'cispo'"):
+        GRPOConfig(policy_loss="cisp")
+    with pytest.raises(ConfigError, match=r"grpo\.dual_clip_c"):
+        GRPOConfig(dual_clip_c=1.0)
+    with pytest.raises(ConfigError, match=r"grpo\.sapo_tau_neg"):
+        GRPOConfig(sapo_tau_neg=0.0)
+    with pytest.raises(ConfigError, match=r"grpo\.cov_frac"):
+        GRPOConfig(cov_frac=1.5)
+    with pytest.raises(ConfigError, match=r"grpo\.cov_ub"):
+        GRPOConfig(cov_lb=2.0, cov_ub=1.0)
+    with pytest.raises(ConfigError, match=r"grpo\.reduction='gspo'"):
+        GRPOConfig(policy_loss="sapo", reduction="gspo")
+    with pytest.raises(ConfigError, match=r"grpo\.reduction='grpo'"):
+        GRPOConfig(policy_loss="gmpo", reduction="dr_grpo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_loss, reduction, kw", CASES)
+def test_jit_and_sharded_match_single_device(policy_loss, reduction, kw):
+    logps, old, ref, adv, mask = random_batch(seed=6, n=16, t=7)
+    args = [jnp.asarray(a, jnp.float32) for a in (logps, old, adv, mask, ref)]
+
+    def loss_fn(lp, o, a, m, r):
+        return losses.grpo_loss(
+            lp,
+            o,
+            a,
+            m,
+            ref_logps_NxT=r,
+            beta=0.04,
+            reduction=reduction,
+            policy_loss=policy_loss,
+            **kw,
+        )[0]
+
+    eager = jax.value_and_grad(loss_fn)(*args)
+    jitted = jax.jit(jax.value_and_grad(loss_fn))(*args)
+    np.testing.assert_allclose(jitted[0], eager[0], rtol=1e-6)
+    np.testing.assert_allclose(jitted[1], eager[1], rtol=1e-6, atol=1e-9)
+
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2})
+    rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
+    rows2 = sharding.batch_sharding(mesh, 2)
+    in_sh = (rows2, rows2, rows, rows2, rows2)
+    placed = [jax.device_put(a, s) for a, s in zip(args, in_sh)]
+    sharded = jax.jit(
+        jax.value_and_grad(loss_fn),
+        in_shardings=in_sh,
+        out_shardings=(sharding.replicated(mesh), rows2),
+    )
+    loss, grad = sharded(*placed)
+    assert len(placed[0].sharding.device_set) == 8
+    np.testing.assert_allclose(loss, eager[0], rtol=1e-6)
+    np.testing.assert_allclose(grad, eager[1], rtol=1e-6, atol=1e-9)
