@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DEFAULT_EPS = 1e-4
 
@@ -98,21 +99,120 @@ def rloo_advantages(rewards_BxG: jax.Array, *, eps: float = DEFAULT_EPS) -> jax.
     return jnp.where(valid_BxG, centered_BxG * factor_Bx1, 0.0)
 
 
+def _batch_std(x_BxG, valid_BxG):
+    """Population std of the finite entries of the whole batch, about their mean."""
+    n = jnp.maximum(valid_BxG.sum(), 1)
+    mean = jnp.where(valid_BxG, x_BxG, 0.0).sum() / n
+    return jnp.sqrt((jnp.where(valid_BxG, x_BxG - mean, 0.0) ** 2).sum() / n)
+
+
+def reinforce_pp_advantages(rewards_BxG: jax.Array, *, eps: float = DEFAULT_EPS) -> jax.Array:
+    """REINFORCE++ (Hu et al. 2025): a global baseline and global normalisation.
+
+        A_i = (r_i - mean_batch(r)) / (std_batch(r) + eps)
+
+    over all finite rewards of the batch, no group baseline. One departure:
+    a group whose finite rewards all agree gets A = 0 (the library-wide
+    rule), where the paper would give it r - mean_batch(r).
+    """
+    valid_BxG, r_BxG, _, _, centered_BxG, _ = _valid_stats(rewards_BxG)
+    n = jnp.maximum(valid_BxG.sum(), 1)
+    batch_centered_BxG = jnp.where(valid_BxG, r_BxG - r_BxG.sum() / n, 0.0)
+    adv_BxG = _safe_div(batch_centered_BxG, _batch_std(r_BxG, valid_BxG), eps)
+    # _valid_stats zeroes the group-centred rewards of constant groups; a group
+    # that varies has at least one member off its own mean.
+    varies_Bx1 = (centered_BxG != 0).any(axis=1, keepdims=True)
+    return jnp.where(valid_BxG & varies_Bx1, adv_BxG, 0.0)
+
+
+def reinforce_pp_baseline_advantages(
+    rewards_BxG: jax.Array, *, eps: float = DEFAULT_EPS
+) -> jax.Array:
+    """REINFORCE++-baseline (Hu et al. 2025): group baseline, batch normalisation.
+
+        c_i = r_i - mean_group(r),   A_i = c_i / (std_batch(c) + eps)
+
+    std_batch(c) is the population std of the group-centred rewards over the
+    whole batch (OpenRLHF's global whitening of the centred rewards; their
+    batch mean is 0 up to rounding and is not subtracted, so constant groups
+    stay exactly 0). Unlike "batch_std", the std is of the centred rewards,
+    so spread between prompts' difficulty does not shrink the advantages.
+    """
+    valid_BxG, _, _, _, centered_BxG, _ = _valid_stats(rewards_BxG)
+    n = jnp.maximum(valid_BxG.sum(), 1)
+    std = jnp.sqrt((centered_BxG**2).sum() / n)
+    return jnp.where(valid_BxG, _safe_div(centered_BxG, std, eps), 0.0)
+
+
+def _binomial_ratio(top_Bx1, bottom_Bx1, k):
+    """C(top, k) / C(bottom, k) = prod_{j<k} (top - j) / (bottom - j), 0 once top < k."""
+    out = jnp.ones_like(top_Bx1)
+    for j in range(k):
+        out = out * jnp.maximum(top_Bx1 - j, 0.0) / jnp.maximum(bottom_Bx1 - j, 1.0)
+    return out
+
+
+def passk_advantages(rewards_BxG: jax.Array, *, k: int = 1, eps: float = DEFAULT_EPS) -> jax.Array:
+    """Pass@k advantages in closed form (Chen et al. 2025, "Pass@k Training", sec. 4).
+
+    For a group of n finite binary rewards with c correct (r = 1), the group
+    reward is pass@k over its k-subsets and each sample's advantage is its
+    expected share:
+
+        R = 1 - C(n - c, k) / C(n, k),         sigma = sqrt(R (1 - R))
+        A_correct   = (1 - R) / (sigma + eps)
+        A_incorrect = (1 - R - C(n - c - 1, k - 1) / C(n - 1, k - 1)) / (sigma + eps)
+
+    k = 1 gives GRPO's advantages. sigma = 0 (no correct sample, or every
+    k-subset holds one) gives 0. A group with fewer than k finite rewards
+    gets 0. Rewards must be 0 or 1 (or NaN): outside jit other values raise
+    ValueError; under jit, where values cannot be checked, a reward counts as
+    correct exactly when it equals 1.
+    """
+    if not isinstance(rewards_BxG, jax.core.Tracer):
+        r = np.asarray(rewards_BxG)
+        bad = np.isfinite(r) & (r != 0) & (r != 1)
+        if bad.any():
+            raise ValueError(
+                "advantage estimator 'passk' needs binary rewards (0 or 1, NaN for unscored); "
+                f"got {r[bad][:5].tolist()}"
+            )
+    valid_BxG = jnp.isfinite(rewards_BxG)
+    correct_BxG = valid_BxG & (rewards_BxG == 1)
+    dtype = jnp.promote_types(rewards_BxG.dtype, jnp.float32)
+    n_Bx1 = valid_BxG.sum(axis=1, keepdims=True).astype(dtype)
+    c_Bx1 = correct_BxG.sum(axis=1, keepdims=True).astype(dtype)
+    mean_Bx1 = 1.0 - _binomial_ratio(n_Bx1 - c_Bx1, n_Bx1, k)
+    std_Bx1 = jnp.sqrt(jnp.maximum(mean_Bx1 * (1.0 - mean_Bx1), 0.0))
+    miss_Bx1 = _binomial_ratio(n_Bx1 - c_Bx1 - 1.0, n_Bx1 - 1.0, k - 1)
+    centered_BxG = jnp.where(correct_BxG, 1.0 - mean_Bx1, 1.0 - mean_Bx1 - miss_Bx1)
+    usable_Bx1 = n_Bx1 >= k
+    adv_BxG = _safe_div(centered_BxG, jnp.where(usable_Bx1, std_Bx1, 0.0), eps)
+    return jnp.where(valid_BxG, adv_BxG, 0.0)
+
+
 ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
-    "grpo": lambda r, eps: group_advantages(r, eps=eps, scale="group"),
-    "batch_std": lambda r, eps: group_advantages(r, eps=eps, scale="batch"),
-    "dr_grpo": lambda r, eps: group_advantages(r, eps=eps, scale="none"),
-    "rloo": lambda r, eps: rloo_advantages(r, eps=eps),
+    "grpo": lambda r, eps, **_: group_advantages(r, eps=eps, scale="group"),
+    "batch_std": lambda r, eps, **_: group_advantages(r, eps=eps, scale="batch"),
+    "dr_grpo": lambda r, eps, **_: group_advantages(r, eps=eps, scale="none"),
+    "rloo": lambda r, eps, **_: rloo_advantages(r, eps=eps),
+    "reinforce_pp": lambda r, eps, **_: reinforce_pp_advantages(r, eps=eps),
+    "reinforce_pp_baseline": lambda r, eps, **_: reinforce_pp_baseline_advantages(r, eps=eps),
+    "passk": lambda r, eps, passk_k=1, **_: passk_advantages(r, k=passk_k, eps=eps),
 }
 
 
 def compute_advantages(
-    rewards_BxG: jax.Array, *, estimator: str = "grpo", eps: float = DEFAULT_EPS
+    rewards_BxG: jax.Array,
+    *,
+    estimator: str = "grpo",
+    eps: float = DEFAULT_EPS,
+    passk_k: int = 1,
 ) -> jax.Array:
-    """Advantages by registry name: one of ``ESTIMATORS``."""
+    """Advantages by registry name: one of ``ESTIMATORS``; ``passk_k`` is "passk"'s k."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantage estimator {estimator!r} is not one of {sorted(ESTIMATORS)}")
-    return ESTIMATORS[estimator](rewards_BxG, eps)
+    return ESTIMATORS[estimator](rewards_BxG, eps, passk_k=passk_k)
 
 
 def group_reward_stats(rewards_BxG: jax.Array) -> dict[str, jax.Array]:

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax import losses, sharding
+from grpo_jax import advantages, losses, sharding
 from grpo_jax.config import ConfigError, GRPOConfig
 
 
@@ -287,3 +287,82 @@ def test_jit_and_sharded_match_single_device(policy_loss, reduction, kw):
     assert len(placed[0].sharding.device_set) == 8
     np.testing.assert_allclose(loss, eager[0], rtol=1e-6)
     np.testing.assert_allclose(grad, eager[1], rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Advantage estimators.
+
+
+def test_reinforce_pp_by_hand():
+    # Batch [1, 0 | 1, 1 | 0, 0]: groups 2 and 3 are constant and get 0. The
+    # first group: batch mean 1/2, batch population std 1/2: A = (1 - 1/2) / (1/2 + eps).
+    r = jnp.asarray([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    a = np.asarray(advantages.compute_advantages(r, estimator="reinforce_pp", eps=0.0))
+    np.testing.assert_array_equal(a, [[1.0, -1.0], [0.0, 0.0], [0.0, 0.0]])
+    # Batch [3, 1 | 2, 0]: mean 1.5, deviations 1.5, -0.5, 0.5, -1.5, variance (2.25 * 2 +
+    # 0.25 * 2) / 4 = 1.25. No group baseline: A = (r - 1.5) / sqrt(1.25).
+    r = jnp.asarray([[3.0, 1.0], [2.0, 0.0]])
+    a = advantages.compute_advantages(r, estimator="reinforce_pp", eps=0.0)
+    np.testing.assert_allclose(a, [[1.5, -0.5], [0.5, -1.5]] / np.sqrt(1.25), rtol=1e-6)
+
+
+def test_reinforce_pp_baseline_by_hand():
+    # Group means 2 and 1: centred [1, -1 | 1, -1]; their batch std is 1.
+    r = jnp.asarray([[3.0, 1.0], [2.0, 0.0]])
+    a = advantages.compute_advantages(r, estimator="reinforce_pp_baseline", eps=0.0)
+    np.testing.assert_allclose(a, [[1.0, -1.0], [1.0, -1.0]], rtol=1e-6)
+    # A constant group adds 0 to the std: centred [0.5, -0.5 | 0, 0], std sqrt(0.5/4).
+    r = jnp.asarray([[1.0, 0.0], [1.0, 1.0]])
+    a = advantages.compute_advantages(r, estimator="reinforce_pp_baseline", eps=0.0)
+    np.testing.assert_allclose(a, [[0.5, -0.5], [0.0, 0.0]] / np.sqrt(0.125), rtol=1e-6)
+
+
+def test_passk_by_hand():
+    # n = 4, k = 2.
+    # c = 1: R = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 1/2, sigma = 1/2; A+ = (1/2)/(1/2) = 1,
+    #   A- = (1/2 - C(2,1)/C(3,1)) / (1/2) = (1/2 - 2/3) * 2 = -1/3.
+    # c = 2: R = 1 - C(2,2)/C(4,2) = 5/6, sigma = sqrt(5)/6; A+ = (1/6)/sigma = 1/sqrt(5),
+    #   A- = (1/6 - C(1,1)/C(3,1)) / sigma = -(1/6) / sigma = -1/sqrt(5).
+    # c = 3: every pair holds a correct sample, R = 1, sigma = 0: all 0. c = 0 and c = 4: 0.
+    r = jnp.asarray(
+        [[1.0, 0, 0, 0], [0, 1, 0, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], jnp.float32
+    )
+    a = np.asarray(advantages.compute_advantages(r, estimator="passk", eps=0.0, passk_k=2))
+    s5 = 1 / np.sqrt(5)
+    want = [[1, -1 / 3, -1 / 3, -1 / 3], [-s5, s5, -s5, s5], [0] * 4, [0] * 4, [0] * 4]
+    np.testing.assert_allclose(a, want, rtol=1e-6)
+    assert np.all(a[2:] == 0.0)
+
+
+def test_passk_with_k_1_is_grpo_and_refuses_non_binary_rewards():
+    r = jnp.asarray(np.random.default_rng(0).integers(0, 2, (6, 8)), jnp.float32)
+    r = r.at[0, 3].set(jnp.nan)
+    np.testing.assert_allclose(
+        advantages.compute_advantages(r, estimator="passk", passk_k=1),
+        advantages.compute_advantages(r, estimator="grpo"),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="binary rewards"):
+        advantages.compute_advantages(jnp.asarray([[0.5, 1.0]]), estimator="passk")
+    with pytest.raises(ConfigError, match=r"grpo\.passk_k"):
+        GRPOConfig(G=4, passk_k=5)
+    with pytest.raises(ConfigError, match=r"grpo\.advantage_estimator.*'passk'"):
+        GRPOConfig(advantage_estimator="pass@k")
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline", "passk"])
+def test_new_estimators_jit_and_sharded_equal_single_device(estimator):
+    rewards = jnp.asarray(np.random.default_rng(1).integers(0, 2, (16, 4)), jnp.float32)
+    f = lambda r: advantages.compute_advantages(r, estimator=estimator, passk_k=2)
+    want = f(rewards)
+    np.testing.assert_allclose(jax.jit(f)(rewards), want, rtol=1e-6)
+    mesh = sharding.make_mesh({"data": 8})
+    g = jax.jit(
+        f,
+        in_shardings=sharding.batch_sharding(mesh),
+        out_shardings=sharding.batch_sharding(mesh),
+    )
+    placed = jax.device_put(rewards, sharding.batch_sharding(mesh))
+    assert len(placed.sharding.device_set) == 8
+    np.testing.assert_allclose(g(placed), want, rtol=1e-6)
