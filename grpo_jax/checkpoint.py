@@ -301,6 +301,7 @@ RESUME_MAY_CHANGE = (
     "eval.",
     "checkpoint.",
     "mesh.",
+    "health.",
     "model.remat",
 )
 
@@ -335,13 +336,12 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     if saved is None:
         return None
     old, new = _flat(saved), _flat(dict(run.raw))
-    unset = (None, "")  # a key one side lacks and the other leaves unset is no change
+    # Only keys both configs have: a key one lacks is a setting another version of
+    # grpo_jax did not have (its default is what that version did).
     changed = [
-        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
-        for k in sorted(set(old) | set(new))
-        if old.get(k) != new.get(k)
-        and not k.startswith(RESUME_MAY_CHANGE)
-        and not (old.get(k) in unset and new.get(k) in unset)
+        f"{k}: {old[k]!r} -> {new[k]!r}"
+        for k in sorted(set(old) & set(new))
+        if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)
     ]
     if changed and run.checkpoint.allow_changed_config:
         return changed
