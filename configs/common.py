@@ -74,6 +74,16 @@ def base() -> ConfigDict:
     c.grpo.advantage_estimator = "grpo"
     c.grpo.advantage_eps = 1e-4
     c.grpo.temperature = 1.0  # Sampling and loss temperature.
+    # The policy term by name (docs/objective.md): clip, cispo, sapo, gmpo, clip_cov, kl_cov.
+    c.grpo.policy_loss = "clip"
+    c.grpo.dual_clip_c = config_dict.placeholder(float)  # > 1 bounds A < 0 terms; unset: off
+    c.grpo.sapo_tau_pos = 1.0
+    c.grpo.sapo_tau_neg = 1.05
+    c.grpo.cov_frac = 2e-4
+    c.grpo.cov_lb = 1.0
+    c.grpo.cov_ub = 5.0
+    c.grpo.kl_cov_coef = 1.0
+    c.grpo.passk_k = 1  # k of the "passk" advantage estimator
 
     c.sampling = ConfigDict()
     c.sampling.top_k = 0

@@ -307,6 +307,7 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
             jnp.asarray(total_N.reshape(-1, G)),
             estimator=run.grpo.advantage_estimator,
             eps=run.grpo.advantage_eps,
+            passk_k=run.grpo.passk_k,
         )
     ).reshape(-1)
     t2 = time.perf_counter()
