@@ -201,19 +201,29 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, int(step))
 
-    def write_samples(self, step: int, samples: Sequence[Mapping[str, object]]) -> None:
-        """Writes prompt / completion / reward triples as readable text."""
+    def write_samples(
+        self,
+        step: int,
+        samples: Sequence[Mapping[str, object]],
+        *,
+        name: str = "step",
+        header: str | None = None,
+    ) -> None:
+        """Writes prompt / completion / reward triples as readable text.
+
+        To ``samples/<name>_<step:07d>.txt``, under a first line ``header`` when given.
+        """
         if not self.enabled:
             return
         d = self.workdir / "samples"
         d.mkdir(exist_ok=True)
-        lines = []
+        lines = [] if header is None else [header]
         for i, s in enumerate(samples):
             lines.append(f"--- sample {i} ---")
             for k, v in s.items():
                 lines.append(f"[{k}] {v}")
         text = "\n".join(lines) + "\n"
-        (d / f"step_{int(step):07d}.txt").write_text(text)
+        (d / f"{name}_{int(step):07d}.txt").write_text(text)
         if self._tb is not None:
             self._tb.add_text("samples", "    " + text.replace("\n", "\n    "), int(step))
 

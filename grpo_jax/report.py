@@ -195,21 +195,13 @@ class Reporter:
             + (" (health.stop_on_alarm: saving a checkpoint and stopping)" if stop else "")
         )
         self.stop_requested = self.stop_requested or stop
-        writer = self.s.writer
-        if not writer.enabled or host is None:
-            return
-        G = self.s.run.grpo.G
-        n = max(self.cfg.num_samples_logged, 1)
-        lines = [f"health alarm {alarm.name}: {alarm.message}"]
-        for i in range(min(n, len(host.completions))):
-            lines.append(f"--- sample {i} ---")
-            lines.append(f"[prompt] {host.prompts_n[i]}")
-            lines.append(f"[completion] {host.completions[i]}")
-            lines.append(f"[answer] {host.examples[i // G].get('answer')}")
-            lines.append(f"[reward] {float(host.total_n[i])}")
-        d = writer.workdir / "samples"
-        d.mkdir(exist_ok=True)
-        (d / f"alarm_{alarm.name}_step_{alarm.step:07d}.txt").write_text("\n".join(lines) + "\n")
+        if host is not None:
+            self.s.writer.write_samples(
+                alarm.step,
+                self._samples(host, max(self.cfg.num_samples_logged, 1)),
+                name=f"alarm_{alarm.name}_step",
+                header=f"health alarm {alarm.name}: {alarm.message}",
+            )
 
     def _way_back(self) -> str:
         ck = self.s.checkpointer
@@ -240,16 +232,17 @@ class Reporter:
                 " warm-start longer, make the task easier or raise grpo.G / temperature"
             )
         if cfg.samples_every and step % cfg.samples_every == 0 and cfg.num_samples_logged:
-            G = self.s.run.grpo.G
-            self.s.writer.write_samples(
-                step,
-                [
-                    {
-                        "prompt": host.prompts_n[i],
-                        "completion": host.completions[i],
-                        "answer": host.examples[i // G].get("answer"),
-                        "reward": float(host.total_n[i]),
-                    }
-                    for i in range(min(cfg.num_samples_logged, len(host.completions)))
-                ],
-            )
+            self.s.writer.write_samples(step, self._samples(host, cfg.num_samples_logged))
+
+    def _samples(self, host: HostRollout, n: int) -> list[dict]:
+        """The first ``n`` rows of a rollout as prompt / completion / answer / reward."""
+        G = self.s.run.grpo.G
+        return [
+            {
+                "prompt": host.prompts_n[i],
+                "completion": host.completions[i],
+                "answer": host.examples[i // G].get("answer"),
+                "reward": float(host.total_n[i]),
+            }
+            for i in range(min(n, len(host.completions)))
+        ]
