@@ -1,5 +1,7 @@
 """The project's character tokenizer, saved and loaded in Hugging Face format."""
 
+import pathlib
+
 from transformers import AutoTokenizer
 
 from grpo_jax.models import builtin_tokenizer as bt
@@ -34,3 +36,25 @@ def test_ensure_keeps_existing(tmp_path):
     mtime = (p / "tokenizer.json").stat().st_mtime_ns
     bt.ensure_tokenizer(p)
     assert (p / "tokenizer.json").stat().st_mtime_ns == mtime
+
+
+def test_the_tokenizer_folder_appears_whole(tmp_path, monkeypatch):
+    """Every host of a run saves the built-in tokenizer into the same workdir and then loads
+    it: the files are written elsewhere and the folder appears in one rename, so a reader
+    never sees it half written (a host once read an empty tokenizer_config.json)."""
+    written = []
+    real = bt.save_tokenizer
+
+    def recording(path):
+        written.append(pathlib.Path(path))
+        assert not (tmp_path / "w" / "tokenizer").exists()  # nothing visible while writing
+        return real(path)
+
+    monkeypatch.setattr(bt, "save_tokenizer", recording)
+    target = tmp_path / "w" / "tokenizer"
+    assert bt.ensure_tokenizer(target) == target
+    assert written and written[0] != target and written[0].parent == target.parent
+    AutoTokenizer.from_pretrained(str(target))
+    assert [p.name for p in target.parent.iterdir()] == ["tokenizer"]  # no leftovers
+    bt.ensure_tokenizer(target)  # a second host finds it whole and writes nothing
+    assert len(written) == 1

@@ -64,8 +64,25 @@ def save_tokenizer(path: str | os.PathLike) -> pathlib.Path:
 
 
 def ensure_tokenizer(path: str | os.PathLike) -> pathlib.Path:
-    """Saves the tokenizer at ``path`` unless a saved one is already there."""
+    """Saves the tokenizer at ``path`` unless a saved one is already there.
+
+    The files are written into a fresh sibling folder that is then renamed to
+    ``path`` in one step, so a process reading ``path`` (another host of the
+    same run, which makes the same call) never sees it half written.
+    """
+    import shutil
+    import tempfile
+
     path = pathlib.Path(path)
-    if not (path / "tokenizer.json").exists():
-        save_tokenizer(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    save_tokenizer(tmp)
+    try:
+        os.rename(tmp, path)  # replaces an empty folder; fails if another process won
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "tokenizer.json").exists():  # a folder left by something else
+            save_tokenizer(path)
     return path
