@@ -14,7 +14,11 @@ The keys and their meaning: docs/architecture.md and the dataclasses of
 
 from __future__ import annotations
 
+import dataclasses
+
 from ml_collections import ConfigDict, config_dict
+
+from grpo_jax.config import HealthConfig
 
 
 def parse_arg(arg: str | None, *, where: str, **defaults) -> ConfigDict:
@@ -143,32 +147,8 @@ def base() -> ConfigDict:
     c.warm_start = ConfigDict()
     c.warm_start.enabled = False
 
-    # Training-health alarms (grpo_jax.health; the fields: config.HealthConfig).
-    c.health = ConfigDict()
-    c.health.enabled = True
-    c.health.stop_on_alarm = False  # True: an alarm ends the run with a checkpoint.
-    c.health.rearm_steps = 20  # An alarm fires again only after this many quiet steps.
-    c.health.entropy_window = 5
-    c.health.entropy_frac = 0.2
-    c.health.entropy_floor = 0.01
-    c.health.length_window = 10
-    c.health.length_baseline = 20
-    c.health.length_blowup = 2.0
-    c.health.length_collapse = 0.5
-    c.health.truncation_window = 5
-    c.health.truncation_max = 0.25
-    c.health.clip_frac_max = 0.2
-    c.health.ratio_max = 10.0
-    c.health.kl_window = 20
-    c.health.kl_spike_factor = 5.0
-    c.health.kl_min = 1e-3
-    c.health.zero_var_steps = 20
-    c.health.zero_var_max = 0.9
-    c.health.reward_window = 10
-    c.health.reward_rise_min = 0.05
-    c.health.pass_drop_min = 0.02
-    c.health.mismatch_window = 10
-    c.health.mismatch_baseline = 40
-    c.health.mismatch_growth = 3.0
-    c.health.mismatch_min = 0.05
+    # Training-health alarms: the thresholds' defaults and meaning are HealthConfig's
+    # (grpo_jax/config.py), listed here so that each can be set on the command line
+    # (--config.health.entropy_floor=0.05, --config.health.stop_on_alarm=True).
+    c.health = ConfigDict(dataclasses.asdict(HealthConfig()))
     return c
