@@ -37,7 +37,11 @@ x, 1 where it is not split):
                        + (4 + c) * (H / tp_h) * S
                  (residual stream, norms, attention and MLP outputs; q, k, v and the
                  attention output; gate, up, activation and product; float32 scores
-                 and the softmax probabilities: attention is not flash-fused);
+                 and the softmax probabilities: attention "einsum" or "dot_product");
+                 with attention "blockwise" the last term is 8 * (H / tp_h) (the
+                 float32 row maximum and normaliser; the scores are recomputed
+                 block by block), plus, once, the working set of one block of
+                 one layer: 5 * 4 * n * (H / tp_h) * S * C_a (C_a = the block size);
                  sandwich norms add 2 D, q/k norms (H + K) Dh, a GELU gate 2 F
                  (its tanh intermediates),
                  plus float32 logits and their gradient, 8 * V / tp_v per scored
@@ -46,6 +50,7 @@ x, 1 where it is not split):
                  no remat:  n * S * L * a + n * C * 8 V / tp_v
                  remat:     n * S * (L * c * D + a) + n * C * 8 V / tp_v
                  (only each layer's input is kept; one layer is recomputed at a time)
+                 Layers as a scan (``scan_layers``) save the same tensors, stacked.
 
 The sampler (KV cache) and the update (gradients, activations) run one after
 the other, so the peak is
@@ -269,6 +274,8 @@ def estimate(
     remat: bool = False,
     sample_rows: int | None = None,
     logits_chunk: int = 0,
+    attention: str = "einsum",
+    attention_block_size: int = 512,
 ) -> MemoryEstimate:
     """Per-device memory of a GRPO run (formulas in the module docstring).
 
@@ -293,6 +300,9 @@ def estimate(
         ``batch_rows``.
       logits_chunk: completion tokens scored at a time (``train.logits_chunk``;
         0: all T).
+      attention, attention_block_size: the attention implementation and its
+        key block (``ModelConfig.attention``): "blockwise" never holds the
+        [S, S] scores.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
@@ -304,6 +314,10 @@ def estimate(
         _check_positive(f"mesh_shape[{a!r}]", v)
     if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known are {sorted(OPTIMIZER_MOMENTS)}")
+    if attention not in ("einsum", "blockwise", "dot_product"):
+        raise ValueError(
+            f"unknown attention {attention!r}; known are ['blockwise', 'dot_product', 'einsum']"
+        )
     sample_rows = batch_rows if sample_rows is None else sample_rows
     for name, value, lo in (
         ("batch_rows", batch_rows, 1),
@@ -343,8 +357,13 @@ def estimate(
         + (3 if cfg.qk_norm else 2) * (K // tp_k) * Dh
         + (6 if gelu else 4) * F // tp_f
     )
-    per_layer_token += (4 + c) * (H // tp_h) * S
-    logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v)
+    blockwise = 0
+    if attention == "blockwise":
+        per_layer_token += 8 * (H // tp_h)
+        blockwise = 5 * 4 * n * (H // tp_h) * S * min(attention_block_size, S)
+    else:
+        per_layer_token += (4 + c) * (H // tp_h) * S
+    logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v) + blockwise
     if remat:
         per_token = L * c * D + per_layer_token
     else:
@@ -423,6 +442,9 @@ def plan(
             kwargs[key] = _itemsize(np, getattr(model_cfg_like, field))
     if "remat" not in kwargs and isinstance(getattr(model_cfg_like, "remat", None), bool):
         kwargs["remat"] = model_cfg_like.remat
+    for key in ("attention", "attention_block_size"):
+        if key not in kwargs and getattr(model_cfg_like, key, None) is not None:
+            kwargs[key] = getattr(model_cfg_like, key)
     est = estimate(model_cfg_like, mesh_shape=mesh_shape, layout=layout, **kwargs)
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:

@@ -33,6 +33,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALINGS = ("linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("einsum", "blockwise", "dot_product")  # see grpo_jax.models.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,13 @@ class ModelConfig:
       max_position_embeddings: context length written to exported configs.
       dtype: compute dtype; param_dtype: storage dtype of the parameters.
       remat: rematerialise each layer in the backward pass.
+      attention: the attention implementation, one of ``ATTENTION``
+        ("einsum" the reference, "blockwise" memory linear in the context,
+        "dot_product" ``jax.nn.dot_product_attention``; see
+        ``grpo_jax.models.attention``).
+      attention_block_size: keys per block of the "blockwise" implementation.
+      scan_layers: the layers' parameters are stacked on a leading "layers"
+        axis and run by one ``jax.lax.scan`` (compile time flat in depth).
       bos_token_id, eos_token_id (int or tuple of ints), pad_token_id.
     """
 
@@ -151,6 +159,9 @@ class ModelConfig:
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     remat: bool = False
+    attention: str = "einsum"
+    attention_block_size: int = 512
+    scan_layers: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -202,6 +213,19 @@ class ModelConfig:
             raise ConfigError(
                 "config key 'model.sliding_window' is None, but model.layer_types has "
                 "'sliding_attention' layers: set the window"
+            )
+        check_choice("model.attention", self.attention, ATTENTION)
+        check_range("model.attention_block_size", self.attention_block_size, lo=1, integer=True)
+        for key in ("remat", "scan_layers"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"config key 'model.{key}' = {getattr(self, key)!r} must be True or False"
+                )
+        if self.attention == "dot_product" and self.attn_logit_softcap is not None:
+            raise ConfigError(
+                "config key 'model.attention' = 'dot_product' cannot soft-cap attention scores "
+                f"(model.attn_logit_softcap = {self.attn_logit_softcap}); use 'einsum' or "
+                "'blockwise'"
             )
         for key in ("bos_token_id", "pad_token_id"):
             if getattr(self, key) is not None:

@@ -15,6 +15,7 @@ and safetensors streamed tensor by tensor, which transformers'
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -78,6 +79,8 @@ def from_pretrained(
     mesh: Mesh | None = None,
     layout: str = "fsdp",
     remat: bool = False,
+    attention: str = "einsum",
+    scan_layers: bool = False,
 ) -> Transformer:
     """The model of a local Hugging Face checkpoint directory (nothing is downloaded).
 
@@ -89,6 +92,10 @@ def from_pretrained(
       mesh, layout: place each parameter directly in its ``layout`` sharding
         over ``mesh`` (default: the first device, unsharded).
       remat: rematerialise each layer in the backward pass.
+      attention: the attention implementation (``ModelConfig.attention``).
+      scan_layers: stack the layers' parameters and run them as a scan; the
+        checkpoint's per-layer tensors are stacked as they are placed (each
+        device reads its shard of every layer, nothing else).
 
     The end-of-sequence ids are config.json's plus any more that
     generation_config.json lists (instruct models' end-of-turn tokens).
@@ -107,6 +114,8 @@ def from_pretrained(
         dtype=dtype,
         param_dtype=param_dtype if param_dtype is not None else dtype,
         remat=remat,
+        attention=attention,
+        scan_layers=scan_layers,
     )
     eos = cfg.eos_token_ids + tuple(
         i for i in generation_eos_ids(directory) if i not in cfg.eos_token_ids
@@ -124,7 +133,7 @@ def from_pretrained(
         shardings = dict(nnx.to_flat_state(param_shardings(abstract_state, mesh, layout)))
     variables = dict(nnx.to_flat_state(abstract_state))
 
-    loaded = {}
+    views: dict[tuple, dict[int | None, np.ndarray]] = {}
     for entry in table:
         if entry.hf_name not in ckpt:
             raise CheckpointError(
@@ -136,24 +145,44 @@ def from_pretrained(
                 f"{ckpt.file_of(entry.hf_name)}: tensor {entry.hf_name!r} has shape "
                 f"{ckpt.shape(entry.hf_name)}, but config.json implies {entry.hf_shape}"
             )
-        var = variables[entry.path]
-        view = entry.to_param(ckpt[entry.hf_name])  # Lazy view of the memory-mapped tensor.
+        path, layer = param_path(entry.path, cfg.scan_layers)
+        # Lazy view of the memory-mapped tensor.
+        views.setdefault(path, {})[layer] = entry.to_param(ckpt[entry.hf_name])
+    loaded = {}
+    for path, by_layer in views.items():
+        var = variables[path]
         sharding = (
-            shardings[entry.path].get_value()
+            shardings[path].get_value()
             if mesh is not None
             else SingleDeviceSharding(jax.devices()[0])
         )
-        target = var.dtype
         array = jax.make_array_from_callback(
-            tuple(var.shape),
-            sharding,
-            lambda index, v=view, t=target: np.asarray(v[index], dtype=t),
+            tuple(var.shape), sharding, functools.partial(_read, by_layer, var.dtype)
         )
-        loaded[entry.path] = var.replace(array)
+        loaded[path] = var.replace(array)
     if set(loaded) != set(variables):  # The table and the model must describe the same params.
         raise AssertionError(f"weight table misses {sorted(set(variables) - set(loaded))}")
     log.info("loaded %d tensors from %s (%s)", len(table), directory, checkpoint_dtype(hf))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def param_path(table_path: tuple, scan_layers: bool) -> tuple[tuple, int | None]:
+    """(the model's parameter path, layer or None) of a weight-table path.
+
+    The table names each layer's tensors ``("layers", i, ...)``; a scanned
+    model holds them stacked at ``("layers", ...)``, layer i at index i.
+    """
+    if scan_layers and table_path[0] == "layers":
+        return ("layers", *table_path[2:]), int(table_path[1])
+    return tuple(table_path), None
+
+
+def _read(by_layer: dict, dtype, index: tuple) -> np.ndarray:
+    """One device's shard ``index`` of a parameter from its (per-layer) checkpoint views."""
+    if None in by_layer:
+        return np.asarray(by_layer[None][index], dtype=dtype)
+    layers = range(len(by_layer))[index[0]]
+    return np.stack([np.asarray(by_layer[i][index[1:]], dtype=dtype) for i in layers])
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -206,7 +235,12 @@ def save_pretrained(
     directory = pathlib.Path(path)
     table = weight_table(cfg)
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    produce = lambda name: by_name[name].to_hf(_to_host(params[by_name[name].path][...]))
+
+    def produce(name):
+        path, layer = param_path(by_name[name].path, cfg.scan_layers)
+        value = params[path][...] if layer is None else params[path][...][layer]
+        return by_name[name].to_hf(_to_host(value))
+
     by_name = {e.hf_name: e for e in table}
     specs = [(e.hf_name, e.hf_shape, save_dtype) for e in table]
     if jax.process_index() != 0:

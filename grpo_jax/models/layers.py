@@ -17,21 +17,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models import attention as attn_lib
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.partitioning import constrain
 from grpo_jax.models.rope import apply_rope
 
-_MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
 
-
-def param(shape, axes, dtype, init: str = "zeros"):
+def param(shape, axes, dtype, init: str = "zeros", stack: int = 0):
     """An ``nnx.Param`` with logical-axis metadata, filled with zeros or ones.
 
     Weight matrices start as zeros here; the Transformer then draws all of
     them at once (``randomize_weights``), which compiles far faster than one
-    random-number kernel per matrix.
+    random-number kernel per matrix. ``stack`` = L > 0 gives the parameter a
+    leading [L] axis named "layers" (the stacked layers of a scanned model).
     """
     fill = jnp.ones if init == "ones" else jnp.zeros
+    if stack:
+        shape, axes = (stack, *shape), ("layers", *axes)
     return nnx.Param(fill(shape, dtype), logical_axes=tuple(axes))
 
 
@@ -81,11 +83,11 @@ class RMSNorm(nnx.Module):
     Qwen) the normalised x is cast back first, then multiplied by w.
     """
 
-    def __init__(self, dim: int, cfg: ModelConfig):
+    def __init__(self, dim: int, cfg: ModelConfig, stack: int = 0):
         self.eps = cfg.rms_norm_eps
         self.plus_one = cfg.norm_plus_one
         init = "zeros" if cfg.norm_plus_one else "ones"
-        self.scale = param((dim,), ("norm",), cfg.params_dtype, init=init)
+        self.scale = param((dim,), ("norm",), cfg.params_dtype, init=init, stack=stack)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -102,9 +104,11 @@ class Attention(nnx.Module):
         out    = softmax(scores masked to the allowed keys) v W_o
 
     Query head h uses KV head h // G (Hugging Face's ``repeat_kv`` order).
+    The scores, softmax and weighted sum run in ``cfg.attention``'s
+    implementation (``grpo_jax.models.attention``).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, stack: int = 0):
         D, H, K, Dh, pd = (
             cfg.hidden_size,
             cfg.num_heads,
@@ -113,38 +117,38 @@ class Attention(nnx.Module):
             cfg.params_dtype,
         )
         self.cfg = cfg
-        self.q_proj = param((D, H, Dh), ("embed", "heads", "head_dim"), pd)
-        self.k_proj = param((D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_proj = param((D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
-        self.o_proj = param((H, Dh, D), ("heads", "head_dim", "embed"), pd)
+        p = lambda shape, axes: param(shape, axes, pd, stack=stack)
+        self.q_proj = p((D, H, Dh), ("embed", "heads", "head_dim"))
+        self.k_proj = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = p((D, K, Dh), ("embed", "kv_heads", "head_dim"))
+        self.o_proj = p((H, Dh, D), ("heads", "head_dim", "embed"))
         if cfg.qkv_bias:
-            self.q_bias = param((H, Dh), ("heads", "head_dim"), pd, init="zeros")
-            self.k_bias = param((K, Dh), ("kv_heads", "head_dim"), pd, init="zeros")
-            self.v_bias = param((K, Dh), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.q_bias = p((H, Dh), ("heads", "head_dim"))
+            self.k_bias = p((K, Dh), ("kv_heads", "head_dim"))
+            self.v_bias = p((K, Dh), ("kv_heads", "head_dim"))
         if cfg.out_bias:
-            self.o_bias = param((D,), ("norm",), pd, init="zeros")
+            self.o_bias = p((D,), ("norm",))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(Dh, cfg)
-            self.k_norm = RMSNorm(Dh, cfg)
+            self.q_norm = RMSNorm(Dh, cfg, stack)
+            self.k_norm = RMSNorm(Dh, cfg, stack)
 
     def __call__(
         self,
         x_BxTxD: jax.Array,
         cos_BxTxDh: jax.Array,
         sin_BxTxDh: jax.Array,
-        allowed_BxTxS: jax.Array,
+        mask: attn_lib.AttnMask,
         layout: str,
         kv_cache: dict[str, jax.Array] | None = None,
         cache_index: jax.Array | None = None,
-        layer: int = 0,
     ):
         """Returns (out_BxTxD, updated kv_cache or None).
 
         Without ``kv_cache`` the keys are this call's T tokens (S = T). With
-        ``kv_cache = {"k": L x [B, K, S, Dh], "v": L x [B, K, Dh, S]}`` (tuples
-        of one array per layer), this call's keys/values are written into slots
-        [cache_index, cache_index + T) of layer ``layer`` and the queries
-        attend over all S slots of that layer.
+        this layer's ``kv_cache = {"k": [B, K, S, Dh], "v": [B, K, Dh, S]}``,
+        this call's keys/values are written into slots
+        [cache_index, cache_index + T) and the queries attend over all S
+        slots; the updated slabs are returned.
 
         The cache is laid out for the decode step's two dots, which batch over
         (B, K) and have one query per row: XLA:CPU computes them as
@@ -180,12 +184,12 @@ class Attention(nnx.Module):
         v_BxTxKxDh = constrain(v_BxTxKxDh, ("batch", None, "kv_heads", "head_dim"), layout)
 
         if kv_cache is None:  # Keys and values [B, S, K, Dh], S = T.
-            k_spec, v_spec = "bskh", "bskh"
+            k_spec = "bskh"
             k_kv, v_kv = k_BxTxKxDh, v_BxTxKxDh
         else:  # Update this layer's slabs in place.
-            k_spec, v_spec = "bksh", "bkhs"
+            k_spec = "bksh"
             zero, index = jnp.int32(0), jnp.asarray(cache_index, jnp.int32)
-            k_BxKxSxDh, v_BxKxDhxS = kv_cache["k"][layer], kv_cache["v"][layer]
+            k_BxKxSxDh, v_BxKxDhxS = kv_cache["k"], kv_cache["v"]
             k_BxKxSxDh = jax.lax.dynamic_update_slice(
                 k_BxKxSxDh,
                 jnp.transpose(k_BxTxKxDh, (0, 2, 1, 3)).astype(k_BxKxSxDh.dtype),
@@ -196,27 +200,11 @@ class Attention(nnx.Module):
                 jnp.transpose(v_BxTxKxDh, (0, 2, 3, 1)).astype(v_BxKxDhxS.dtype),
                 (zero, zero, zero, index),
             )
-            swap = lambda xs, x: (*xs[:layer], x, *xs[layer + 1 :])
-            kv_cache = {
-                "k": swap(kv_cache["k"], k_BxKxSxDh),
-                "v": swap(kv_cache["v"], v_BxKxDhxS),
-            }
+            kv_cache = {"k": k_BxKxSxDh, "v": v_BxKxDhxS}
             k_kv, v_kv = k_BxKxSxDh, v_BxKxDhxS
 
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh)
-        scores_BxKxGxTxS = jnp.einsum(
-            f"btkgh,{k_spec}->bkgts",
-            q_BxTxKxGxDh,
-            k_kv.astype(dt),
-            preferred_element_type=jnp.float32,
-        )
-        scores_BxKxGxTxS = scores_BxKxGxTxS * cfg.attn_scale
-        if cfg.attn_logit_softcap is not None:
-            cap = cfg.attn_logit_softcap
-            scores_BxKxGxTxS = cap * jnp.tanh(scores_BxKxGxTxS / cap)
-        scores_BxKxGxTxS = jnp.where(allowed_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
-        probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
-        out_BxTxKxGxDh = jnp.einsum(f"bkgts,{v_spec}->btkgh", probs_BxKxGxTxS, v_kv.astype(dt))
+        out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask)
         out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
         o_proj_HDhxD = w(self.o_proj).reshape(K * G * Dh, -1)
         out_BxTxD = (out_BxTxHxDh.reshape(B * T, K * G * Dh) @ o_proj_HDhxD).reshape(B, T, -1)
@@ -224,20 +212,41 @@ class Attention(nnx.Module):
             out_BxTxD = out_BxTxD + w(self.o_bias)
         return out_BxTxD, kv_cache
 
+    def _attend(self, q_BxTxKxGxDh, k, v, k_spec: str, mask: attn_lib.AttnMask):
+        """softmax(q k^T) v in the configured implementation; keys/values in their layout:
+        "bskh" [B, S, K, Dh] each (no cache), or "bksh" keys [B, K, S, Dh] with
+        values [B, K, Dh, S] (the cache)."""
+        cfg = self.cfg
+        scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
+        cached = k_spec == "bksh"
+        if cfg.attention == "einsum":
+            v_spec = "bkhs" if cached else "bskh"
+            return attn_lib.einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap)
+        if cfg.attention == "blockwise":
+            k_BxKxSxDh = k if cached else jnp.transpose(k, (0, 2, 1, 3))
+            v_BxKxSxDh = jnp.swapaxes(v, 2, 3) if cached else jnp.transpose(v, (0, 2, 1, 3))
+            return attn_lib.blockwise_attention(
+                q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size
+            )
+        k_BxSxKxDh = jnp.transpose(k, (0, 2, 1, 3)) if cached else k
+        v_BxSxKxDh = jnp.transpose(v, (0, 3, 1, 2)) if cached else v
+        return attn_lib.dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask, scale)
+
 
 class MLP(nnx.Module):
     """Gated MLP: down(act(x W_gate) * (x W_up)); SwiGLU (Shazeer 2020) or GeGLU."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, stack: int = 0):
         D, F, pd = cfg.hidden_size, cfg.mlp_dim, cfg.params_dtype
         self.cfg = cfg
-        self.gate_proj = param((D, F), ("embed", "mlp"), pd)
-        self.up_proj = param((D, F), ("embed", "mlp"), pd)
-        self.down_proj = param((F, D), ("mlp", "embed"), pd)
+        p = lambda shape, axes: param(shape, axes, pd, stack=stack)
+        self.gate_proj = p((D, F), ("embed", "mlp"))
+        self.up_proj = p((D, F), ("embed", "mlp"))
+        self.down_proj = p((F, D), ("mlp", "embed"))
         if cfg.mlp_bias:
-            self.gate_bias = param((F,), ("mlp",), pd, init="zeros")
-            self.up_bias = param((F,), ("mlp",), pd, init="zeros")
-            self.down_bias = param((D,), ("norm",), pd, init="zeros")
+            self.gate_bias = p((F,), ("mlp",))
+            self.up_bias = p((F,), ("mlp",))
+            self.down_bias = p((D,), ("norm",))
 
     def __call__(self, x_BxTxD: jax.Array, layout: str) -> jax.Array:
         cfg, dt = self.cfg, x_BxTxD.dtype
@@ -264,17 +273,20 @@ class Block(nnx.Module):
 
     h = x + [post_attn_norm](attn(attn_norm(x)))
     y = h + [post_mlp_norm](mlp(mlp_norm(h)))
+
+    ``stack`` = L > 0: every parameter has a leading [L] axis, the L layers
+    of a scanned model (``Transformer`` runs one slice per scan step).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, stack: int = 0):
         D = cfg.hidden_size
-        self.attn_norm = RMSNorm(D, cfg)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(D, cfg)
-        self.mlp = MLP(cfg)
+        self.attn_norm = RMSNorm(D, cfg, stack)
+        self.attn = Attention(cfg, stack)
+        self.mlp_norm = RMSNorm(D, cfg, stack)
+        self.mlp = MLP(cfg, stack)
         if cfg.sandwich_norm:
-            self.post_attn_norm = RMSNorm(D, cfg)
-            self.post_mlp_norm = RMSNorm(D, cfg)
+            self.post_attn_norm = RMSNorm(D, cfg, stack)
+            self.post_mlp_norm = RMSNorm(D, cfg, stack)
         self.sandwich = cfg.sandwich_norm
 
     def __call__(
@@ -282,22 +294,20 @@ class Block(nnx.Module):
         x_BxTxD,
         cos_BxTxDh,
         sin_BxTxDh,
-        allowed_BxTxS,
+        mask,
         layout,
         kv_cache=None,
         cache_index=None,
-        layer=0,
     ):
         """Returns (y_BxTxD, updated kv_cache or None); see :meth:`Attention.__call__`."""
         a_BxTxD, kv_cache = self.attn(
             self.attn_norm(x_BxTxD),
             cos_BxTxDh,
             sin_BxTxDh,
-            allowed_BxTxS,
+            mask,
             layout,
             kv_cache,
             cache_index,
-            layer,
         )
         if self.sandwich:
             a_BxTxD = self.post_attn_norm(a_BxTxD)

@@ -68,20 +68,21 @@ def param_shardings(model_or_state, mesh: Mesh, layout: str = "fsdp"):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def cache_logical_axes() -> tuple[str | None, ...]:
+def cache_logical_axes(stacked: bool = False) -> tuple[str | None, ...]:
     """Logical names of the KV-cache arrays: keys [B, Kh, S, Dh], values [B, Kh, Dh, S].
 
     One array per layer and kind (see ``Transformer.init_cache``); neither S
-    nor Dh is ever sharded, so one tuple serves both.
+    nor Dh is ever sharded, so one tuple serves both. ``stacked``: a scanned
+    model's cache, [B, L, Kh, S, Dh] / [B, L, Kh, Dh, S] (the layer axis whole).
     """
-    return ("batch", "kv_heads", None, None)
+    return ("batch", None, "kv_heads", None, None) if stacked else ("batch", "kv_heads", None, None)
 
 
 def cache_shardings(cache, mesh: Mesh, layout: str = "fsdp"):
-    """NamedShardings for a KV cache from ``Transformer.init_cache``."""
+    """NamedShardings for a KV cache from ``Transformer.init_cache`` (unrolled or scanned)."""
     check_layout(layout)
     return jax.tree.map(
-        lambda x: logical_sharding(cache_logical_axes(), x.shape, mesh, layout), cache
+        lambda x: logical_sharding(cache_logical_axes(x.ndim == 5), x.shape, mesh, layout), cache
     )
 
 

@@ -12,6 +12,18 @@ iff j <= i (causal), j holds a real token (the mask), and, in a sliding-window
 layer, i - j < W. With left padding, real tokens are contiguous, so slot
 distance equals position distance. A query that sees no key (a left pad)
 gets finite garbage, never NaN.
+
+Layers as a scan (``cfg.scan_layers``): the L layers' parameters are one
+``Block`` whose every parameter has a leading [L] axis (logical axis
+"layers", never sharded), run by one ``jax.lax.scan`` (each step merges
+one slice into a Block), remat inside the step when ``cfg.remat``: the
+compiled program holds one layer however deep the model. What differs
+between layers is a scanned input: the sliding window (``NO_WINDOW`` for a
+global layer) and which RoPE table (Gemma 3's local and global bases). The
+KV cache is then one array per kind, batch-major with a layer axis,
+``{"k": [B, L, K, S, Dh], "v": [B, L, K, Dh, S]}``, carried through the scan
+and updated in place. ``stack_layers`` / ``unstack_layers`` convert
+parameters between the two layouts.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models.attention import NO_WINDOW, AttnMask
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.layers import Block, RMSNorm, param, randomize_weights
 from grpo_jax.models.partitioning import check_layout, constrain, param_shardings
@@ -33,20 +46,9 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def _allowed(q_slot_BxT, kv_mask_BxS, window: int | None) -> jax.Array:
-    """allowed[b, t, s] = s <= q_slot[b, t] and kv_mask[b, s] (and q_slot - s < window)."""
-    S = kv_mask_BxS.shape[-1]
-    s_S = jnp.arange(S, dtype=jnp.int32)
-    dist_BxTxS = q_slot_BxT[:, :, None] - s_S[None, None, :]
-    allowed = (dist_BxTxS >= 0) & kv_mask_BxS[:, None, :].astype(bool)
-    if window is not None:
-        allowed &= dist_BxTxS < window
-    return allowed
-
-
-def _block_fn(layout: str, layer: int):
-    def apply(block, x, cos, sin, allowed, cache, cache_index):
-        return block(x, cos, sin, allowed, layout, cache, cache_index, layer)
+def _block_fn(layout: str):
+    def apply(block, x, cos, sin, mask, cache, cache_index):
+        return block(x, cos, sin, mask, layout, cache, cache_index)
 
     return apply
 
@@ -65,7 +67,10 @@ class Transformer(nnx.Module):
         self.layout = layout
         pd = cfg.params_dtype
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
-        self.layers = nnx.List([Block(cfg) for _ in range(cfg.num_layers)])
+        if cfg.scan_layers:
+            self.layers = Block(cfg, stack=cfg.num_layers)
+        else:
+            self.layers = nnx.List([Block(cfg) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -95,29 +100,86 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", None, "vocab"), self.layout)
 
     def _rope_tables(self, positions_BxT: jax.Array):
-        """cos/sin per distinct (base, scaling) of the layers, keyed by layer index."""
-        cfg, tables, per_layer = self.config, {}, []
+        """(cos/sin tables, one per distinct (base, scaling) of the layers; each layer's index)."""
+        cfg, keys, tables, kind = self.config, {}, [], []
         for i in range(cfg.num_layers):
             key = (cfg.rope_base(i), cfg.layer_rope_scaling(i))
-            if key not in tables:
+            if key not in keys:
+                keys[key] = len(tables)
                 inv_freq = inv_frequencies(cfg.head_dim, *key)
-                tables[key] = rope_cos_sin(positions_BxT, inv_freq, cfg.compute_dtype)
-            per_layer.append(tables[key])
-        return per_layer
+                tables.append(rope_cos_sin(positions_BxT, inv_freq, cfg.compute_dtype))
+            kind.append(keys[key])
+        return tables, kind
 
     def _run_layers(self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index):
+        if self.config.scan_layers:
+            return self._scan_layers(
+                x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index
+            )
         cfg = self.config
-        rope = self._rope_tables(positions_BxT)
-        windows = {cfg.window(i) for i in range(cfg.num_layers)}
-        masks = {w: _allowed(q_slot_BxT, kv_mask_BxS, w) for w in windows}
+        tables, kind = self._rope_tables(positions_BxT)
         for i, block in enumerate(self.layers):
-            cos, sin = rope[i]
-            apply = _block_fn(self.layout, i)
+            cos, sin = tables[kind[i]]
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i))
+            apply = _block_fn(self.layout)
             if cfg.remat:  # Keep only the layer's inputs; recompute its insides for the gradient.
                 apply = nnx.remat(apply)
-            x_BxTxD, cache = apply(
-                block, x_BxTxD, cos, sin, masks[cfg.window(i)], cache, cache_index
-            )
+            layer_cache = None if cache is None else {k: v[i] for k, v in cache.items()}
+            x_BxTxD, layer_cache = apply(block, x_BxTxD, cos, sin, mask, layer_cache, cache_index)
+            if cache is not None:
+                swap = lambda xs, x, i=i: (*xs[:i], x, *xs[i + 1 :])
+                cache = {k: swap(cache[k], layer_cache[k]) for k in cache}
+        return x_BxTxD, cache
+
+    def _scan_layers(self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index):
+        """The stacked layers by ``jax.lax.scan``; per-layer window and RoPE table as inputs."""
+        cfg, layout, L = self.config, self.layout, self.config.num_layers
+        tables, kind = self._rope_tables(positions_BxT)
+        windows = [cfg.window(i) for i in range(L)]
+        xs = {"params": nnx.split(self.layers)[1], "layer": jnp.arange(L, dtype=jnp.int32)}
+        if len(tables) > 1:
+            xs["kind"] = jnp.asarray(kind, jnp.int32)
+            cos_RxBxTxDh = jnp.stack([c for c, _ in tables])
+            sin_RxBxTxDh = jnp.stack([s for _, s in tables])
+        if len(set(windows)) > 1:
+            xs["window"] = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+        block_def = nnx.graphdef(self.layers)
+        index = None if cache is None else jnp.asarray(cache_index, jnp.int32)
+        zero = jnp.int32(0)
+
+        def step(carry, xs):
+            x_BxTxD, cache = carry
+            block = nnx.merge(block_def, xs["params"])
+            if "kind" in xs:
+                cos, sin = cos_RxBxTxDh[xs["kind"]], sin_RxBxTxDh[xs["kind"]]
+            else:
+                cos, sin = tables[0]
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, xs.get("window", windows[0]))
+            layer_cache = None
+            if cache is not None:  # This layer's slabs [B, K, S, Dh] / [B, K, Dh, S].
+                layer_cache = {
+                    k: jax.lax.dynamic_index_in_dim(c, xs["layer"], axis=1, keepdims=False)
+                    for k, c in cache.items()
+                }
+            x_BxTxD, layer_cache = block(x_BxTxD, cos, sin, mask, layout, layer_cache, index)
+            if cache is not None:  # Write back this call's T slots only, in place.
+                T = x_BxTxD.shape[1]
+                k_new = jax.lax.dynamic_slice_in_dim(layer_cache["k"], index, T, axis=2)
+                v_new = jax.lax.dynamic_slice_in_dim(layer_cache["v"], index, T, axis=3)
+                layer = xs["layer"]
+                cache = {
+                    "k": jax.lax.dynamic_update_slice(
+                        cache["k"], k_new[:, None], (zero, layer, zero, index, zero)
+                    ),
+                    "v": jax.lax.dynamic_update_slice(
+                        cache["v"], v_new[:, None], (zero, layer, zero, zero, index)
+                    ),
+                }
+            return (x_BxTxD, cache), None
+
+        if cfg.remat:  # Keep only each layer's input; recompute its insides for the gradient.
+            step = jax.checkpoint(step, prevent_cse=False)
+        (x_BxTxD, cache), _ = jax.lax.scan(step, (x_BxTxD, cache), xs)
         return x_BxTxD, cache
 
     # -- public API ---------------------------------------------------------
@@ -153,17 +215,25 @@ class Transformer(nnx.Module):
         """Float32 logits [B, T, V] of :meth:`features` output: final norm, LM head, soft-cap."""
         return self._logits(x_BxTxD)
 
-    def init_cache(self, batch_size: int, max_len: int) -> dict[str, tuple[jax.Array, ...]]:
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
         """Zeroed KV cache of S = max_len slots in the compute dtype.
 
         ``{"k": L x [B, K, S, Dh], "v": L x [B, K, Dh, S]}``: tuples of one
         array per layer; head-major, keys slot-major and values
         slot-minor: the layouts the decode step's attention dots read without
-        a copy (see :meth:`Attention.__call__`).
+        a copy (see :meth:`Attention.__call__`). With ``scan_layers`` one
+        array per kind with a layer axis after the batch axis:
+        ``{"k": [B, L, K, S, Dh], "v": [B, L, K, Dh, S]}``.
         """
         cfg = self.config
         K, Dh, dt = cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype
         layers = range(cfg.num_layers)
+        if cfg.scan_layers:
+            L = cfg.num_layers
+            return {
+                "k": jnp.zeros((batch_size, L, K, max_len, Dh), dt),
+                "v": jnp.zeros((batch_size, L, K, Dh, max_len), dt),
+            }
         return {
             "k": tuple(jnp.zeros((batch_size, K, max_len, Dh), dt) for _ in layers),
             "v": tuple(jnp.zeros((batch_size, K, Dh, max_len), dt) for _ in layers),
@@ -205,6 +275,42 @@ class Transformer(nnx.Module):
         return self._run_layers(x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index)
 
 
+def stack_layers(params, num_layers: int):
+    """Parameters of an unrolled model (``layers.<i>.<rest>``) as a scanned model's
+    (``layers.<rest>`` with a leading [L] axis, logical axis "layers")."""
+    flat, groups = {}, {}
+    for path, v in nnx.to_flat_state(params):
+        if path[0] == "layers":
+            groups.setdefault(path[2:], {})[int(path[1])] = v
+        else:
+            flat[path] = v
+    for rest, by_layer in groups.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise ValueError(
+                f"stack_layers: layers.*.{'.'.join(map(str, rest))} found for layers "
+                f"{sorted(by_layer)}, expected 0..{num_layers - 1}"
+            )
+        first = by_layer[0]
+        axes = ("layers", *(first.get_metadata().get("logical_axes") or ()))
+        stacked = jnp.stack([by_layer[i].get_value() for i in range(num_layers)])
+        flat[("layers", *rest)] = first.replace(stacked, logical_axes=axes)
+    return nnx.from_flat_state(flat)
+
+
+def unstack_layers(params, num_layers: int):
+    """Inverse of :func:`stack_layers`: a scanned model's parameters as an unrolled model's."""
+    flat = {}
+    for path, v in nnx.to_flat_state(params):
+        if path[0] != "layers":
+            flat[path] = v
+            continue
+        axes = tuple(v.get_metadata().get("logical_axes") or ())[1:]
+        value = v.get_value()
+        for i in range(num_layers):
+            flat[("layers", i, *path[1:])] = v.replace(value[i], logical_axes=axes)
+    return nnx.from_flat_state(flat)
+
+
 def create_model(
     cfg: ModelConfig, *, seed: int = 0, mesh=None, layout: str = "fsdp"
 ) -> Transformer:
@@ -212,15 +318,19 @@ def create_model(
 
     With a ``mesh`` the parameters are created directly in their ``layout``
     shardings (no full copy on one device); without one, on the default device.
+    A scanned model (``cfg.scan_layers``) gets the same weights as the
+    unrolled one of the same seed, stacked.
     """
     check_layout(layout)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), layout=layout))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = None if mesh is None else param_shardings(abstract_state, mesh, layout)
+    unrolled = cfg.replace(scan_layers=False)
 
     @jax.jit
     def init():
-        return nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed), layout=layout))[1]
+        state = nnx.split(Transformer(unrolled, rngs=nnx.Rngs(seed), layout=layout))[1]
+        return stack_layers(state, cfg.num_layers) if cfg.scan_layers else state
 
     if shardings is not None:
         init = jax.jit(init.__wrapped__, out_shardings=shardings)

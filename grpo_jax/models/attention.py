@@ -1,0 +1,266 @@
+"""Attention implementations, selected by ``ModelConfig.attention``: one math, three kernels.
+
+Shapes: B batch, T queries, S key slots, K key/value heads, G = H / K query
+heads per KV head, Dh head width, C keys per block, N = ceil(S / C) blocks.
+
+Every implementation computes, per query head h (KV head h // G),
+
+    s[t, j]   = (q_t . k_j) * scale          [c * tanh(s / c) when soft-capped]
+    out_t     = sum_j softmax_j(s[t, j] masked to the allowed keys) v_j
+
+where a query in slot i sees key slot j iff j <= i (causal), the key slot
+holds a real token (``kv_mask``), and, with a window W, i - j < W (see
+:class:`AttnMask`). A query that sees no key (a left pad) gets finite
+values, never NaN (a mean of values, which ones depending on the
+implementation; nothing downstream reads a pad's output).
+
+  einsum       the reference: [B, K, G, T, S] float32 scores, softmax, einsum.
+               Memory quadratic in T.
+  blockwise    online softmax (Milakov & Gimelshein 2018; Rabe & Staats 2021;
+               FlashAttention, Dao et al. 2022) over key blocks of C slots in a
+               ``lax.scan``, pure JAX, with a custom gradient that recomputes
+               each block's scores from the saved per-row max and normaliser:
+               forward and backward hold [B, K, G, T, C] scores at a time, so
+               memory grows linearly in T for a fixed C.
+  dot_product  ``jax.nn.dot_product_attention`` with an explicit mask: cuDNN's
+               fused kernel on a GPU with a half-precision compute dtype, XLA's
+               implementation elsewhere. Its options have no soft-capping, so a
+               config with ``attn_logit_softcap`` is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("einsum", "blockwise", "dot_product")
+MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
+NO_WINDOW = 2**30  # A per-layer window value (scanned layers) meaning "global layer".
+
+
+class AttnMask(NamedTuple):
+    """What a query may see, without forming the [B, T, S] mask.
+
+    q_slot_BxT: the cache slot of each query (its column without a cache).
+    kv_mask_BxS: True where a key slot holds a real token.
+    window: None (all layers global), or a window W (a Python int, or an
+      int32 scalar per layer when layers are scanned; ``NO_WINDOW`` for a
+      global layer).
+    """
+
+    q_slot_BxT: jax.Array
+    kv_mask_BxS: jax.Array
+    window: jax.Array | int | None = None
+
+
+def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:
+    """allowed[b, t, s]: key slot s_offset + s is visible to query t of row b."""
+    S = kv_mask_BxS.shape[-1]
+    s_S = s_offset + jnp.arange(S, dtype=jnp.int32)
+    dist_BxTxS = q_slot_BxT[:, :, None] - s_S[None, None, :]
+    ok = (dist_BxTxS >= 0) & kv_mask_BxS[:, None, :].astype(bool)
+    if window is not None:
+        ok &= dist_BxTxS < window
+    return ok
+
+
+def _cap(scores, softcap):
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+# ---------------------------------------------------------------------------
+# einsum: the reference.
+
+
+def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, softcap):
+    """The reference; ``k_spec`` / ``v_spec`` name the key/value layouts (einsum letters)."""
+    dt = q_BxTxKxGxDh.dtype
+    scores_BxKxGxTxS = jnp.einsum(
+        f"btkgh,{k_spec}->bkgts", q_BxTxKxGxDh, k.astype(dt), preferred_element_type=jnp.float32
+    )
+    scores_BxKxGxTxS = _cap(scores_BxKxGxTxS * scale, softcap)
+    ok_BxTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window)
+    scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
+    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    return jnp.einsum(f"bkgts,{v_spec}->btkgh", probs_BxKxGxTxS, v.astype(dt))
+
+
+# ---------------------------------------------------------------------------
+# blockwise: online softmax over key blocks, with its own gradient.
+
+
+def _block_scores(q_BxKxGxTxDh, k_BxKxCxDh, q_slot_BxT, kv_mask_BxC, window, s0, scale, softcap):
+    """(masked scores, pre-cap scaled scores) [B, K, G, T, C] of one key block, float32."""
+    raw = jnp.einsum(
+        "bkgth,bkch->bkgtc", q_BxKxGxTxDh, k_BxKxCxDh, preferred_element_type=jnp.float32
+    )
+    raw = raw * scale
+    ok_BxTxC = allowed(q_slot_BxT, kv_mask_BxC, window, s0)
+    return jnp.where(ok_BxTxC[:, None, None], _cap(raw, softcap), MASKED), raw
+
+
+def _blocks(x, n, c, axis):
+    """[..., N*C (at ``axis``), ...] -> [N, ..., C, ...]: scan inputs, one block each."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], n, c, *shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _unblocks(x, axis):
+    """Inverse of :func:`_blocks`."""
+    x = jnp.moveaxis(x, 0, axis)
+    shape = x.shape
+    return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+def _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
+    """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T])."""
+    B, K, G, T, Dh = q.shape
+    n = k.shape[2] // block
+    k_N, v_N, kv_mask_N = (
+        _blocks(k, n, block, 2),
+        _blocks(v, n, block, 2),
+        _blocks(kv_mask, n, block, 1),
+    )
+
+    def step(carry, xs):
+        m, l, acc = carry
+        j, k_blk, v_blk, kvm_blk = xs
+        s, _ = _block_scores(q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap)
+        m_new = jnp.maximum(m, s.max(-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * corr + p.sum(-1)
+        pv = jnp.einsum(
+            "bkgtc,bkch->bkgth", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32
+        )
+        return (m_new, l, acc * corr[..., None] + pv), None
+
+    init = (
+        jnp.full((B, K, G, T), MASKED, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, Dh), jnp.float32),
+    )
+    js = jnp.arange(n, dtype=jnp.int32)
+    (m, l, acc), _ = jax.lax.scan(step, init, (js, k_N, v_N, kv_mask_N))
+    return acc / l[..., None], m, l
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
+    return _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block)[0].astype(
+        q.dtype
+    )
+
+
+def _flash_fwd(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
+    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_slot, kv_mask, window, out, m, l)
+
+
+def _flash_bwd(scale, softcap, block, res, d_out):
+    """Recomputes each block's probabilities p = exp(s - m) / l and accumulates
+    dq; dk, dv per block (FlashAttention's backward pass):
+
+        dv_j = p^T do,  dp = do v_j^T,  ds = p * (dp - rowsum(do * out)),
+        ds_raw = ds * (1 - tanh^2(raw / c)) when soft-capped,
+        dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q.
+    """
+    q, k, v, q_slot, kv_mask, window, out, m, l = res
+    n = k.shape[2] // block
+    do = d_out.astype(jnp.float32)
+    delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
+    k_N, v_N, kv_mask_N = (
+        _blocks(k, n, block, 2),
+        _blocks(v, n, block, 2),
+        _blocks(kv_mask, n, block, 1),
+    )
+    inv_l = 1.0 / l
+
+    def step(dq, xs):
+        j, k_blk, v_blk, kvm_blk = xs
+        s, raw = _block_scores(q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap)
+        p = jnp.exp(s - m[..., None]) * inv_l[..., None]
+        dv = jnp.einsum("bkgtc,bkgth->bkch", p, do)
+        dp = jnp.einsum("bkgth,bkch->bkgtc", do, v_blk.astype(jnp.float32))
+        ds = p * (dp - delta[..., None])
+        if softcap is not None:
+            ds = ds * (1.0 - jnp.square(jnp.tanh(raw / softcap)))
+        ds = ds * scale
+        dq = dq + jnp.einsum("bkgtc,bkch->bkgth", ds, k_blk.astype(jnp.float32))
+        dk = jnp.einsum("bkgtc,bkgth->bkch", ds, q.astype(jnp.float32))
+        return dq, (dk, dv)
+
+    js = jnp.arange(n, dtype=jnp.int32)
+    dq, (dk_N, dv_N) = jax.lax.scan(
+        step, jnp.zeros(q.shape, jnp.float32), (js, k_N, v_N, kv_mask_N)
+    )
+    zero_int = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    return (
+        dq.astype(q.dtype),
+        _unblocks(dk_N, 2).astype(k.dtype),
+        _unblocks(dv_N, 2).astype(v.dtype),
+        zero_int(q_slot),
+        zero_int(kv_mask),
+        zero_int(window),
+    )
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(
+    q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask: AttnMask, scale, softcap, block_size
+):
+    """Online-softmax attention over key blocks of ``block_size`` slots (module docstring).
+
+    Keys/values are padded with masked slots up to a multiple of the block.
+    """
+    S = k_BxKxSxDh.shape[2]
+    block = min(block_size, S)
+    pad = -S % block
+    kv_mask_BxS = mask.kv_mask_BxS.astype(bool)
+    if pad:
+        widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        k_BxKxSxDh, v_BxKxSxDh = widen(k_BxKxSxDh), widen(v_BxKxSxDh)
+        kv_mask_BxS = jnp.pad(kv_mask_BxS, ((0, 0), (0, pad)))
+    q_BxKxGxTxDh = jnp.transpose(q_BxTxKxGxDh, (0, 2, 3, 1, 4))
+    window = NO_WINDOW if mask.window is None else mask.window
+    dt = q_BxTxKxGxDh.dtype
+    out_BxKxGxTxDh = _flash(
+        q_BxKxGxTxDh,
+        k_BxKxSxDh.astype(dt),
+        v_BxKxSxDh.astype(dt),
+        mask.q_slot_BxT.astype(jnp.int32),
+        kv_mask_BxS,
+        jnp.asarray(window, jnp.int32),
+        scale,
+        softcap,
+        block,
+    )
+    return jnp.transpose(out_BxKxGxTxDh, (0, 3, 1, 2, 4))
+
+
+# ---------------------------------------------------------------------------
+# dot_product: jax.nn.dot_product_attention.
+
+
+def dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask: AttnMask, scale):
+    """``jax.nn.dot_product_attention`` with the allowed-key mask (cuDNN: GPU, half precision)."""
+    B, T, K, G, Dh = q_BxTxKxGxDh.shape
+    dt = q_BxTxKxGxDh.dtype
+    ok_Bx1xTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window)[:, None]
+    gpu_half = jax.default_backend() == "gpu" and dt in (jnp.bfloat16, jnp.float16)
+    out_BxTxHxDh = jax.nn.dot_product_attention(
+        q_BxTxKxGxDh.reshape(B, T, K * G, Dh),
+        k_BxSxKxDh.astype(dt),
+        v_BxSxKxDh.astype(dt),
+        mask=ok_Bx1xTxS,
+        scale=scale,
+        implementation="cudnn" if gpu_half else "xla",
+    )
+    return out_BxTxHxDh.reshape(B, T, K, G, Dh)
