@@ -88,10 +88,17 @@ def base() -> ConfigDict:
     c.grpo.cov_ub = 5.0
     c.grpo.kl_cov_coef = 1.0
     c.grpo.passk_k = 1  # k of the "passk" advantage estimator
+    # Correction for sampling from q != pi_old (top-k/top-p/min-p, sampler precision):
+    # "none", "tis" (weights min(pi_old/q, C)) or "mis" (weights outside [1/C, C] masked).
+    c.grpo.behavior_correction = "none"
+    c.grpo.behavior_level = "token"  # or "sequence"
+    c.grpo.behavior_cap = 2.0  # C
+    c.grpo.old_logps = "sampler"  # or "recompute": pi_old rescored by the update's own path
 
     c.sampling = ConfigDict()
     c.sampling.top_k = 0
     c.sampling.top_p = 1.0
+    c.sampling.min_p = 0.0
 
     c.optim = ConfigDict()
     c.optim.learning_rate = 3e-4
@@ -118,6 +125,8 @@ def base() -> ConfigDict:
     c.train.update_kl_warn = 0.05
     c.train.reward_timeout_s = 5.0
     c.train.logits_chunk = 0
+    c.train.dynamic_sampling = False  # DAPO: keep groups whose rewards vary, draw more rounds
+    c.train.max_sampling_rounds = 3
 
     c.eval = ConfigDict()
     c.eval.every = 50

@@ -68,6 +68,9 @@ def from_mapping(cls, section: str, mapping: Mapping[str, Any] | None):
     return cls(**cfg)
 
 
+OLD_LOGPS = ("sampler", "recompute")
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """Hyperparameters of the GRPO objective (DeepSeekMath, Shao et al. 2024).
@@ -95,6 +98,18 @@ class GRPOConfig:
       cov_lb, cov_ub: "clip_cov" covariance band.
       kl_cov_coef: "kl_cov" penalty weight k.
       passk_k: k of the "passk" advantage estimator (<= G).
+      behavior_correction: "none" (default), "tis" or "mis": importance
+        weights of pi_old against the distribution the sampler drew from
+        (after top-k / top-p / min-p, at the sampler's precision), truncated
+        at C ("tis") or masking tokens outside [1/C, C] ("mis"); see
+        ``grpo_jax.losses.behavior_weights`` and docs/objective.md.
+      behavior_level: "token" (default) or "sequence" weights.
+      behavior_cap: C (> 1).
+      old_logps: "sampler" (default): pi_old's log-probs are those the
+        sampler recorded; "recompute": the update scores the batch with the
+        sampling parameters once before its first pass (one more forward
+        pass), so the first ratio is 1 even when sampler and trainer compute
+        at different precision.
     """
 
     G: int = 8
@@ -116,6 +131,10 @@ class GRPOConfig:
     cov_ub: float = 5.0
     kl_cov_coef: float = 1.0
     passk_k: int = 1
+    behavior_correction: str = "none"
+    behavior_level: str = "token"
+    behavior_cap: float = 2.0
+    old_logps: str = "sampler"
 
     def __post_init__(self):
         from grpo_jax import advantages, losses  # Late import: the registries live there.
@@ -152,6 +171,25 @@ class GRPOConfig:
         check_range("grpo.cov_ub", self.cov_ub, lo=self.cov_lb)
         check_range("grpo.kl_cov_coef", self.kl_cov_coef, lo=0.0)
         check_range("grpo.passk_k", self.passk_k, lo=1, hi=self.G, integer=True)
+        check_choice(
+            "grpo.behavior_correction", self.behavior_correction, losses.BEHAVIOR_CORRECTIONS
+        )
+        check_choice("grpo.behavior_level", self.behavior_level, losses.BEHAVIOR_LEVELS)
+        check_range("grpo.behavior_cap", self.behavior_cap, lo=1.0, lo_open=True)
+        check_choice("grpo.old_logps", self.old_logps, OLD_LOGPS)
+        sequence_terms = (
+            self.reduction == "gspo" or self.policy_loss in losses.SEQUENCE_POLICY_LOSSES
+        )
+        if (
+            self.behavior_correction != "none"
+            and sequence_terms
+            and self.behavior_level != "sequence"
+        ):
+            raise ConfigError(
+                "grpo.behavior_correction with a sequence-level objective "
+                f"(reduction={self.reduction!r}, policy_loss={self.policy_loss!r}) needs "
+                f"grpo.behavior_level='sequence', got {self.behavior_level!r}"
+            )
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> GRPOConfig:
@@ -245,6 +283,11 @@ class TrainConfig:
         head, log-softmax and entropy rematerialised per chunk), so the
         float32 logits are never [rows, T, V] at once; 0: all T together. Must
         divide sampling.max_new_tokens. For large vocabularies (Qwen, Gemma).
+      dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025): keep only
+        groups whose rewards are not all equal, drawing further rounds of B
+        prompts until B groups are kept or max_sampling_rounds are spent;
+        what is still short is filled with weight-0 groups.
+      max_sampling_rounds: sampling rounds per step with dynamic_sampling.
     """
 
     steps: int = 100
@@ -259,6 +302,8 @@ class TrainConfig:
     update_kl_warn: float = 0.05
     reward_timeout_s: float = 5.0
     logits_chunk: int = 0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -273,6 +318,8 @@ class TrainConfig:
         check_range("train.update_kl_warn", self.update_kl_warn, lo=0.0)
         check_range("train.reward_timeout_s", self.reward_timeout_s, lo=0.0, lo_open=True)
         check_range("train.logits_chunk", self.logits_chunk, lo=0, integer=True)
+        check_bool("train.dynamic_sampling", self.dynamic_sampling)
+        check_range("train.max_sampling_rounds", self.max_sampling_rounds, lo=1, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,6 +575,8 @@ class SamplingSection:
       max_new_tokens: T, completion slots per row.
       top_k: keep the k most likely tokens; 0 switches it off.
       top_p: nucleus sampling mass; 1 switches it off.
+      min_p: drop tokens whose probability is below min_p times the most
+        likely token's; 0 switches it off.
       prompt_buckets: allowed padded prompt lengths, increasing (one
         compilation per bucket).
     """
@@ -535,6 +584,7 @@ class SamplingSection:
     max_new_tokens: int
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
 
     @classmethod
@@ -564,6 +614,7 @@ class SamplingSection:
             temperature=temperature,
             top_k=self.top_k,
             top_p=self.top_p,
+            min_p=self.min_p,
             greedy=greedy,
             eos_ids=tuple(eos_ids),
             pad_id=pad_id,

@@ -299,6 +299,85 @@ POLICY_LOSSES: dict[str, Callable[..., jax.Array]] = {
 
 
 # ---------------------------------------------------------------------------
+# Behaviour-policy correction.
+
+BEHAVIOR_CORRECTIONS = ("none", "tis", "mis")
+BEHAVIOR_LEVELS = ("token", "sequence")
+# |log w| is clamped here before exp(): a sequence's summed log-ratio can be
+# large, and exp(88) already overflows float32. Weights this far out are
+# capped (tis) or masked (mis) anyway for any sensible cap.
+_LOG_W_BOUND = 20.0
+
+
+def behavior_weights(
+    old_logps_NxT: jax.Array,
+    behavior_logps_NxT: jax.Array,
+    mask_NxT: jax.Array,
+    *,
+    correction: str,
+    level: str = "token",
+    cap: float = 2.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Importance weights of pi_old against the behaviour distribution q, and their metrics.
+
+    The sampler draws from q (pi_old at the sampling temperature after top-k /
+    top-p / min-p truncation, computed at the sampler's precision) while the
+    objective is an expectation under pi_old. With w = pi_old / q per token
+    ("token") or the product over a row's tokens ("sequence"):
+
+        "none": w = 1 (no correction)
+        "tis":  min(w, C)                          truncated IS (Ionides 2008;
+                                                   Yao et al. 2025 for LLM RL)
+        "mis":  w * 1[1/C <= w <= C]               masked IS: tokens (or rows)
+                                                   whose weight leaves the band
+                                                   get weight 0
+
+    The weights multiply the per-token policy term (never the KL term) and
+    carry no gradient. Returns (weights_NxT, metrics); weights are 0 on
+    masked positions. Metrics: behavior/abs_log_diff_mean and _max, the
+    per-token |log pi_old - log q| over real tokens; behavior/frac_capped
+    ("tis") or behavior/frac_masked ("mis"), the fraction of real tokens whose
+    weight was cut (for "sequence", a row's tokens count with their row).
+    """
+    if correction not in BEHAVIOR_CORRECTIONS:
+        raise ValueError(f"correction {correction!r} is not one of {list(BEHAVIOR_CORRECTIONS)}")
+    if level not in BEHAVIOR_LEVELS:
+        raise ValueError(f"level {level!r} is not one of {list(BEHAVIOR_LEVELS)}")
+    if not cap > 1.0:
+        raise ValueError(f"cap = {cap!r} must be > 1")
+    mask_NxT = mask_NxT.astype(jnp.float32)
+    valid_NxT = mask_NxT > 0
+    diff_NxT = jnp.where(
+        valid_NxT,
+        old_logps_NxT.astype(jnp.float32) - behavior_logps_NxT.astype(jnp.float32),
+        0.0,
+    )
+    abs_NxT = jnp.abs(diff_NxT)
+    metrics = {
+        "behavior/abs_log_diff_mean": _masked_mean(abs_NxT, mask_NxT),
+        "behavior/abs_log_diff_max": jnp.max(jnp.where(valid_NxT, abs_NxT, 0.0)),
+    }
+    if correction == "none":
+        return mask_NxT, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+    if level == "sequence":
+        log_w_NxT = jnp.broadcast_to(diff_NxT.sum(axis=1, keepdims=True), diff_NxT.shape)
+    else:
+        log_w_NxT = diff_NxT
+    log_w_NxT = jnp.clip(log_w_NxT, -_LOG_W_BOUND, _LOG_W_BOUND)
+    log_cap = jnp.log(jnp.float32(cap))
+    if correction == "tis":
+        cut_NxT = log_w_NxT > log_cap
+        w_NxT = jnp.exp(jnp.minimum(log_w_NxT, log_cap))
+        metrics["behavior/frac_capped"] = _masked_mean(cut_NxT.astype(jnp.float32), mask_NxT)
+    else:  # mis
+        cut_NxT = jnp.abs(log_w_NxT) > log_cap
+        w_NxT = jnp.where(cut_NxT, 0.0, jnp.exp(log_w_NxT))
+        metrics["behavior/frac_masked"] = _masked_mean(cut_NxT.astype(jnp.float32), mask_NxT)
+    w_NxT = jax.lax.stop_gradient(w_NxT * mask_NxT)
+    return w_NxT, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+
+
+# ---------------------------------------------------------------------------
 # The loss.
 
 
@@ -352,6 +431,7 @@ def grpo_loss(
     cov_lb: float = 1.0,
     cov_ub: float = 5.0,
     kl_cov_coef: float = 1.0,
+    behavior_weights_NxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped GRPO loss and its monitoring metrics.
 
@@ -392,6 +472,11 @@ def grpo_loss(
       sapo_tau_pos, sapo_tau_neg: "sapo" temperatures for A > 0 and A < 0.
       cov_frac, cov_lb, cov_ub, kl_cov_coef: "clip_cov"/"kl_cov" parameters:
         fraction of valid tokens picked, Clip-Cov's covariance band, KL-Cov's k.
+      behavior_weights_NxT: importance weights of pi_old against the
+        behaviour distribution (:func:`behavior_weights`, no gradient); they
+        multiply the policy term of each token (each row's term for "gspo"
+        and "gmpo", which need weights constant along a row: level
+        "sequence"). None: no correction.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -427,6 +512,13 @@ def grpo_loss(
     else:
         kl_NxT = jnp.zeros_like(logps_NxT)
 
+    if behavior_weights_NxT is not None:
+        behavior_w_NxT = jax.lax.stop_gradient(behavior_weights_NxT.astype(logps_NxT.dtype))
+
+        def row_weight_N():
+            # Rows' weights are constant along the row at level "sequence".
+            return (behavior_w_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
+
     if reduction == "gspo":
         seq_log_ratio_Nx1 = (log_ratio_NxT * mask_NxT).sum(1, keepdims=True) / jnp.maximum(
             n_tokens_N[:, None], 1.0
@@ -436,6 +528,8 @@ def grpo_loss(
         surrogate_N = _dual_clip(
             jnp.minimum(rho_Nx1 * adv_Nx1, clipped_Nx1 * adv_Nx1), rho_Nx1, adv_Nx1, dual_clip_c
         )[:, 0]
+        if behavior_weights_NxT is not None:
+            surrogate_N = surrogate_N * row_weight_N()
         kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
         has_tokens_N = (n_tokens_N > 0).astype(jnp.float32)
         loss = -((surrogate_N - beta * kl_N) * has_tokens_N).sum() / jnp.maximum(
@@ -466,8 +560,13 @@ def grpo_loss(
         if policy_loss in SEQUENCE_POLICY_LOSSES:
             # One term per row: the KL enters as its token mean over the row.
             kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
-            loss = -(surrogate[:, 0] - beta * kl_N).sum() / n_rows
+            seq_N = surrogate[:, 0]
+            if behavior_weights_NxT is not None:
+                seq_N = seq_N * row_weight_N()
+            loss = -(seq_N - beta * kl_N).sum() / n_rows
         else:
+            if behavior_weights_NxT is not None:
+                surrogate = surrogate * behavior_w_NxT
             loss = _reduce(
                 (surrogate - beta * kl_NxT) * mask_NxT, mask_NxT, n_tokens_N, reduction, max_tokens
             )

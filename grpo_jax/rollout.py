@@ -51,8 +51,12 @@ class RolloutBatch:
       prompt_tokens_NxP, prompt_mask_NxP: each row's left-padded prompt.
       tokens_NxT, mask_NxT: the completion, right-padded; the mask covers the
         sampled tokens up to and including EOS.
-      behavior_logps_NxT: log-probs of the completion tokens under the policy
-        that sampled them (pi_old), as the sampler recorded them; 0 where masked.
+      old_logps_NxT: log-probs of the completion tokens under the policy
+        that sampled them (pi_old: full softmax at the temperature), as the
+        sampler recorded them; 0 where masked.
+      behavior_logps_NxT: their log-probs under the distribution the sampler
+        actually drew from (after top-k / top-p / min-p): equal to
+        old_logps_NxT when no filter is on; 0 where masked.
       rewards_N: each row's weighted total reward.
       advantages_N: each row's group-normalised advantage.
       weights_N: per-row weight of the row's tokens in the loss (1.0 for a
@@ -64,6 +68,7 @@ class RolloutBatch:
     prompt_mask_NxP: jax.Array
     tokens_NxT: jax.Array
     mask_NxT: jax.Array
+    old_logps_NxT: jax.Array
     behavior_logps_NxT: jax.Array
     rewards_N: jax.Array
     advantages_N: jax.Array
@@ -338,7 +343,8 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
         prompt_mask_NxP=out.prompt_mask,
         tokens_NxT=out.tokens,
         mask_NxT=out.mask,
-        behavior_logps_NxT=out.logps,
+        old_logps_NxT=out.logps,
+        behavior_logps_NxT=out.behavior_logps,
         rewards_N=host_rows_N(total_N.astype(np.float32)),
         advantages_N=host_rows_N(advantages_N),
         weights_N=host_rows_N(np.ones((N,), np.float32)),

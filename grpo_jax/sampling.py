@@ -77,6 +77,8 @@ class SamplingConfig:
       top_k: keep the k most likely tokens; 0 switches it off.
       top_p: keep the smallest set of most likely tokens whose probability
         (after top-k, renormalised) reaches top_p; 1 switches it off.
+      min_p: then keep only tokens whose probability is at least min_p times
+        the most likely token's; 0 switches it off.
       greedy: take the argmax instead of sampling.
       eos_ids: a row stops after emitting any of these ids (the EOS token is
         part of the completion). Empty: every row runs to max_new_tokens.
@@ -89,6 +91,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     greedy: bool = False
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
@@ -111,6 +114,7 @@ class SamplingConfig:
         check_range("sampling.temperature", self.temperature, lo=0.0, lo_open=True)
         check_range("sampling.top_k", self.top_k, lo=0, integer=True)
         check_range("sampling.top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        check_range("sampling.min_p", self.min_p, lo=0.0, hi=1.0)
         if not isinstance(self.greedy, (bool, np.bool_)):
             raise ConfigError(f"config key 'sampling.greedy' = {self.greedy!r} must be a bool")
         for i, eos in enumerate(self.eos_ids):
@@ -192,20 +196,30 @@ def pad_prompts(
 # The sampling distribution (pure, per decode step).
 
 
+def _min_p_filter(logits_NxK: jax.Array, min_p: float) -> jax.Array:
+    # p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p); the max always stays.
+    z_max_Nx1 = jnp.max(logits_NxK, axis=-1, keepdims=True)
+    return jnp.where(logits_NxK >= z_max_Nx1 + jnp.log(min_p), logits_NxK, -jnp.inf)
+
+
 def candidates(
-    scaled_NxV: jax.Array, *, top_k: int = 0, top_p: float = 1.0
+    scaled_NxV: jax.Array, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 ) -> tuple[jax.Array, jax.Array | None]:
     """The tokens a draw may pick, as (logits_NxK, ids_NxK); -inf marks dropped ones.
 
-    ``scaled_NxV`` holds logits / temperature. With neither filter on this is
-    (scaled_NxV, None): all V tokens, ids implicit. top-k alone costs one
-    ``lax.top_k`` (no sort of the vocabulary); top-p alone sorts the
-    vocabulary. top-p keeps candidate i (sorted by probability, descending,
-    renormalised over the top-k set) iff the mass strictly before it is below
-    top_p: the smallest prefix whose mass reaches top_p, never empty.
+    ``scaled_NxV`` holds logits / temperature. With no filter on this is
+    (scaled_NxV, None): all V tokens, ids implicit; min-p alone also keeps
+    ids implicit. top-k alone costs one ``lax.top_k`` (no sort of the
+    vocabulary); top-p sorts the vocabulary. top-p keeps candidate i (sorted
+    by probability, descending, renormalised over the top-k set) iff the mass
+    strictly before it is below top_p: the smallest prefix whose mass reaches
+    top_p, never empty. min-p, last, keeps the candidates whose probability is
+    at least min_p times the largest (never empty either).
     """
     v = scaled_NxV.shape[-1]
     if top_k <= 0 and top_p >= 1.0:
+        if min_p > 0.0:
+            return _min_p_filter(scaled_NxV, min_p), None
         return scaled_NxV, None
     k = v if top_k <= 0 else min(top_k, v)
     logits_NxK, ids_NxK = jax.lax.top_k(scaled_NxV, k)
@@ -213,6 +227,8 @@ def candidates(
         probs_NxK = jax.nn.softmax(logits_NxK, axis=-1)
         mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
         logits_NxK = jnp.where(mass_before_NxK < top_p, logits_NxK, -jnp.inf)
+    if min_p > 0.0:
+        logits_NxK = _min_p_filter(logits_NxK, min_p)
     return logits_NxK, ids_NxK
 
 
@@ -223,27 +239,40 @@ def sample_step(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     greedy: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row; returns (tokens_N int32, logps_N float32).
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draws one token per row; returns (tokens_N int32, logps_N, behavior_logps_N float32).
 
     logps_N = log softmax(logits / temperature)[token] over the full,
-    untruncated vocabulary: the quantity the GRPO ratio needs, independent of
-    how top-k / top-p shaped the draw.
+    untruncated vocabulary: pi_old's log-prob, the quantity the GRPO ratio
+    needs, independent of how top-k / top-p / min-p shaped the draw.
+    behavior_logps_N = log q(token) under the distribution the token was
+    actually drawn from: the renormalised candidates (equal to logps_N when
+    no filter is on; 0 for greedy, a point mass). The objective's
+    behaviour correction weighs tokens by pi_old / q (docs/objective.md).
     """
     scaled_NxV = logits_NxV.astype(jnp.float32) / temperature
     if greedy:
-        tokens_N = jnp.argmax(scaled_NxV, axis=-1)
+        tokens_N = jnp.argmax(scaled_NxV, axis=-1).astype(jnp.int32)
+        behavior_N = None
     else:
-        cand_NxK, ids_NxK = candidates(scaled_NxV, top_k=top_k, top_p=top_p)
+        cand_NxK, ids_NxK = candidates(scaled_NxV, top_k=top_k, top_p=top_p, min_p=min_p)
         choice_N = jax.random.categorical(key, cand_NxK, axis=-1)
         if ids_NxK is None:
             tokens_N = choice_N
         else:
             tokens_N = jnp.take_along_axis(ids_NxK, choice_N[:, None], axis=-1)[:, 0]
-    tokens_N = tokens_N.astype(jnp.int32)
+        tokens_N = tokens_N.astype(jnp.int32)
+        behavior_N = None
+        if cand_NxK is not scaled_NxV:
+            picked_q_N = jnp.take_along_axis(cand_NxK, choice_N[:, None], axis=-1)[:, 0]
+            behavior_N = picked_q_N - jax.nn.logsumexp(cand_NxK, axis=-1)
     picked_N = jnp.take_along_axis(scaled_NxV, tokens_N[:, None], axis=-1)[:, 0]
-    return tokens_N, picked_N - jax.nn.logsumexp(scaled_NxV, axis=-1)
+    logps_N = picked_N - jax.nn.logsumexp(scaled_NxV, axis=-1)
+    if behavior_N is None:
+        behavior_N = jnp.zeros_like(logps_N) if greedy else logps_N
+    return tokens_N, logps_N, behavior_N
 
 
 # ---------------------------------------------------------------------------
@@ -258,6 +287,7 @@ class DecodeState(NamedTuple):
     prompt_lengths_N: jax.Array  # int32: real prompt tokens (position of token 0)
     tokens_NxT: jax.Array  # int32: completion so far, pad_id after a row's end
     logps_NxT: jax.Array  # float32: log-prob of each written token, 0 after the end
+    behavior_logps_NxT: jax.Array  # float32: its log-prob under the sampled distribution
     lengths_N: jax.Array  # int32: real completion tokens, EOS included
     done_N: jax.Array  # bool: row has emitted an EOS
     kv_mask_NxS: jax.Array  # bool: cache slots holding real tokens
@@ -274,6 +304,9 @@ class SampleOutput(NamedTuple):
     ``mask_NxT`` is True on real completion tokens up to and including the
     EOS; ``logps_NxT`` is 0 and ``tokens_NxT`` is pad_id elsewhere.
     ``truncated_N`` marks rows that hit max_new_tokens without an EOS.
+    ``logps`` are full-softmax log-probs (pi_old at the temperature);
+    ``behavior_logps`` those under the distribution actually sampled (after
+    top-k / top-p / min-p; :func:`sample_step`).
     """
 
     prompt_tokens: jax.Array  # int32 [N, P]
@@ -283,6 +316,7 @@ class SampleOutput(NamedTuple):
     logps: jax.Array  # float32 [N, T]
     lengths: jax.Array  # int32 [N]
     truncated: jax.Array  # bool [N]
+    behavior_logps: jax.Array | None = None  # float32 [N, T]
 
 
 def _draw(logits_NxV, key, cfg: SamplingConfig):
@@ -292,15 +326,18 @@ def _draw(logits_NxV, key, cfg: SamplingConfig):
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         top_p=cfg.top_p,
+        min_p=cfg.min_p,
         greedy=cfg.greedy,
     )
 
 
-def _write(state: DecodeState, tokens_N, logps_N, cfg: SamplingConfig) -> DecodeState:
-    """Records step ``state.step``'s draw; rows already done write padding."""
+def _write(state: DecodeState, draw, cfg: SamplingConfig) -> DecodeState:
+    """Records step ``state.step``'s draw (tokens, logps, behavior logps); done rows pad."""
+    tokens_N, logps_N, behavior_N = draw
     live_N = ~state.done_N
     tokens_N = jnp.where(live_N, tokens_N, cfg.pad_id).astype(jnp.int32)
     logps_N = jnp.where(live_N, logps_N, 0.0).astype(jnp.float32)
+    behavior_N = jnp.where(live_N, behavior_N, 0.0).astype(jnp.float32)
     col = (jnp.zeros((), jnp.int32), state.step)
     done_N = state.done_N
     if cfg.eos_ids:
@@ -311,6 +348,9 @@ def _write(state: DecodeState, tokens_N, logps_N, cfg: SamplingConfig) -> Decode
         last_tokens_N=tokens_N,
         tokens_NxT=jax.lax.dynamic_update_slice(state.tokens_NxT, tokens_N[:, None], col),
         logps_NxT=jax.lax.dynamic_update_slice(state.logps_NxT, logps_N[:, None], col),
+        behavior_logps_NxT=jax.lax.dynamic_update_slice(
+            state.behavior_logps_NxT, behavior_N[:, None], col
+        ),
         lengths_N=state.lengths_N + live_N.astype(jnp.int32),
         done_N=done_N,
     )
@@ -401,14 +441,14 @@ def _prefill(
         prompt_lengths_N=mask_NxP.sum(axis=1, dtype=jnp.int32),
         tokens_NxT=jnp.full((n, t), cfg.pad_id, jnp.int32),
         logps_NxT=jnp.zeros((n, t), jnp.float32),
+        behavior_logps_NxT=jnp.zeros((n, t), jnp.float32),
         lengths_N=jnp.zeros((n,), jnp.int32),
         done_N=jnp.zeros((n,), jnp.bool_),
         kv_mask_NxS=rows(_repeat_rows(kv_mask_BxS, g)),
         cache=cache,
         key_data=jax.random.key_data(key),
     )
-    tokens_N, logps_N = _draw(rows(last_NxV), sub, cfg)
-    return tokens_NxP, mask_NxP, _write(state, tokens_N, logps_N, cfg)
+    return tokens_NxP, mask_NxP, _write(state, _draw(rows(last_NxV), sub, cfg), cfg)
 
 
 def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_impl):
@@ -434,9 +474,9 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
             cache_index=slot,
         )
         key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
-        tokens_N, logps_N = _draw(logits_Nx1xV[:, 0], sub, cfg)
+        draw = _draw(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
-        return _write(st, tokens_N, logps_N, cfg)
+        return _write(st, draw, cfg)
 
     state = jax.lax.while_loop(cond, body, state)
     mask_NxT = jnp.arange(t, dtype=jnp.int32)[None, :] < state.lengths_N[:, None]
@@ -478,6 +518,7 @@ def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None
             prompt_lengths_N=rows1,
             tokens_NxT=rows2,
             logps_NxT=rows2,
+            behavior_logps_NxT=rows2,
             lengths_N=rows1,
             done_N=rows1,
             kv_mask_NxS=rows2,
@@ -569,4 +610,5 @@ def generate(
         logps=state.logps_NxT,
         lengths=state.lengths_N,
         truncated=truncated_N,
+        behavior_logps=state.behavior_logps_NxT,
     )

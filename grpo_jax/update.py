@@ -11,7 +11,12 @@ is a pure function of its arguments, compiled once with explicit shardings and
 ``grpo_jax.rollout.RolloutBatch``; it carries pi_old's log-probs as the
 sampler recorded them, so no old-policy forward pass is needed: the first
 update starts from the parameters that sampled the batch, and pi_old's
-log-probs stay fixed while the parameters move over the mu passes. The reference parameters
+log-probs stay fixed while the parameters move over the mu passes. With
+``grpo.old_logps = "recompute"`` they are instead rescored once by the
+update's own path before the first pass (for samplers computing at another
+precision), and ``grpo.behavior_correction`` weighs each token by
+pi_old / q, q being the distribution the sampler drew from
+(``grpo_jax.losses.behavior_weights``; metrics ``behavior/*``). The reference parameters
 are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
 in which case no reference forward pass is traced at all. Every optimizer
 update goes through ``grpo_jax.optimizer.apply_guarded``: a non-finite one is
@@ -142,6 +147,27 @@ def update(
             group_size=group_size,
         )
 
+    mask_NxT = batch.mask_NxT.astype(jnp.float32)
+    if grpo.old_logps == "recompute":
+        # pi_old rescored by the update's own path from the parameters the
+        # step starts from (those that sampled the batch in the on-policy
+        # loop): the first ratio is then 1 whatever the sampler's precision.
+        old_NxT = jax.lax.stop_gradient(logps(state.params, batch, g_micro))
+        batch = batch.replace(old_logps_NxT=jnp.where(mask_NxT > 0, old_NxT, 0.0))
+    # Weights of pi_old against the distribution the sampler drew from, over
+    # the whole batch (so sequence-level weights see whole rows), computed
+    # once; they travel beside the batch like the reference log-probs.
+    behavior_w_NxT, behavior_metrics = losses.behavior_weights(
+        batch.old_logps_NxT,
+        batch.behavior_logps_NxT,
+        _loss_mask(batch),
+        correction=grpo.behavior_correction,
+        level=grpo.behavior_level,
+        cap=grpo.behavior_cap,
+    )
+    if grpo.behavior_correction == "none":
+        behavior_w_NxT = None
+
     # The reference log-probs are computed once per step and travel beside
     # the batch through the minibatch and micro-batch splits.
     ref_logps_NxT = None
@@ -149,7 +175,7 @@ def update(
         ref_logps_NxT = jax.lax.stop_gradient(logps(ref_params, batch, g_full))
 
     def loss_fn(params, mb):
-        b, ref_NxT = mb
+        b, ref_NxT, w_NxT = mb
         logps_NxT, entropy_NxT = completion_scores(
             graphdef,
             params,
@@ -164,7 +190,7 @@ def update(
         )
         return losses.grpo_loss(
             logps_NxT,
-            b.behavior_logps_NxT,
+            b.old_logps_NxT,
             b.advantages_N,
             _loss_mask(b),
             ref_logps_NxT=ref_NxT,
@@ -182,6 +208,7 @@ def update(
             cov_lb=grpo.cov_lb,
             cov_ub=grpo.cov_ub,
             kl_cov_coef=grpo.kl_cov_coef,
+            behavior_weights_NxT=w_NxT,
         )
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -219,7 +246,9 @@ def update(
         metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr)
         return st, metrics
 
-    parts = jax.tree.map(lambda x: _split_rows(x, num_mb, batch_shards), (batch, ref_logps_NxT))
+    parts = jax.tree.map(
+        lambda x: _split_rows(x, num_mb, batch_shards), (batch, ref_logps_NxT, behavior_w_NxT)
+    )
     skipped_before = state.skipped
     all_metrics = []
     for _ in range(grpo.mu):  # mu is small and static: unrolled passes.
@@ -240,13 +269,14 @@ def update(
     metrics["train/skipped_total"] = state.skipped
     metrics["train/skipped_in_row"] = state.skipped_in_row
     metrics["train/updates"] = state.updates
+    metrics.update(behavior_metrics)
 
     if track_update:
         # How far one step moved the policy on its own samples: KL(pi_old ||
         # pi_new) by the k3 estimator with samples from pi_old, and the ratio range.
         new_NxT = jax.lax.stop_gradient(logps(state.params, batch, g_full))
         mask_NxT = _loss_mask(batch).astype(jnp.float32)
-        log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch.behavior_logps_NxT, 0.0)
+        log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch.old_logps_NxT, 0.0)
         denom = jnp.maximum(mask_NxT.sum(), 1.0)
         k3_NxT = jnp.exp(log_r_NxT) - log_r_NxT - 1.0
         metrics["policy/kl_old_new"] = (k3_NxT * mask_NxT).sum() / denom

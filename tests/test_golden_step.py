@@ -19,6 +19,9 @@ import pytest
 from configs.default import get_config
 
 GOLDEN = {
+    # No top-k / top-p / min-p: the sampled distribution is pi_old itself, exactly.
+    "behavior/abs_log_diff_max": 0.0,
+    "behavior/abs_log_diff_mean": 0.0,
     "policy/abs_log_ratio_mean": 0.29083314538002014,
     "policy/kl_old_new": 0.05640989914536476,
     "policy/ratio_max": 1.9631223678588867,

@@ -169,7 +169,7 @@ def _softmax(x):
     return e / e.sum()
 
 
-def _expected(temperature, top_k, top_p):
+def _expected(temperature, top_k, top_p, min_p=0.0):
     """The truncated, renormalised target distribution, computed independently in numpy."""
     p = _softmax(LOGITS.astype(np.float64) / temperature)
     order = np.argsort(-p)
@@ -184,28 +184,47 @@ def _expected(temperature, top_k, top_p):
             keep_p[i] = True
         mass += q[i]
     q = np.where(keep_p, q, 0.0)
+    q = np.where(q >= min_p * q.max(), q, 0.0)  # min-p last, relative to the largest
     return q / q.sum()
 
 
-def _counts(temperature, top_k, top_p, n=40_000, seed=0):
+def _counts(temperature, top_k, top_p, min_p=0.0, n=40_000, seed=0):
     logits_NxV = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
-    tokens_N, logps_N = sampling.sample_step(
-        logits_NxV, jax.random.key(seed), temperature=temperature, top_k=top_k, top_p=top_p
+    tokens_N, logps_N, behavior_N = sampling.sample_step(
+        logits_NxV,
+        jax.random.key(seed),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
     )
     tokens_N = np.asarray(tokens_N)
-    # The recorded log-prob is the untruncated temperature-scaled one.
+    # The recorded log-prob is the untruncated temperature-scaled one ...
     full = np.log(_softmax(LOGITS.astype(np.float64) / temperature))
     np.testing.assert_allclose(np.asarray(logps_N), full[tokens_N], atol=1e-5)
+    # ... and the behaviour log-prob that of the truncated distribution drawn from.
+    with np.errstate(divide="ignore"):
+        log_q = np.log(_expected(temperature, top_k, top_p, min_p))
+    np.testing.assert_allclose(np.asarray(behavior_N), log_q[tokens_N], atol=1e-5)
     return np.bincount(tokens_N, minlength=LOGITS.size)
 
 
 @pytest.mark.parametrize(
-    "temperature, top_k, top_p",
-    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.7, 4, 0.9), (1.0, 1, 1.0)],
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 1.0, 0.0),
+        (1.3, 3, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (0.7, 4, 0.9, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.1),  # min-p alone: keeps p >= 0.045, four tokens
+        (1.3, 5, 0.95, 0.2),  # all three filters
+    ],
 )
-def test_empirical_frequencies_match_target(temperature, top_k, top_p):
-    q = _expected(temperature, top_k, top_p)
-    counts = _counts(temperature, top_k, top_p)
+def test_empirical_frequencies_match_target(temperature, top_k, top_p, min_p):
+    q = _expected(temperature, top_k, top_p, min_p)
+    counts = _counts(temperature, top_k, top_p, min_p)
     support = q > 0
     assert counts[~support].sum() == 0, (counts, q)  # Truncated tokens never drawn.
     if support.sum() > 1:
@@ -234,8 +253,11 @@ def test_top_p_boundary_and_candidates():
 
 def test_greedy_step_is_argmax_with_logps_at_temperature():
     logits = jax.random.normal(jax.random.key(1), (5, V))
-    tok, logp = sampling.sample_step(logits, jax.random.key(0), greedy=True, temperature=0.7)
+    tok, logp, behavior = sampling.sample_step(
+        logits, jax.random.key(0), greedy=True, temperature=0.7
+    )
     np.testing.assert_array_equal(tok, np.argmax(logits, -1))
+    np.testing.assert_array_equal(behavior, 0.0)  # greedy: a point mass
     want = jax.nn.log_softmax(logits / 0.7)[jnp.arange(5), tok]
     np.testing.assert_allclose(logp, want, atol=1e-6)
 

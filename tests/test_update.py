@@ -33,6 +33,7 @@ def rollout_batch(graphdef, params, rows, advantages_N, weights_N=None, G=4):
         prompt_mask_NxP=rows["prompt_mask"],
         tokens_NxT=rows["tokens"],
         mask_NxT=rows["mask"],
+        old_logps_NxT=np.asarray(old_NxT) * rows["mask"],
         behavior_logps_NxT=np.asarray(old_NxT) * rows["mask"],
         rewards_N=np.zeros(n, np.float32),
         advantages_N=advantages_N,
@@ -170,7 +171,7 @@ def test_grad_accumulation_matches_one_big_minibatch(setup, reduction):
     # token mean over the minibatch is not the mean of the micro-batches' means.
     mask = np.ones((N, T), bool)
     mask[:4, 2:] = False
-    batch = batch.replace(mask_NxT=mask, behavior_logps_NxT=batch.behavior_logps_NxT * mask)
+    batch = batch.replace(mask_NxT=mask, old_logps_NxT=batch.old_logps_NxT * mask)
     grpo = GRPOConfig(G=4, beta=0.1, reduction=reduction)
     s_a, fn_a = _step(setup, grpo=grpo, grad_accum=1, beta_ref=True)
     s_b, fn_b = _step(setup, grpo=grpo, grad_accum=2, beta_ref=True)
@@ -224,11 +225,11 @@ def test_weight_zero_rows_add_nothing(setup, reduction):
     rng = np.random.default_rng(7)
     tokens = np.array(batch.tokens_NxT)
     tokens[[1, 6]] = rng.integers(4, V, (2, T))
-    old = np.array(batch.behavior_logps_NxT)
+    old = np.array(batch.old_logps_NxT)
     old[[1, 6]] = -50.0
     adv = np.array(batch.advantages_N)
     adv[[1, 6]] = [1e3, -1e3]
-    garbage = weighted.replace(tokens_NxT=tokens, behavior_logps_NxT=old, advantages_N=adv)
+    garbage = weighted.replace(tokens_NxT=tokens, old_logps_NxT=old, advantages_N=adv)
     grpo = GRPOConfig(G=4, mu=2, beta=0.1, reduction=reduction)
     runs = {}
     for name, b in (("all", batch), ("weighted", weighted), ("garbage", garbage)):
