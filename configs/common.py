@@ -58,6 +58,9 @@ def base() -> ConfigDict:
 
     c.model = ConfigDict()
     c.model.path = ""  # "" is the built-in tiny model.
+    # "einsum" (reference), "blockwise" (memory linear in the context) or "dot_product".
+    c.model.attention = "einsum"
+    c.model.scan_layers = False  # True: the layers run as one scan (compile time flat in depth).
     c.tokenizer = "builtin"
 
     c.prompt = ConfigDict()

@@ -513,7 +513,7 @@ class WarmStartConfig:
 # The sections whose runtime objects carry another name (``models.ModelConfig``,
 # ``sampling.SamplingConfig``): the run config's view of them.
 
-MODEL_KEYS = ("path", "dtype", "param_dtype", "remat")
+MODEL_KEYS = ("path", "dtype", "param_dtype", "remat", "attention", "scan_layers")
 BUILTIN_TOKENIZER = "builtin"
 TINY_PREFIX = "tiny:"  # model.path "tiny:<family>": a small random checkpoint, made at start
 
@@ -530,6 +530,8 @@ class ModelSection:
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
       param_dtype: storage dtype of the parameters (None: ``dtype``).
       remat: recompute each layer in the backward pass.
+      attention: "einsum", "blockwise" or "dot_product" (``grpo_jax.models.attention``).
+      scan_layers: run the layers as one scan over stacked parameters.
       overrides: for the built-in tiny model only, ``grpo_jax.models.ModelConfig``
         fields (hidden_size, num_layers, ...), given as further keys of the
         ``model`` section.
@@ -539,6 +541,8 @@ class ModelSection:
     dtype: str | None = None
     param_dtype: str | None = None
     remat: bool | None = None
+    attention: str | None = None
+    scan_layers: bool | None = None
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -546,6 +550,10 @@ class ModelSection:
             raise ConfigError(f"config key 'model.path' = {self.path!r} must be a string")
         if self.remat is not None:
             check_bool("model.remat", self.remat)
+        if self.scan_layers is not None:
+            check_bool("model.scan_layers", self.scan_layers)
+        if self.attention is not None:
+            check_choice("model.attention", self.attention, ("einsum", "blockwise", "dot_product"))
         if self.path and self.overrides:
             raise ConfigError(
                 f"config keys {[f'model.{k}' for k in sorted(self.overrides)]} only apply to "
@@ -560,7 +568,7 @@ class ModelSection:
         return cls(**known, overrides=cfg)
 
     def loader_kwargs(self) -> dict:
-        """The keys that were set among dtype, param_dtype and remat."""
+        """The keys that were set among dtype, param_dtype, remat, attention and scan_layers."""
         return {k: getattr(self, k) for k in MODEL_KEYS[1:] if getattr(self, k) is not None}
 
 

@@ -5,6 +5,10 @@
     logits_BxTxV = model(tokens_BxT)                          # float32
     save_pretrained(model, "/path/to/out")                    # transformers loads it
 
+``model.attention`` picks the attention implementation and
+``scan_layers=True`` runs the layers as one scan over stacked parameters
+(``stack_layers`` / ``unstack_layers`` convert between the layouts).
+
 ``graphdef, params = nnx.split(model)`` is the pure boundary for jitted code;
 ``param_shardings(params, mesh, layout)`` gives the parameters' shardings.
 
@@ -26,7 +30,13 @@ from grpo_jax.models.hf import from_pretrained, save_pretrained
 from grpo_jax.models.partitioning import cache_shardings, param_shardings
 from grpo_jax.models.safetensors_io import CheckpointError
 from grpo_jax.models.tokenizer import apply_chat_template, load_tokenizer
-from grpo_jax.models.transformer import Transformer, create_model, positions_from_mask
+from grpo_jax.models.transformer import (
+    Transformer,
+    create_model,
+    positions_from_mask,
+    stack_layers,
+    unstack_layers,
+)
 
 __all__ = [
     "FAMILIES",
@@ -43,5 +53,7 @@ __all__ = [
     "param_shardings",
     "positions_from_mask",
     "save_pretrained",
+    "stack_layers",
     "tiny_config",
+    "unstack_layers",
 ]
