@@ -42,6 +42,8 @@ class Workload:
       steps: timed steps after warm-up.
       seed: sampling / data seed.
       threads: CPU threads the side may use (torch intra-op; recorded for JAX).
+      grpo_jax_model: extra ``model.*`` keys of the grpo_jax side (e.g.
+        ``{"scan_layers": True}``); the other systems ignore them.
     """
 
     system: str
@@ -62,6 +64,7 @@ class Workload:
     b2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
+    grpo_jax_model: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total_steps(self) -> int:

@@ -76,7 +76,7 @@ def make_config(wl: common.Workload, work: pathlib.Path):
 
     c = ConfigDict()
     c.seed = wl.seed
-    c.model = ConfigDict(dict(path=wl.checkpoint, dtype="float32"))
+    c.model = ConfigDict(dict(path=wl.checkpoint, dtype="float32", **wl.grpo_jax_model))
     c.tokenizer = write_tokenizer(wl.checkpoint, work / "tokenizer_never_eos")
     c.data = ConfigDict(dict(source="jsonl", **write_data(wl, work)))
     c.prompt = ConfigDict(dict(template="{prompt}", chat=False, system=""))

@@ -83,6 +83,15 @@ SIZES = {
 }
 
 
+def model_options(spec: str) -> dict:
+    """'scan_layers=True,attention=blockwise' -> {"scan_layers": True, "attention": "blockwise"}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+    return out
+
+
 def python_of(system: str) -> pathlib.Path:
     if system == "grpo_jax":
         return pathlib.Path(sys.executable)
@@ -268,6 +277,11 @@ def main(argv=None) -> None:
         help="CPU threads per system: torch intra-op threads for TRL, XLA's CPU thread "
         "pool for the JAX systems (0: each framework's default, one per core)",
     )
+    p.add_argument(
+        "--grpo-jax-model",
+        default="",
+        help="extra model keys of the grpo_jax side, e.g. 'scan_layers=True,attention=blockwise'",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     p.add_argument("--workdir", default=None, help="keep checkpoints and logs here")
     p.add_argument("--json", default=None, help="also write all records to this file")
@@ -325,6 +339,7 @@ def main(argv=None) -> None:
                     warmup_steps=args.warmup,
                     steps=args.steps,
                     threads=args.threads,
+                    grpo_jax_model=model_options(args.grpo_jax_model),
                 )
                 rec = run_side(wl, work, args.timeout)
                 rec["repeat"] = rep
