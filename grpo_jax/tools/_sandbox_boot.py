@@ -1,0 +1,178 @@
+"""Started by ``grpo_jax.tools.sandbox.run_python`` as the sandboxed interpreter's script.
+
+    python -I _sandbox_boot.py <workdir> <code file> <limits json>
+
+Runs in the child before the user's code: lowers its own resource limits, drops root to
+the ``nobody`` user, installs an audit hook (PEP 578) that refuses processes, sockets,
+native code and file access outside the working directory, then runs the code as
+``__main__``. Only the standard library is imported here.
+"""
+
+import json
+import os
+import resource
+import sys
+
+
+def _limits(lim: dict) -> None:
+    def cap(which, value):
+        value = int(value)
+        soft, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+    # CPU: SIGXCPU at the soft limit (which kills); the parent's wall clock backs it up.
+    cap(resource.RLIMIT_CPU, lim["cpu_s"])
+    cap(resource.RLIMIT_AS, lim["memory_bytes"])
+    cap(resource.RLIMIT_FSIZE, lim["file_bytes"])
+    cap(resource.RLIMIT_NOFILE, 64)
+    cap(resource.RLIMIT_CORE, 0)
+    cap(resource.RLIMIT_NPROC, lim["nproc"])
+
+
+def _drop_root(workdir: str) -> None:
+    # Root ignores RLIMIT_NPROC and file permissions: run the code as nobody.
+    if os.geteuid() != 0:
+        return
+    nobody = 65534
+    os.chown(workdir, nobody, nobody)
+    for name in os.listdir(workdir):
+        os.chown(os.path.join(workdir, name), nobody, nobody)
+    os.setgroups([])
+    os.setgid(nobody)
+    os.setuid(nobody)
+
+
+_DENIED_EVENTS = {
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.spawn",
+    "os.posix_spawn",
+    "os.system",
+    "os.kill",
+    "os.killpg",
+    "subprocess.Popen",
+    "socket.__new__",
+    "socket.connect",
+    "socket.bind",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.cdata",
+    "os.symlink",
+    "os.link",
+    "os.chown",
+    "os.setxattr",
+    "os.removexattr",
+}
+_DENIED_IMPORTS = {"_posixsubprocess", "_ctypes", "ctypes"}
+_PATH_WRITE_EVENTS = {
+    "os.remove": 0,
+    "os.rmdir": 0,
+    "os.mkdir": 0,
+    "os.rename": 0,
+    "os.truncate": 0,
+    "os.chmod": 0,
+    "os.utime": 0,
+    "shutil.rmtree": 0,
+}
+_PATH_READ_EVENTS = {"os.listdir": 0, "os.scandir": 0, "os.chdir": 0, "glob.glob": 0}
+
+
+def _install_hook(workdir: str) -> None:
+    workdir = os.path.realpath(workdir)
+    # Reading is allowed in the working directory and in the Python installation
+    # (the standard library must import); writing in the working directory only.
+    read_roots = {workdir}
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+        read_roots.add(os.path.realpath(p))
+    for p in sys.path:
+        if p and os.path.isdir(p):
+            read_roots.add(os.path.realpath(p))
+    read_roots.update({"/dev/null", "/dev/urandom"})
+    real = os.path.realpath
+    fspath = os.fspath
+
+    def inside(path, roots) -> bool:
+        try:
+            p = real(fspath(path))
+        except Exception:
+            return False
+        return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+
+    def refuse(what):
+        raise PermissionError(f"sandbox: {what} is not allowed")
+
+    def hook(event, args):
+        if event in _DENIED_EVENTS:
+            refuse(event)
+        if event == "import" and args and args[0] in _DENIED_IMPORTS:
+            refuse(f"import {args[0]}")
+        if event == "open":
+            path, mode, flags = (list(args) + [None, None, None])[:3]
+            if isinstance(path, int) or path is None:
+                return
+            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            )
+            if writing and not inside(path, {workdir}):
+                refuse(f"writing {fspath(path)!r} (outside the sandbox directory)")
+            if not writing and not inside(path, read_roots):
+                refuse(f"reading {fspath(path)!r} (outside the sandbox directory)")
+        elif event in _PATH_WRITE_EVENTS:
+            paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
+            for path in paths:
+                if not inside(path, {workdir}):
+                    refuse(f"{event} on {fspath(path)!r} (outside the sandbox directory)")
+        elif event in _PATH_READ_EVENTS:
+            path = args[0] if args else None
+            if isinstance(path, (str, bytes, os.PathLike)) and not inside(path, read_roots):
+                refuse(f"{event} on {fspath(path)!r} (outside the sandbox directory)")
+
+    sys.addaudithook(hook)
+
+
+# Imported before the drop to nobody: the interpreter's own files may be unreadable to
+# nobody (a Python installed under /root), so the code gets these ready-made.
+PRELOAD = (
+    "abc array base64 bisect cmath collections copy dataclasses datetime decimal encodings.idna enum "
+    "fractions functools glob hashlib heapq io itertools json math operator pathlib random re shutil "
+    "socket statistics string struct textwrap time traceback typing unicodedata"
+).split()
+
+
+def main() -> None:
+    workdir, code_path, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    with open(code_path, encoding="utf-8") as f:
+        source = f.read()
+    os.chdir(workdir)
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    _drop_root(workdir)
+    _limits(limits)
+    sys.argv = ["main.py"]
+    sys.path[:] = [p for p in sys.path if p]  # no script directory on the path
+    code = compile(source, "main.py", "exec")
+    _install_hook(workdir)
+    del sys.modules["__main__"].__dict__["main"]
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(code, namespace)
+    except SystemExit:
+        raise
+    except BaseException as e:  # the user's traceback, without this script's frame
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

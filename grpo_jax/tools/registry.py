@@ -1,0 +1,163 @@
+"""Tools by name, and the tool-call format a model's turn uses.
+
+A tool is ``fn(arguments: dict) -> ToolResult``. Registered names: ``calculator``
+(argument ``expression``) and ``python`` (argument ``code``, run by
+:func:`grpo_jax.tools.run_python`); add your own with :func:`register_tool`.
+
+Tool calls in a model's turn, two formats (both may appear, in any number):
+
+* JSON in ``<tool_call>`` tags, the format of the Qwen 2.5 / Hermes chat templates
+  (``tools=`` in ``tokenizer.apply_chat_template``)::
+
+      <tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>
+
+* the short tag form for a tool with one text argument, easier for a small model::
+
+      <calculator>17*23</calculator>        <python>print(2**10)</python>
+
+  The text between the tags is the tool's first argument (``expression``, ``code``).
+
+:func:`parse_tool_calls` finds the calls in order; :func:`run_tool_calls` runs them
+and :func:`format_results` writes the results back as text, one
+``<tool_result name="...">...</tool_result>`` block per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+
+from grpo_jax.tools.calculator import CalculatorError, calculate
+from grpo_jax.tools.sandbox import ToolResult, run_python
+
+ToolFn = Callable[[dict], ToolResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: ToolFn
+    argument: str  # the argument the short tag form fills
+    description: str = ""
+
+
+_TOOLS: dict[str, Tool] = {}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def register_tool(name: str, fn: ToolFn, *, argument: str = "input", description: str = ""):
+    """Registers ``fn`` as tool ``name``; ``argument`` is what the short tag form fills."""
+    if not isinstance(name, str) or not _NAME.match(name) or name in ("tool_call", "tool_result"):
+        raise ValueError(f"tool name {name!r} must be an identifier (not tool_call/tool_result)")
+    if name in _TOOLS:
+        raise ValueError(f"tool {name!r} is already registered")
+    _TOOLS[name] = Tool(name, fn, argument, description)
+    return fn
+
+
+def get_tool(name: str) -> Tool:
+    try:
+        return _TOOLS[name]
+    except KeyError:
+        raise KeyError(f"unknown tool {name!r}; registered tools: {sorted(_TOOLS)}") from None
+
+
+def available_tools() -> list[str]:
+    return sorted(_TOOLS)
+
+
+def _calculator(args: dict) -> ToolResult:
+    try:
+        return ToolResult(calculate(str(args.get("expression", ""))), "", 0, False)
+    except CalculatorError as e:
+        return ToolResult("", f"error: {e}", 1, False)
+
+
+def _python(args: dict) -> ToolResult:
+    return run_python(
+        str(args.get("code", "")),
+        timeout_s=float(args.get("timeout_s", 5.0)),
+        memory_mb=int(args.get("memory_mb", 256)),
+    )
+
+
+register_tool(
+    "calculator", _calculator, argument="expression", description="exact arithmetic: + - * / ** ()"
+)
+register_tool("python", _python, argument="code", description="runs Python code in a sandbox")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+    error: str | None = None  # a call that could not be parsed or names no tool
+
+
+_JSON_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_TAG_CALL = re.compile(r"<([A-Za-z_][A-Za-z0-9_]*)>(.*?)</\1>", re.S)
+
+
+def parse_tool_calls(text: str, tools: list[str] | None = None) -> list[ToolCall]:
+    """The tool calls in ``text``, in order of appearance (see the module docstring).
+
+    ``tools`` limits the short tag form to those names (default: every registered
+    tool); other tags are ordinary text. A malformed JSON call is returned with
+    ``error`` set, so the model is told what went wrong.
+    """
+    names = set(available_tools() if tools is None else tools)
+    found: list[tuple[int, ToolCall]] = []
+    for m in _JSON_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be text and arguments an object")
+            call = ToolCall(name, args)
+            if name not in names:
+                call = ToolCall(name, args, f"unknown tool {name!r}; tools: {sorted(names)}")
+        except (ValueError, KeyError, TypeError) as e:
+            call = ToolCall("", {}, f"malformed tool call: {e}")
+        found.append((m.start(), call))
+    for m in _TAG_CALL.finditer(text):
+        name = m.group(1)
+        if name in names and not any(s <= m.start() < e for s, e in _spans(text)):
+            found.append((m.start(), ToolCall(name, {get_tool(name).argument: m.group(2)})))
+    return [c for _, c in sorted(found, key=lambda x: x[0])]
+
+
+def _spans(text: str):
+    return [(m.start(), m.end()) for m in _JSON_CALL.finditer(text)]
+
+
+def run_tool_calls(calls: list[ToolCall]) -> list[tuple[str, ToolResult]]:
+    """Runs each call; a tool that raises gives an error result, never an exception."""
+    out = []
+    for call in calls:
+        if call.error is not None:
+            out.append((call.name, ToolResult("", call.error, 1, False)))
+            continue
+        try:
+            result = get_tool(call.name).fn(call.arguments)
+        except Exception as e:  # a tool's failure is the model's observation
+            result = ToolResult("", f"error: {type(e).__name__}: {e}", 1, False)
+        out.append((call.name, result))
+    return out
+
+
+def result_text(result: ToolResult) -> str:
+    """What the model reads of a result: stdout, then stderr when the run failed."""
+    text = result.stdout.rstrip("\n")
+    if not result.ok:
+        text = (text + ("\n" if text else "") + result.stderr).strip("\n")
+    return text
+
+
+def format_results(results: list[tuple[str, ToolResult]]) -> str:
+    return "".join(
+        f'<tool_result name="{name}">{result_text(r)}</tool_result>' for name, r in results
+    )
