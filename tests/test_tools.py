@@ -44,7 +44,10 @@ def test_runs_code_and_returns_output(unharmed):
 
 
 def test_stdin_and_private_directory(unharmed):
-    code = "import os\nopen('a.txt','w').write(input())\nprint(open('a.txt').read(), sorted(os.listdir('.')))"
+    code = (
+        "import os\nopen('a.txt','w').write(input())\n"
+        "print(open('a.txt').read(), sorted(os.listdir('.')))"
+    )
     r = tools.run_python(code, timeout_s=5, stdin="hello\n")
     assert r.stdout == "hello ['a.txt', 'main.py']\n", r.stderr
 
@@ -90,7 +93,10 @@ def test_network_socket_is_refused(unharmed):
 @pytest.mark.skipif(sandbox.network_isolation() != "namespace", reason="no network namespace")
 def test_network_namespace_has_no_route():
     # Below the audit hook: the namespace itself has no network at all.
-    code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\nexcept OSError as e:\n    print(e.errno)"
+    code = (
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
+        "except OSError as e:\n    print(e.errno)"
+    )
     out = subprocess.run(
         [*sandbox._unshare_prefix(), sys.executable, "-c", code], capture_output=True, text=True
     )
@@ -167,7 +173,8 @@ def test_tool_calls_parsed_and_run_in_order():
     assert calls[2].error is not None
     out = tools.format_results(tools.run_tool_calls(calls))
     assert out.startswith(
-        '<tool_result name="calculator">42</tool_result><tool_result name="python">1024</tool_result>'
+        '<tool_result name="calculator">42</tool_result>'
+        '<tool_result name="python">1024</tool_result>'
     )
     assert "malformed tool call" in out
     assert tools.parse_tool_calls("<python>x</python>", tools=["calculator"]) == []

@@ -13,13 +13,15 @@ examples' dataset columns as lists (``answer``, ...) and ``completion_lengths``.
     result.clipped          # completions whose reward was clipped to +-REWARD_LIMIT
 
 Built-in names: ``gsm8k``, ``math_verify``, ``format``, ``overlong``,
-``exact_match``, ``countdown``; options as ``"overlong(max_len=256, buffer=64)"``.
+``exact_match``, ``countdown``, ``code_tests`` (runs code in the sandbox of
+``grpo_jax.tools``); options as ``"overlong(max_len=256, buffer=64)"``.
 They run in this process; rewards registered by user code run in worker
 processes that are killed at their deadline (:mod:`grpo_jax.rewards.isolation`;
 :func:`shutdown` stops the workers, and runs at interpreter exit).
 """
 
 from grpo_jax.rewards import builtin as builtin
+from grpo_jax.rewards import code as code
 from grpo_jax.rewards import isolation as isolation
 from grpo_jax.rewards import symbolic as symbolic
 from grpo_jax.rewards.builtin import (

@@ -138,9 +138,10 @@ def _install_hook(workdir: str) -> None:
 # Imported before the drop to nobody: the interpreter's own files may be unreadable to
 # nobody (a Python installed under /root), so the code gets these ready-made.
 PRELOAD = (
-    "abc array base64 bisect cmath collections copy dataclasses datetime decimal encodings.idna enum "
-    "fractions functools glob hashlib heapq io itertools json math operator pathlib random re shutil "
-    "socket statistics string struct textwrap time traceback typing unicodedata"
+    "abc array base64 bisect cmath collections copy dataclasses datetime decimal "
+    "encodings.idna enum fractions functools glob hashlib heapq io itertools json math "
+    "operator pathlib random re shutil socket statistics string struct textwrap time "
+    "traceback typing unicodedata"
 ).split()
 
 

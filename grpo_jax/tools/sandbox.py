@@ -97,7 +97,7 @@ def _unshare_prefix() -> tuple[str, ...]:
 
 
 def network_isolation() -> str:
-    """ "namespace": the child gets an empty network namespace; "audit hook": sockets refused only."""
+    """How the child is cut off the network: "namespace" or "audit hook" (sockets refused)."""
     return "namespace" if _unshare_prefix() else "audit hook"
 
 
