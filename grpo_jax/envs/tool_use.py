@@ -1,0 +1,66 @@
+"""``tool_use``: the model may call tools for several turns, then answers; the answer is scored.
+
+Each model turn is read for tool calls (``grpo_jax.tools.parse_tool_calls``: JSON in
+``<tool_call>`` tags, or the short ``<calculator>...</calculator>`` form). A turn with
+calls gets their results as the next observation (``<tool_result name=...>`` blocks, or
+``role: "tool"`` chat messages with ``chat=True``, which a chat template renders in its
+own tool format); a turn without calls is the final answer, scored by the reward
+``reward`` (a registry name of ``grpo_jax.rewards``, options allowed) against the
+example's fields. Running out of ``max_turns`` while still calling tools scores 0.
+
+    env.name = "tool_use(reward='exact_match', tools=('calculator',), max_turns=3)"
+"""
+
+from __future__ import annotations
+
+import math
+
+from grpo_jax.envs.base import register
+
+
+@register("tool_use")
+class ToolUse:
+    def __init__(
+        self,
+        reward: str = "exact_match",
+        tools: tuple | list | None = None,
+        max_turns: int = 4,
+        chat: bool = False,
+    ):
+        from grpo_jax import rewards
+        from grpo_jax import tools as tools_lib
+
+        self.reward_fn = rewards.get(reward)
+        self.tools = list(tools) if tools is not None else tools_lib.available_tools()
+        for name in self.tools:
+            tools_lib.get_tool(name)  # unknown names fail now
+        self.max_turns, self.chat = int(max_turns), bool(chat)
+        self.example, self.turn = None, 0
+
+    def reset(self, example):
+        self.example, self.turn = dict(example), 0
+        return None  # the example's usual prompt
+
+    def step(self, text: str):
+        from grpo_jax import rewards
+        from grpo_jax import tools as tools_lib
+
+        self.turn += 1
+        calls = tools_lib.parse_tool_calls(text, tools=self.tools)
+        if not calls:
+            fields = rewards.fields_from_examples([self.example], 1, exclude=("prompt",))
+            value = float(self.reward_fn([""], [text], **fields)[0])
+            if math.isnan(value):
+                raise ValueError("the reward could not score the answer")
+            return None, value, True, {"success": value >= 1.0 - 1e-6, "turns": self.turn}
+        if self.turn >= self.max_turns:
+            return None, 0.0, True, {"success": False, "turns": self.turn}
+        results = tools_lib.run_tool_calls(calls)
+        if self.chat:
+            obs = [
+                {"role": "tool", "name": name, "content": tools_lib.result_text(r)}
+                for name, r in results
+            ]
+        else:
+            obs = tools_lib.format_results(results)
+        return obs, 0.0, False, {"tool_calls": len(calls)}

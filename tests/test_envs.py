@@ -1,0 +1,104 @@
+"""The environment interface: registry, options, user modules, examples, error containment."""
+
+import math
+import time
+
+import pytest
+
+from grpo_jax import envs
+
+
+def test_registry_and_options():
+    assert {"guess_number", "tool_use"} <= set(envs.available())
+    env = envs.make("guess_number(high=4, max_turns=2)")
+    assert (env.high, env.max_turns) == (4, 2)
+    with pytest.raises(KeyError, match="registered"):
+        envs.get("nope")
+    with pytest.raises(ValueError, match="keyword=literal"):
+        envs.make("guess_number(1)")
+    with pytest.raises(ValueError, match="bad options"):
+        envs.make("guess_number(colour='red')")
+
+
+def test_guess_number_feedback_and_graded_reward():
+    env = envs.make("guess_number(high=9, max_turns=4)")
+    assert env.reset({"answer": "17"}) == "guess 0-9:"  # 17 mod 10 -> hidden 7
+    assert env.step("5") == ("H", 0.0, False, {"success": False})
+    assert env.step("x") == ("?", 0.0, False, {"success": False})
+    assert env.step("9") == ("L", 0.0, False, {"success": False})
+    obs, reward, done, info = env.step("7")
+    # Found on turn 4 of 4: 1 - 3/4.
+    assert (obs, reward, done, info["success"]) == (None, 0.25, True, True)
+    env.reset({"target": 3})
+    assert env.step("3")[1] == 1.0
+    env.reset({"target": 3})
+    for _ in range(3):
+        env.step("0")
+    assert env.step("0") == (None, 0.0, True, {"success": False, "turns": 4})
+
+
+def test_tool_use_runs_tools_then_scores_the_answer():
+    env = envs.make("tool_use(reward='exact_match(tag=None)', tools=('calculator',), max_turns=3)")
+    assert env.reset({"prompt": "17*23=", "answer": "391"}) is None
+    obs, reward, done, _ = env.step("<calculator>17*23</calculator>")
+    assert obs == '<tool_result name="calculator">391</tool_result>' and not done
+    obs, reward, done, info = env.step("391")
+    assert (obs, reward, done, info["success"]) == (None, 1.0, True, True)
+
+
+def test_user_module_by_path(tmp_path):
+    path = tmp_path / "my_env.py"
+    path.write_text(
+        "from grpo_jax import envs\n"
+        "@envs.register('echo_once_test')\n"
+        "class Echo:\n"
+        "    def reset(self, example):\n"
+        "        return 'say it'\n"
+        "    def step(self, text):\n"
+        "        return None, float(len(text)), True, {}\n"
+    )
+    envs.load_user_module(str(path))
+    env = envs.make("echo_once_test")
+    assert isinstance(env, envs.Environment)
+    assert envs.safe_step(env, "abc", 1.0).reward == 3.0
+    with pytest.raises(FileNotFoundError):
+        envs.load_user_module(str(tmp_path / "missing.py"))
+
+
+class _Bad:
+    def __init__(self, mode):
+        self.mode = mode
+
+    def reset(self, example):
+        if self.mode == "reset":
+            raise RuntimeError("broken reset")
+        return "go"
+
+    def step(self, text):
+        if self.mode == "raise":
+            raise RuntimeError("broken step")
+        if self.mode == "hang":
+            while True:
+                pass
+        if self.mode == "shape":
+            return "obs", 1.0
+        if self.mode == "inf":
+            return None, math.inf, True, {}
+        if self.mode == "obs":
+            return 42, 0.0, False, {}
+        return "fine", 0.5, False, {}
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang", "shape", "inf", "obs"])
+def test_step_errors_and_timeouts_end_the_episode_with_nan(mode):
+    t0 = time.monotonic()
+    r = envs.safe_step(_Bad(mode), "text", 0.3)
+    assert r.done and math.isnan(r.reward) and r.error.startswith("step:")
+    assert time.monotonic() - t0 < 3
+
+
+def test_reset_error_and_good_step():
+    r = envs.safe_reset(_Bad("reset"), {}, 1.0)
+    assert r.done and math.isnan(r.reward) and "broken reset" in r.error
+    r = envs.safe_step(_Bad("ok"), "t", 1.0)
+    assert (r.observation, r.reward, r.done, r.error) == ("fine", 0.5, False, None)
