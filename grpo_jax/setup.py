@@ -63,11 +63,14 @@ def build_tokenizer(run: RunConfig, workdir: str | pathlib.Path | None):
     """
     from transformers import AutoTokenizer
 
+    from grpo_jax import models
     from grpo_jax.models import builtin_tokenizer
 
     name = run.tokenizer
     if name == BUILTIN_TOKENIZER:
         path = builtin_tokenizer.ensure_tokenizer(pathlib.Path(workdir) / "tokenizer")
+    elif not name and run.model.path.endswith(".gguf"):  # The GGUF file's own vocabulary.
+        return models.load_gguf_tokenizer(run.model.path)
     else:
         path = pathlib.Path(name or run.model.path)
         if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
@@ -107,9 +110,8 @@ def build_model(run: RunConfig, tokenizer, mesh):
     from grpo_jax import models
 
     if run.model.path:
-        model = models.from_pretrained(
-            run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs()
-        )
+        load = models.from_gguf if run.model.path.endswith(".gguf") else models.from_pretrained
+        model = load(run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs())
     else:
         cfg = model_config(run, tokenizer)
         model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)

@@ -44,7 +44,7 @@ import numpy as np
 
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.gguf_format import GGUFReader
-from grpo_jax.models.gguf_quants import TYPES, dequantize
+from grpo_jax.models.gguf_quants import dequantize
 from grpo_jax.models.hf_config import config_from_hf
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.hf_weights import weight_table
@@ -349,29 +349,26 @@ def from_gguf(
     path: str | os.PathLike,
     *,
     dtype=jnp.float32,
-    param_dtype=None,
-    mesh=None,
-    layout: str = "fsdp",
-    remat: bool = False,
     cache_dir: str | os.PathLike | None = None,
+    **loader_kwargs,
 ):
     """The :class:`Transformer` of a GGUF file (Gemma 3, Llama, Qwen2, Qwen3).
 
     The weights are dequantised to float32 (a quantised checkpoint's values
-    exactly), then cast to ``param_dtype`` (default ``dtype``) and placed as
-    :func:`from_pretrained` places them (``mesh``, ``layout``). The float32
-    Hugging Face directory is kept in ``cache_dir`` when given (see
+    exactly) and loaded by :func:`grpo_jax.models.from_pretrained`, which
+    takes ``dtype`` and ``loader_kwargs`` (param_dtype, mesh, layout, remat,
+    ...) and casts and places them as for any Hugging Face checkpoint. The
+    float32 Hugging Face directory is kept in ``cache_dir`` when given (see
     :func:`cached_conversion`), else written to a temporary directory and
     removed. Raises CheckpointError naming the file and the problem.
     """
     from grpo_jax.models.hf import from_pretrained
 
-    kwargs = dict(dtype=dtype, param_dtype=param_dtype, mesh=mesh, layout=layout, remat=remat)
     if cache_dir is not None:
-        return from_pretrained(cached_conversion(path, cache_dir), **kwargs)
+        return from_pretrained(cached_conversion(path, cache_dir), dtype=dtype, **loader_kwargs)
     with tempfile.TemporaryDirectory(prefix="grpo_jax_gguf_") as tmp:
         _write_weights(GGUFFile(path), pathlib.Path(tmp), "float32")
-        return from_pretrained(tmp, **kwargs)
+        return from_pretrained(tmp, dtype=dtype, **loader_kwargs)
 
 
 __all__ = [
@@ -383,5 +380,4 @@ __all__ = [
     "gguf_name",
     "hf_config",
     "model_config",
-    "TYPES",
 ]
