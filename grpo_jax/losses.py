@@ -345,13 +345,11 @@ def behavior_weights(
         raise ValueError(f"level {level!r} is not one of {list(BEHAVIOR_LEVELS)}")
     if not cap > 1.0:
         raise ValueError(f"cap = {cap!r} must be > 1")
-    mask_NxT = mask_NxT.astype(jnp.float32)
+    old_logps_NxT = _at_least_f32(old_logps_NxT)
+    dtype = old_logps_NxT.dtype
+    mask_NxT = mask_NxT.astype(dtype)
     valid_NxT = mask_NxT > 0
-    diff_NxT = jnp.where(
-        valid_NxT,
-        old_logps_NxT.astype(jnp.float32) - behavior_logps_NxT.astype(jnp.float32),
-        0.0,
-    )
+    diff_NxT = jnp.where(valid_NxT, old_logps_NxT - behavior_logps_NxT.astype(dtype), 0.0)
     abs_NxT = jnp.abs(diff_NxT)
     metrics = {
         "behavior/abs_log_diff_mean": _masked_mean(abs_NxT, mask_NxT),
@@ -364,15 +362,15 @@ def behavior_weights(
     else:
         log_w_NxT = diff_NxT
     log_w_NxT = jnp.clip(log_w_NxT, -_LOG_W_BOUND, _LOG_W_BOUND)
-    log_cap = jnp.log(jnp.float32(cap))
+    log_cap = jnp.log(jnp.asarray(cap, dtype))
     if correction == "tis":
         cut_NxT = log_w_NxT > log_cap
         w_NxT = jnp.exp(jnp.minimum(log_w_NxT, log_cap))
-        metrics["behavior/frac_capped"] = _masked_mean(cut_NxT.astype(jnp.float32), mask_NxT)
+        metrics["behavior/frac_capped"] = _masked_mean(cut_NxT.astype(dtype), mask_NxT)
     else:  # mis
         cut_NxT = jnp.abs(log_w_NxT) > log_cap
         w_NxT = jnp.where(cut_NxT, 0.0, jnp.exp(log_w_NxT))
-        metrics["behavior/frac_masked"] = _masked_mean(cut_NxT.astype(jnp.float32), mask_NxT)
+        metrics["behavior/frac_masked"] = _masked_mean(cut_NxT.astype(dtype), mask_NxT)
     w_NxT = jax.lax.stop_gradient(w_NxT * mask_NxT)
     return w_NxT, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
