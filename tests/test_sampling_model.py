@@ -89,6 +89,27 @@ def test_logps_equal_full_forward_per_token_logps(model, kw):
     want = _full_logps(model, out, cfg.temperature)
     np.testing.assert_allclose(out.logps, np.where(out.mask, want, 0.0), atol=1e-5)
     assert np.asarray(out.mask).sum() > 24  # Rows really produced tokens.
+    # The behaviour log-probs: those of the truncated distribution drawn from,
+    # rebuilt here from the full forward pass's logits with ``candidates``.
+    p, t = out.prompt_tokens.shape[1], out.tokens.shape[1]
+    seq = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    full_mask = jnp.concatenate([out.prompt_mask, out.mask.astype(bool)], axis=1)
+    logits = _forward(params, seq, full_mask, graphdef=graphdef)[:, p - 1 : p - 1 + t]
+    scaled = logits.reshape(-1, V) / cfg.temperature
+    cand, ids = sampling.candidates(scaled, top_k=cfg.top_k, top_p=cfg.top_p)
+    log_q = jax.nn.log_softmax(cand, axis=-1)
+    if ids is not None:
+        log_q = (
+            jnp.full_like(scaled, -jnp.inf).at[jnp.arange(scaled.shape[0])[:, None], ids].set(log_q)
+        )
+    want_q = jnp.take_along_axis(log_q, out.tokens.reshape(-1, 1), axis=-1).reshape(
+        out.tokens.shape
+    )
+    np.testing.assert_allclose(out.behavior_logps, np.where(out.mask, want_q, 0.0), atol=1e-5)
+    if cfg.top_k == 0 and cfg.top_p == 1.0:
+        np.testing.assert_array_equal(out.behavior_logps, out.logps)  # no filter: q is pi
+    else:
+        assert np.asarray(out.behavior_logps - out.logps).max() > 0.01  # q renormalised
 
 
 @pytest.fixture(scope="module")
