@@ -12,6 +12,13 @@ warm start (``grpo_jax.sft``) score the same way the sampler does:
 where h is the last layer's output over [prompt_n | completion_n] at
 positions cumsum(mask) - 1. The LM head runs on the T completion positions
 only; no [N, P+T, V] logits are formed.
+
+The completion mask is the loss mask. A completion is every token up to its
+last masked one (:func:`span_mask`): tokens inside it with mask 0 are still
+real tokens, attended to and counted in the positions, only not scored. That
+is a multi-turn transcript, whose environment tokens sit between the model's
+turns with mask 0 (docs/multiturn.md). A single-turn mask is a prefix, for
+which the span is the mask itself.
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ from flax import nnx
 
 from grpo_jax import losses
 from grpo_jax.models.transformer import positions_from_mask
+
+
+def span_mask(mask_NxT):
+    """True up to and including each row's last True of ``mask_NxT`` (bool [N, T])."""
+    m = mask_NxT.astype(jnp.bool_)
+    return jnp.flip(jnp.cumsum(jnp.flip(m, axis=1), axis=1, dtype=jnp.int32) > 0, axis=1)
 
 
 def completion_features(
@@ -45,7 +58,7 @@ def completion_features(
     n, p = prompt_tokens_NxP.shape
     t = tokens_NxT.shape[1]
     prompt_mask_NxP = prompt_mask_NxP.astype(jnp.bool_)
-    mask_NxT = mask_NxT.astype(jnp.bool_)
+    mask_NxT = span_mask(mask_NxT)  # real tokens: environment tokens of a transcript too
     if group_size <= 1:
         full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
         full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1)

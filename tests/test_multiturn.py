@@ -1,0 +1,235 @@
+"""The multi-turn sampler: recorded log-probs equal one full forward pass over the transcript.
+
+Every model family, left-padded prompts of different lengths, rows in different
+turns, a sliding window that binds, early ends and budget hits.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax import losses, multiturn, scoring
+from grpo_jax.models import FAMILIES, create_model, tiny_config
+from grpo_jax.sampling import SamplingConfig, pad_prompts
+
+V = 48
+EOS = (2, 3, 4)  # turns end at any of these: rows end their turns at different times
+PROMPTS = [[5, 9, 12], [7], [11, 12, 13, 14, 15, 16], [40, 33]]
+
+
+class ScriptedEnv:
+    """Answers turn k with observation ``obs[k]`` (token ids as text); done after the last."""
+
+    def __init__(self, obs, rewards=None):
+        self.obs, self.turn = obs, 0
+        self.rewards = rewards or [0.25] * (len(obs) + 1)
+
+    def reset(self, example):
+        return None
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn > len(self.obs):
+            return None, self.rewards[self.turn - 1], True, {"success": True}
+        return self.obs[self.turn - 1], self.rewards[self.turn - 1], False, {}
+
+
+def encode_obs(observation, *, ended_with_eos):
+    del ended_with_eos
+    return [int(x) for x in observation.split()]
+
+
+def decode(ids):
+    return " ".join(map(str, ids))
+
+
+def _model(family, **extra):
+    cfg = tiny_config(
+        V,
+        family=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        **extra,
+    )
+    graphdef, params = nnx.split(create_model(cfg, seed=1))
+    # Sharper logits than the random init's: turns of varied lengths, distinct log-probs.
+    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    return graphdef, params
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _forward(params, seq_NxL, mask_NxL, *, graphdef):
+    return nnx.merge(graphdef, params)(seq_NxL, mask_BxT=mask_NxL)
+
+
+def full_forward_logps(graphdef, params, ep, temperature):
+    """log-probs of every transcript token from one plain forward pass over [prompt | transcript]."""
+    p, t = ep.prompt_tokens_NxP.shape[1], ep.tokens_NxT.shape[1]
+    real_NxT = np.arange(t)[None, :] < ep.lengths_N[:, None]
+    seq = jnp.concatenate([ep.prompt_tokens_NxP, ep.tokens_NxT], axis=1)
+    mask = jnp.concatenate([ep.prompt_mask_NxP, real_NxT], axis=1)
+    logits = _forward(params, seq, mask, graphdef=graphdef)
+    return np.asarray(
+        losses.per_token_logps(
+            logits[:, p - 1 : p - 1 + t], jnp.asarray(ep.tokens_NxT), temperature=temperature
+        )
+    )
+
+
+def _envs(g):
+    scripts = [
+        ["20 21 22", "23"],  # three turns, observations of 3 then 1 tokens
+        ["24"],  # two turns
+        [],  # ends after its first turn
+        ["25 26", "27 28 29", "30"],
+    ]
+    return [ScriptedEnv(scripts[(i // g + i) % 4]) for i in range(len(PROMPTS) * g)]
+
+
+def _run(graphdef, params, *, g=2, temperature=1.0, key=0, **cfg_kw):
+    toks, mask = pad_prompts(PROMPTS, pad_id=0, buckets=(8,))
+    cfg = multiturn.MultiTurnConfig(
+        **{"max_tokens": 40, "max_turns": 4, "max_obs_tokens": 4, **cfg_kw}
+    )
+    sampling = SamplingConfig(
+        max_new_tokens=1, temperature=temperature, eos_ids=EOS, pad_id=0, prompt_buckets=(8,)
+    )
+    return multiturn.run_episodes(
+        graphdef,
+        params,
+        _envs(g),
+        toks,
+        mask,
+        jax.random.key(key),
+        sampling=sampling,
+        cfg=cfg,
+        encode_observation=encode_obs,
+        decode=decode,
+        num_samples=g,
+    )
+
+
+def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5):
+    model_NxT = ep.mask_NxT.astype(bool)
+    assert (
+        model_NxT.any()
+        and (~model_NxT & (np.arange(ep.tokens_NxT.shape[1]) < ep.lengths_N[:, None])).any()
+    ), "no environment tokens: the test would prove nothing"
+    want = full_forward_logps(graphdef, params, ep, temperature)
+    np.testing.assert_allclose(ep.logps_NxT[model_NxT], want[model_NxT], atol=atol, rtol=0)
+    assert (ep.logps_NxT[~model_NxT] == 0).all()
+    # The update's own scoring path (shared prompt, loss mask = model tokens) agrees too.
+    got = scoring.completion_logps(
+        graphdef,
+        params,
+        jnp.asarray(ep.prompt_tokens_NxP),
+        jnp.asarray(ep.prompt_mask_NxP),
+        jnp.asarray(ep.tokens_NxT),
+        jnp.asarray(ep.mask_NxT),
+        temperature,
+        group_size=2,
+    )
+    np.testing.assert_allclose(np.asarray(got)[model_NxT], want[model_NxT], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recorded_logps_equal_full_forward_every_family(family):
+    graphdef, params = _model(family)
+    ep = _run(graphdef, params, max_turn_tokens=6)
+    assert ep.turns_N.max() >= 3 and len(set(ep.turns_N.tolist())) > 1  # rows in different turns
+    _check_exact(graphdef, params, ep)
+
+
+def test_binding_sliding_window_and_temperature():
+    # Window 3, every layer sliding: transcripts of ~20 tokens see only 3 back.
+    graphdef, params = _model(
+        "gemma3", sliding_window=3, layer_types=("sliding_attention", "sliding_attention")
+    )
+    ep = _run(graphdef, params, temperature=0.7, max_turn_tokens=6)
+    assert ep.lengths_N.max() > 10
+    _check_exact(graphdef, params, ep, temperature=0.7)
+    # The window binds: with a wide window the same tokens score differently.
+    wide_gd, _ = _model("gemma3", sliding_window=64, layer_types=("sliding_attention",) * 2)
+    wide = full_forward_logps(wide_gd, params, ep, 0.7)
+    assert np.abs(wide - ep.logps_NxT)[ep.mask_NxT.astype(bool)].max() > 1e-3
+
+
+def test_transcript_layout_rewards_and_turns():
+    graphdef, params = _model("qwen2")
+    ep = _run(graphdef, params, max_turn_tokens=5)
+    n = len(ep.rewards_N)
+    envs = _envs(2)
+    for i in range(n):
+        obs = envs[i].obs
+        real = ep.lengths_N[i]
+        row, m = ep.tokens_NxT[i, :real].tolist(), ep.mask_NxT[i, :real]
+        # Environment tokens are exactly the scripted observations, in order, mask 0.
+        env_tokens = [t for t, k in zip(row, m) if not k]
+        assert env_tokens == [int(x) for o in obs[: ep.turns_N[i] - 1] for x in o.split()]
+        # Each model turn ends with an EOS or at 5 tokens; the env saw each turn's text.
+        assert len(ep.turn_texts[i]) == ep.turns_N[i]
+        assert ep.turns_N[i] == len(obs) + 1 and not ep.truncated_N[i]
+        assert ep.rewards_N[i] == pytest.approx(0.25 * (len(obs) + 1))
+        assert (ep.tokens_NxT[i, real:] == 0).all() and not ep.mask_NxT[i, real:].any()
+        assert m[-1]  # a transcript ends with a model token
+
+
+def test_turn_and_token_budgets():
+    graphdef, params = _model("llama")
+    # Turn budget: at most 2 model turns; the 4-turn scripts are cut (truncated).
+    ep = _run(graphdef, params, max_turns=2, max_turn_tokens=5)
+    envs = _envs(2)
+    for i, env in enumerate(envs):
+        assert ep.turns_N[i] == min(len(env.obs) + 1, 2)
+        assert ep.truncated_N[i] == (len(env.obs) + 1 > 2)
+    _check_exact(graphdef, params, ep)
+    # Token budget: 8 transcript tokens; every row stops within it, marked truncated
+    # when the script had more to say.
+    ep = _run(graphdef, params, max_tokens=8, max_turn_tokens=5)
+    assert ep.lengths_N.max() <= 8
+    assert ep.truncated_N.any()
+    for i in range(len(ep.rewards_N)):
+        assert ep.mask_NxT[i, ep.lengths_N[i] - 1]
+
+
+def test_environment_error_ends_the_episode_with_nan():
+    class Boom(ScriptedEnv):
+        def step(self, text):
+            if self.turn == 1:
+                raise RuntimeError("env bug")
+            return super().step(text)
+
+    graphdef, params = _model("qwen2")
+    toks, mask = pad_prompts(PROMPTS[:2], pad_id=0, buckets=(8,))
+    envs = [ScriptedEnv(["20"]), Boom(["20", "21"])]
+    ep = multiturn.run_episodes(
+        graphdef,
+        params,
+        envs,
+        toks,
+        mask,
+        jax.random.key(0),
+        sampling=SamplingConfig(max_new_tokens=1, eos_ids=EOS, pad_id=0),
+        cfg=multiturn.MultiTurnConfig(max_tokens=30, max_turn_tokens=4, max_obs_tokens=4),
+        encode_observation=encode_obs,
+        decode=decode,
+    )
+    assert not np.isnan(ep.rewards_N[0]) and not ep.errors_N[0]
+    assert np.isnan(ep.rewards_N[1]) and ep.errors_N[1] and ep.turns_N[1] == 2
+    assert "env bug" in ep.error_messages[0]
+
+
+def test_same_key_same_episodes():
+    graphdef, params = _model("qwen3")
+    a = _run(graphdef, params, key=3, max_turn_tokens=5)
+    b = _run(graphdef, params, key=3, max_turn_tokens=5)
+    np.testing.assert_array_equal(a.tokens_NxT, b.tokens_NxT)
+    np.testing.assert_array_equal(a.logps_NxT, b.logps_NxT)
