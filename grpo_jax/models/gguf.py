@@ -113,8 +113,13 @@ class GGUFFile:
         return self.reader.metadata.get(key, default)
 
     def arch(self, key: str, default: Any = None) -> Any:
-        """The architecture-specific key ``{architecture}.{key}``."""
-        return self.get(f"{self.architecture}.{key}", default)
+        """The architecture-specific key ``{architecture}.{key}``.
+
+        float32 values come back as the shortest decimal that rounds to them
+        (1e-05, not 9.99999974e-06), the value the original config.json held.
+        """
+        value = self.get(f"{self.architecture}.{key}", default)
+        return float(str(np.float32(value))) if isinstance(value, float) else value
 
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy (row-major) shape."""
