@@ -71,7 +71,7 @@ def _forward(params, seq_NxL, mask_NxL, *, graphdef):
 
 
 def full_forward_logps(graphdef, params, ep, temperature):
-    """log-probs of every transcript token from one plain forward pass over [prompt | transcript]."""
+    """Log-probs of every transcript token: one plain forward pass over [prompt | transcript]."""
     p, t = ep.prompt_tokens_NxP.shape[1], ep.tokens_NxT.shape[1]
     real_NxT = np.arange(t)[None, :] < ep.lengths_N[:, None]
     seq = jnp.concatenate([ep.prompt_tokens_NxP, ep.tokens_NxT], axis=1)
@@ -140,6 +140,7 @@ def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5):
     np.testing.assert_allclose(np.asarray(got)[model_NxT], want[model_NxT], atol=atol, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recorded_logps_equal_full_forward_every_family(family):
     graphdef, params = _model(family)
@@ -148,6 +149,7 @@ def test_recorded_logps_equal_full_forward_every_family(family):
     _check_exact(graphdef, params, ep)
 
 
+@pytest.mark.slow
 def test_binding_sliding_window_and_temperature():
     # Window 3, every layer sliding: transcripts of ~20 tokens see only 3 back.
     graphdef, params = _model(
@@ -182,6 +184,7 @@ def test_transcript_layout_rewards_and_turns():
         assert m[-1]  # a transcript ends with a model token
 
 
+@pytest.mark.slow
 def test_turn_and_token_budgets():
     graphdef, params = _model("llama")
     # Turn budget: at most 2 model turns; the 4-turn scripts are cut (truncated).
@@ -227,6 +230,7 @@ def test_environment_error_ends_the_episode_with_nan():
     assert "env bug" in ep.error_messages[0]
 
 
+@pytest.mark.slow
 def test_same_key_same_episodes():
     graphdef, params = _model("qwen3")
     a = _run(graphdef, params, key=3, max_turn_tokens=5)
