@@ -18,7 +18,7 @@ import dataclasses
 
 from ml_collections import ConfigDict, config_dict
 
-from grpo_jax.config import HealthConfig
+from grpo_jax.config import EnvSection, HealthConfig
 
 
 def parse_arg(arg: str | None, *, where: str, **defaults) -> ConfigDict:
@@ -130,6 +130,7 @@ def base() -> ConfigDict:
     c.train.logits_chunk = 0
     c.train.dynamic_sampling = False  # DAPO: keep groups whose rewards vary, draw more rounds
     c.train.max_sampling_rounds = 3
+    c.train.sampled_tokens_budget = 0  # stop after this many sampled completion tokens (0: off)
 
     c.eval = ConfigDict()
     c.eval.every = 50
@@ -163,4 +164,7 @@ def base() -> ConfigDict:
     # (grpo_jax/config.py), listed here so that each can be set on the command line
     # (--config.health.entropy_floor=0.05, --config.health.stop_on_alarm=True).
     c.health = ConfigDict(dataclasses.asdict(HealthConfig()))
+
+    # Multi-turn rollouts with an environment (docs/multiturn.md); name "" is single-turn.
+    c.env = ConfigDict(dataclasses.asdict(EnvSection()))
     return c

@@ -288,6 +288,9 @@ class TrainConfig:
         prompts until B groups are kept or max_sampling_rounds are spent;
         what is still short is filled with weight-0 groups.
       max_sampling_rounds: sampling rounds per step with dynamic_sampling.
+      sampled_tokens_budget: stop once this many completion tokens have been
+        sampled in all (0: no budget; train.steps still bounds the run): for
+        comparisons at equal sampling cost, e.g. with dynamic sampling.
     """
 
     steps: int = 100
@@ -304,6 +307,7 @@ class TrainConfig:
     logits_chunk: int = 0
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
+    sampled_tokens_budget: int = 0
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -320,6 +324,7 @@ class TrainConfig:
         check_range("train.logits_chunk", self.logits_chunk, lo=0, integer=True)
         check_bool("train.dynamic_sampling", self.dynamic_sampling)
         check_range("train.max_sampling_rounds", self.max_sampling_rounds, lo=1, integer=True)
+        check_range("train.sampled_tokens_budget", self.sampled_tokens_budget, lo=0, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -777,6 +782,61 @@ class PromptConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """Multi-turn rollouts with an environment (``grpo_jax.multiturn``, docs/multiturn.md).
+
+    Attributes:
+      name: the environment, "name" or "name(k=v, ...)" (``grpo_jax.envs``); "" is
+        single-turn GRPO with the reward functions.
+      modules: comma-separated modules or ``.py`` files whose import registers
+        environments.
+      max_tokens: transcript slots per episode (model and environment tokens).
+      max_turns: model turns per episode.
+      max_turn_tokens: model tokens per turn (0: up to max_tokens).
+      max_obs_tokens: the most tokens one observation may add.
+      timeout_s: time budget of each reset / step call.
+    """
+
+    name: str = ""
+    modules: str = ""
+    max_tokens: int = 64
+    max_turns: int = 4
+    max_turn_tokens: int = 0
+    max_obs_tokens: int = 32
+    timeout_s: float = 10.0
+
+    def __post_init__(self):
+        for key in ("name", "modules"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"config key 'env.{key}' = {getattr(self, key)!r} must be a string"
+                )
+        check_range("env.max_tokens", self.max_tokens, lo=2, integer=True)
+        check_range("env.max_turns", self.max_turns, lo=1, integer=True)
+        check_range("env.max_turn_tokens", self.max_turn_tokens, lo=0, integer=True)
+        check_range("env.max_obs_tokens", self.max_obs_tokens, lo=1, integer=True)
+        check_range("env.timeout_s", self.timeout_s, lo=0.0, lo_open=True)
+        if self.max_turn_tokens > self.max_tokens:
+            raise ConfigError(
+                f"config key 'env.max_turn_tokens' = {self.max_turn_tokens} exceeds "
+                f"'env.max_tokens' = {self.max_tokens}"
+            )
+        if self.name:
+            from grpo_jax import envs
+
+            for item in (m.strip() for m in self.modules.split(",")):
+                if item:
+                    try:
+                        envs.load_user_module(item)
+                    except (ImportError, OSError) as e:
+                        raise ConfigError(f"config key 'env.modules': {item!r}: {e}") from None
+            try:
+                envs.make(self.name)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"config key 'env.name' = {self.name!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class HealthConfig:
     """Training-health alarms (``grpo_jax.health``: the rules; ``grpo_jax.report``: the reports).
 
@@ -894,6 +954,7 @@ TOP_KEYS = (
     "mesh",
     "warm_start",
     "health",
+    "env",
 )
 
 
@@ -921,6 +982,7 @@ class RunConfig:
     warm_start: WarmStartConfig
     health: HealthConfig
     raw: Mapping[str, Any]
+    env: EnvSection = EnvSection()
 
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
@@ -971,6 +1033,7 @@ def parse_config(config) -> RunConfig:
         warm_start=from_mapping(WarmStartConfig, "warm_start", raw.get("warm_start")),
         health=from_mapping(HealthConfig, "health", raw.get("health")),
         raw=json.loads(json.dumps(raw, default=str)),
+        env=from_mapping(EnvSection, "env", raw.get("env")),
     )
     chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
     if chunk and t % chunk:

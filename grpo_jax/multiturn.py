@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -551,3 +552,208 @@ def reset_all(
             )
         first.append(good[0] if good else None)
     return environments, first, messages
+
+
+# ---------------------------------------------------------------------------
+# The trainer's collect and evaluation for runs with an environment.
+
+
+def _first_prompt_tokens(encoder, examples, first_obs) -> tuple[list[list[int]], list[str]]:
+    """Token ids of each example's first prompt: the environment's first observation,
+    or the config's usual prompt where the environment gives None."""
+    usual = encoder.texts(examples)
+    texts = []
+    for text, obs in zip(usual, first_obs, strict=True):
+        if obs is None:
+            texts.append(text)
+            continue
+        if not encoder.chat:
+            texts.append(obs if isinstance(obs, str) else "".join(m["content"] for m in obs))
+            continue
+        messages = [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
+        if encoder.system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": encoder.system}, *messages]
+        texts.append(
+            encoder.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        )
+    return encoder.token_lists(texts), texts
+
+
+def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
+    """Resets the run's environments on ``examples`` and plays ``num_samples`` episodes each.
+
+    -> (Episodes, prompt texts B, reset error messages).
+    """
+    from grpo_jax.sampling import pad_prompts
+
+    run = s.run
+    cfg = mt_config(run)
+    environments, first, reset_errors = reset_all(
+        run.env.name, examples, num_samples, cfg.env_timeout_s
+    )
+    token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
+    tokens_BxP, mask_BxP = pad_prompts(
+        token_lists, pad_id=s.encoder.pad_id, buckets=s.encoder.buckets
+    )
+    sampling = dataclasses.replace(s.sampling, greedy=greedy)
+    tok = s.tokenizer
+    encode_obs = ObservationEncoder(tok, chat=run.prompt.chat, eos_ids=sampling.eos_ids)
+    episodes = run_episodes(
+        s.graphdef,
+        params,
+        environments,
+        tokens_BxP,
+        mask_BxP,
+        key,
+        sampling=sampling,
+        cfg=cfg,
+        encode_observation=encode_obs,
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        num_samples=num_samples,
+    )
+    return episodes, texts, reset_errors
+
+
+def mt_config(run) -> MultiTurnConfig:
+    e = run.env
+    return MultiTurnConfig(
+        max_tokens=e.max_tokens,
+        max_turns=e.max_turns,
+        max_turn_tokens=e.max_turn_tokens,
+        max_obs_tokens=e.max_obs_tokens,
+        env_timeout_s=e.timeout_s,
+    )
+
+
+def _check_single_process():
+    if jax.process_count() > 1:
+        raise NotImplementedError("multi-turn rollouts run in one process (one host) for now")
+
+
+def collect(s, params, examples: list[dict], key: jax.Array):
+    """The multi-turn counterpart of ``grpo_jax.rollout.collect`` -> (RolloutBatch, HostRollout).
+
+    Each example's G episodes are played to the end; an episode's reward is the sum
+    of its environment's step rewards, normalised within its group into advantages.
+    """
+    from grpo_jax import advantages as adv_lib
+    from grpo_jax import distributed
+    from grpo_jax.metrics import duplicate_flags, rollout_metrics
+    from grpo_jax.rollout import HostRollout, RolloutBatch
+
+    _check_single_process()
+    run, G = s.run, s.run.grpo.G
+    B = run.train.batch_size
+    N = B * G
+    jax.block_until_ready(params)
+    t0 = time.perf_counter()
+    ep, prompts, reset_errors = play(s, params, examples, key, num_samples=G)
+    t1 = time.perf_counter()
+    tok = s.tokenizer
+    completions = [
+        tok.decode([int(x) for x in row[:n]], skip_special_tokens=False)
+        for row, n in zip(ep.tokens_NxT, ep.lengths_N, strict=True)
+    ]
+    total_N = ep.rewards_N.astype(np.float64)
+    advantages_N = np.asarray(
+        adv_lib.compute_advantages(
+            jnp.asarray(total_N.reshape(-1, G), jnp.float32),
+            estimator=run.grpo.advantage_estimator,
+            eps=run.grpo.advantage_eps,
+            passk_k=run.grpo.passk_k,
+        )
+    ).reshape(-1)
+    model_tokens_N = ep.mask_NxT.sum(axis=1)
+    n_errors = int(ep.errors_N.sum())
+    metrics = rollout_metrics(
+        total_N=total_N,
+        per_reward={"env": total_N},
+        errors={"env": n_errors},
+        correct_N=ep.success_N,
+        lengths_N=model_tokens_N,
+        truncated_N=ep.truncated_N,
+        duplicate_N=duplicate_flags(completions, G),
+        G=G,
+    )
+    metrics.update(
+        {
+            "env/turns_mean": float(ep.turns_N.mean()),
+            "env/transcript_length_mean": float(ep.lengths_N.mean()),
+            "env/errors": float(n_errors),
+            "env/reset_errors": float(len(reset_errors)),
+            "env/phases": float(ep.phases),
+            "perf/time_sample_s": t1 - t0,
+            "perf/time_reward_s": 0.0,
+            "perf/sample_tokens_per_s": float(ep.lengths_N.sum()) / max(t1 - t0, 1e-9),
+        }
+    )
+    for msg in (reset_errors + ep.error_messages)[:3]:
+        s.progress.message(f"environment error (episode ends, reward NaN): {msg}")
+    put = lambda x: distributed.global_batch(x, s.mesh, N)
+    batch = RolloutBatch(
+        prompt_tokens_NxP=put(ep.prompt_tokens_NxP.astype(np.int32)),
+        prompt_mask_NxP=put(ep.prompt_mask_NxP),
+        tokens_NxT=put(ep.tokens_NxT.astype(np.int32)),
+        mask_NxT=put(ep.mask_NxT),
+        old_logps_NxT=put(ep.logps_NxT.astype(np.float32)),
+        behavior_logps_NxT=put(ep.behavior_logps_NxT.astype(np.float32)),
+        rewards_N=put(total_N.astype(np.float32)),
+        advantages_N=put(advantages_N.astype(np.float32)),
+        weights_N=put(np.ones((N,), np.float32)),
+        group_ids_N=put(np.repeat(np.arange(B, dtype=np.int32), G)),
+    )
+    host = HostRollout(
+        examples=list(examples),
+        prompts_n=[p for p in prompts for _ in range(G)],
+        completions=completions,
+        total_n=total_N,
+        metrics=metrics,
+        completion_tokens=int(model_tokens_N.sum()),
+        prompt_tokens=int(ep.prompt_mask_NxP.sum()),
+        t_params_ready=t0,
+    )
+    return batch, host
+
+
+def evaluate(s, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str, float]:
+    """Held-out episodes: greedy success rate as ``{prefix}/pass_at_1`` and episode statistics.
+
+    With ``cfg.num_samples`` > 0 also ``{prefix}/sampled_pass_at_1``: the success rate of
+    that many sampled episodes per example (at the run's temperature).
+    """
+    _check_single_process()
+    if not examples:
+        raise ValueError("evaluate got no examples")
+    per_call = max(1, int(cfg.batch_size))
+    parts = []
+    for c, i in enumerate(range(0, len(examples), per_call)):
+        chunk = list(examples[i : i + per_call])
+        real = len(chunk)
+        chunk += [chunk[0]] * (per_call - real)  # one shape: no recompilation
+        ep, _, _ = play(s, params, chunk, jax.random.fold_in(key, c), num_samples=1, greedy=True)
+        parts.append((ep, real))
+    cat = lambda f: np.concatenate([f(ep)[:real] for ep, real in parts])
+    success, reward = cat(lambda e: e.success_N), cat(lambda e: e.rewards_N)
+    out = {
+        f"{prefix}/pass_at_1": float(success.mean()),
+        f"{prefix}/reward_mean": float(np.nanmean(reward)) if np.isfinite(reward).any() else 0.0,
+        f"{prefix}/turns_mean": float(cat(lambda e: e.turns_N).mean()),
+        f"{prefix}/length_mean": float(cat(lambda e: e.mask_NxT.sum(axis=1)).mean()),
+        f"{prefix}/truncated_frac": float(cat(lambda e: e.truncated_N).mean()),
+        f"{prefix}/env_errors": float(cat(lambda e: e.errors_N).sum()),
+        f"{prefix}/num_problems": float(len(examples)),
+    }
+    if cfg.num_samples:
+        g = int(cfg.num_samples)
+        per = max(1, per_call // g)
+        hits = []
+        for c, i in enumerate(range(0, len(examples), per)):
+            chunk = list(examples[i : i + per])
+            real = len(chunk)
+            chunk += [chunk[0]] * (per - real)
+            ep, _, _ = play(s, params, chunk, jax.random.fold_in(key, 1000 + c), num_samples=g)
+            hits.append(ep.success_N[: real * g])
+        out[f"{prefix}/sampled_pass_at_1"] = float(np.concatenate(hits).mean())
+    return out

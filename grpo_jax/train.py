@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import jax
 
-from grpo_jax import checkpoint, distributed, rollout
+from grpo_jax import checkpoint, distributed, multiturn, rollout
 from grpo_jax.config import parse_config
 from grpo_jax.evaluate import evaluate
 from grpo_jax.report import NonFiniteError, Reporter
@@ -80,6 +80,12 @@ class _Preemption:
 def evaluate_policy(s: Setup, params, step: int, examples=None, prefix="eval", cfg=None) -> dict:
     """Held-out evaluation of ``params`` (``grpo_jax.evaluate``), keyed by ``step``."""
     t0 = time.perf_counter()
+    if s.run.env.name:  # multi-turn episodes with an environment (grpo_jax.multiturn)
+        key = jax.random.fold_in(s.eval_key, step)
+        examples = s.eval_examples if examples is None else examples
+        out = multiturn.evaluate(s, params, examples, key, cfg=cfg or s.run.eval, prefix=prefix)
+        out[f"perf/{prefix}_s"] = time.perf_counter() - t0
+        return out
     out = evaluate(
         s.graphdef,
         params,
@@ -147,7 +153,8 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
     for step in range(start.start_step + 1, run.train.steps + 1):
         k_sample, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))
         examples = s.iterator.next()  # this host's rows of the global batch
-        batch, host = rollout.collect(s, state.params, examples, k_sample)
+        collect = multiturn.collect if run.env.name else rollout.collect
+        batch, host = collect(s, state.params, examples, k_sample)
         k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
         state, dev_metrics = s.update(state, batch, k_train, ref_params)
