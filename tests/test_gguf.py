@@ -347,3 +347,64 @@ def test_real_tokenizer_matches_transformers(gemma_file, gemma_tokenizer):
         assert gemma_tokenizer.decode(a) == theirs.decode(b)
     assert gemma_tokenizer("x").input_ids[0] == gemma_tokenizer.bos_token_id == 2
     assert gemma_tokenizer.eos_token_id == 1 and len(gemma_tokenizer) == 262144
+
+
+@pytest.mark.slow
+def test_real_grpo_step_checkpoint_export_reload(gemma_file, gemma_hf_dir, tmp_path, monkeypatch):
+    """One GRPO step of the gemma3-270m recipe: sample real text, reward, update, checkpoint;
+    then export to safetensors, and transformers' load of the export has grpo_jax's logits."""
+    import importlib.util
+
+    import transformers
+
+    from grpo_jax import runlocal
+    from grpo_jax.export import export_hf
+    from grpo_jax.train import train
+
+    spec = importlib.util.spec_from_file_location(
+        "configs_gsm8k", pathlib.Path(__file__).parents[1] / "configs" / "gsm8k.py"
+    )
+    recipes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipes)
+    monkeypatch.setenv(runlocal.RUNLOCAL_ENV, str(tmp_path / "assets"))
+    # A reward that differs between any two completions, so that the group has
+    # variance and the update is not zero (the base model rarely solves a problem in 8 tokens).
+    module = tmp_path / "letters.py"
+    module.write_text(
+        "from grpo_jax import rewards\n\n\n"
+        "@rewards.register('test_gguf_letter_e', override=True)\n"
+        "def letter_e(prompts, completions, **_):\n"
+        "    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+    )
+    c = recipes.get_config("model=gemma3-270m,runlocal")
+    c.model.path = str(gemma_file)
+    c.reward_modules = str(module)
+    c.rewards = "gsm8k:1.0,test_gguf_letter_e:1.0"
+    c.optim.learning_rate = 1e-4
+    c.optim.warmup_steps = 0
+    c.sampling.max_new_tokens = 8
+    c.train.logits_chunk = 8
+    c.train.steps = 1
+    c.train.batch_size = 1
+    c.train.minibatch_size = 4
+    c.optim.grad_accum = 1
+    c.eval.num_problems = 1
+    c.eval.batch_size = 1
+    c.checkpoint.every = 1
+    workdir = tmp_path / "run"
+    summary = train(c, workdir)
+    assert summary["steps"] == 1
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "train/loss" in r)
+    assert np.isfinite(step["train/loss"]) and step["train/grad_norm"] > 0
+    sample = (workdir / "samples" / "step_0000001.txt").read_text()
+    assert "Question:" in sample and "#### 5" in sample  # The few-shot prompt, real text.
+
+    out = export_hf(workdir, tmp_path / "export")
+    tokens = np.array([[2, 818, 5279, 529, 7001, 563]])  # "<bos>The capital of France is"
+    trained = np.asarray(from_pretrained(out)(jnp.asarray(tokens)))
+    theirs = hf_logits(load_hf_model(out), tokens)
+    assert np.abs(trained - theirs).max() < 2e-3
+    before = np.asarray(from_pretrained(gemma_hf_dir)(jnp.asarray(tokens)))
+    assert np.abs(trained - before).max() > 1e-3  # The step changed the model.
+    assert transformers.AutoTokenizer.from_pretrained(str(out))("x").input_ids[0] == 2
