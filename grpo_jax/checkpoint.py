@@ -201,6 +201,7 @@ class RunStart:
       warm_info: what the warm start did (None without one).
       prior_seconds: wall time of the run's earlier processes.
       no_signal_run: steps in a row without reward variance so far.
+      sampled_tokens: completion tokens sampled so far (train.sampled_tokens_budget).
     """
 
     state: Any
@@ -211,6 +212,7 @@ class RunStart:
     warm_info: dict | None
     prior_seconds: float
     no_signal_run: int
+    sampled_tokens: int = 0
 
 
 def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
@@ -245,7 +247,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     ref_params = jax.tree.map(jnp.copy, base_params) if run.grpo.beta > 0 else None
     if base_params is not state.params:
         state = optim_lib.init_state(base_params, s.tx, s.mesh)
-    before, prior_seconds, no_signal_run = None, 0.0, 0
+    before, prior_seconds, no_signal_run, sampled_tokens = None, 0.0, 0, 0
     if resumed:
         latest, params, opt_state, meta = restore_newest(s, state)
         rep = replicated(s.mesh)
@@ -263,6 +265,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         before = meta.get("before")
         warm_info = meta.get("warm_start", warm_info)
         no_signal_run = int(meta.get("no_signal_run", 0))
+        sampled_tokens = int(meta.get("sampled_tokens", 0))
         if s.is_main:
             s.writer.truncate(latest)
         s.progress.message(f"resuming from the checkpoint at step {latest} in {ck.directory}")
@@ -282,6 +285,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         warm_info=warm_info,
         prior_seconds=prior_seconds,
         no_signal_run=no_signal_run,
+        sampled_tokens=sampled_tokens,
     )
 
 
@@ -290,6 +294,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
 # the resumed run a different run than the one its checkpoints continue.
 RESUME_MAY_CHANGE = (
     "train.steps",
+    "train.sampled_tokens_budget",
     "train.log_every",
     "train.samples_every",
     "train.num_samples_logged",
@@ -404,7 +409,16 @@ def restore_newest(s: Setup, state):
     )
 
 
-def save_run(s: Setup, state, step: int, start: RunStart, *, no_signal_run: int, wall_seconds):
+def save_run(
+    s: Setup,
+    state,
+    step: int,
+    start: RunStart,
+    *,
+    no_signal_run: int,
+    wall_seconds,
+    sampled_tokens: int = 0,
+):
     """Starts saving ``state`` as step ``step``, with what an exact resume needs."""
     import numpy as np
 
@@ -417,5 +431,6 @@ def save_run(s: Setup, state, step: int, start: RunStart, *, no_signal_run: int,
         "warm_start": start.warm_info,
         "wall_seconds": wall_seconds,
         "no_signal_run": no_signal_run,
+        "sampled_tokens": sampled_tokens,
     }
     s.checkpointer.save(step, params=state.params, opt_state=state.opt_state, meta=meta)

@@ -47,10 +47,13 @@ class NonFiniteError(FloatingPointError):
 class Reporter:
     """Writes each step's record one step late and raises the run's alarms (module doc)."""
 
-    def __init__(self, s: Setup, *, no_signal_run: int = 0, start_step: int = 0):
+    def __init__(
+        self, s: Setup, *, no_signal_run: int = 0, start_step: int = 0, sampled_tokens: int = 0
+    ):
         self.s = s
         self.cfg = s.run.train
         self.no_signal_run = no_signal_run  # steps in a row with no reward variance
+        self.sampled_tokens = sampled_tokens  # completion tokens sampled so far
         # The last step whose update was applied, finite and moved the policy no more
         # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
         self.last_healthy = start_step
@@ -72,10 +75,15 @@ class Reporter:
 
     # -- the schedule ----------------------------------------------------------
 
+    def budget_spent(self) -> bool:
+        """Whether train.sampled_tokens_budget (when set) has been reached."""
+        budget = self.cfg.sampled_tokens_budget
+        return bool(budget) and self.sampled_tokens >= budget
+
     def due(self, step: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
         run = self.s.run
-        last = step == run.train.steps
+        last = step == run.train.steps or self.budget_spent()
         do_eval = bool(run.eval.every) and step % run.eval.every == 0 and not last
         do_ckpt = bool(run.checkpoint.every) and step % run.checkpoint.every == 0 and not last
         return do_eval, do_ckpt
@@ -91,6 +99,8 @@ class Reporter:
         host work that overlapped it.
         """
         m = dict(host.metrics)
+        self.sampled_tokens += host.sampled_tokens
+        m["rollout/sampled_tokens_total"] = float(self.sampled_tokens)
         train_tokens = (host.prompt_tokens + host.completion_tokens) * self.s.run.grpo.mu
         m["train/epoch"] = float(self.s.iterator.epoch)
         m["_train_tokens"] = float(train_tokens)

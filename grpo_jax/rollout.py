@@ -20,8 +20,9 @@ batch's statistics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import flax.struct
@@ -31,6 +32,7 @@ import numpy as np
 
 from grpo_jax import advantages as adv_lib
 from grpo_jax import data, distributed, rewards
+from grpo_jax import sharding as sharding_lib
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.sampling import generate, pad_prompts
 
@@ -253,23 +255,32 @@ class HostRollout:
     completions: list[str]
     total_n: np.ndarray
     metrics: dict[str, float]  # the whole batch's (all hosts) rollout/, rewards/, perf/ metrics
-    completion_tokens: int  # all N rows, all hosts
+    completion_tokens: int  # the batch's N rows, all hosts (what the update scores)
+    sampled_tokens: int  # completion tokens sampled this step, all rounds, all hosts
     prompt_tokens: int  # real (unpadded) prompt tokens of all N rows, all hosts
     t_params_ready: float  # perf_counter() when the parameters were ready to sample from
 
 
-def collect(s: Setup, params, examples: list[dict], key: jax.Array):
-    """Samples, scores and normalises one step's rollouts -> (RolloutBatch, HostRollout).
+@dataclasses.dataclass
+class _Round:
+    """One sampling round: B prompts x G completions, sampled, decoded and scored."""
 
-    ``examples`` are this host's rows of the step's B prompts. The G
-    completions of each prompt are sampled from ``params`` (pi_old, whose
-    log-probs the sampler records), decoded and scored by this host, and
-    their rewards normalised within each group into advantages over the
-    global batch (so ``batch_std`` does not depend on the number of hosts).
-    """
+    out: object  # SampleOutput: global device arrays, N rows
+    rows: dict  # per-row host values of all hosts, in process order (distributed.gather_rows)
+    total_N: np.ndarray  # weighted total rewards in the batch's row order
+    examples: list[dict]  # this host's prompts' examples
+    prompts_n: list[str]
+    completions: list[str]
+    total_n: np.ndarray
+    names: list[str]
+    t_sample: float
+    t_reward: float
+    t_params_ready: float
+
+
+def _sample_round(s: Setup, params, examples: list[dict], key: jax.Array) -> _Round:
     run, G = s.run, s.run.grpo.G
     B = run.train.batch_size
-    N = B * G
     prompts, tokens_BxP, mask_BxP, prompt_tokens = host_prompts(
         s.encoder, examples, mesh=s.mesh, num_rows=B, max_new_tokens=run.sampling.max_new_tokens
     )
@@ -281,8 +292,8 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
     )
     jax.block_until_ready(out.lengths)
     t1 = time.perf_counter()
-    tokens_nxT, lengths_n, trunc_n = distributed.local_rows(
-        (out.tokens, out.lengths, out.truncated), s.rows_N
+    tokens_nxT, lengths_n, trunc_n, pmask_nxP = distributed.local_rows(
+        (out.tokens, out.lengths, out.truncated, out.prompt_mask), s.rows_N
     )
     completions = decode(s.tokenizer, tokens_nxT, lengths_n)
     prompts_n = [p for p in prompts for _ in range(G)]
@@ -298,6 +309,7 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
             "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
             "clipped": np.array([[result.clipped.get(k, 0) for k in names]], np.int32),
             "prompt_tokens": np.array([prompt_tokens * G]),  # each prompt heads G rows
+            "prompt_lengths": pmask_nxP.sum(axis=1),
             "correct": correct_n,
             "lengths": lengths_n,
             "truncated": trunc_n,
@@ -306,37 +318,97 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
         }
     )
     # Hosts' blocks come in process order; the groups need the batch's row order.
-    total_N = rows["total"][np.argsort(rows["row"], kind="stable")]
-    advantages_N = np.asarray(
+    order = np.argsort(rows["row"], kind="stable")
+    return _Round(
+        out=out,
+        rows=rows,
+        total_N=rows["total"][order],
+        examples=list(examples),
+        prompts_n=prompts_n,
+        completions=completions,
+        total_n=result.total,
+        names=names,
+        t_sample=t1 - t0,
+        t_reward=time.perf_counter() - t1,
+        t_params_ready=t0,
+    )
+
+
+def _advantages(s: Setup, total_KxG: np.ndarray) -> np.ndarray:
+    return np.asarray(
         adv_lib.compute_advantages(
-            jnp.asarray(total_N.reshape(-1, G)),
-            estimator=run.grpo.advantage_estimator,
-            eps=run.grpo.advantage_eps,
-            passk_k=run.grpo.passk_k,
+            jnp.asarray(total_KxG),
+            estimator=s.run.grpo.advantage_estimator,
+            eps=s.run.grpo.advantage_eps,
+            passk_k=s.run.grpo.passk_k,
         )
     ).reshape(-1)
-    t2 = time.perf_counter()
-    errors, clipped = rows["errors"].sum(axis=0), rows["clipped"].sum(axis=0)
+
+
+def _metrics(s: Setup, rounds: list[_Round]) -> dict[str, float]:
+    """The rollout statistics over every row sampled this step (all rounds)."""
+    cat = lambda key: np.concatenate([r.rows[key] for r in rounds])
+    names = rounds[0].names
+    errors = sum(r.rows["errors"].sum(axis=0) for r in rounds)
+    clipped = sum(r.rows["clipped"].sum(axis=0) for r in rounds)
     metrics = rollout_metrics(
-        total_N=rows["total"],
-        per_reward={s.scorer.display[k]: rows["per_reward"][k] for k in names},
+        # Each round's rows in the batch's row order, so groups stay whole.
+        total_N=np.concatenate([r.total_N for r in rounds]),
+        per_reward={
+            s.scorer.display[k]: np.concatenate([r.rows["per_reward"][k] for r in rounds])
+            for k in names
+        },
         errors={s.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
         clipped={s.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
-        correct_N=rows["correct"],
-        lengths_N=rows["lengths"],
-        truncated_N=rows["truncated"],
-        duplicate_N=rows["duplicate"],
-        G=G,
-        invalid_N=rows["invalid"],
+        correct_N=cat("correct"),
+        lengths_N=cat("lengths"),
+        truncated_N=cat("truncated"),
+        duplicate_N=cat("duplicate"),
+        G=s.run.grpo.G,
+        invalid_N=cat("invalid"),
     )
-    completion_tokens = int(rows["lengths"].sum())
+    t_sample = sum(r.t_sample for r in rounds)
+    sampled_tokens = int(cat("lengths").sum())
     metrics.update(
         {
-            "perf/time_sample_s": t1 - t0,
-            "perf/time_reward_s": t2 - t1,
-            "perf/sample_tokens_per_s": completion_tokens / max(t1 - t0, 1e-9),
+            "perf/time_sample_s": t_sample,
+            "perf/time_reward_s": sum(r.t_reward for r in rounds),
+            "perf/sample_tokens_per_s": sampled_tokens / max(t_sample, 1e-9),
         }
     )
+    return metrics
+
+
+def _host(rounds: list[_Round], metrics, completion_tokens: int, prompt_tokens: int):
+    sampled = int(sum(r.rows["lengths"].sum() for r in rounds))
+    return HostRollout(
+        examples=[ex for r in rounds for ex in r.examples],
+        prompts_n=[p for r in rounds for p in r.prompts_n],
+        completions=[c for r in rounds for c in r.completions],
+        total_n=np.concatenate([r.total_n for r in rounds]),
+        metrics=metrics,
+        completion_tokens=completion_tokens,
+        sampled_tokens=sampled,
+        prompt_tokens=prompt_tokens,
+        t_params_ready=rounds[0].t_params_ready,
+    )
+
+
+def collect(s: Setup, params, examples: list[dict], key: jax.Array):
+    """Samples, scores and normalises one step's rollouts -> (RolloutBatch, HostRollout).
+
+    ``examples`` are this host's rows of the step's B prompts. The G
+    completions of each prompt are sampled from ``params`` (pi_old, whose
+    log-probs the sampler records), decoded and scored by this host, and
+    their rewards normalised within each group into advantages over the
+    global batch (so ``batch_std`` does not depend on the number of hosts).
+    """
+    G, B = s.run.grpo.G, s.run.train.batch_size
+    N = B * G
+    rd = _sample_round(s, params, examples, key)
+    advantages_N = _advantages(s, rd.total_N.reshape(-1, G))
+    metrics = _metrics(s, [rd])
+    out = rd.out
     host_rows_N = lambda x_N: distributed.global_batch(x_N[s.rows_N], s.mesh, N)
     batch = RolloutBatch(
         prompt_tokens_NxP=out.prompt_tokens,
@@ -345,19 +417,133 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
         mask_NxT=out.mask,
         old_logps_NxT=out.logps,
         behavior_logps_NxT=out.behavior_logps,
-        rewards_N=host_rows_N(total_N.astype(np.float32)),
+        rewards_N=host_rows_N(rd.total_N.astype(np.float32)),
         advantages_N=host_rows_N(advantages_N),
         weights_N=host_rows_N(np.ones((N,), np.float32)),
         group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
     )
-    host = HostRollout(
-        examples=list(examples),
-        prompts_n=prompts_n,
-        completions=completions,
-        total_n=result.total,
-        metrics=metrics,
-        completion_tokens=completion_tokens,
-        prompt_tokens=int(rows["prompt_tokens"].sum()),
-        t_params_ready=t0,
+    completion_tokens = int(rd.rows["lengths"].sum())
+    prompt_tokens = int(rd.rows["prompt_tokens"].sum())
+    return batch, _host([rd], metrics, completion_tokens, prompt_tokens)
+
+
+# ---------------------------------------------------------------------------
+# Dynamic sampling (DAPO, Yu et al. 2025).
+
+
+def group_has_signal(rewards_G: np.ndarray) -> bool:
+    """True when the group's finite rewards are not all equal (an exact comparison).
+
+    Such a group is the only kind with a nonzero advantage: equal rewards give
+    every estimator's advantage exactly 0, whatever float noise the
+    normalisation would add.
+    """
+    finite = np.asarray(rewards_G)[np.isfinite(rewards_G)]
+    return finite.size > 1 and bool(np.any(finite != finite[0]))
+
+
+def select_groups(totals_RxBxG: list[np.ndarray], batch_size: int):
+    """Which groups of the rounds drawn so far make the batch -> (kept, fillers).
+
+    ``kept``: (round, group) of the first ``batch_size`` groups with signal,
+    in draw order; ``fillers``: the groups that pad the batch to its static
+    size with weight 0 (groups without signal first, then surplus ones).
+    """
+    signal, rest = [], []
+    for r, total_BxG in enumerate(totals_RxBxG):
+        for b, rewards_G in enumerate(total_BxG):
+            (signal if group_has_signal(rewards_G) else rest).append((r, b))
+    kept = signal[:batch_size]
+    fillers = (rest + signal[batch_size:])[: batch_size - len(kept)]
+    return kept, fillers
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "pad_id", "mesh"))
+def _assemble(outs, groups_B, *, group_size, pad_id, mesh):
+    """Rows of the chosen groups, taken from the rounds' concatenated sampler outputs."""
+    width = max(o[0].shape[1] for o in outs)
+    # Left padding keeps every prompt's end in the last column.
+    widen = lambda x, fill: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=fill)
+    cat = lambda i, fill=None: jnp.concatenate(
+        [o[i] if fill is None else widen(o[i], fill) for o in outs]
     )
-    return batch, host
+    rows_N = (groups_B[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+    fields = (cat(0, pad_id), cat(1, False), *(cat(i) for i in range(2, len(outs[0]))))
+    return tuple(
+        jax.lax.with_sharding_constraint(
+            jnp.take(x, rows_N, axis=0), sharding_lib.batch_sharding(mesh, x.ndim)
+        )
+        for x in fields
+    )
+
+
+def collect_dynamic(s: Setup, params, draw: Callable[[], list[dict]], key: jax.Array):
+    """DAPO's dynamic sampling: rounds of B prompts until B groups have reward signal.
+
+    Round r draws this host's next prompts with ``draw()`` (the data
+    iterator, which so advances by what is consumed) and samples them with
+    ``fold_in(key, r)`` (round 0: ``key``). Groups whose rewards are all equal
+    (:func:`group_has_signal`) are dropped; after
+    ``train.max_sampling_rounds`` rounds whatever is still short is padded
+    with weight-0 groups, so the batch keeps its static shape. Advantages are
+    computed over the kept groups. Metrics: the rollout statistics over every
+    row sampled, and ``dynamic/*``: rounds, groups drawn, with signal,
+    dropped, kept, padded, and the completion tokens sampled.
+    """
+    run, G = s.run, s.run.grpo.G
+    B = run.train.batch_size
+    N = B * G
+    rounds: list[_Round] = []
+    for r in range(run.train.max_sampling_rounds):
+        rounds.append(
+            _sample_round(s, params, draw(), key if r == 0 else jax.random.fold_in(key, r))
+        )
+        kept, fillers = select_groups([x.total_N.reshape(B, G) for x in rounds], B)
+        if len(kept) == B:
+            break
+    chosen = kept + fillers
+    groups_B = np.array([r * B + b for r, b in chosen], np.int32)
+    total_R = np.concatenate([x.total_N for x in rounds])
+    rows_N = (groups_B[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+    advantages_N = np.zeros((N,), np.float32)
+    k = len(kept)
+    if k:
+        advantages_N[: k * G] = _advantages(s, total_R[rows_N[: k * G]].reshape(k, G))
+    weights_N = np.repeat((np.arange(B) < k).astype(np.float32), G)
+    fields = [
+        (o.prompt_tokens, o.prompt_mask, o.tokens, o.mask, o.logps, o.behavior_logps)
+        for o in (x.out for x in rounds)
+    ]
+    with jax.set_mesh(s.mesh):
+        taken = _assemble(
+            fields,
+            distributed.put(groups_B, sharding_lib.replicated(s.mesh)),
+            group_size=G,
+            pad_id=s.sampling.pad_id,
+            mesh=s.mesh,
+        )
+    host_rows_N = lambda x_N: distributed.global_batch(x_N[s.rows_N], s.mesh, N)
+    batch = RolloutBatch(
+        *taken,
+        rewards_N=host_rows_N(total_R[rows_N].astype(np.float32)),
+        advantages_N=host_rows_N(advantages_N),
+        weights_N=host_rows_N(weights_N),
+        group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
+    )
+    metrics = _metrics(s, rounds)
+    # Per-row lengths in the batch's row order, round after round.
+    lengths_R = np.concatenate([x.rows["lengths"][np.argsort(x.rows["row"])] for x in rounds])
+    plens_R = np.concatenate([x.rows["prompt_lengths"][np.argsort(x.rows["row"])] for x in rounds])
+    with_signal = sum(group_has_signal(g) for g in total_R.reshape(-1, G))
+    metrics.update(
+        {
+            "dynamic/rounds": float(len(rounds)),
+            "dynamic/groups_drawn": float(len(rounds) * B),
+            "dynamic/groups_with_signal": float(with_signal),
+            "dynamic/groups_dropped": float(len(rounds) * B - with_signal),
+            "dynamic/groups_kept": float(k),
+            "dynamic/groups_padded": float(B - k),
+            "dynamic/sampled_tokens": float(lengths_R.sum()),
+        }
+    )
+    return batch, _host(rounds, metrics, int(lengths_R[rows_N].sum()), int(plens_R[rows_N].sum()))

@@ -137,7 +137,13 @@ def train(
 def _save(s: Setup, state, step: int, *, start, report: Reporter, t_start: float) -> None:
     wall = start.prior_seconds + time.time() - t_start
     checkpoint.save_run(
-        s, state, step, start, no_signal_run=report.no_signal_run, wall_seconds=wall
+        s,
+        state,
+        step,
+        start,
+        no_signal_run=report.no_signal_run,
+        wall_seconds=wall,
+        sampled_tokens=report.sampled_tokens,
     )
 
 
@@ -148,13 +154,23 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
     if start is None:
         return {"preempted": True, "step": 0}
     state, ref_params = start.state, start.ref_params
-    report = Reporter(s, no_signal_run=start.no_signal_run, start_step=start.start_step)
+    report = Reporter(
+        s,
+        no_signal_run=start.no_signal_run,
+        start_step=start.start_step,
+        sampled_tokens=start.sampled_tokens,
+    )
     save = functools.partial(_save, s, start=start, report=report, t_start=t_start)
     for step in range(start.start_step + 1, run.train.steps + 1):
+        if report.budget_spent():  # train.sampled_tokens_budget
+            break
         k_sample, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))
-        examples = s.iterator.next()  # this host's rows of the global batch
-        collect = multiturn.collect if run.env.name else rollout.collect
-        batch, host = collect(s, state.params, examples, k_sample)
+        if run.train.dynamic_sampling:  # rounds of prompts until B groups have signal
+            batch, host = rollout.collect_dynamic(s, state.params, s.iterator.next, k_sample)
+        else:
+            examples = s.iterator.next()  # this host's rows of the global batch
+            collect = multiturn.collect if run.env.name else rollout.collect
+            batch, host = collect(s, state.params, examples, k_sample)
         k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
         state, dev_metrics = s.update(state, batch, k_train, ref_params)

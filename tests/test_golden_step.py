@@ -47,6 +47,7 @@ GOLDEN = {
     "rollout/length_mean": 15.375,
     "rollout/pass_rate": 0.0,
     "rollout/truncated_frac": 0.75,
+    "rollout/sampled_tokens_total": 246.0,  # 16 rows x length_mean 15.375
     "step": 1,
     "train/clip_frac_high": 0.04423344135284424,
     "train/clip_frac_low": 0.10934294760227203,

@@ -1,0 +1,178 @@
+"""DAPO dynamic sampling: the signal test, group selection, the loop, exact resume, the budget."""
+
+import io
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from grpo_jax import rollout
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.metrics import read_metrics
+
+# ---------------------------------------------------------------------------
+# Which groups carry signal.
+
+
+def test_group_has_signal_is_an_exact_test_on_the_rewards():
+    assert not rollout.group_has_signal(np.array([1.0, 1.0, 1.0, 1.0]))
+    assert rollout.group_has_signal(np.array([1.0, 1.0, 0.0, 1.0]))
+    # Equal rewards whose normalisation leaves float noise: a std threshold would
+    # have to guess a tolerance; the exact comparison needs none.
+    same = np.full(3, 0.1)
+    assert np.std(same) > 0  # 1.4e-17: numpy's mean of three 0.1s is not 0.1
+    assert not rollout.group_has_signal(same)
+    tiny = np.array([0.3, 0.3 + 2**-52 * 0.3])  # one ulp apart: a real (tiny) difference
+    assert rollout.group_has_signal(tiny)
+    # Unscored (NaN) rewards are left out, as the advantages leave them out.
+    assert not rollout.group_has_signal(np.array([np.nan, 1.0, 1.0]))
+    assert rollout.group_has_signal(np.array([np.nan, 0.0, 1.0]))
+    assert not rollout.group_has_signal(np.array([np.nan, np.nan]))
+    assert not rollout.group_has_signal(np.array([np.nan, 2.0]))
+
+
+def test_select_groups_keeps_the_first_with_signal_and_pads_with_the_rest():
+    sig, flat = [0.0, 1.0], [1.0, 1.0]
+    r0 = np.array([flat, sig, flat])  # round 0: group 1 has signal
+    r1 = np.array([sig, sig, flat])  # round 1: groups 0 and 1
+    kept, fillers = rollout.select_groups([r0, r1], 3)
+    assert kept == [(0, 1), (1, 0), (1, 1)] and fillers == []
+    kept, fillers = rollout.select_groups([r0, r1], 2)  # surplus signal is not used
+    assert kept == [(0, 1), (1, 0)] and fillers == []
+    kept, fillers = rollout.select_groups([r0], 3)  # short: padded with groups without signal
+    assert kept == [(0, 1)] and fillers == [(0, 0), (0, 2)]
+
+
+# ---------------------------------------------------------------------------
+# The loop.
+
+
+def _config(**updates):
+    c = get_config("smoke")
+    c.warm_start.enabled = False
+    c.eval.every = 0
+    c.eval.num_samples = 0
+    c.train.steps = 4
+    c.checkpoint.every = 2
+    # Length-dependent rewards: an untrained model gives some groups variance, not all.
+    c.rewards = "overlong(max_len=16,buffer=15):1.0"
+    c.correct_reward = "overlong"
+    c.sampling.max_new_tokens = 16
+    c.train.dynamic_sampling = True
+    c.train.max_sampling_rounds = 3
+    for k, v in updates.items():
+        section, key = k.split(".")
+        setattr(getattr(c, section), key, v)
+    return c
+
+
+@pytest.mark.slow
+def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp_path, monkeypatch):
+    from grpo_jax.train import train
+
+    batches = []
+    real = rollout.collect_dynamic
+
+    def spy(s, params, draw, key):
+        batch, host = real(s, params, draw, key)
+        batches.append(
+            (
+                np.asarray(jax.device_get(batch.rewards_N)),
+                np.asarray(jax.device_get(batch.weights_N)),
+                np.asarray(jax.device_get(batch.advantages_N)),
+                host.metrics,
+                s.iterator.state()["position"],
+            )
+        )
+        return batch, host
+
+    monkeypatch.setattr(rollout, "collect_dynamic", spy)
+    train(_config(), tmp_path, stream=io.StringIO())
+    G, B = 4, 4  # the smoke config's
+    assert len(batches) == 4
+    drawn = 0
+    padded_seen = full_seen = False
+    for rewards_N, weights_N, adv_N, m, position in batches:
+        r_BxG, w_BxG = rewards_N.reshape(B, G), weights_N.reshape(B, G)
+        assert np.all(w_BxG == w_BxG[:, :1])  # weights are per group
+        for r_G, w in zip(r_BxG, w_BxG[:, 0], strict=True):
+            assert rollout.group_has_signal(r_G) == (w == 1.0), (r_G, w)
+        kept = int(w_BxG[:, 0].sum())
+        assert m["dynamic/groups_kept"] == kept and m["dynamic/groups_padded"] == B - kept
+        assert np.all(adv_N.reshape(B, G)[kept:] == 0)  # fillers: no advantage either
+        assert m["dynamic/groups_drawn"] == m["dynamic/rounds"] * B
+        assert (
+            m["dynamic/groups_dropped"] + m["dynamic/groups_with_signal"]
+            == m["dynamic/groups_drawn"]
+        )
+        # Fewer than B kept only when every round was spent.
+        assert kept == B or m["dynamic/rounds"] == 3
+        padded_seen |= kept < B
+        full_seen |= kept == B and m["dynamic/rounds"] > 1
+        drawn += int(m["dynamic/rounds"]) * B
+        assert position == drawn  # one epoch is 200 prompts: no rollover yet
+    assert padded_seen and full_seen  # both paths ran (this seed's draws)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    sampled = [r["dynamic/sampled_tokens"] for r in records if "dynamic/sampled_tokens" in r]
+    total = [r["rollout/sampled_tokens_total"] for r in records if "dynamic/rounds" in r]
+    assert total == list(np.cumsum(sampled))
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_tokenizer):
+    from test_train_loop import _deterministic, _final_params
+
+    from grpo_jax import config as config_lib
+    from grpo_jax import setup as setup_lib
+    from grpo_jax.train import train
+
+    cfg = _config()
+    train(cfg, tmp_path / "whole", stream=io.StringIO())
+
+    class Kill(Exception):
+        pass
+
+    def kill_at_3(step):
+        if step == 3:
+            raise Kill  # after the checkpoint at 2: step 3 is lost and redrawn
+
+    with pytest.raises(Kill):
+        train(cfg, tmp_path / "killed", step_callback=kill_at_3, stream=io.StringIO())
+    train(cfg, tmp_path / "killed", stream=io.StringIO())
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert _deterministic(resumed) == _deterministic(whole)
+    assert sum(r.get("dynamic/rounds", 0) for r in whole) > 4  # more than one round was drawn
+    run = config_lib.parse_config(cfg)
+    like = setup_lib.build_model(run, builtin_tokenizer, setup_lib.build_mesh(run))[1]
+    a, sa = _final_params(tmp_path / "whole", like)
+    b, sb = _final_params(tmp_path / "killed", like)
+    assert sa == sb == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    try:
+        meta = ck.restore_meta(4)
+    finally:
+        ck.close()
+    assert meta["sampled_tokens"] == whole[-1]["rollout/sampled_tokens_total"]
+
+
+@pytest.mark.slow
+def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
+    from grpo_jax.train import train
+
+    summary = train(
+        _config(**{"train.sampled_tokens_budget": 1000, "train.steps": 50}),
+        tmp_path,
+        stream=io.StringIO(),
+    )
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "dynamic/rounds" in r]
+    totals = [r["rollout/sampled_tokens_total"] for r in records]
+    # It stops after the first step that reaches the budget, and not before.
+    assert totals[-1] >= 1000 and all(t < 1000 for t in totals[:-1])
+    assert summary["steps"] == len(records) < 50
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == len(records)
