@@ -711,6 +711,7 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         total_n=total_N,
         metrics=metrics,
         completion_tokens=int(model_tokens_N.sum()),
+        sampled_tokens=int(model_tokens_N.sum()),
         prompt_tokens=int(ep.prompt_mask_NxP.sum()),
         t_params_ready=t0,
     )
