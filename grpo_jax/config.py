@@ -1041,6 +1041,11 @@ def parse_config(config) -> RunConfig:
             f"config key 'train.logits_chunk' = {chunk} must divide "
             f"sampling.max_new_tokens = {t} (or be 0: no chunking)"
         )
+    if run.train.dynamic_sampling and run.env.name:
+        raise ConfigError(
+            "config key 'train.dynamic_sampling' = True does not combine with an environment "
+            f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
+        )
     return run
 
 
