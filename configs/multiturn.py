@@ -75,19 +75,19 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.sampling.prompt_buckets = (16,)
 
     c.grpo.G = 8
-    c.optim.learning_rate = 1e-3
+    c.optim.learning_rate = 2e-3
     c.optim.warmup_steps = 5
 
-    c.train.steps = 150
+    c.train.steps = 600
     c.train.batch_size = 16
     c.train.samples_every = 25
 
-    c.eval.every = 50
+    c.eval.every = 200
     c.eval.num_problems = 256
     c.eval.batch_size = 256
     c.eval.num_samples = 4
 
-    c.checkpoint.every = 50
+    c.checkpoint.every = 200
     c.mesh.num_devices = 1
 
     if a.runlocal or a.smoke:
