@@ -43,7 +43,10 @@ Policy terms:
 Advantage estimators:
   * grpo: verl divides by the sample std (Bessel, G - 1) + eps with eps = 1e-6; grpo_jax by
     the population std + eps. With eps = 0 the two differ by exactly sqrt((G-1)/G). A group
-    of equal rewards: verl gives (rounding error) / 1e-6, grpo_jax exactly 0.
+    of equal rewards: verl turns the mean's rounding error into advantages (divided by its
+    std + 1e-6), grpo_jax gives exactly 0. A NaN (unscored) reward makes verl's whole group
+    NaN; grpo_jax leaves it out and gives it 0. A group of one response: verl r / (1 + eps),
+    grpo_jax (which needs G >= 2) 0 for a group with one finite reward.
   * dr_grpo (verl's norm_adv_by_std_in_grpo=False) and rloo: equal.
   * reinforce_plus_plus and reinforce_plus_plus_baseline: verl whitens over tokens
     (``masked_whiten``): each row weighs by its length, the variance has Bessel's correction
@@ -87,6 +90,9 @@ TOL = dict(rtol=1e-12, atol=1e-12)
 VERL_EPS = 1e-8
 EPS_LOW, EPS_HIGH, DUAL_C = 0.2, 0.28, 3.0
 SEEDS = (0, 1, 2)
+# The test compiles some forty small programs: XLA's backend optimisation would take most of
+# the file's time and buys nothing at these sizes.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +179,7 @@ def _jit_loss_grad(kw_items):
     def loss(lp, old, adv, mask, weights):
         return losses.grpo_loss(lp, old, adv, mask, behavior_weights_NxT=weights, **kw)[0]
 
-    return jax.jit(jax.value_and_grad(loss))
+    return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
 
 
 def jax_loss_grad(logps, old, adv, mask, behavior_weights_NxT=None, **kw):
@@ -212,7 +218,7 @@ def _jit_rows_loss_grad(kw_items, gmpo_as_verl):
             rows = _gmpo_as_verl(rows, adv, n_tokens / (n_tokens + VERL_EPS))
         return (weights * rows).sum()
 
-    return jax.jit(jax.value_and_grad(loss))
+    return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
 
 
 def rows_loss_grad(logps, old, adv, mask, weights_N, gmpo_as_verl=False, **kw):
@@ -309,6 +315,7 @@ def test_difference_seq_mean_aggregation():
     verl_value, _ = verl_loss_grad("vanilla", *batch, config, "seq-mean-token-sum-norm")
     jax_value, _ = jax_loss_grad(*batch, reduction="dr_grpo", **kw)
     np.testing.assert_allclose(verl_value, jax_value * 4 / 3, **TOL)
+    assert abs(verl_value - jax_value) > 1e-3
 
 
 def test_difference_dual_clip_always_on_in_verl():
@@ -686,7 +693,9 @@ def random_rewards(seed, b=4, g=5):
 
 
 _jit_advantages = jax.jit(
-    advantages.compute_advantages, static_argnames=("estimator", "eps", "passk_k")
+    advantages.compute_advantages,
+    static_argnames=("estimator", "eps", "passk_k"),
+    compiler_options=FAST_COMPILE,
 )
 
 
