@@ -131,6 +131,7 @@ def base() -> ConfigDict:
     c.train.dynamic_sampling = False  # DAPO: keep groups whose rewards vary, draw more rounds
     c.train.max_sampling_rounds = 3
     c.train.sampled_tokens_budget = 0  # stop after this many sampled completion tokens (0: off)
+    c.train.max_staleness = 0  # k >= 1: sample with parameters up to k updates old, pipelined
 
     c.eval = ConfigDict()
     c.eval.every = 50
@@ -156,6 +157,7 @@ def base() -> ConfigDict:
     c.mesh.num_devices = 0
     c.mesh.layout = "fsdp"
     c.mesh.memory_budget_gb = 0.0  # 0: what the accelerator reports.
+    c.mesh.sampler_devices = 0  # > 0: a sampler mesh of these devices beside the learner's
 
     c.warm_start = ConfigDict()
     c.warm_start.enabled = False

@@ -1,11 +1,14 @@
 """Orbax checkpoints of a training run: save every N steps, keep the last K, resume.
 
-A checkpoint at step s holds three items:
+A checkpoint at step s holds three items (four with ``train.max_staleness`` >= 1):
 
   params     the policy parameter pytree (sharded arrays, restored in place)
   opt_state  the optax state
   meta       JSON: step, PRNG key data, data-iterator state, the run config,
              counters (skipped updates, ...) needed for an exact resume.
+  inflight   the batches of steps s + 1 .. s + k, sampled before the save
+             (``grpo_jax.pipeline``); meta["inflight"] gives their steps,
+             parameter versions, shapes and host-side rollouts.
 
 Saves are asynchronous (the host writes while the device trains) and atomic:
 orbax writes into a temporary directory and renames it when complete, so a run
@@ -63,7 +66,9 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("params", "opt_state", "meta")
+            self.directory,
+            options=options,
+            item_names=("params", "opt_state", "meta", "inflight"),
         )
 
     def latest_step(self) -> int | None:
@@ -72,13 +77,22 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, *, params, opt_state, meta: Mapping[str, Any]) -> bool:
-        """Starts saving step ``step`` (returns at once when asynchronous)."""
-        args = ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(dict(meta, step=int(step))),
-        )
+    def save(
+        self, step: int, *, params, opt_state, meta: Mapping[str, Any], inflight=None
+    ) -> bool:
+        """Starts saving step ``step`` (returns at once when asynchronous).
+
+        ``inflight``: arrays of the batches sampled ahead of their steps
+        (``grpo_jax.pipeline``), saved as a fourth item when given.
+        """
+        items = {
+            "params": ocp.args.StandardSave(params),
+            "opt_state": ocp.args.StandardSave(opt_state),
+            "meta": ocp.args.JsonSave(dict(meta, step=int(step))),
+        }
+        if inflight:
+            items["inflight"] = ocp.args.StandardSave(inflight)
+        args = ocp.args.Composite(**items)
         with self._saving(step):
             return self._manager.save(int(step), args=args, force=True)
 
@@ -125,6 +139,14 @@ class Checkpointer:
             step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_like)))
         )
         return out["params"]
+
+    def restore_inflight(self, step: int, *, like):
+        """The "inflight" item of ``step`` into ``like`` (ShapeDtypeStructs with shardings)."""
+        step = self._resolve(step)
+        out = self._manager.restore(
+            step, args=ocp.args.Composite(inflight=ocp.args.StandardRestore(_abstract(like)))
+        )
+        return out["inflight"]
 
     def restore_meta(self, step: int | None = None) -> dict:
         step = self._resolve(step)
@@ -418,8 +440,13 @@ def save_run(
     no_signal_run: int,
     wall_seconds,
     sampled_tokens: int = 0,
+    inflight=None,
 ):
-    """Starts saving ``state`` as step ``step``, with what an exact resume needs."""
+    """Starts saving ``state`` as step ``step``, with what an exact resume needs.
+
+    ``inflight``: (arrays, JSON description) of the batches sampled ahead of
+    their steps with ``train.max_staleness`` >= 1 (``grpo_jax.pipeline``).
+    """
     import numpy as np
 
     meta = {
@@ -433,4 +460,9 @@ def save_run(
         "no_signal_run": no_signal_run,
         "sampled_tokens": sampled_tokens,
     }
-    s.checkpointer.save(step, params=state.params, opt_state=state.opt_state, meta=meta)
+    arrays = None
+    if inflight is not None:
+        arrays, meta["inflight"] = inflight
+    s.checkpointer.save(
+        step, params=state.params, opt_state=state.opt_state, meta=meta, inflight=arrays
+    )

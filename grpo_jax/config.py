@@ -291,6 +291,11 @@ class TrainConfig:
       sampled_tokens_budget: stop once this many completion tokens have been
         sampled in all (0: no budget; train.steps still bounds the run): for
         comparisons at equal sampling cost, e.g. with dynamic sampling.
+      max_staleness: k, how many optimizer steps older than on-policy the
+        parameters that sample a step's batch may be (0: the on-policy loop,
+        sampling and updating one after the other). With k >= 1 the batch of
+        step s is sampled by parameter version max(0, s - 1 - k) while earlier
+        steps update (``grpo_jax.pipeline``, docs/pipeline.md).
     """
 
     steps: int = 100
@@ -308,6 +313,7 @@ class TrainConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
     sampled_tokens_budget: int = 0
+    max_staleness: int = 0
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -325,6 +331,7 @@ class TrainConfig:
         check_bool("train.dynamic_sampling", self.dynamic_sampling)
         check_range("train.max_sampling_rounds", self.max_sampling_rounds, lo=1, integer=True)
         check_range("train.sampled_tokens_budget", self.sampled_tokens_budget, lo=0, integer=True)
+        check_range("train.max_staleness", self.max_staleness, lo=0, integer=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +411,10 @@ class MeshConfig:
       memory_budget_gb: per-device memory the run may use, in GiB; a layout whose
         estimate exceeds it is refused before anything loads. 0: the memory
         the accelerator reports (none on CPU, so no check there).
+      sampler_devices: with train.max_staleness >= 1, sample on a mesh of its
+        own: each process's first sampler_devices / process_count devices,
+        rows split over all of them (parameters replicated); the other devices
+        form the learner mesh that data/fsdp/tensor lay out. 0: one mesh.
     """
 
     data: int = -1
@@ -412,6 +423,7 @@ class MeshConfig:
     num_devices: int = 0
     layout: str = "fsdp"
     memory_budget_gb: float = 0.0
+    sampler_devices: int = 0
 
     def __post_init__(self):
         from grpo_jax.sharding import LAYOUTS
@@ -423,6 +435,7 @@ class MeshConfig:
                 raise ConfigError(f"config key 'mesh.{axis}' = 0 must be positive or -1")
         check_range("mesh.num_devices", self.num_devices, lo=0, integer=True)
         check_range("mesh.memory_budget_gb", self.memory_budget_gb, lo=0.0)
+        check_range("mesh.sampler_devices", self.sampler_devices, lo=0, integer=True)
         check_choice("mesh.layout", self.layout, LAYOUTS)
 
 
@@ -1045,6 +1058,19 @@ def parse_config(config) -> RunConfig:
         raise ConfigError(
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
+        )
+    k = run.train.max_staleness
+    if k and (run.train.dynamic_sampling or run.env.name):
+        what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
+        raise ConfigError(
+            f"config key 'train.max_staleness' = {k} does not combine with {what} yet: the "
+            "pipelined loop samples one round of single-turn rollouts per step"
+        )
+    if run.mesh.sampler_devices and not k:
+        raise ConfigError(
+            f"config key 'mesh.sampler_devices' = {run.mesh.sampler_devices} needs "
+            "train.max_staleness >= 1: a sampler mesh of its own runs beside the learner, "
+            "sampling with parameters at least one update old"
         )
     return run
 

@@ -486,6 +486,28 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
     )
 
 
+def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None):
+    """The sampler mesh of a split run (``mesh.sampler_devices``, ``grpo_jax.pipeline``).
+
+    Its devices hold a second copy of the parameters (laid out by
+    ``mesh.layout`` on the sampler mesh, replicated when its fsdp and tensor
+    axes are 1, as ``grpo_jax.pipeline.sampler_mesh`` makes them) and the KV
+    cache of the step's B * G rows split over its batch shards; no optimizer
+    state, gradients, activations or reference (the learner mesh holds those,
+    and evaluates).
+    """
+    est = plan_run(run, model_cfg_like, mesh_shape, budget_bytes=math.inf)
+    n = run.train.batch_size * run.grpo.G
+    kv = est.kv_cache * n // max(n, run.eval.batch_size)  # training rows only
+    est = dataclasses.replace(est, grads=0, optimizer=0, reference=0, activations=0, kv_cache=kv)
+    stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
+    if budget_bytes is None:
+        budget_bytes = int(stated_gb * 2**30) if stated_gb > 0 else device_memory_bytes()
+    if budget_bytes is not None:
+        check_budget(est, budget_bytes)
+    return est
+
+
 def _itemsize(np, dtype) -> int:
     if dtype == "bfloat16":  # numpy has no bfloat16; jax registers it under ml_dtypes.
         return 2

@@ -64,6 +64,9 @@ class Reporter:
         self._early: list[dict] = []  # the first records (early entropy level)
         self._evals: list[dict] = []  # the last two records with an evaluation
         self._alarm_seen: dict[str, int] = {}  # alarm name -> last step it was raised
+        # step -> metrics known only once its update has ended (grpo_jax.pipeline's
+        # timings): they join the step's record when it is written.
+        self.late: dict[int, dict] = {}
 
     def loud(self, text: str) -> None:
         bar = "!" * 78
@@ -130,6 +133,7 @@ class Reporter:
         m = dict(host)
         m.update({k: float(v) for k, v in jax.device_get(dev).items()})
         m.update(extra or {})
+        m.update(self.late.pop(step, {}))
         t_train = t_ready - t_update
         m["perf/time_train_s"] = t_train
         m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)

@@ -278,17 +278,58 @@ class _Round:
     t_params_ready: float
 
 
-def _sample_round(s: Setup, params, examples: list[dict], key: jax.Array) -> _Round:
+@dataclasses.dataclass
+class Dispatched:
+    """A sampling round whose generation is dispatched (the device may still run it)."""
+
+    out: object  # SampleOutput: global device arrays, N rows
+    examples: list[dict]
+    prompts: list[str]
+    prompt_tokens: int
+    t_params_ready: float
+
+
+def dispatch_round(
+    s: Setup, params, examples: list[dict], key: jax.Array, *, mesh=None, wait_params=True
+) -> Dispatched:
+    """Encodes this host's prompts and dispatches the generation; returns without waiting.
+
+    ``mesh``: where to sample (``s.mesh`` when None). ``wait_params``: first
+    wait until ``params`` are computed (the on-policy loop does, to time the
+    sampler alone).
+    """
     run, G = s.run, s.run.grpo.G
-    B = run.train.batch_size
+    mesh = s.mesh if mesh is None else mesh
     prompts, tokens_BxP, mask_BxP, prompt_tokens = host_prompts(
-        s.encoder, examples, mesh=s.mesh, num_rows=B, max_new_tokens=run.sampling.max_new_tokens
+        s.encoder,
+        examples,
+        mesh=mesh,
+        num_rows=run.train.batch_size,
+        max_new_tokens=run.sampling.max_new_tokens,
     )
-    # The previous update must finish before sampling anyway; waiting here times each part.
-    jax.block_until_ready(params)
+    if wait_params:
+        # The previous update must finish before sampling anyway; waiting here times each part.
+        jax.block_until_ready(params)
     t0 = time.perf_counter()
     out = generate(
-        s.graphdef, params, tokens_BxP, mask_BxP, key, s.sampling, num_samples=G, mesh=s.mesh
+        s.graphdef, params, tokens_BxP, mask_BxP, key, s.sampling, num_samples=G, mesh=mesh
+    )
+    return Dispatched(out, list(examples), prompts, prompt_tokens, t0)
+
+
+def _sample_round(s: Setup, params, examples: list[dict], key: jax.Array) -> _Round:
+    return finish_round(s, dispatch_round(s, params, examples, key))
+
+
+def finish_round(s: Setup, d: Dispatched) -> _Round:
+    """Waits for a dispatched round's samples, then decodes and scores this host's rows."""
+    G = s.run.grpo.G
+    out, examples, prompts, prompt_tokens, t0 = (
+        d.out,
+        d.examples,
+        d.prompts,
+        d.prompt_tokens,
+        d.t_params_ready,
     )
     jax.block_until_ready(out.lengths)
     t1 = time.perf_counter()
@@ -403,9 +444,13 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
     their rewards normalised within each group into advantages over the
     global batch (so ``batch_std`` does not depend on the number of hosts).
     """
+    return batch_from_round(s, _sample_round(s, params, examples, key))
+
+
+def batch_from_round(s: Setup, rd: _Round):
+    """One round's rollouts -> (RolloutBatch, HostRollout): group advantages over the batch."""
     G, B = s.run.grpo.G, s.run.train.batch_size
     N = B * G
-    rd = _sample_round(s, params, examples, key)
     advantages_N = _advantages(s, rd.total_N.reshape(-1, G))
     metrics = _metrics(s, [rd])
     out = rd.out

@@ -48,11 +48,33 @@ def build_mesh(run: RunConfig):
                 f"{len(devices)} devices are available"
             )
         devices = devices[: run.mesh.num_devices]
+    if run.mesh.sampler_devices:  # the learner's mesh: the devices the sampler leaves
+        from grpo_jax.pipeline import learner_and_sampler_devices
+
+        devices, _ = learner_and_sampler_devices(devices, run.mesh.sampler_devices)
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
     try:
         return sharding.make_mesh(axes, devices)
     except ValueError as e:
         raise ConfigError(f"config section 'mesh' = {axes}: {e}") from None
+
+
+def build_sampler_mesh(run: RunConfig):
+    """The sampler's own mesh with ``mesh.sampler_devices`` (``grpo_jax.pipeline``), else None."""
+    if not run.mesh.sampler_devices:
+        return None
+    from grpo_jax import pipeline
+
+    devices = jax.devices()[: run.mesh.num_devices or None]
+    _, sampler = pipeline.learner_and_sampler_devices(devices, run.mesh.sampler_devices)
+    mesh = pipeline.sampler_mesh(sampler)
+    shards = sharding.batch_shards(mesh)
+    if run.train.batch_size % shards:
+        raise ConfigError(
+            f"config key 'train.batch_size' = {run.train.batch_size} must be a multiple of the "
+            f"{shards} sampler devices (mesh.sampler_devices: each holds whole groups)"
+        )
+    return mesh
 
 
 def build_tokenizer(run: RunConfig, workdir: str | pathlib.Path | None):
@@ -212,6 +234,7 @@ class Setup:
     progress: metrics_lib.ProgressLine
     base_key: jax.Array
     eval_key: jax.Array
+    sampler_mesh: Any = None  # the sampler's own mesh (mesh.sampler_devices), else None
 
     @property
     def is_main(self) -> bool:
@@ -283,6 +306,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     run = runlocal.resolve(run)
     is_main = jax.process_index() == 0
     mesh = build_mesh(run)
+    samp_mesh = build_sampler_mesh(run)
     shards = sharding.batch_shards(mesh)
     check_batch_layout(run, shards)
     G, B = run.grpo.G, run.train.batch_size
@@ -305,8 +329,13 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
 
     model_cfg = nnx.merge(graphdef, params).config
     mem = memory.plan_run(run, model_cfg, mesh.shape)
+    samp_mem = None
+    if samp_mesh is not None:  # its own copy of the parameters and the KV cache
+        samp_mem = memory.plan_sampler(run, model_cfg, samp_mesh.shape)
     if is_main:
         print(mem.table(), file=stream or sys.stdout, flush=True)
+        if samp_mem is not None:
+            print("sampler mesh: " + samp_mem.table(), file=stream or sys.stdout, flush=True)
         longest = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
         if longest > model_cfg.max_position_embeddings:
             print(
@@ -377,6 +406,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         ),
         base_key=base_key,
         eval_key=jax.random.fold_in(base_key, 0x5EED),
+        sampler_mesh=samp_mesh,
     )
     skipped = {k: v for k, v in data_stats.items() if v}
     if skipped:

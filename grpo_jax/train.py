@@ -134,7 +134,9 @@ def train(
         s.close()
 
 
-def _save(s: Setup, state, step: int, *, start, report: Reporter, t_start: float) -> None:
+def _save(
+    s: Setup, state, step: int, *, start, report: Reporter, t_start: float, inflight=None
+) -> None:
     wall = start.prior_seconds + time.time() - t_start
     checkpoint.save_run(
         s,
@@ -144,11 +146,16 @@ def _save(s: Setup, state, step: int, *, start, report: Reporter, t_start: float
         no_signal_run=report.no_signal_run,
         wall_seconds=wall,
         sampled_tokens=report.sampled_tokens,
+        inflight=inflight,
     )
 
 
 def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
     run = s.run
+    if run.train.max_staleness:  # off-policy, pipelined (docs/pipeline.md)
+        from grpo_jax import pipeline
+
+        return pipeline.run_loop(s, state, preempt, t_start, step_callback)
     evaluate_fn = functools.partial(evaluate_policy, s)
     start = checkpoint.restore_or_init(s, state, evaluate=evaluate_fn, preempt=preempt)
     if start is None:
