@@ -182,3 +182,19 @@ def test_dot_product_refuses_soft_capping():
 def test_unknown_attention_is_an_error():
     with pytest.raises(ConfigError, match="model.attention"):
         small_config("llama", attention="flash")
+
+
+def test_memory_plan_counts_blockwise_scores_once_per_block():
+    """einsum saves (4 + c) H S bytes of scores per layer and token; blockwise saves the row
+    max and normaliser (8 H) and holds one block's working set, 5 * 4 * n H S C, once."""
+    from grpo_jax import memory
+
+    cfg = small_config("qwen2")
+    kw = dict(mesh_shape={}, layout="dp", batch_rows=2, seq_len=60, prompt_len=4, beta=0.0)
+    dense = memory.estimate(cfg, **kw)
+    blocks = memory.estimate(cfg, attention="blockwise", attention_block_size=16, **kw)
+    n, S, L, H, c = 2, 64, cfg.num_layers, cfg.num_heads, 4
+    expected = n * S * L * ((4 + c) * H * S - 8 * H) - 5 * 4 * n * H * S * 16
+    assert dense.activations - blocks.activations == expected
+    with pytest.raises(ValueError, match="unknown attention"):
+        memory.estimate(cfg, attention="flash", **kw)
