@@ -152,7 +152,7 @@ def main(path: str) -> None:
     import jax
     from flax import nnx
 
-    from grpo_jax import models, rewards
+    from grpo_jax import models, rewards, rollout
     from grpo_jax import train as train_lib
 
     @rewards.register(REWARD_NAME, override=True)
@@ -168,8 +168,8 @@ def main(path: str) -> None:
     # The loop reads the sampled tokens to the host right after generate, so
     # blocking on them here adds no wait; it only stops the clock at the right time.
     sample_s: list[float] = []
-    train_lib.generate = common.timed(
-        train_lib.generate, sample_s, block=lambda out: jax.block_until_ready(out.tokens)
+    rollout.generate = common.timed(
+        rollout.generate, sample_s, block=lambda out: jax.block_until_ready(out.tokens)
     )
     clock = common.StepClock()
     clock.start()
