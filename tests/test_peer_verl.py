@@ -37,6 +37,8 @@ Policy terms:
     verl's band is strict (lb < cov < ub), grpo_jax's inclusive; verl picks at random among
     the candidates, grpo_jax the highest cov; verl picks at least one token, grpo_jax
     floor(frac * n_valid), which can be 0.
+  * clip_cov and gspo have no dual clip in verl; grpo_jax applies ``dual_clip_c`` to both
+    when it is set. They are compared with it off.
   * kl_cov: verl picks at least one token, grpo_jax floor(frac * n_valid); defaults differ
     (verl ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0). Otherwise equal.
 
