@@ -1,6 +1,5 @@
 """The sandbox (run_python) holds its limits and leaves the trainer, machine and files alone."""
 
-import glob
 import os
 import pathlib
 import subprocess
@@ -14,19 +13,29 @@ from grpo_jax import tools
 from grpo_jax.tools import sandbox
 
 
-def _sandbox_dirs():
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "grpo_sandbox_*")))
-
-
 @pytest.fixture
-def unharmed():
-    """After the test: no sandbox directory left, this process fine, no stray processes."""
-    before = _sandbox_dirs()
+def unharmed(monkeypatch):
+    """After the test: each sandbox's directory is gone, and no process of its group is left."""
+    made, procs = [], []
+    real_mkdtemp, real_popen = sandbox.tempfile.mkdtemp, sandbox.subprocess.Popen
+
+    def mkdtemp(*a, **k):
+        made.append(real_mkdtemp(*a, **k))
+        return made[-1]
+
+    def popen(*a, **k):
+        procs.append(real_popen(*a, **k))
+        return procs[-1]
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(sandbox.subprocess, "Popen", popen)
     yield
-    assert _sandbox_dirs() <= before
-    # Every child was reaped: no zombie or live child of this process remains.
-    with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)
+    assert made and procs
+    assert not any(os.path.exists(d) for d in made)
+    for p in procs:
+        assert p.returncode is not None  # reaped
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)  # its process group is empty
 
 
 def test_runs_code_and_returns_output(unharmed):
