@@ -259,8 +259,31 @@ class _Sampler:
             self.batch_shardings = rollout_batch_shardings(s.mesh)
 
     def params(self, params):
-        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh)."""
-        return jax.device_put(params, self.param_shardings) if self.split else params
+        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh).
+
+        With several processes JAX moves arrays only between the same device
+        sets, so the learner mesh first gathers each array onto every one of
+        its devices; each process then copies its local copy onto its own
+        sampler devices (no host round trip).
+        """
+        if not self.split:
+            return params
+        if jax.process_count() == 1:
+            return jax.device_put(params, self.param_shardings)
+        full = self._gather(params)
+
+        def one(x, sh):
+            if not sh.is_fully_replicated:
+                raise ValueError(f"the sampler's parameters must be replicated, got {sh.spec}")
+            local = x.addressable_data(0)
+            parts = [jax.device_put(local, d) for d in sh.addressable_devices]
+            return jax.make_array_from_single_device_arrays(x.shape, sh, parts)
+
+        return jax.tree.map(one, full, self.param_shardings)
+
+    @functools.cached_property
+    def _gather(self):
+        return jax.jit(lambda t: t, out_shardings=sharding_lib.replicated(self.s.mesh))
 
     def dispatch(self, params, step: int, version: int):
         k_sample, _ = jax.random.split(jax.random.fold_in(self.s.base_key, step))
@@ -274,8 +297,12 @@ class _Sampler:
         step, version, d = pending
         rd = rollout.finish_round(self.s, d)
         batch, host = rollout.batch_from_round(self.s, rd)
-        if self.split:  # the samples move from the sampler's devices to the learner's
+        if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
             batch = jax.device_put(batch, self.batch_shardings)
+        elif self.split:  # several processes: each moves its own rows (the same block)
+            N = batch.num_rows
+            rows = distributed.local_rows(batch, self.s.rows_N)
+            batch = distributed.global_batch(rows, self.s.mesh, N)
         return InFlight(
             step,
             version,
