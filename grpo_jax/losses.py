@@ -205,12 +205,15 @@ def _cov_NxT(logps, adv, mask):
 
 
 def _top_by_rank(score, eligible, mask, frac):
-    """The floor(frac * n_valid) eligible tokens of highest score; ties by flat index.
+    """The max(1, floor(frac * n_valid)) eligible tokens of highest score; ties by flat index.
 
-    Deterministic stand-in for the paper's random choice: by rank, not by draw.
+    At least one token whenever frac > 0, as in the paper's code: the default
+    fraction 2e-4 would otherwise pick nothing below 5000 tokens and switch
+    the method off unnoticed. frac = 0 picks none. Deterministic stand-in for
+    the paper's random choice: by rank, not by draw.
     """
     n_valid = mask.sum()
-    k = jnp.floor(frac * n_valid)
+    k = jnp.where(frac > 0, jnp.maximum(jnp.floor(frac * n_valid), 1.0), 0.0)
     flat = jnp.where(eligible, score, -jnp.inf).reshape(-1)
     order = jnp.argsort(-flat, stable=True)
     rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
@@ -233,16 +236,21 @@ def policy_clip_cov(
 ):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", sec. 4.2).
 
-    The clipped surrogate, except that the gradient of floor(cov_frac * n_valid)
-    tokens with cov_lb <= cov_t <= cov_ub is detached (their value stays in
-    the loss). The paper picks them at random among the in-band tokens; here
-    the in-band tokens of highest cov are taken, so the choice is reproducible.
+    The clipped surrogate, except that the gradient of max(1, floor(cov_frac *
+    n_valid)) tokens with cov_lb <= cov_t <= cov_ub is detached (their value
+    stays in the loss). Tokens the ratio clip already binds (no gradient
+    anyway) are not candidates, as in the paper's code. The paper picks at
+    random among the candidates; here those of highest cov are taken, so the
+    choice is reproducible.
     """
     surrogate = policy_clip(
         log_ratio=log_ratio, adv=adv, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
     )
+    rho = jnp.exp(log_ratio)
+    clipped, _, _ = _clip(rho, eps_low, eps_high)
+    clip_binds = clipped * adv < rho * adv
     cov = _cov_NxT(logps, adv, mask)
-    band = (mask > 0) & (cov >= cov_lb) & (cov <= cov_ub)
+    band = (mask > 0) & ~clip_binds & (cov >= cov_lb) & (cov <= cov_ub)
     picked = _top_by_rank(cov, band, mask, cov_frac)
     return jnp.where(picked, jax.lax.stop_gradient(surrogate), surrogate)
 
@@ -250,8 +258,8 @@ def policy_clip_cov(
 def policy_kl_cov(*, log_ratio, logps, adv, mask, cov_frac=2e-4, kl_cov_coef=1.0, **_):
     """KL-Cov (Cui et al. 2025, sec. 4.2): rho A - k |log rho| on the top tokens by cov.
 
-        objective_t = rho_t A - k |log rho_t|   for the floor(cov_frac * n_valid)
-                                               valid tokens of highest cov_t,
+        objective_t = rho_t A - k |log rho_t|   for the max(1, floor(cov_frac *
+                                               n_valid)) valid tokens of highest cov_t,
         objective_t = rho_t A                   elsewhere.
 
     As in the paper, there is no ratio clip: the penalty on the high-covariance

@@ -113,6 +113,17 @@ def test_clip_cov_golden():
     # Band [0.1, 1] holds no token: nothing picked, the plain clip.
     _, grad = loss_and_grad("clip_cov", cov_frac=0.34, cov_lb=0.1, cov_ub=1.0)
     np.testing.assert_allclose(grad, [[-0.275, -0.125], [1.0, 0.0]], rtol=1e-6)
+    # A token the ratio clip binds is no candidate: with eps_high 0.05, token (0, 0)
+    # (rho 1.1, A > 0) is clipped, so the pick moves to the next in band [-1, 1],
+    # token (0, 1) (cov -0.244), and both of row 0's gradients are 0.
+    loss, grad = loss_and_grad(
+        "clip_cov", cov_frac=0.34, cov_lb=-1.0, cov_ub=1.0, epsilon_high=0.05
+    )
+    np.testing.assert_allclose(loss, -((1.05 + 0.5) / 2 - 2) / 2, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[0.0, 0.0], [1.0, 0.0]], rtol=1e-6)
+    # Any cov_frac > 0 picks at least one token (the default 2e-4 of 3 tokens too).
+    _, grad = loss_and_grad("clip_cov", cov_frac=2e-4, cov_lb=0.0, cov_ub=1.0)
+    np.testing.assert_allclose(grad, [[0.0, -0.125], [1.0, 0.0]], rtol=1e-6)
 
 
 def test_kl_cov_golden():
@@ -122,8 +133,11 @@ def test_kl_cov_golden():
     np.testing.assert_allclose(loss, -(row0 - 2) / 2, rtol=1e-6)
     # d/dlogp (rho A - k |log rho|) = rho A - k sign(log rho) = 1.1 - 0.5.
     np.testing.assert_allclose(grad, [[-(1.1 - 0.5) / 4, -0.125], [1.0, 0.0]], rtol=1e-6)
-    # cov_frac small enough that floor(frac * 3) = 0: no token penalised, no clip.
-    loss, _ = loss_and_grad("kl_cov", cov_frac=0.3)
+    # floor(0.3 * 3) = 0, but any cov_frac > 0 picks at least one token ...
+    loss_small, _ = loss_and_grad("kl_cov", cov_frac=0.3, kl_cov_coef=0.5)
+    np.testing.assert_allclose(loss_small, loss, rtol=1e-6)
+    # ... and cov_frac 0 none: no token penalised, no clip.
+    loss, _ = loss_and_grad("kl_cov", cov_frac=0.0)
     np.testing.assert_allclose(loss, -((1.1 + 0.5) / 2 - 2) / 2, rtol=1e-6)
 
 
@@ -180,9 +194,18 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
             # The picked tokens keep their value but no gradient: elsewhere the
             # gradient is the plain clip's.
             cov = losses._cov_NxT(x, jnp.asarray(adv)[:, None], jnp.asarray(mask))
-            band = (jnp.asarray(mask) > 0) & (cov >= kw["cov_lb"]) & (cov <= kw["cov_ub"])
+            # Candidates: in band, and not clipped by the ratio clip (eps 0.2 / 0.28).
+            rho, a = np.exp(logps - old), adv[:, None]
+            binds = np.where(a > 0, rho > 1.28, rho < 0.8)
+            assert binds[mask > 0].any()  # the exclusion is exercised
+            band = (
+                (jnp.asarray(mask) > 0)
+                & ~jnp.asarray(binds)
+                & (cov >= kw["cov_lb"])
+                & (cov <= kw["cov_ub"])
+            )
             picked = np.asarray(losses._top_by_rank(cov, band, jnp.asarray(mask), kw["cov_frac"]))
-            assert picked.sum() == int(0.3 * mask.sum())
+            assert picked.sum() == min(int(0.3 * mask.sum()), int(np.asarray(band).sum()))
             f_clip = jax.jit(
                 lambda lp: losses.grpo_loss(
                     lp,

@@ -33,14 +33,16 @@ Policy terms:
     "token-mean" aggregation weighs rows by their length (grpo_jax's "gspo" reduction is
     always the mean over rows).
   * clip_cov: verl zeroes the picked tokens' loss (value and gradient), grpo_jax keeps their
-    value and detaches their gradient; verl leaves PPO-clipped tokens out of the candidates;
-    verl's band is strict (lb < cov < ub), grpo_jax's inclusive; verl picks at random among
-    the candidates, grpo_jax the highest cov; verl picks at least one token, grpo_jax
-    floor(frac * n_valid), which can be 0.
+    value and detaches their gradient; verl's band is strict (lb < cov < ub), grpo_jax's
+    inclusive; verl picks at random among the candidates, grpo_jax the highest cov. Both
+    leave PPO-clipped tokens out of the candidates and pick max(1, floor(frac * n_valid))
+    tokens (grpo_jax took this from the comparison: it had picked floor(frac * n_valid),
+    which is 0 below 5000 tokens at the default fraction, and had let clipped tokens use up
+    picks).
   * clip_cov and gspo have no dual clip in verl; grpo_jax applies ``dual_clip_c`` to both
     when it is set. They are compared with it off.
-  * kl_cov: verl picks at least one token, grpo_jax floor(frac * n_valid); defaults differ
-    (verl ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0). Otherwise equal.
+  * kl_cov: defaults differ (verl ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0). Otherwise
+    equal, including at least one pick.
 
 Advantage estimators:
   * grpo: verl divides by the sample std (Bessel, G - 1) + eps with eps = 1e-6; grpo_jax by
@@ -495,10 +497,9 @@ def test_difference_gspo():
 # ---------------------------------------------------------------------------
 # KL-Cov: the same covariance over the valid tokens (means without verl's 1e-8), the same
 # top-k by covariance (torch.topk; no ties in random data), the same penalty
-# -A rho + k |log rho| on the picked tokens and no ratio clip. Agreement needs the same k:
-# verl's max(1, int(frac * M)) equals grpo_jax's floor(frac * M) once frac * M >= 1
-# (test_difference_cov_at_least_one_token for frac * M < 1). Defaults differ (verl
-# ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0): set explicitly.
+# -A rho + k |log rho| on the picked tokens and no ratio clip, the same k =
+# max(1, floor(frac * M)) (test_cov_picks_at_least_one_token for frac * M < 1). Defaults
+# differ (verl ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0): set explicitly.
 
 
 def test_difference_cov_defaults():
@@ -534,14 +535,12 @@ def test_kl_cov(seed, frac):
 #   1. verl zeroes a picked token's loss (value and gradient); grpo_jax keeps the value
 #      and detaches the gradient. Gradients agree; verl's value is grpo_jax's plus
 #      (sum of the clipped surrogate over the picked tokens) / M.
-#   2. verl leaves tokens the PPO clip already binds out of the candidates; grpo_jax does
-#      not (their gradient is 0 either way, but they use up picks).
-#   3. The band: verl lb < cov < ub, grpo_jax lb <= cov <= ub.
-#   4. verl draws the picked tokens at random among the candidates (torch.randperm);
+#   2. The band: verl lb < cov < ub, grpo_jax lb <= cov <= ub.
+#   3. verl draws the picked tokens at random among the candidates (torch.randperm);
 #      grpo_jax takes those of highest cov.
-#   5. verl picks max(1, int(frac * M)) tokens, grpo_jax floor(frac * M).
-# With frac = 1 every candidate is picked on both sides (no draw), which leaves 1 and 2;
-# neither changes the gradient, and the value is mapped by 1.
+# Both leave tokens the PPO clip already binds out of the candidates and pick
+# max(1, floor(frac * M)) tokens. With frac = 1 every candidate is picked on both sides
+# (no draw), which leaves 1: it does not change the gradient, and the value is mapped by it.
 
 
 def _cov(logps, adv, mask):
@@ -591,24 +590,24 @@ def _detached(grad, plain_grad):
     return {tuple(int(i) for i in ix) for ix in np.argwhere((grad == 0.0) & (plain_grad != 0.0))}
 
 
-def test_difference_cov_at_least_one_token():
+def test_cov_picks_at_least_one_token():
     # Mean log-prob -1; cov = [[1.5, -0.5], [0.25, 0.75]]: one token in the band [1, 5],
-    # (0, 0), where rho = 1.1 (inside the PPO clip). M = 4 and frac 2e-4: grpo_jax picks
-    # floor(8e-4) = 0 tokens, verl max(1, 0) = 1.
+    # (0, 0), where rho = 1.1 (inside the PPO clip). M = 4 and frac 2e-4: floor(8e-4) = 0,
+    # and both pick max(1, 0) = 1 token.
     batch = _two_rows([[0.5, -1.5], [-1.25, -1.75]], rho=((1.1, 1.0), (1.0, 1.0)))
     np.testing.assert_array_equal(_cov(batch[0], batch[2], batch[3]), [[1.5, -0.5], [0.25, 0.75]])
     config = actor_config(clip_cov_ratio=2e-4, kl_cov_ratio=2e-4, ppo_kl_coef=1.0)
     _, verl_grad = verl_loss_grad("clip_cov", *batch, config)
     _, jax_grad = jax_loss_grad(*batch, policy_loss="clip_cov", reduction="token_mean")
-    assert _zero_grad_tokens(verl_grad) == {(0, 0)}
-    assert _zero_grad_tokens(jax_grad) == set()
-    # KL-Cov: verl penalises the top token, (0, 0): its gradient is (-rho A + k) / M with
-    # k = 1, not -rho A / M; grpo_jax penalises none.
+    assert _zero_grad_tokens(verl_grad) == _zero_grad_tokens(jax_grad) == {(0, 0)}
+    np.testing.assert_allclose(jax_grad, verl_grad, **TOL)
+    # KL-Cov: both penalise the top token, (0, 0): its gradient is (-rho A + k) / M with
+    # k = 1, not -rho A / M.
     _, verl_grad = verl_loss_grad("kl_cov", *batch, config)
     _, jax_grad = jax_loss_grad(*batch, policy_loss="kl_cov", reduction="token_mean")
     plain = np.array([[-1.1, -1.0], [1.0, 1.0]]) / 4
-    np.testing.assert_allclose(jax_grad, plain, **TOL)
     np.testing.assert_allclose(verl_grad, plain + [[1 / 4, 0], [0, 0]], **TOL)
+    np.testing.assert_allclose(jax_grad, verl_grad, **TOL)
 
 
 def test_difference_clip_cov_band_edges():
@@ -626,18 +625,18 @@ def test_difference_clip_cov_band_edges():
     assert _zero_grad_tokens(verl_grad) == set()
 
 
-def test_difference_clip_cov_skips_ppo_clipped_tokens():
+def test_clip_cov_skips_ppo_clipped_tokens():
     # cov = [[2, 0], [1.5, 0.5]] (mean log-prob -1). Token (0, 0) has the highest cov but
-    # A = +1 and rho = e^0.5 > 1.28: PPO's clip binds. With k = 1 (frac 0.25 of M = 4)
-    # grpo_jax picks it (no gradient change: it had none); verl picks (1, 0) instead.
+    # A = +1 and rho = e^0.5 > 1.28: PPO's clip binds (its gradient is 0 anyway). With k = 1
+    # (frac 0.25 of M = 4) both pick the next candidate, (1, 0).
     batch = _two_rows([[1.0, -1.0], [-2.5, -1.5]], rho=((np.exp(0.5), 1.0), (1.0, 1.0)))
     np.testing.assert_array_equal(_cov(batch[0], batch[2], batch[3]), [[2.0, 0.0], [1.5, 0.5]])
     config = actor_config(clip_cov_ratio=0.25)
     _, verl_grad = verl_loss_grad("clip_cov", *batch, config)
     kw = dict(policy_loss="clip_cov", cov_frac=0.25, reduction="token_mean")
     _, jax_grad = jax_loss_grad(*batch, epsilon_high=EPS_HIGH, **kw)
-    assert _zero_grad_tokens(jax_grad) == {(0, 0)}
-    assert _zero_grad_tokens(verl_grad) == {(0, 0), (1, 0)}
+    assert _zero_grad_tokens(jax_grad) == _zero_grad_tokens(verl_grad) == {(0, 0), (1, 0)}
+    np.testing.assert_allclose(jax_grad, verl_grad, **TOL)
 
 
 def test_difference_clip_cov_random_draw():
