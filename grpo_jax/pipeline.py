@@ -386,11 +386,14 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
                     f"step {step} was given the batch of step {cur.step}, sampled by parameter "
                     f"version {cur.version}: outside the staleness bound [0, {k}]"
                 )
-            pending, sampler_wait = None, 0.0
+            pending, params_ready, sampler_wait = None, None, 0.0
             if step + k <= last:
                 params = sampler.params(state.params)  # version step - 1
                 t_req = time.perf_counter()
-                params_ready = pool.submit(_ready_at, params)
+                # One mesh: the sampler reads the arrays the update then donates, so only a
+                # split mesh's copy may be waited on here; on one mesh the parameters are
+                # ready when the previous update ends.
+                params_ready = pool.submit(_ready_at, params) if sampler.split else None
                 pending = sampler.dispatch(params, step + k, step - 1)
             k_train = distributed.put(k_train, sharding_lib.replicated(s.mesh))
             t_update = time.perf_counter()
@@ -400,9 +403,12 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
             if pending is not None:
                 nb = sampler.finish(pending)
                 queue.append(nb)
-                sampler_wait = max(0.0, params_ready.result() - t_req)
             t_prev = finalize(step - 1)  # None when flushed already (or the first step)
             prev_done = prev_done if t_prev is None else t_prev
+            if params_ready is not None:
+                sampler_wait = max(0.0, params_ready.result() - t_req)
+            elif pending is not None and prev_done is not None:
+                sampler_wait = max(0.0, prev_done - t_req)
             learner_wait = 0.0 if prev_done is None else max(0.0, t_update - prev_done)
             timing[step] = (t_update, done, nb)
             host = dataclasses.replace(
