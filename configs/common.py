@@ -61,6 +61,12 @@ def base() -> ConfigDict:
     # "einsum" (reference), "blockwise" (memory linear in the context) or "dot_product".
     c.model.attention = "einsum"
     c.model.scan_layers = False  # True: the layers run as one scan (compile time flat in depth).
+    # LoRA (docs/lora.md): adapters of this rank on a frozen base; 0 trains every parameter.
+    c.model.lora = ConfigDict()
+    c.model.lora.rank = 0
+    c.model.lora.alpha = 16.0
+    c.model.lora.dropout = 0.0
+    c.model.lora.targets = "q,k,v,o,gate,up,down"  # names or regexes over q_proj, ..., down_proj
     c.tokenizer = "builtin"
 
     c.prompt = ConfigDict()

@@ -112,3 +112,31 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
         sft.save_cache(workdir, params, info)
     return params, dict(info, cached=False)
+
+
+def lora_base_policy(s: Setup, state, *, evaluate, preempt):
+    """(state, warm-start info or None, base identity) of a LoRA run (``s.lora``).
+
+    The base is the initial model, warm-started when configured (on a resume
+    too: the warm start's cache gives it back); the warm start trains the base
+    alone, and the adapters (B = 0) stay as they were. Returns (None, None,
+    None) when SIGTERM arrived during the warm start.
+    """
+    from grpo_jax import optimizer as optim_lib
+    from grpo_jax.models import lora
+
+    base, adapters = lora.split(state.params)
+    base_sh, _ = lora.split(s.param_shardings)
+    s_base = dataclasses.replace(s, graphdef=s.lora.base_graphdef, param_shardings=base_sh)
+
+    def evaluate_base(params, *args, **kwargs):  # through the policy: B = 0 adds exact zeros
+        return evaluate(lora.join(params, adapters), *args, **kwargs)
+
+    new_base, info = base_policy(s_base, base, evaluate=evaluate_base, preempt=preempt)
+    if preempt.requested:
+        return None, None, None
+    if new_base is not base:
+        params = lora.join(new_base, adapters)
+        state = optim_lib.init_state(params, s.tx, s.mesh, trained=lora.trainable(params))
+    warm_fp = info.get("fingerprint") if info else None
+    return state, info, s.lora.identity(new_base, warm_start=warm_fp)

@@ -77,9 +77,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(
-        self, step: int, *, params, opt_state, meta: Mapping[str, Any], inflight=None
-    ) -> bool:
+    def save(self, step: int, *, params, opt_state, meta: Mapping[str, Any], inflight=None) -> bool:
         """Starts saving step ``step`` (returns at once when asynchronous).
 
         ``inflight``: arrays of the batches sampled ahead of their steps
@@ -224,6 +222,7 @@ class RunStart:
       prior_seconds: wall time of the run's earlier processes.
       no_signal_run: steps in a row without reward variance so far.
       sampled_tokens: completion tokens sampled so far (train.sampled_tokens_budget).
+      lora_base: with LoRA, the frozen base's identity (``grpo_jax.models.lora``).
     """
 
     state: Any
@@ -235,6 +234,7 @@ class RunStart:
     prior_seconds: float
     no_signal_run: int
     sampled_tokens: int = 0
+    lora_base: dict | None = None
 
 
 def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
@@ -260,18 +260,30 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     resumed = ck.latest_step() is not None
     warm_info = None
     base_params = state.params
-    if not resumed or run.grpo.beta > 0:
+    # With LoRA the reference is the base inside the policy's own parameters
+    # (adapters off, grpo_jax.models.lora): never a second copy.
+    separate_ref = run.grpo.beta > 0 and s.lora is None
+    lora_base = None
+    if s.lora is not None:  # the frozen base (warm-started when configured), resumed or not
+        from grpo_jax.base_policy import lora_base_policy
+
+        state, warm_info, lora_base = lora_base_policy(s, state, evaluate=evaluate, preempt=preempt)
+        if state is None:
+            s.progress.message("preempted during the warm start; rerun to start again")
+            return None
+        base_params = state.params
+    elif not resumed or separate_ref:
         # A resumed run needs the base policy only as the KL reference.
         base_params, warm_info = base_policy(s, state.params, evaluate=evaluate, preempt=preempt)
         if preempt.requested:
             s.progress.message("preempted during the warm start; rerun to start again")
             return None
-    ref_params = jax.tree.map(jnp.copy, base_params) if run.grpo.beta > 0 else None
+    ref_params = jax.tree.map(jnp.copy, base_params) if separate_ref else None
     if base_params is not state.params:
         state = optim_lib.init_state(base_params, s.tx, s.mesh)
     before, prior_seconds, no_signal_run, sampled_tokens = None, 0.0, 0, 0
     if resumed:
-        latest, params, opt_state, meta = restore_newest(s, state)
+        latest, params, opt_state, meta = restore_newest(s, state, lora_base=lora_base)
         rep = replicated(s.mesh)
         state = state.replace(
             params=params,
@@ -308,6 +320,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         prior_seconds=prior_seconds,
         no_signal_run=no_signal_run,
         sampled_tokens=sampled_tokens,
+        lora_base=lora_base,
     )
 
 
@@ -387,7 +400,7 @@ class CheckpointError(RuntimeError):
     """No checkpoint of the workdir could be restored."""
 
 
-def restore_newest(s: Setup, state):
+def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
     """(step, params, opt_state, meta) of the newest checkpoint that restores.
 
     A step that fails to restore (a file missing or corrupt) is skipped with a
@@ -407,11 +420,18 @@ def restore_newest(s: Setup, state):
         aside = ck.set_aside(later, suffix=f"after-{want}")
         if aside is not None:
             s.progress.message(f"resuming from step {want}: steps {later} moved to {aside}")
+    params_like = state.params
+    if s.lora is not None:  # a LoRA checkpoint holds the adapters; the base is loaded
+        from grpo_jax.models import lora
+
+        params_like = lora.trainable(state.params)
     for step in sorted(ck.all_steps(), reverse=True):
         try:
             params, opt_state, meta = ck.restore(
-                step, params_like=state.params, opt_state_like=state.opt_state
+                step, params_like=params_like, opt_state_like=state.opt_state
             )
+            if s.lora is not None:
+                params = lora.with_trainable(state.params, params)
         except Exception as e:  # Orbax / TensorStore raise many types for a bad step.
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
             failures.append(f"step {step} ({why})")
@@ -421,6 +441,9 @@ def restore_newest(s: Setup, state):
                 "trying the one before (the bad step is left in place)"
             )
             continue
+        if s.lora is not None:  # adapters of another base would not continue this run
+            where = f"checkpoint step {step} in {ck.directory}"
+            lora.check_base(meta.get("lora_base"), lora_base, where)
         aside = ck.set_aside(bad)
         if aside is not None:
             s.progress.message(f"checkpoint step(s) {bad} moved to {aside}")
@@ -463,6 +486,9 @@ def save_run(
     arrays = None
     if inflight is not None:
         arrays, meta["inflight"] = inflight
-    s.checkpointer.save(
-        step, params=state.params, opt_state=state.opt_state, meta=meta, inflight=arrays
-    )
+    params = state.params
+    if s.lora is not None:  # the adapters only, and which base they belong to
+        from grpo_jax.models import lora
+
+        params, meta["lora_base"] = lora.trainable(params), start.lora_base
+    s.checkpointer.save(step, params=params, opt_state=state.opt_state, meta=meta, inflight=arrays)

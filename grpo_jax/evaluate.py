@@ -156,9 +156,8 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     from flax import nnx
 
     from grpo_jax import models
-    from grpo_jax.checkpoint import Checkpointer
     from grpo_jax.config import BUILTIN_TOKENIZER
-    from grpo_jax.setup import build_model, build_tokenizer
+    from grpo_jax.setup import build_tokenizer, restore_policy
 
     path = pathlib.Path(checkpoint)
     if _workdir_of(path) is None and _is_hf_dir(path):
@@ -181,12 +180,7 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
             "directory, a checkpoint step nor a Hugging Face model directory"
         )
     tokenizer = build_tokenizer(run, workdir)
-    graphdef, params = build_model(run, tokenizer, mesh)
-    ck = Checkpointer(ckdir)
-    try:
-        params = ck.restore_params(step, params_like=params)
-    finally:
-        ck.close()
+    graphdef, params, _ = restore_policy(run, tokenizer, mesh, ckdir, step)  # LoRA: base + adapters
     return graphdef, params, tokenizer
 
 

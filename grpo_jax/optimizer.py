@@ -41,14 +41,17 @@ class TrainState:
     skipped_in_row: jax.Array  # int32 []: ... since the last applied update
 
 
-def init_state(params, tx: optax.GradientTransformation, mesh=None) -> TrainState:
+def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None) -> TrainState:
     """A fresh state; with a mesh every leaf is committed to a NamedSharding on it.
+
+    ``trained``: the part of ``params`` the optimizer updates (LoRA's adapters,
+    ``grpo_jax.models.lora.trainable``); None: all of them.
 
     The optimizer moments inherit the parameters' shardings and scalars are
     replicated, so the state that goes in has the shardings of the state that
     comes out of the jitted step (a mismatch would compile the step twice).
     """
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init)(params if trained is None else trained)
     # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
     zeros = [jnp.zeros((), jnp.int32) for _ in range(4)]
     state = TrainState(params, opt_state, *zeros)

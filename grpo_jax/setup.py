@@ -140,6 +140,64 @@ def build_model(run: RunConfig, tokenizer, mesh):
     return nnx.split(model)
 
 
+def build_policy(run: RunConfig, tokenizer, mesh):
+    """(graphdef, params, LoRA or None): :func:`build_model`, with adapters when ``model.lora``.
+
+    With ``model.lora.rank`` > 0 the parameters are the frozen base joined with
+    fresh adapters (``grpo_jax.models.lora``), and the third value a
+    ``lora.LoRARun`` (the base's graphdef and identity); otherwise it is None.
+    """
+    from grpo_jax.models import lora
+
+    graphdef, params = build_model(run, tokenizer, mesh)
+    if not run.model.lora.enabled:
+        return graphdef, params, None
+    key = jax.random.fold_in(jax.random.key(run.seed), 0x10A)
+    return lora.setup_params(
+        graphdef,
+        params,
+        run.model.lora,
+        key,
+        base_path=run.model.path,
+        mesh=mesh,
+        layout=run.mesh.layout,
+    )
+
+
+def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | None = None):
+    """(graphdef, params, LoRA or None) of checkpoint ``step`` (latest when None) of a run.
+
+    A LoRA run's checkpoint holds only the adapters: the base is loaded as the
+    run loads it (warm-started from the run's ``warm_start`` cache when it was),
+    checked against the identity the checkpoint recorded, and joined with them
+    (:func:`build_policy`).
+    """
+    from grpo_jax import sft
+    from grpo_jax.models import lora
+
+    graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
+    ck = Checkpointer(checkpoints)
+    try:
+        if lora_run is None:
+            return graphdef, ck.restore_params(step, params_like=params), None
+        saved = ck.restore_meta(step).get("lora_base") or {}
+        base, fresh = lora.split(params)
+        if saved.get("warm_start"):  # the base was warm-started: the run's cache holds it
+            cached = sft.load_cached(ck.directory.parent, base, saved["warm_start"])
+            if cached is None:
+                raise lora.BaseMismatchError(
+                    f"the adapters in {ck.directory} were trained on a warm-started base, "
+                    f"but {ck.directory.parent / 'warm_start'} does not hold it"
+                )
+            base = cached[0]
+        expected = lora_run.identity(base, warm_start=saved.get("warm_start"))
+        lora.check_base(saved or None, expected, str(ck.directory))
+        adapters = ck.restore_params(step, params_like=lora.trainable(params))
+        return graphdef, lora.with_trainable(lora.join(base, fresh), adapters), lora_run
+    finally:
+        ck.close()
+
+
 def build_datasets(run: RunConfig, stats: dict | None = None) -> dict[str, list[dict]]:
     """{split: examples}; ``stats`` (when given) gets "skipped/<split>": malformed rows skipped."""
     splits = data.load_dataset(run.data.as_mapping(), stats=stats)
@@ -235,6 +293,8 @@ class Setup:
     base_key: jax.Array
     eval_key: jax.Array
     sampler_mesh: Any = None  # the sampler's own mesh (mesh.sampler_devices), else None
+    # LoRA (model.lora.rank > 0): the base's graphdef and identity (grpo_jax.models.lora).
+    lora: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -322,7 +382,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
             f"warm_start.val_problems = {ws.val_problems} leaves too few of the "
             f"{len(train_all)} training problems to train on"
         )
-    graphdef, params = build_model(run, tokenizer, mesh)
+    graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     # The per-device memory plan of this layout; one that cannot fit what the devices
     # report (GPUs, TPUs) stops the run here, before any training.
     from flax import nnx
@@ -350,7 +410,12 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     m_rows = run.train.minibatch_size or N
     total_updates = run.train.steps * run.grpo.mu * (N // m_rows)
     tx, schedule = optim_lib.make_optimizer(run.optim, total_updates)
-    state = optim_lib.init_state(params, tx, mesh)
+    trained = None
+    if lora_run is not None:  # the optimizer sees the adapters only
+        from grpo_jax.models import lora
+
+        trained = lora.trainable(params)
+    state = optim_lib.init_state(params, tx, mesh, trained=trained)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     replicated = sharding.replicated(mesh)
@@ -367,8 +432,10 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
         batch_shardings=update_lib.rollout_batch_shardings(mesh),
-        ref_shardings=param_sh if run.grpo.beta > 0 else None,
+        ref_shardings=param_sh if run.grpo.beta > 0 and lora_run is None else None,
         replicated=replicated,
+        base_graphdef=None if lora_run is None else lora_run.base_graphdef,
+        lora_dropout=run.model.lora.dropout,
     )
     rows_B, rows_N = _host_rows(mesh, B, G)
     # The GRPO phase sees prompts and reference answers only, never worked solutions.
@@ -407,6 +474,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         base_key=base_key,
         eval_key=jax.random.fold_in(base_key, 0x5EED),
         sampler_mesh=samp_mesh,
+        lora=lora_run,
     )
     skipped = {k: v for k, v in data_stats.items() if v}
     if skipped:

@@ -40,6 +40,7 @@ import optax
 
 from grpo_jax import losses, optimizer
 from grpo_jax.config import GRPOConfig
+from grpo_jax.models import lora
 from grpo_jax.optimizer import TrainState
 from grpo_jax.rollout import RolloutBatch
 from grpo_jax.scoring import completion_logps, completion_scores
@@ -99,6 +100,8 @@ def update(
     track_update: bool,
     logits_chunk: int = 0,
     share_prompts: bool = False,
+    base_graphdef=None,
+    lora_dropout: float = 0.0,
 ):
     """mu passes over the batch, one optimizer update per minibatch (see module doc).
 
@@ -110,19 +113,28 @@ def update(
         grad = sum_a w_a grad L_a,   w_a = tokens_a / sum_a' tokens_a'  ("token_mean")
                                      w_a = 1 / A                         (otherwise)
 
-    so it is the gradient of the whole minibatch's loss. ``key`` is unused by
-    the deterministic update and kept for a uniform signature (stochastic
-    regularisers would fold it). ``logits_chunk`` > 0 scores the completions
-    in chunks of that many tokens (``grpo_jax.scoring.completion_scores``).
+    so it is the gradient of the whole minibatch's loss. ``key`` is used only
+    by LoRA dropout (the update is otherwise deterministic). ``logits_chunk``
+    > 0 scores the completions in chunks of that many tokens
+    (``grpo_jax.scoring.completion_scores``).
     ``share_prompts``: the batch's rows come in groups of G = ``grpo.G`` that
     share one prompt (as the sampler writes them); each prompt is then run
     once per group wherever a (micro-)batch holds whole groups.
+
+    LoRA (``base_graphdef`` given, ``grpo_jax.models.lora``): ``state.params``
+    is the frozen base joined with the adapters, and ``state.opt_state`` the
+    optimizer state of the adapters alone. Gradients are taken with respect to
+    the adapters only (the base is a constant of the loss), and the reference
+    log-probs are those of the same base arrays under ``base_graphdef``, the
+    model without adapters, so ``ref_params`` is None. ``lora_dropout`` > 0
+    drops adapter inputs in the loss's forward pass, with masks from ``key``
+    folded with the update counter and the micro-batch.
 
     Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
     entropy, update counters) and, with ``track_update``, ``policy/*``: how
     far the step moved the policy on its own samples.
     """
-    del key
+    use_lora = base_graphdef is not None
     n = batch.num_rows
     m = n if minibatch_size == 0 else minibatch_size
     num_mb = n // m
@@ -134,9 +146,9 @@ def update(
     g_full = G if (n // batch_shards) % G == 0 else 1
     g_micro = G if (m // (batch_shards * grad_accum)) % G == 0 else 1
 
-    def logps(params, b: RolloutBatch, group_size: int):
+    def logps(params, b: RolloutBatch, group_size: int, gdef=graphdef):
         return completion_logps(
-            graphdef,
+            gdef,
             params,
             b.prompt_tokens_NxP,
             b.prompt_mask_NxP,
@@ -171,7 +183,10 @@ def update(
     # The reference log-probs are computed once per step and travel beside
     # the batch through the minibatch and micro-batch splits.
     ref_logps_NxT = None
-    if use_ref:
+    if use_ref and use_lora:  # the reference is the base: the same arrays, adapters off
+        base, _ = lora.split(state.params)
+        ref_logps_NxT = jax.lax.stop_gradient(logps(base, batch, g_full, base_graphdef))
+    elif use_ref:
         ref_logps_NxT = jax.lax.stop_gradient(logps(ref_params, batch, g_full))
 
     def loss_fn(params, mb):
@@ -211,11 +226,29 @@ def update(
             behavior_weights_NxT=w_NxT,
         )
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # What the optimizer sees: every parameter, or with LoRA the adapters, the
+    # rest (the frozen base) entering the loss as a constant.
+    if use_lora:
+        partition = lambda params: (lora.trainable(params), params)
+        join = lora.with_trainable
+    else:
+        partition = lambda params: (params, None)
+        join = lambda params, trained: trained
+
+    def train_loss(trained, frozen, mb, k):
+        params = trained if frozen is None else join(frozen, trained)
+        if not (use_lora and lora_dropout > 0):
+            return loss_fn(params, mb)
+        with lora.dropout(k, lora_dropout):
+            return loss_fn(params, mb)
+
+    grad_fn = jax.value_and_grad(train_loss, has_aux=True)
 
     def one_update(st: TrainState, mb):
+        trained, frozen = partition(st.params)
+        k_update = jax.random.fold_in(key, st.updates)
         if grad_accum == 1:
-            (loss, aux), grads = grad_fn(st.params, mb)
+            (loss, aux), grads = grad_fn(trained, frozen, mb, k_update)
         else:
             micro = jax.tree.map(lambda x: _split_rows(x, grad_accum, batch_shards), mb)
             # Each micro-batch's share of the minibatch: its rows (1 / A) for the
@@ -230,19 +263,23 @@ def update(
                 w_A = jnp.full((grad_accum,), 1.0 / grad_accum)
 
             def acc(carry, xs):
-                mbi, w = xs
-                (l_i, aux_i), g_i = grad_fn(st.params, mbi)
+                mbi, w, a = xs
+                k = jax.random.fold_in(k_update, a)
+                (l_i, aux_i), g_i = grad_fn(trained, frozen, mbi, k)
                 return jax.tree.map(lambda c, g: c + w * g, carry, g_i), (l_i, aux_i)
 
-            zeros = jax.tree.map(jnp.zeros_like, st.params)
-            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A))
+            zeros = jax.tree.map(jnp.zeros_like, trained)
+            index_A = jnp.arange(grad_accum, dtype=jnp.int32)
+            grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A, index_A))
             loss = (loss_A * w_A).sum()
             aux = {
                 k: (v * tok_w_A).sum() if _metric_reduce(k) is jnp.mean else _metric_reduce(k)(v)
                 for k, v in aux_A.items()
             }
         lr = schedule(st.updates)
-        st, grad_norm, _ = optimizer.apply_guarded(st, grads, loss, tx)
+        st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, tx)
+        if frozen is not None:
+            st = st.replace(params=join(frozen, st.params))
         metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr)
         return st, metrics
 
@@ -303,6 +340,8 @@ def jit_update(
     replicated,
     logits_chunk: int = 0,
     share_prompts: bool = False,
+    base_graphdef=None,
+    lora_dropout: float = 0.0,
 ):
     """:func:`update` bound to its static configuration and jitted with shardings.
 
@@ -322,6 +361,8 @@ def jit_update(
         track_update=track_update,
         logits_chunk=logits_chunk,
         share_prompts=share_prompts,
+        base_graphdef=base_graphdef,
+        lora_dropout=lora_dropout,
     )
     return jax.jit(
         fn,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.models import attention as attn_lib
+from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.partitioning import constrain
 from grpo_jax.models.rope import apply_rope
@@ -167,9 +168,11 @@ class Attention(nnx.Module):
         # Projections run on 2-D [B*T, D] rows: on CPU, XLA's 3-D dot and its
         # gradient add transposes that cost about as much as the matmuls.
         x_MxD = x_BxTxD.reshape(B * T, -1)
-        q_BxTxHxDh = _project(x_MxD, w(self.q_proj)).reshape(B, T, -1, Dh)
-        k_BxTxKxDh = _project(x_MxD, w(self.k_proj)).reshape(B, T, K, Dh)
-        v_BxTxKxDh = _project(x_MxD, w(self.v_proj)).reshape(B, T, K, Dh)
+        # lora.add: + s (x A) B where the projection has adapters (models/lora.py).
+        proj = lambda name: lora.add(self, name, x_MxD, _project(x_MxD, w(getattr(self, name))))
+        q_BxTxHxDh = proj("q_proj").reshape(B, T, -1, Dh)
+        k_BxTxKxDh = proj("k_proj").reshape(B, T, K, Dh)
+        v_BxTxKxDh = proj("v_proj").reshape(B, T, K, Dh)
         if cfg.qkv_bias:
             q_BxTxHxDh = q_BxTxHxDh + w(self.q_bias)
             k_BxTxKxDh = k_BxTxKxDh + w(self.k_bias)
@@ -207,7 +210,8 @@ class Attention(nnx.Module):
         out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask)
         out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
         o_proj_HDhxD = w(self.o_proj).reshape(K * G * Dh, -1)
-        out_BxTxD = (out_BxTxHxDh.reshape(B * T, K * G * Dh) @ o_proj_HDhxD).reshape(B, T, -1)
+        out_MxHDh = out_BxTxHxDh.reshape(B * T, K * G * Dh)
+        out_BxTxD = lora.add(self, "o_proj", out_MxHDh, out_MxHDh @ o_proj_HDhxD).reshape(B, T, -1)
         if cfg.out_bias:
             out_BxTxD = out_BxTxD + w(self.o_bias)
         return out_BxTxD, kv_cache
@@ -253,8 +257,9 @@ class MLP(nnx.Module):
         B, T, D = x_BxTxD.shape
         w = lambda p: p[...].astype(dt)
         x_MxD = x_BxTxD.reshape(B * T, D)  # 2-D matmuls: see Attention.
-        gate_BxTxF = (x_MxD @ w(self.gate_proj)).reshape(B, T, -1)
-        up_BxTxF = (x_MxD @ w(self.up_proj)).reshape(B, T, -1)
+        proj = lambda name: lora.add(self, name, x_MxD, x_MxD @ w(getattr(self, name)))
+        gate_BxTxF = proj("gate_proj").reshape(B, T, -1)
+        up_BxTxF = proj("up_proj").reshape(B, T, -1)
         if cfg.mlp_bias:
             gate_BxTxF, up_BxTxF = gate_BxTxF + w(self.gate_bias), up_BxTxF + w(self.up_bias)
         if cfg.activation == "silu":
@@ -262,7 +267,8 @@ class MLP(nnx.Module):
         else:
             gate_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=cfg.activation == "gelu_tanh")
         h_BxTxF = constrain(gate_BxTxF * up_BxTxF, ("batch", None, "mlp"), layout)
-        out_BxTxD = (h_BxTxF.reshape(B * T, -1) @ w(self.down_proj)).reshape(B, T, D)
+        h_MxF = h_BxTxF.reshape(B * T, -1)
+        out_BxTxD = lora.add(self, "down_proj", h_MxF, h_MxF @ w(self.down_proj)).reshape(B, T, D)
         if cfg.mlp_bias:
             out_BxTxD = out_BxTxD + w(self.down_bias)
         return out_BxTxD
