@@ -7,8 +7,12 @@ default) and writes config.json, generation_config.json, model.safetensors and
 the tokenizer's files (``grpo_jax.models.save_pretrained``), so that
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` and
 ``grpo_jax.models.from_pretrained(out)`` load it. The run's config is read from
-``<workdir>/config.json``. ``out`` may not lie inside a training workdir or hold
-a run: an export there would replace the run's config.json.
+``<workdir>/config.json``. A LoRA run (``model.lora``) exports its adapters
+folded into the base's weights (``--format=merged``, the default) or as
+Hugging Face PEFT adapters (``--format=peft``: ``adapter_config.json`` and
+``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(base, out)``).
+``out`` may not lie inside a training workdir or hold a run: an export there
+would replace the run's config.json.
 """
 
 from __future__ import annotations
@@ -40,14 +44,25 @@ def check_destination(workdir, out) -> None:
             )
 
 
-def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.Path:
-    """Writes checkpoint ``step`` (latest when None) of ``workdir`` as a HF directory ``out``."""
+FORMATS = ("merged", "peft")
+
+
+def export_hf(
+    workdir, out, *, step: int | None = None, dtype=None, format: str = "merged"
+) -> pathlib.Path:
+    """Writes checkpoint ``step`` (latest when None) of ``workdir`` as a HF directory ``out``.
+
+    ``format`` "peft" (LoRA runs only) writes the adapters as PEFT loads them.
+    """
     from flax import nnx
 
     from grpo_jax import models, runlocal
-    from grpo_jax.checkpoint import Checkpointer
     from grpo_jax.config import parse_config
-    from grpo_jax.setup import build_mesh, build_model, build_tokenizer
+    from grpo_jax.models import lora
+    from grpo_jax.setup import build_mesh, build_tokenizer, restore_policy
+
+    if format not in FORMATS:
+        raise ExportError(f"--format={format!r} is not one of {list(FORMATS)}")
 
     workdir = pathlib.Path(workdir)
     config_path = workdir / "config.json"
@@ -57,12 +72,14 @@ def export_hf(workdir, out, *, step: int | None = None, dtype=None) -> pathlib.P
     run = runlocal.resolve(parse_config(json.loads(config_path.read_text())))
     tokenizer = build_tokenizer(run, workdir)
     mesh = build_mesh(run)
-    graphdef, params = build_model(run, tokenizer, mesh)
-    ck = Checkpointer(workdir / "checkpoints")
-    try:
-        params = ck.restore_params(step, params_like=params)
-    finally:
-        ck.close()
+    graphdef, params, lora_run = restore_policy(run, tokenizer, mesh, workdir / "checkpoints", step)
+    if lora_run is None and format == "peft":
+        raise ExportError(f"--format=peft: the run in {workdir} has no LoRA adapters (model.lora)")
+    if format == "peft":
+        model_cfg = nnx.merge(graphdef, params).config
+        return lora.save_peft(params, model_cfg, lora_run.cfg, out, base_model=lora_run.base_path)
+    if lora_run is not None:  # W + s A B: a plain model of the base's architecture
+        graphdef, params = lora_run.base_graphdef, lora.merged(params, lora_run.cfg.scale)
     return models.save_pretrained(
         nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer
     )
@@ -78,8 +95,8 @@ def main(argv):
     cli.quiet()
     FLAGS = flags.FLAGS
     try:
-        path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step)
-    except (ExportError, ConfigError, FileNotFoundError) as e:
+        path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step, format=FLAGS.format)
+    except (ExportError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {path}")
@@ -92,5 +109,8 @@ if __name__ == "__main__":
     flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
     flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_enum(
+        "format", "merged", ["merged", "peft"], "LoRA runs: merged weights or PEFT adapters."
+    )
     flags.mark_flags_as_required(["workdir", "out"])
     app.run(main, argv=sys.argv)

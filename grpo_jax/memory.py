@@ -52,6 +52,16 @@ x, 1 where it is not split):
                  (only each layer's input is kept; one layer is recomputed at a time)
                  Layers as a scan (``scan_layers``) save the same tensors, stacked.
 
+With LoRA (``lora_rank`` = r > 0, ``grpo_jax.models.lora``) each target
+projection W [in, out] gets float32 adapters A [in, r] and B [r, out]
+(sharded like W's in and out dimensions; the rank is never split). Then
+
+  params       the base as above (its own param_bytes, e.g. bfloat16) + 4 * adapters
+  grads        4 * adapters (the base gets no gradient)
+  optimizer    moments * 4 * adapters
+  reference    0 (the reference is the base with the adapters off)
+  activations  + c * r per target projection, layer and token (x A is kept)
+
 The sampler (KV cache) and the update (gradients, activations) run one after
 the other, so the peak is
 
@@ -121,6 +131,7 @@ class MemoryEstimate:
     kv_cache: int
     activations: int
     num_params: int
+    trainable_params: int | None = None  # None: every parameter trains
 
     @property
     def sampling(self) -> int:
@@ -142,9 +153,12 @@ class MemoryEstimate:
 
     def table(self) -> str:
         mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in MESH_AXES)
+        trains = ""
+        if self.trainable_params is not None:
+            trains = f" (LoRA: {self.trainable_params:,} trainable)"
         lines = [
             f"per-device memory estimate, layout {self.layout!r}, mesh {mesh}, "
-            f"{self.num_params:,} parameters",
+            f"{self.num_params:,} parameters{trains}",
         ]
         for k in COMPONENTS:
             lines.append(f"  {_NAMES[k]:<22}{format_bytes(getattr(self, k)):>12}")
@@ -276,6 +290,8 @@ def estimate(
     logits_chunk: int = 0,
     attention: str = "einsum",
     attention_block_size: int = 512,
+    lora_rank: int = 0,
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 ) -> MemoryEstimate:
     """Per-device memory of a GRPO run (formulas in the module docstring).
 
@@ -303,6 +319,8 @@ def estimate(
       attention, attention_block_size: the attention implementation and its
         key block (``ModelConfig.attention``): "blockwise" never holds the
         [S, S] scores.
+      lora_rank: r of LoRA adapters on a frozen base (0: full fine-tuning).
+      lora_targets: the projections with adapters (``LoRAConfig.projections``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
@@ -340,6 +358,15 @@ def estimate(
     per_device = sum(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
     params = per_device * param_bytes
     reference = params if beta > 0 else 0
+    grads, trained, trainable_params, lora_act = params, params, None, 0
+    if lora_rank:
+        _check_positive("lora_rank", lora_rank)
+        adapters = lora_tensors(tensors, lora_rank, lora_targets)
+        trained = 4 * sum(shard_numel(shape, axes, mesh, layout) for _, shape, axes in adapters)
+        trainable_params = sum(math.prod(shape) for _, shape, _ in adapters)
+        params, grads, reference = params + trained, trained, 0
+        per_layer = {n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters}
+        lora_act = compute_bytes * lora_rank * len(per_layer)
 
     shards = mesh["data"] * mesh["fsdp"]
     rows = lambda r: r // shards if r % shards == 0 else r
@@ -364,6 +391,7 @@ def estimate(
     else:
         per_layer_token += (4 + c) * (H // tp_h) * S
     logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v) + blockwise
+    per_layer_token += lora_act
     if remat:
         per_token = L * c * D + per_layer_token
     else:
@@ -374,13 +402,38 @@ def estimate(
         layout=layout,
         mesh_shape=mesh,
         params=params,
-        grads=params,
-        optimizer=OPTIMIZER_MOMENTS[optimizer] * params,
+        grads=grads,
+        optimizer=OPTIMIZER_MOMENTS[optimizer] * trained,
         reference=reference,
         kv_cache=kv_cache,
         activations=activations,
         num_params=sum(math.prod(shape) for _, shape, _, _ in tensors),
+        trainable_params=trainable_params,
     )
+
+
+def lora_tensors(tensors, rank: int, targets) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """(name, shape, logical axes) of the LoRA adapters of ``tensors`` (``param_tensors``).
+
+    A projection W [*in, *out] (o_proj has two input dimensions, the others one;
+    a stacked layer axis leads both) gets A [*in, r] and B [r, *out].
+    """
+    out = []
+    for name, shape, _, axes in tensors:
+        proj = name.rsplit(".", 1)[-1]
+        if proj not in targets:
+            continue
+        lead = 1 if axes and axes[0] == "layers" else 0
+        n_in = lead + (2 if proj == "o_proj" else 1)
+        out.append((f"{name}_lora_a", (*shape[:n_in], rank), (*axes[:n_in], "lora")))
+        out.append(
+            (
+                f"{name}_lora_b",
+                (*shape[:lead], rank, *shape[n_in:]),
+                (*axes[:lead], "lora", *axes[n_in:]),
+            )
+        )
+    return out
 
 
 def _hint(est: MemoryEstimate, part: str) -> str:
@@ -483,7 +536,15 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
         prompt_len=max(buckets),
         beta=run.grpo.beta,
         logits_chunk=getattr(run.train, "logits_chunk", 0),
+        **_lora_kwargs(run),
     )
+
+
+def _lora_kwargs(run) -> dict:
+    lora = getattr(getattr(run, "model", None), "lora", None)
+    if lora is None or not lora.enabled:
+        return {}
+    return {"lora_rank": lora.rank, "lora_targets": lora.projections}
 
 
 def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None):
