@@ -1,0 +1,122 @@
+"""LoRA runs end to end: checkpoints hold the adapters and the base's identity, a killed run
+resumes exactly, a changed base is refused, and a workdir exports merged or as PEFT."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.default import get_config
+from grpo_jax import config as config_lib
+from grpo_jax import setup as setup_lib
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.metrics import read_metrics
+from grpo_jax.models import lora
+from grpo_jax.train import TIMING_PREFIXES, train
+
+pytestmark = pytest.mark.slow  # trains the smoke config end to end
+
+
+def _config(**updates):
+    c = get_config("smoke")
+    base = {
+        "warm_start.enabled": False,
+        "eval.num_samples": 0,
+        "eval.every": 0,
+        "train.steps": 4,
+        "checkpoint.every": 2,
+        "grpo.beta": 0.04,
+        "optim.learning_rate": 1e-2,
+    }
+    for dotted, value in {**base, **updates}.items():
+        section, key = dotted.split(".")
+        c[section][key] = value
+    c.model.lora.rank = 2
+    c.model.lora.alpha = 4.0
+    c.model.lora.dropout = 0.1
+    return c
+
+
+class _Kill(Exception):
+    pass
+
+
+def _deterministic(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+
+def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_tokenizer):
+    cfg = _config()
+    train(cfg, tmp_path / "whole")
+
+    def kill_at_3(step):
+        if step == 3:
+            raise _Kill  # between the checkpoints at 2 and 4: step 3 is lost
+
+    with pytest.raises(_Kill):
+        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    train(cfg, tmp_path / "killed")
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert _deterministic(resumed) == _deterministic(whole)
+    assert whole[1]["train/kl"] == 0.0 and whole[-1]["train/kl"] > 0.0  # B starts at 0
+
+    # The checkpoint holds the adapters (and their optimizer state) and the base's identity.
+    run = config_lib.parse_config(cfg)
+    mesh = setup_lib.build_mesh(run)
+    _, params, lora_run = setup_lib.build_policy(run, builtin_tokenizer, mesh)
+    adapters = lora.trainable(params)
+    finals = []
+    for wd in ("whole", "killed"):
+        ck = Checkpointer(tmp_path / wd / "checkpoints")
+        meta = ck.restore_meta(4)
+        saved = ck.restore_params(4, params_like=adapters)
+        ck.close()
+        finals.append(saved)
+        assert meta["lora_base"] == lora_run.identity(lora.split(params)[0])
+        assert meta["lora_base"]["path"] == "" and meta["lora_base"]["warm_start"] is None
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(finals[0])}
+    assert names and all(n.endswith(("_lora_a", "_lora_b")) for n in names)
+    for x, y in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    moved = [
+        not np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(adapters), jax.tree.leaves(finals[0]), strict=True)
+    ]
+    assert all(moved)
+
+    # Export: merged weights give the policy's logits; PEFT files name every adapter.
+    from grpo_jax.export import export_hf
+    from grpo_jax.models import from_pretrained
+
+    gd, policy, _ = setup_lib.restore_policy(
+        run, builtin_tokenizer, mesh, tmp_path / "whole" / "checkpoints"
+    )
+    tokens = np.random.default_rng(0).integers(4, 100, (2, 6)).astype(np.int32)
+    ours = np.asarray(nnx.merge(gd, policy)(tokens))
+    out = export_hf(tmp_path / "whole", tmp_path / "merged")
+    np.testing.assert_allclose(np.asarray(from_pretrained(out)(tokens)), ours, atol=1e-5)
+    out = export_hf(tmp_path / "whole", tmp_path / "peft", format="peft")
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["r"] == 2 and written["lora_dropout"] == 0.1
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * run.model.overrides["num_layers"]
+
+
+def test_adapters_of_another_base_are_refused(tmp_path, builtin_tokenizer):
+    """A resume whose base weights differ (here: another seed's) stops, naming both."""
+    cfg = _config(**{"train.steps": 2})
+    train(cfg, tmp_path)
+    run = config_lib.parse_config(cfg)
+    other = config_lib.parse_config(_config(**{"train.steps": 2}))
+    other = type(other)(**{**other.__dict__, "seed": 1})  # another base: another seed's model
+    mesh = setup_lib.build_mesh(run)
+    with pytest.raises(lora.BaseMismatchError, match="fingerprint"):
+        setup_lib.restore_policy(other, builtin_tokenizer, mesh, tmp_path / "checkpoints")
+    gd, params, _ = setup_lib.restore_policy(run, builtin_tokenizer, mesh, tmp_path / "checkpoints")
+    assert gd is not None and params is not None
