@@ -68,8 +68,8 @@ def _config(**updates):
     return c
 
 
-@pytest.mark.slow
-def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp_path, monkeypatch):
+def _spied_run(workdir, monkeypatch, **updates):
+    """Trains ``_config(**updates)``, recording what each step's collect_dynamic returned."""
     from grpo_jax.train import train
 
     batches = []
@@ -89,11 +89,15 @@ def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp
         return batch, host
 
     monkeypatch.setattr(rollout, "collect_dynamic", spy)
-    train(_config(), tmp_path, stream=io.StringIO())
+    train(_config(**updates), workdir, stream=io.StringIO())
+    monkeypatch.undo()
+    return batches
+
+
+def _check_batches(batches, max_rounds):
+    """Every step's invariants; -> (steps that padded, steps that filled B in > 1 round)."""
     G, B = 4, 4  # the smoke config's
-    assert len(batches) == 4
-    drawn = 0
-    padded_seen = full_seen = False
+    drawn = padded = refilled = 0
     for rewards_N, weights_N, adv_N, m, position in batches:
         r_BxG, w_BxG = rewards_N.reshape(B, G), weights_N.reshape(B, G)
         assert np.all(w_BxG == w_BxG[:, :1])  # weights are per group
@@ -108,16 +112,31 @@ def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp
             == m["dynamic/groups_drawn"]
         )
         # Fewer than B kept only when every round was spent.
-        assert kept == B or m["dynamic/rounds"] == 3
-        padded_seen |= kept < B
-        full_seen |= kept == B and m["dynamic/rounds"] > 1
+        assert kept == B or m["dynamic/rounds"] == max_rounds
+        padded += kept < B
+        refilled += kept == B and m["dynamic/rounds"] > 1
         drawn += int(m["dynamic/rounds"]) * B
         assert position == drawn  # one epoch is 200 prompts: no rollover yet
-    assert padded_seen and full_seen  # both paths ran (this seed's draws)
-    records = read_metrics(tmp_path / "metrics.jsonl")
+    return padded, refilled
+
+
+@pytest.mark.slow
+def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp_path, monkeypatch):
+    # Up to 3 rounds: steps that fill the batch in a second round.
+    batches = _spied_run(tmp_path / "three", monkeypatch)
+    assert len(batches) == 4
+    padded, refilled = _check_batches(batches, max_rounds=3)
+    assert refilled > 0
+    records = read_metrics(tmp_path / "three" / "metrics.jsonl")
     sampled = [r["dynamic/sampled_tokens"] for r in records if "dynamic/sampled_tokens" in r]
     total = [r["rollout/sampled_tokens_total"] for r in records if "dynamic/rounds" in r]
     assert total == list(np.cumsum(sampled))
+    # One round: steps whose flat groups are padded at weight 0.
+    batches = _spied_run(
+        tmp_path / "one", monkeypatch, **{"train.max_sampling_rounds": 1, "train.steps": 2}
+    )
+    padded, _ = _check_batches(batches, max_rounds=1)
+    assert padded > 0
 
 
 @pytest.mark.slow

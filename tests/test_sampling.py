@@ -372,3 +372,37 @@ def test_generate_input_errors():
         sampling.generate(graphdef, params, toks, mask, key, cfg, num_samples=0)
     with pytest.raises(TypeError, match="cfg must be a SamplingConfig"):
         sampling.generate(graphdef, params, toks, mask, key, {"max_new_tokens": 3})
+
+
+@pytest.mark.parametrize("block", [7, 64, 512])
+def test_draw_matches_softmax_across_blocks_and_never_draws_minus_inf(block):
+    # 300 entries: ragged last block for 7 and 64, one block for 512. Every third
+    # entry is -inf (probability 0), the rest spread over several orders of magnitude.
+    v, n = 300, 60_000
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, v).astype(np.float32)
+    logits[::3] = -np.inf
+    p = np.exp(logits.astype(np.float64) - logits[np.isfinite(logits)].max())
+    p /= p.sum()
+    tokens = np.asarray(
+        sampling.draw(jnp.broadcast_to(jnp.asarray(logits), (n, v)), jax.random.key(3), block=block)
+    )
+    counts = np.bincount(tokens, minlength=v)
+    assert counts[p == 0].sum() == 0
+    # Chi-square over entries with enough expected counts, the rest pooled.
+    big = p * n >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(p[big], p[~big].sum()) * n
+    assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_draw_edge_cases():
+    key = jax.random.key(0)
+    one = jnp.full((1000, 50), -jnp.inf).at[:, 37].set(0.0)
+    np.testing.assert_array_equal(sampling.draw(one, key, block=8), 37)
+    # The last entry of the last (ragged) block, and a huge logit range.
+    last = jnp.full((1000, 50), -jnp.inf).at[:, 49].set(3.0).at[:, 0].set(-80.0)
+    np.testing.assert_array_equal(sampling.draw(last, key, block=8), 49)
+    # Rows draw independently: the same row repeated gives different tokens.
+    flat = jnp.zeros((1000, 4))
+    assert len(set(np.asarray(sampling.draw(flat, key)).tolist())) == 4
