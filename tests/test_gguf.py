@@ -198,9 +198,11 @@ def gemma_file():
 
 
 @pytest.fixture(scope="session")
-def gemma_hf_dir(gemma_file, request):
-    """The dequantised float32 checkpoint, converted once (kept in pytest's cache)."""
-    return cached_conversion(gemma_file, request.config.cache.mkdir("grpo_jax_gguf"))
+def gemma_hf_dir(gemma_file, request, tmp_path_factory):
+    """The dequantised float32 checkpoint, converted once (kept in pytest's cache if on)."""
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    where = cache.mkdir("grpo_jax_gguf") if cache is not None else tmp_path_factory.mktemp("gguf")
+    return cached_conversion(gemma_file, where)
 
 
 @pytest.fixture(scope="session")
