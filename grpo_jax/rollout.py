@@ -267,6 +267,7 @@ class _Round:
 
     out: object  # SampleOutput: global device arrays, N rows
     rows: dict  # per-row host values of all hosts, in process order (distributed.gather_rows)
+    order: np.ndarray  # rows' permutation from process order to the batch's row order
     total_N: np.ndarray  # weighted total rewards in the batch's row order
     examples: list[dict]  # this host's prompts' examples
     prompts_n: list[str]
@@ -363,6 +364,7 @@ def finish_round(s: Setup, d: Dispatched) -> _Round:
     return _Round(
         out=out,
         rows=rows,
+        order=order,
         total_N=rows["total"][order],
         examples=list(examples),
         prompts_n=prompts_n,
@@ -577,8 +579,8 @@ def collect_dynamic(s: Setup, params, draw: Callable[[], list[dict]], key: jax.A
     )
     metrics = _metrics(s, rounds)
     # Per-row lengths in the batch's row order, round after round.
-    lengths_R = np.concatenate([x.rows["lengths"][np.argsort(x.rows["row"])] for x in rounds])
-    plens_R = np.concatenate([x.rows["prompt_lengths"][np.argsort(x.rows["row"])] for x in rounds])
+    lengths_R = np.concatenate([x.rows["lengths"][x.order] for x in rounds])
+    plens_R = np.concatenate([x.rows["prompt_lengths"][x.order] for x in rounds])
     with_signal = sum(group_has_signal(g) for g in total_R.reshape(-1, G))
     metrics.update(
         {
