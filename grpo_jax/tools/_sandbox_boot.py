@@ -15,15 +15,18 @@ import sys
 
 
 def _limits(lim: dict) -> None:
-    def cap(which, value):
+    def cap(which, value, hard_extra=0):
         value = int(value)
         soft, hard = resource.getrlimit(which)
+        new_hard = value + hard_extra
         if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(which, (value, value))
+            value, new_hard = min(value, hard), min(new_hard, hard)
+        resource.setrlimit(which, (value, new_hard))
 
-    # CPU: SIGXCPU at the soft limit (which kills); the parent's wall clock backs it up.
-    cap(resource.RLIMIT_CPU, lim["cpu_s"])
+    # CPU: a backstop behind the parent's wall clock (cpu_s is a second past it, and a
+    # single-threaded child's CPU time cannot outrun the clock). SIGXCPU at the soft
+    # limit kills; the kernel's SIGKILL at the hard limit a second later is the last word.
+    cap(resource.RLIMIT_CPU, lim["cpu_s"], hard_extra=1)
     cap(resource.RLIMIT_AS, lim["memory_bytes"])
     cap(resource.RLIMIT_FSIZE, lim["file_bytes"])
     cap(resource.RLIMIT_NOFILE, 64)

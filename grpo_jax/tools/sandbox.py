@@ -8,12 +8,14 @@ What bounds the code, and who enforces it:
 * **Wall time**: the parent waits ``timeout_s`` seconds, then kills the child's whole
   process group (SIGKILL; the child is started in a new session). Enforced by the
   kernel; ``timed_out`` is then True.
-* **CPU time, memory, processes, file size, open files**: ``RLIMIT_CPU`` (the timeout,
-  rounded up), ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
-  ``RLIMIT_NOFILE``, set by the child on itself before the code runs. Kernel-enforced:
-  an allocation past the limit raises ``MemoryError``, a write past the file size
-  fails with ``EFBIG``. A trainer running as root would make ``RLIMIT_NPROC`` void
-  and every file writable, so under root the child first becomes the ``nobody`` user.
+* **CPU time, memory, processes, file size, open files**: ``RLIMIT_CPU`` (the timeout
+  rounded up, plus one second: a backstop the wall clock reaches first, since a
+  single-threaded child's CPU time runs no faster than the clock), ``RLIMIT_AS``
+  (``memory_mb``), ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, set by the
+  child on itself before the code runs. Kernel-enforced: an allocation past the limit
+  raises ``MemoryError``, a write past the file size fails with ``EFBIG``. A trainer
+  running as root would make ``RLIMIT_NPROC`` void and every file writable, so under
+  root the child first becomes the ``nobody`` user.
 * **Output**: stdout and stderr are read as they come, at most ``max_output_bytes``
   each; a child that writes more is killed at once and ``truncated`` is True, so
   printing gigabytes costs neither memory nor time in the trainer.
@@ -124,7 +126,7 @@ def run_python(
     Args:
       code: Python source, run as ``__main__`` (``main.py``) in a private temporary
         directory that is deleted afterwards.
-      timeout_s: wall-clock limit; the CPU-time limit is the same, rounded up.
+      timeout_s: wall-clock limit; the CPU-time limit is one second more, rounded up.
       memory_mb: address-space limit of the child.
       stdin: text fed to the child's standard input.
       max_output_bytes: cap on each of stdout and stderr.
@@ -141,7 +143,7 @@ def run_python(
     _check("memory_mb", memory_mb, lo=16)
     _check("max_output_bytes", max_output_bytes, lo=1)
     limits = {
-        "cpu_s": max(1, math.ceil(timeout_s)),
+        "cpu_s": math.ceil(timeout_s) + 1,
         "memory_bytes": int(memory_mb) * 2**20,
         "file_bytes": int(max_file_mb) * 2**20,
         "nproc": int(max_processes),
