@@ -103,12 +103,7 @@ def resolve(run):
         model = dataclasses.replace(model, path=str(tiny_checkpoint(family, assets_root())))
     jsonl_dir = data.options.get("jsonl_dir")
     if isinstance(jsonl_dir, str) and jsonl_dir.startswith(TINY_PREFIX):
-        if jsonl_dir != TINY_PREFIX + "word_problems":
-            raise ConfigError(
-                f"config key 'data.jsonl_dir' = {jsonl_dir!r}: the only made data set is "
-                "'tiny:word_problems'"
-            )
-        d = word_problems_dir(assets_root())
+        d = word_problems_dir(assets_root(), *_word_problem_sizes(jsonl_dir))
         options = dict(data.options, jsonl_dir=str(d))
         if options.get("data_dir") is None:
             options["data_dir"] = str(d / "tfds")
@@ -241,6 +236,22 @@ def word_problem(rng: random.Random) -> dict:
         q = f"{who} shares {a * b} {item} equally among {b} friends. How many does each get?"
         r = f"Each friend gets {a * b}/{b}=<<{a * b}/{b}={a}>>{a} {item}."
     return {"question": q, "answer": f"{r}\n#### {n:,}"}
+
+
+def _word_problem_sizes(jsonl_dir: str) -> tuple[int, int]:
+    """ "tiny:word_problems" -> (32, 16); "tiny:word_problems:<train>:<test>" -> the sizes."""
+    from grpo_jax.config import TINY_PREFIX, ConfigError
+
+    name, *sizes = jsonl_dir[len(TINY_PREFIX) :].split(":")
+    ok = name == "word_problems" and len(sizes) in (0, 2)
+    ok = ok and all(x.isdigit() and int(x) > 0 for x in sizes)
+    if not ok:
+        raise ConfigError(
+            f"config key 'data.jsonl_dir' = {jsonl_dir!r}: the only made data set is "
+            "'tiny:word_problems' (32 train and 16 test problems), or "
+            "'tiny:word_problems:<n_train>:<n_test>' with positive sizes"
+        )
+    return (int(sizes[0]), int(sizes[1])) if sizes else (32, 16)
 
 
 def word_problems_dir(root: pathlib.Path, n_train: int = 32, n_test: int = 16) -> pathlib.Path:

@@ -237,6 +237,22 @@ def test_word_problems_are_gsm8k_format(assets):
         assert get("gsm8k")([""], [ex["solution"]], answer=[ex["answer"]]) == [1.0]
 
 
+@pytest.mark.parametrize(
+    "value, sizes",
+    [("tiny:word_problems", (32, 16)), ("tiny:word_problems:100:7", (100, 7))],
+)
+def test_word_problem_sizes_in_the_data_path(value, sizes):
+    assert runlocal._word_problem_sizes(value) == sizes
+
+
+@pytest.mark.parametrize(
+    "value", ["tiny:word_problem", "tiny:word_problems:10", "tiny:word_problems:0:5", "tiny:x:1:2"]
+)
+def test_bad_word_problem_data_paths_name_the_key(value):
+    with pytest.raises(ConfigError, match="data.jsonl_dir.*tiny:word_problems:<n_train>:<n_test>"):
+        runlocal._word_problem_sizes(value)
+
+
 def test_sweep_points_are_valid_configs():
     points = recipes.sweep("model=qwen2.5-0.5b")
     assert len(points) == 6
