@@ -108,6 +108,8 @@ def base() -> ConfigDict:
     c.sampling.top_k = 0
     c.sampling.top_p = 1.0
     c.sampling.min_p = 0.0
+    # Stop strings: a completion ends once it emits one's token encoding (kept in it).
+    c.sampling.stop = ()
 
     c.optim = ConfigDict()
     c.optim.learning_rate = 3e-4

@@ -687,6 +687,16 @@ class SamplingSection:
         likely token's; 0 switches it off.
       prompt_buckets: allowed padded prompt lengths, increasing (one
         compilation per bucket).
+      stop: stop strings (default none). A completion also ends once its last
+        generated tokens are a stop string's encoding by the run's tokenizer
+        (no special tokens, no BOS); those tokens stay in the completion,
+        scored like an EOS, and padding follows. Tokens are the unit: the
+        same text written as other tokens (a different split of the
+        characters) does not stop the row, and a match never reaches into the
+        prompt. A base model prompted few-shot stops before writing the next
+        example, e.g. ``("\\n\\nQuestion:",)``. A single string is one stop
+        string. With an environment (``env.name``), a stop string ends the
+        model's turn.
     """
 
     max_new_tokens: int
@@ -694,6 +704,25 @@ class SamplingSection:
     top_p: float = 1.0
     min_p: float = 0.0
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if isinstance(stop, list):
+            stop = tuple(stop)
+        if not isinstance(stop, tuple) or not all(isinstance(x, str) for x in stop):
+            raise ConfigError(
+                f"config key 'sampling.stop' = {self.stop!r} must be a tuple of strings"
+            )
+        for i, x in enumerate(stop):
+            if not x:
+                raise ConfigError(
+                    f"config key 'sampling.stop[{i}]' = '' is empty; every stop string needs "
+                    "at least one character"
+                )
+        object.__setattr__(self, "stop", stop)
 
     @classmethod
     def from_mapping(cls, mapping) -> SamplingSection:
@@ -713,8 +742,20 @@ class SamplingSection:
         section.sampler()  # The sampler's own checks name the bad value now.
         return section
 
-    def sampler(self, *, temperature: float = 1.0, eos_ids=(), pad_id: int = 0, greedy=False):
-        """The jitted sampler's static ``SamplingConfig`` for this section."""
+    def sampler(
+        self,
+        *,
+        temperature: float = 1.0,
+        eos_ids=(),
+        pad_id: int = 0,
+        greedy=False,
+        stop_sequences=(),
+    ):
+        """The jitted sampler's static ``SamplingConfig`` for this section.
+
+        ``stop_sequences`` are the token ids of ``stop`` (the section holds
+        strings; ``grpo_jax.setup.tokenizer_sampling`` encodes them).
+        """
         from grpo_jax.sampling import SamplingConfig
 
         return SamplingConfig(
@@ -727,6 +768,7 @@ class SamplingSection:
             eos_ids=tuple(eos_ids),
             pad_id=pad_id,
             prompt_buckets=self.prompt_buckets,
+            stop_sequences=tuple(tuple(q) for q in stop_sequences),
         )
 
 

@@ -17,7 +17,8 @@ How the sampler continues without re-tokenising the past. The device loop
 (:func:`_phase`) advances every active row by one token per step at a shared cache
 slot: a row either feeds its pending token and draws the next from the model, or, while
 it has observation tokens queued, writes the next of those instead (teacher forcing).
-A row whose turn ends (an EOS, or ``max_turn_tokens`` model tokens) goes idle, and the
+A row whose turn ends (an EOS, a stop sequence of ``SamplingConfig.stop_sequences``
+within the turn, or ``max_turn_tokens`` model tokens) goes idle, and the
 loop exits when every row is idle. The host then gives each finished turn's text to
 its environment (:func:`grpo_jax.envs.safe_step`) and queues the observation's
 tokens, rendered through the chat template's turn markers when the run uses one
@@ -56,7 +57,7 @@ from flax import nnx
 from grpo_jax import envs as envs_lib
 from grpo_jax.config import check_range
 from grpo_jax.models.transformer import positions_from_mask
-from grpo_jax.sampling import SamplingConfig, _repeat_rows, sample_step
+from grpo_jax.sampling import SamplingConfig, _repeat_rows, sample_step, stop_hits
 
 # Why a row went idle in a phase.
 RUNNING, TURN_END, BUDGET = 0, 1, 2
@@ -69,7 +70,8 @@ class MultiTurnConfig:
     Attributes:
       max_tokens: T, transcript slots per episode: model and environment tokens.
       max_turns: model turns per episode.
-      max_turn_tokens: model tokens per turn; a turn ends at an EOS or here.
+      max_turn_tokens: model tokens per turn; a turn ends at an EOS, a stop
+        sequence (``SamplingConfig.stop_sequences``) or here.
         0: no limit but ``max_tokens``.
       max_obs_tokens: O, the most tokens one observation may add.
       env_timeout_s: time budget of each ``reset`` / ``step`` call.
@@ -191,8 +193,14 @@ def _roll_rows(x, shift_N, batch_axis: int, slot_axis: int):
     return jnp.moveaxis(y, (0, -1), (batch_axis, slot_axis))
 
 
-def _write_token(st: MTState, feed_N, token_N, model_N, logp_N, behavior_N, cfg, eos_ids):
-    """Writes each feeding row's next transcript token and updates its turn bookkeeping."""
+def _write_token(st: MTState, feed_N, token_N, model_N, logp_N, behavior_N, cfg, sampling):
+    """Writes each feeding row's next transcript token and updates its turn bookkeeping.
+
+    A model token ends the turn when it is one of ``sampling.eos_ids``, when it
+    completes one of ``sampling.stop_sequences`` within the current turn's model
+    tokens (they are contiguous at the end of the transcript; an observation or
+    an earlier turn never takes part in a match), or at ``max_turn_tokens``.
+    """
     t = st.tokens_NxT.shape[1]
     at_NxT = (jnp.arange(t, dtype=jnp.int32)[None, :] == st.len_N[:, None]) & feed_N[:, None]
     model_N = model_N & feed_N
@@ -203,10 +211,17 @@ def _write_token(st: MTState, feed_N, token_N, model_N, logp_N, behavior_N, cfg,
     len_N = st.len_N + feed_N.astype(jnp.int32)
     turn_len_N = st.turn_len_N + model_N.astype(jnp.int32)
     is_eos_N = jnp.zeros_like(feed_N)
-    if eos_ids:
-        is_eos_N = (token_N[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :]).any(-1)
+    if sampling.eos_ids:
+        eos_E = jnp.asarray(sampling.eos_ids, jnp.int32)
+        is_eos_N = (token_N[:, None] == eos_E[None, :]).any(-1)
     eos_N = model_N & is_eos_N
     turn_over_N = eos_N
+    if sampling.stop_sequences:
+        longest = max(len(q) for q in sampling.stop_sequences)
+        idx_NxL = len_N[:, None] - longest + jnp.arange(longest, dtype=jnp.int32)[None, :]
+        recent_NxL = jnp.take_along_axis(tokens_NxT, jnp.clip(idx_NxL, 0, t - 1), axis=1)
+        stop_N = model_N & stop_hits(recent_NxL, turn_len_N, sampling.stop_sequences)
+        turn_over_N = turn_over_N | stop_N
     if cfg.max_turn_tokens:
         turn_over_N = turn_over_N | (model_N & (turn_len_N >= cfg.max_turn_tokens))
     budget_N = feed_N & (len_N >= t)
@@ -277,7 +292,7 @@ def _prefill(params, prompt_BxP, pmask_BxP, key, *, graphdef, sampling, cfg, g):
         key_data=jax.random.key_data(key),
     )
     feed_N = jnp.ones((n,), jnp.bool_)
-    return _write_token(st, feed_N, token_N, feed_N, logp_N, behavior_N, cfg, sampling.eos_ids)
+    return _write_token(st, feed_N, token_N, feed_N, logp_N, behavior_N, cfg, sampling)
 
 
 def _align(st: MTState, model) -> tuple[MTState, jax.Array]:
@@ -343,9 +358,7 @@ def _phase(params, st: MTState, *, graphdef, sampling: SamplingConfig, cfg, key_
             forced_pos_N=st.forced_pos_N + (feed_N & forcing_N).astype(jnp.int32),
             key_data=jax.random.key_data(key),
         )
-        st = _write_token(
-            st, feed_N, token_N, ~forcing_N, logp_N, behavior_N, cfg, sampling.eos_ids
-        )
+        st = _write_token(st, feed_N, token_N, ~forcing_N, logp_N, behavior_N, cfg, sampling)
         return step + 1, st
 
     _, st = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))
@@ -417,7 +430,8 @@ def run_episodes(
       environments: N environments, already reset (row b*G + g plays prompt b).
       prompt_tokens_BxP, prompt_mask_BxP: the first prompts, left-padded.
       key: PRNG key; the same key (and environments) give the same episodes.
-      sampling: temperature, filters, EOS ids (which end a turn) and pad id;
+      sampling: temperature, filters, EOS ids and stop sequences (which end a
+        turn; a stop sequence's tokens stay in the turn) and pad id;
         ``max_new_tokens`` is unused (``cfg.max_tokens`` is the transcript length).
       cfg: the episode budgets.
       encode_observation: ``(observation, ended_with_eos=bool) -> token ids``

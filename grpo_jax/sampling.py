@@ -28,12 +28,12 @@ Work: ``generate`` runs two jitted functions. ``prefill`` runs the B distinct
 prompts through the model once (not B*G rows), repeats the KV cache and the
 last logits G times, and draws token 0. ``decode`` is the while loop: one
 1-token forward, the filter and one categorical draw per step (:func:`draw`, one
-uniform number per row by inverse CDF), over a donated
-state, exiting as soon as every row has emitted an EOS. Both are compiled
-once per (graphdef, SamplingConfig, shapes, mesh); prompt lengths are bucketed
-by :func:`pad_prompts` so steady-state steps reuse the compiled code
-(:func:`compile_count` counts compilations). Prefill asks the model for the
-last position's logits only, so no [B, P, V] buffer is formed.
+uniform number per row by inverse CDF), over a donated state, exiting as soon
+as every row has ended (an EOS id or a stop sequence, :class:`SamplingConfig`).
+Both are compiled once per (graphdef, SamplingConfig, shapes, mesh); prompt
+lengths are bucketed by :func:`pad_prompts` so steady-state steps reuse the
+compiled code (:func:`compile_count` counts compilations). Prefill asks the
+model for the last position's logits only, so no [B, P, V] buffer is formed.
 
 Sharding: with a mesh, rows are split over ("data", "fsdp") in whole groups,
 the parameters keep the shardings they arrive with, the cache follows the
@@ -83,6 +83,14 @@ class SamplingConfig:
       greedy: take the argmax instead of sampling.
       eos_ids: a row stops after emitting any of these ids (the EOS token is
         part of the completion). Empty: every row runs to max_new_tokens.
+      stop_sequences: token-id sequences (each non-empty); a row also stops
+        once its most recent generated tokens equal one of them (a suffix
+        match over the completion only, never reaching into the prompt). The
+        sequence's tokens are part of the completion, as an EOS is. Tokens
+        are the unit: the run config's ``sampling.stop`` strings arrive here
+        as their tokenizer encodings (``grpo_jax.setup.tokenizer_sampling``),
+        and the same text written as other tokens does not match. Empty: no
+        stop logic is traced at all.
       pad_id: written after a row's end and to the left of short prompts.
       prompt_buckets: allowed padded prompt lengths, increasing; a batch is
         padded to the smallest bucket that holds its longest prompt.
@@ -97,6 +105,7 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         # Lists from a config file become tuples so the config stays hashable
@@ -120,6 +129,7 @@ class SamplingConfig:
             raise ConfigError(f"config key 'sampling.greedy' = {self.greedy!r} must be a bool")
         for i, eos in enumerate(self.eos_ids):
             check_range(f"sampling.eos_ids[{i}]", eos, lo=0, integer=True)
+        object.__setattr__(self, "stop_sequences", _check_stop_sequences(self.stop_sequences))
         check_range("sampling.pad_id", self.pad_id, lo=0, integer=True)
         if not self.prompt_buckets:
             raise ConfigError("config key 'sampling.prompt_buckets' = () must not be empty")
@@ -130,6 +140,59 @@ class SamplingConfig:
                 f"config key 'sampling.prompt_buckets' = {self.prompt_buckets!r} "
                 "must be strictly increasing"
             )
+
+
+def _check_stop_sequences(value) -> tuple[tuple[int, ...], ...]:
+    """``value`` as a tuple of non-empty tuples of non-negative ints (hashable, static)."""
+    key = "sampling.stop_sequences"
+    if not isinstance(value, (tuple, list)):
+        raise ConfigError(f"config key '{key}' = {value!r} must be a tuple of token-id tuples")
+    out = []
+    for i, seq in enumerate(value):
+        if isinstance(seq, np.ndarray):
+            seq = seq.tolist()
+        if not isinstance(seq, (tuple, list)) or not seq:
+            raise ConfigError(
+                f"config key '{key}[{i}]' = {seq!r} must be a non-empty tuple of token ids"
+            )
+        seq = [int(t) if isinstance(t, np.integer) else t for t in seq]
+        for j, tok in enumerate(seq):
+            check_range(f"{key}[{i}][{j}]", tok, lo=0, integer=True)
+        out.append(tuple(int(t) for t in seq))
+    return tuple(out)
+
+
+def stop_table(stop_sequences) -> tuple[np.ndarray, np.ndarray]:
+    """The stop sequences right-aligned in a [S, L] table: (ids_SxL int32, used_SxL bool).
+
+    L is the longest sequence's length; a shorter one fills the last of its
+    row's L columns (``used`` True there) and the columns before it are unused.
+    """
+    s = len(stop_sequences)
+    length = max(len(q) for q in stop_sequences)
+    ids_SxL = np.zeros((s, length), np.int32)
+    used_SxL = np.zeros((s, length), np.bool_)
+    for i, q in enumerate(stop_sequences):
+        ids_SxL[i, length - len(q) :] = q
+        used_SxL[i, length - len(q) :] = True
+    return ids_SxL, used_SxL
+
+
+def stop_hits(recent_NxL: jax.Array, available_N: jax.Array, stop_sequences) -> jax.Array:
+    """Whether each row's most recent tokens end with one of ``stop_sequences``: bool [N].
+
+    ``recent_NxL`` holds each row's last L = (longest stop sequence) tokens,
+    the newest in column L-1; only its last ``available_N`` columns count
+    (tokens the row generated: earlier columns may hold prompt or padding; a
+    scalar applies to every row). A sequence of length l matches when
+    l <= available and the last l columns equal it.
+    """
+    ids_SxL, used_SxL = stop_table(stop_sequences)
+    lengths_S = jnp.asarray(used_SxL.sum(axis=1), jnp.int32)
+    same_NxSxL = recent_NxL[:, None, :] == jnp.asarray(ids_SxL)[None]
+    equal_NxS = jnp.all(same_NxSxL | ~jnp.asarray(used_SxL)[None], axis=-1)
+    enough_NxS = jnp.asarray(available_N, jnp.int32)[..., None] >= lengths_S
+    return jnp.any(equal_NxS & enough_NxS, axis=-1)
 
 
 # ---------------------------------------------------------------------------
@@ -325,8 +388,8 @@ class DecodeState(NamedTuple):
     tokens_NxT: jax.Array  # int32: completion so far, pad_id after a row's end
     logps_NxT: jax.Array  # float32: log-prob of each written token, 0 after the end
     behavior_logps_NxT: jax.Array  # float32: its log-prob under the sampled distribution
-    lengths_N: jax.Array  # int32: real completion tokens, EOS included
-    done_N: jax.Array  # bool: row has emitted an EOS
+    lengths_N: jax.Array  # int32: real completion tokens, EOS / stop sequence included
+    done_N: jax.Array  # bool: row has emitted an EOS or completed a stop sequence
     kv_mask_NxS: jax.Array  # bool: cache slots holding real tokens
     cache: Any  # the model's KV cache pytree
     # Raw uint32 data of the PRNG key for the remaining draws: a typed key
@@ -339,8 +402,9 @@ class SampleOutput(NamedTuple):
     """Rollouts, row b*G + g being sample g of prompt b.
 
     ``mask_NxT`` is True on real completion tokens up to and including the
-    EOS; ``logps_NxT`` is 0 and ``tokens_NxT`` is pad_id elsewhere.
-    ``truncated_N`` marks rows that hit max_new_tokens without an EOS.
+    EOS or the last token of the stop sequence that ended the row;
+    ``logps_NxT`` is 0 and ``tokens_NxT`` is pad_id elsewhere.
+    ``truncated_N`` marks rows that hit max_new_tokens without either.
     ``logps`` are full-softmax log-probs (pi_old at the temperature);
     ``behavior_logps`` those under the distribution actually sampled (after
     top-k / top-p / min-p; :func:`sample_step`).
@@ -380,10 +444,20 @@ def _write(state: DecodeState, draw, cfg: SamplingConfig) -> DecodeState:
     if cfg.eos_ids:
         eos_E = jnp.asarray(cfg.eos_ids, jnp.int32)
         done_N = done_N | (live_N & (tokens_N[:, None] == eos_E[None, :]).any(-1))
+    tokens_NxT = jax.lax.dynamic_update_slice(state.tokens_NxT, tokens_N[:, None], col)
+    if cfg.stop_sequences:
+        # The last L completion columns up to this step's; those before column 0
+        # (clipped there) do not count: a stop never matches into the prompt.
+        # A live row has written every column so far, so all rows share them.
+        longest = max(len(q) for q in cfg.stop_sequences)
+        t = tokens_NxT.shape[1]
+        cols_L = state.step + 1 - longest + jnp.arange(longest, dtype=jnp.int32)
+        recent_NxL = jnp.take(tokens_NxT, jnp.clip(cols_L, 0, t - 1), axis=1)
+        done_N = done_N | (live_N & stop_hits(recent_NxL, state.step + 1, cfg.stop_sequences))
     return state._replace(
         step=state.step + 1,
         last_tokens_N=tokens_N,
-        tokens_NxT=jax.lax.dynamic_update_slice(state.tokens_NxT, tokens_N[:, None], col),
+        tokens_NxT=tokens_NxT,
         logps_NxT=jax.lax.dynamic_update_slice(state.logps_NxT, logps_N[:, None], col),
         behavior_logps_NxT=jax.lax.dynamic_update_slice(
             state.behavior_logps_NxT, behavior_N[:, None], col

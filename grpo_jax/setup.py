@@ -227,8 +227,26 @@ def build_scorer(run: RunConfig) -> Scorer:
     )
 
 
+def stop_token_ids(stop: tuple[str, ...], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each ``sampling.stop`` string as ``tokenizer`` encodes it, without special tokens.
+
+    The sampler matches these token sequences, not text: a stop string stops a
+    row when the model emits exactly this encoding of it.
+    """
+    out = []
+    for i, text in enumerate(stop):
+        ids = tuple(int(x) for x in tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise ConfigError(
+                f"config key 'sampling.stop[{i}]' = {text!r} encodes to no tokens with the "
+                "run's tokenizer, so it could never match; remove it or change it"
+            )
+        out.append(ids)
+    return tuple(out)
+
+
 def tokenizer_sampling(run: RunConfig, tokenizer, **kw) -> SamplingConfig:
-    """The sampler's config: the run's sampling section, temperature and stop tokens."""
+    """The sampler's config: the run's sampling section, temperature, EOS ids and stop strings."""
     eos = int(tokenizer.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     # An instruct checkpoint may end its turns with a token other than the tokenizer's
@@ -239,7 +257,8 @@ def tokenizer_sampling(run: RunConfig, tokenizer, **kw) -> SamplingConfig:
 
         extra = tuple(i for i in generation_eos_ids(run.model.path) if i != eos)
     kw.setdefault("temperature", run.grpo.temperature)
-    return run.sampling.sampler(eos_ids=(eos, *extra), pad_id=int(pad), **kw)
+    stops = stop_token_ids(run.sampling.stop, tokenizer)
+    return run.sampling.sampler(eos_ids=(eos, *extra), pad_id=int(pad), stop_sequences=stops, **kw)
 
 
 def eval_examples(run: RunConfig, datasets) -> list[dict]:
