@@ -38,6 +38,10 @@ offline from GSM8K-format JSONL files with ``--config.data.jsonl_dir=/data/gsm8k
 (docs/data.md).
 
 Variants (``:model=<name>,<flag>``):
+  words     (gemma3-270m only) a learning run that fits a CPU in about half an
+            hour: 40 steps of 4 x 8 completions (32 tokens, stop at the next
+            "Question:") on 2048 synthetic word problems, greedy pass@1 on 128
+            held-out ones before and after (docs/recipes.md has the figures).
   runlocal  (gemma3-270m: the real model on the synthetic problems below, 2
             steps of 2 x 4 completions of 32 tokens, float32, one device.)
             the same recipe end to end on CPU in a minute: a tiny random model
@@ -124,14 +128,19 @@ FEW_SHOT_TEMPLATE = (
 def parse_arg(arg: str | None) -> tuple[str, set[str]]:
     """ "model=qwen3-0.6b,runlocal" -> ("qwen3-0.6b", {"runlocal"}); names case-insensitive."""
     known = ", ".join([*MODELS, *GGUF_MODELS])
-    a = common.parse_arg(arg, where="configs/gsm8k.py", model="", runlocal=False)
+    a = common.parse_arg(arg, where="configs/gsm8k.py", model="", runlocal=False, words=False)
     aliases = {repo.split("/")[1].lower(): n for n, (_, repo, _) in MODELS.items()}
     model = aliases.get(a.model.lower(), a.model.lower())
     if not model:
         raise ValueError(f"configs/gsm8k.py needs 'model=<name>'; known models: {known}")
     if model not in MODELS and model not in GGUF_MODELS:
         raise ValueError(f"configs/gsm8k.py: unknown model {model!r}; known models: {known}")
-    return model, {"runlocal"} if a.runlocal else set()
+    if a.words and (model not in GGUF_MODELS or a.runlocal):
+        raise ValueError(
+            f"configs/gsm8k.py: 'words' is a recipe for the GGUF base models "
+            f"({', '.join(GGUF_MODELS)}) and does not combine with 'runlocal' ({arg!r})"
+        )
+    return model, {f for f in ("runlocal", "words") if a[f]}
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
@@ -224,6 +233,9 @@ def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
     c.rewards = "gsm8k:1.0"
     c.correct_reward = "gsm8k"
     c.sampling.max_new_tokens = max_new_tokens
+    # The template's answers end "#### <n>" and then "\n\nQuestion:" begins the next
+    # example: stop there, or the model writes (and is scored on) questions of its own.
+    c.sampling.stop = ("\n\nQuestion:",)
     # Few-shot prompts are ~110 tokens plus the question: under 256 for GSM8K.
     c.sampling.prompt_buckets = (256, 512)
     if "runlocal" in flags:
@@ -231,6 +243,29 @@ def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
         c.sampling.prompt_buckets = (256,)
         c.sampling.max_new_tokens = 32
         c.train.logits_chunk = 16
+    if "words" in flags:
+        # A learning run that fits a CPU in about half an hour: the real model on
+        # synthetic one- and two-step word problems (grpo_jax.runlocal.word_problem),
+        # which the base model solves in a minority of samples: groups with both
+        # right and wrong answers, so most carry a learning signal.
+        c.data.jsonl_dir = "tiny:word_problems:2048:128"
+        c.sampling.prompt_buckets = (160,)  # the template plus one question: 137-147
+        c.sampling.max_new_tokens = 32  # the answers are one or two short lines
+        c.train.logits_chunk = 0
+        c.train.batch_size = 4
+        c.grpo.G = 8
+        c.grpo.beta = 0.0  # no reference model: a short run stays close to the base
+        c.train.minibatch_size = 32  # one update per step
+        c.optim.grad_accum = 1
+        c.optim.learning_rate = 3e-6
+        c.optim.warmup_steps = 2
+        c.train.steps = 40
+        c.train.samples_every = 5
+        c.eval.every = 0
+        c.eval.num_problems = 128
+        c.eval.batch_size = 64
+        c.checkpoint.every = 10
+        c.mesh.num_devices = 1
     return c
 
 

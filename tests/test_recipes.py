@@ -359,3 +359,20 @@ def test_precision_and_remat_keys_reach_the_checkpoint_model(assets):
         build_model(
             runlocal.resolve(parse_config(config)), build_tokenizer(run, None), build_mesh(run)
         )
+
+
+def test_gguf_base_model_recipes_parse_and_stop_at_the_next_question():
+    for arg in ("model=gemma3-270m", "model=gemma3-270m,runlocal", "model=gemma3-270m,words"):
+        run = parse_config(recipes.get_config(arg))
+        assert run.sampling.stop == ("\n\nQuestion:",) and not run.prompt.chat
+    run = parse_config(recipes.get_config("model=gemma3-270m,words"))
+    assert run.data.options["jsonl_dir"] == "tiny:word_problems:2048:128"
+    assert run.train.batch_size * run.grpo.G == run.train.minibatch_size == 32
+    assert run.grpo.beta == 0.0 and run.sampling.prompt_buckets == (160,)
+    assert runlocal._word_problem_sizes(run.data.options["jsonl_dir"]) == (2048, 128)
+
+
+@pytest.mark.parametrize("arg", ["model=qwen2.5-0.5b,words", "model=gemma3-270m,words,runlocal"])
+def test_words_is_only_for_gguf_base_models(arg):
+    with pytest.raises(ValueError, match="'words' is a recipe for the GGUF base models"):
+        recipes.get_config(arg)
