@@ -3,7 +3,10 @@
 Pure Python (no torch, no jax), so the TRL, Tunix and grpo_jax sides import
 the same definitions from their own virtualenvs:
 
-* ``make_prompts(n)``: a fixed list of short arithmetic prompts with answers.
+* ``make_prompts(n)``: a fixed list of short arithmetic prompts with answers
+  (the tiny sizes); ``workload_prompts(wl)``: the prompts a run uses, the
+  driver's own list when it sets one (the real-checkpoint size's few-shot
+  GSM8K prompts, built with the template and tokenizer in the driver).
 * ``digit_fraction``: the reward, the fraction of a completion's characters
   that are digits. Dense on purpose: a random model almost never answers
   an arithmetic prompt exactly, so an exact-match reward would give every
@@ -28,9 +31,10 @@ class Workload:
 
     Attributes:
       system: "trl", "tunix" or "grpo_jax" (which side reads it).
-      size: model size label ("1m", "20m").
+      size: model size label ("1m", "20m", "gemma3-270m").
       checkpoint: Hugging Face directory (config.json, model.safetensors,
-        tokenizer files) of the tiny random Qwen2 model.
+        tokenizer files): the tiny random Qwen2 model, or the real Gemma 3
+        270M converted from its GGUF file.
       B: prompts per step.  G: completions per prompt.  T: completion tokens
         per completion (forced: no EOS stop).
       temperature: sampling and scoring temperature; top-k / top-p off.
@@ -44,6 +48,16 @@ class Workload:
       threads: CPU threads the side may use (torch intra-op; recorded for JAX).
       grpo_jax_model: extra ``model.*`` keys of the grpo_jax side (e.g.
         ``{"scan_layers": True}``); the other systems ignore them.
+      prompts: the run's prompts as ``{"prompt", "answer"}`` rows, at least
+        ``num_prompts`` of them; None: ``make_prompts(num_prompts)``.
+      prompt_len: the padded prompt length (token count) the systems that
+        pad to a fixed length use: grpo_jax's smallest prompt bucket and
+        Tunix's ``max_prompt_length``; at least the longest prompt. TRL pads
+        to the longest prompt of the batch.
+      logits_chunk: grpo_jax's ``train.logits_chunk``: score the completion
+        this many tokens at a time, so no [N, T, V] float32 logits are formed
+        (0: all at once). TRL's fused LM head tiles on its own; Tunix forms
+        the whole [N, P + T, V] logits and has no such setting.
     """
 
     system: str
@@ -65,6 +79,9 @@ class Workload:
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     grpo_jax_model: dict = dataclasses.field(default_factory=dict)
+    prompts: list | None = None
+    prompt_len: int = 16
+    logits_chunk: int = 0
 
     @property
     def total_steps(self) -> int:
@@ -93,6 +110,18 @@ def make_prompts(n: int) -> list[dict[str, str]]:
         value = a + b if op == "+" else a - b if op == "-" else a * b
         out.append({"prompt": f"Q: {a}{op}{b}= A:", "answer": str(value)})
     return out
+
+
+def workload_prompts(wl: Workload) -> list[dict[str, str]]:
+    """The ``num_prompts`` prompt rows of ``wl`` (its own list, or ``make_prompts``)."""
+    if wl.prompts is None:
+        return make_prompts(wl.num_prompts)
+    if len(wl.prompts) < wl.num_prompts:
+        raise ValueError(
+            f"{wl.system}: the workload has {len(wl.prompts)} prompts, the run needs "
+            f"{wl.num_prompts} (B={wl.B} x {wl.total_steps} steps)"
+        )
+    return [dict(row) for row in wl.prompts[: wl.num_prompts]]
 
 
 def digit_fraction(completion: str) -> float:

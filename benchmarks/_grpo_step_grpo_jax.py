@@ -15,9 +15,11 @@ sample logging, and the ``train.track_update`` diagnostic (an extra
 forward pass per step that the other systems do not make).
 
 Forcing T tokens: the library stops a row at the tokenizer's EOS and has no
-switch to ignore it, so this side loads the shared character tokenizer with
-one extra special token, ``<never_eos>``, as EOS: its id (= the model's
-vocabulary size) is outside the model's logits and is never sampled.
+switch to ignore it, so this side loads the checkpoint's tokenizer (the
+character tokenizer of the tiny sizes, Gemma 3's 262,144-token one) with one
+extra special token, ``<never_eos>``, as EOS: its id (= the model's
+vocabulary size) is outside the model's logits and is never sampled. The
+checkpoints carry no generation_config.json, so no other stop id is added.
 
 Timing: ``step_callback`` fires after each step's host work; the loop keeps
 one update in flight (metrics are read one step late), so the span from the
@@ -46,7 +48,7 @@ NEVER_EOS = "<never_eos>"
 
 
 def write_data(wl: common.Workload, work: pathlib.Path) -> dict:
-    rows = common.make_prompts(wl.num_prompts)
+    rows = common.workload_prompts(wl)
     paths = {}
     for split in ("train", "test"):
         path = work / f"{split}.jsonl"
@@ -95,7 +97,14 @@ def make_config(wl: common.Workload, work: pathlib.Path):
             temperature=wl.temperature,
         )
     )
-    c.sampling = ConfigDict(dict(max_new_tokens=wl.T, top_k=0, top_p=1.0, prompt_buckets=(16, 32)))
+    c.sampling = ConfigDict(
+        dict(
+            max_new_tokens=wl.T,
+            top_k=0,
+            top_p=1.0,
+            prompt_buckets=(wl.prompt_len, 2 * wl.prompt_len),
+        )
+    )
     c.optim = ConfigDict(
         dict(
             learning_rate=wl.learning_rate,
@@ -121,6 +130,7 @@ def make_config(wl: common.Workload, work: pathlib.Path):
             max_nonfinite_in_row=5,
             no_signal_steps=0,
             track_update=False,
+            logits_chunk=wl.logits_chunk,
             update_kl_warn=0.0,
             reward_timeout_s=5.0,
         )
@@ -210,6 +220,7 @@ def main(path: str) -> None:
                 "reward_s": mean("perf/time_reward_s"),
                 # The loop's own perf/time_train_s: update dispatch -> parameters ready.
                 "train_s": mean("perf/time_train_s"),
+                "logits_chunk": wl.logits_chunk,
             },
         )
     )

@@ -44,7 +44,7 @@ def main(path: str) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(wl.checkpoint, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
 
-    rows = common.make_prompts(wl.num_prompts)
+    rows = common.workload_prompts(wl)
     train = datasets.Dataset.from_list(rows)
     tokens_per_step: list[int] = []
 

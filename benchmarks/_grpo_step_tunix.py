@@ -4,9 +4,14 @@ Run by the driver with ``.bench_venvs/tunix/bin/python`` as
 
     python benchmarks/_grpo_step_tunix.py WORKLOAD.json
 
-The Qwen2 checkpoint is loaded with Tunix's own safetensors loader
-(``tunix.models.qwen2.params.create_model_from_safe_tensors``) on a one-device
-("fsdp", "tp") mesh; the learner runs inside ``with mesh:`` (Tunix 0.1.7 fails
+The checkpoint is loaded with Tunix's own safetensors loader on a one-device
+("fsdp", "tp") mesh: the tiny Qwen2 models with
+``tunix.models.qwen2.params.create_model_from_safe_tensors``, Gemma 3
+(``model_type`` "gemma3_text", the 270M model) with
+``tunix.models.gemma3.params_safetensors.create_model_from_safe_tensors``,
+its ``ModelConfig`` built from config.json (which matches Tunix's own
+``ModelConfig.gemma3_270m`` preset but for ``param_dtype``: float32 here,
+as every system runs); the learner runs inside ``with mesh:`` (Tunix 0.1.7 fails
 while sharding the optimizer under ``jax.set_mesh``). The actor, the rollout
 model and (when beta > 0) the reference share the mesh, Tunix's colocated
 setup. Rollout is Tunix's "vanilla" engine (its jitted KV-cache sampler).
@@ -50,6 +55,69 @@ def qwen2_config(checkpoint: str):
     )
 
 
+def gemma3_config(checkpoint: str):
+    """Tunix's Gemma 3 ModelConfig of a Hugging Face gemma3_text config.json, float32."""
+    import jax.numpy as jnp
+    from tunix.models.gemma3 import model as gemma3
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        hf = json.load(f)
+    layers = hf["num_hidden_layers"]
+    pattern = gemma3.GEMMA3_ATTENTION_PATTERN
+    want = [
+        "full_attention"
+        if pattern[i % len(pattern)] == gemma3.AttentionType.GLOBAL
+        else "sliding_attention"
+        for i in range(layers)
+    ]
+    if hf.get("layer_types") and list(hf["layer_types"]) != want:
+        raise RuntimeError(
+            f"tunix: the checkpoint's layer_types {hf['layer_types']} differ from Tunix's "
+            f"fixed Gemma 3 pattern {want}"
+        )
+    if hf.get("query_pre_attn_scalar", hf["head_dim"]) != hf["head_dim"]:
+        raise RuntimeError("tunix: query_pre_attn_scalar != head_dim is not mapped here")
+    rope = hf.get("rope_parameters") or {}
+    global_theta = rope.get("full_attention", {}).get("rope_theta", hf.get("rope_theta"))
+    local_theta = rope.get("sliding_attention", {}).get(
+        "rope_theta", hf.get("rope_local_base_freq")
+    )
+    return gemma3.ModelConfig(
+        num_layers=layers,
+        num_embed=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        hidden_dim=hf["intermediate_size"],
+        num_heads=hf["num_attention_heads"],
+        head_dim=hf["head_dim"],
+        num_kv_heads=hf["num_key_value_heads"],
+        sliding_window_size=hf["sliding_window"],
+        local_base_frequency=int(local_theta),
+        global_base_frequency=int(global_theta),
+        param_dtype=jnp.float32,
+    )
+
+
+def load_model(checkpoint: str, mesh):
+    """The Tunix model of ``checkpoint`` (Qwen2 or Gemma 3), float32, on ``mesh``."""
+    import jax.numpy as jnp
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    if model_type == "qwen2":
+        from tunix.models.qwen2 import params as qwen2_params
+
+        return qwen2_params.create_model_from_safe_tensors(
+            checkpoint, qwen2_config(checkpoint), mesh
+        )
+    if model_type in ("gemma3_text", "gemma3"):
+        from tunix.models.gemma3 import params_safetensors as gemma3_params
+
+        return gemma3_params.create_model_from_safe_tensors(
+            checkpoint, gemma3_config(checkpoint), mesh, dtype=jnp.float32
+        )
+    raise RuntimeError(f"tunix side: no loader for model_type {model_type!r}")
+
+
 def main(path: str) -> None:
     wl = common.Workload.from_file(path)
     import grain
@@ -58,30 +126,24 @@ def main(path: str) -> None:
     import optax
     import transformers
     from flax import nnx
-    from tunix.models.qwen2 import params as qwen2_params
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
 
     devices = jax.devices()[:1]
     mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1), ("fsdp", "tp"))
-    cfg = qwen2_config(wl.checkpoint)
     tokenizer = transformers.AutoTokenizer.from_pretrained(wl.checkpoint)
 
     with mesh:
-        actor = qwen2_params.create_model_from_safe_tensors(wl.checkpoint, cfg, mesh)
-        reference = (
-            qwen2_params.create_model_from_safe_tensors(wl.checkpoint, cfg, mesh)
-            if wl.beta > 0
-            else None
-        )
+        actor = load_model(wl.checkpoint, mesh)
+        reference = load_model(wl.checkpoint, mesh) if wl.beta > 0 else None
         params = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
 
         optimizer = optax.chain(
             optax.clip_by_global_norm(wl.max_grad_norm),
             optax.adamw(wl.learning_rate, b1=wl.b1, b2=wl.b2, eps=wl.adam_eps, weight_decay=0.0),
         )
-        prompt_len = 16  # as grpo_jax's prompt bucket: the prompts are at most 13 tokens
+        prompt_len = wl.prompt_len  # grpo_jax's smallest prompt bucket
         roles = {rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.ROLLOUT: mesh}
         if reference is not None:
             roles[rl_cluster_lib.Role.REFERENCE] = mesh
@@ -151,7 +213,7 @@ def main(path: str) -> None:
 
         learner._run_global_step = timed_global_step
 
-        rows = common.make_prompts(wl.num_prompts)
+        rows = common.workload_prompts(wl)
         train_ds = (
             grain.MapDataset.source(rows)
             .batch(wl.B)
