@@ -40,10 +40,12 @@ healthy run quiet):
                           ``mismatch_window`` records > ``mismatch_growth`` x
                           the median of the ``mismatch_baseline`` records
                           before them and > ``mismatch_min``.
-  logp_mismatch_behavior  the same rule on ``behavior/abs_logp_diff_mean``:
-                          the mean |log pi_behaviour - log pi_trainer| of the
-                          sampled tokens, logged by the behaviour-correction
-                          feature when it is on.
+  logp_mismatch_behavior  the same rule on ``behavior/abs_log_diff_mean``:
+                          the mean |log pi_old - log q| of the sampled tokens
+                          (q: the distribution the sampler drew from), logged
+                          by every update. With ``grpo.old_logps = "sampler"``
+                          it is the truncation gap alone; the sampler/trainer
+                          precision gap enters it only with ``"recompute"``.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ KEYS = (
     "rewards/mean",
     "eval/pass_at_1",
     "policy/abs_log_ratio_mean",
-    "behavior/abs_logp_diff_mean",
+    "behavior/abs_log_diff_mean",
 )
 
 
@@ -252,7 +254,7 @@ def _mismatch(h, cfg, out):
     n, b = cfg.mismatch_window, cfg.mismatch_baseline
     for name, key in (
         ("logp_mismatch_policy", "policy/abs_log_ratio_mean"),
-        ("logp_mismatch_behavior", "behavior/abs_logp_diff_mean"),
+        ("logp_mismatch_behavior", "behavior/abs_log_diff_mean"),
     ):
         xs = _series(h, key)
         if len(xs) < n + b:

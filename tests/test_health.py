@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from grpo_jax.config import ConfigError, HealthConfig, parse_config
-from grpo_jax.health import ALARMS, Alarm, diagnose, history_needed
+from grpo_jax.health import ALARMS, KEYS, Alarm, diagnose, history_needed
 
 DATA = pathlib.Path(__file__).parent / "data" / "default_run_metrics.jsonl"
 CFG = HealthConfig()
@@ -127,7 +127,7 @@ def test_reward_rising_while_held_out_pass_falls():
     "key,name",
     [
         ("policy/abs_log_ratio_mean", "logp_mismatch_policy"),
-        ("behavior/abs_logp_diff_mean", "logp_mismatch_behavior"),
+        ("behavior/abs_log_diff_mean", "logp_mismatch_behavior"),
     ],
 )
 def test_log_prob_mismatch_growing(key, name):
@@ -189,8 +189,13 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     c.health.stop_on_alarm = True
     c.health.entropy_window = 1
     c.health.entropy_floor = 100.0
-    out = train(c, tmp_path, stream=io.StringIO())
+    stream = io.StringIO()
+    out = train(c, tmp_path, stream=stream)
     assert out == {"preempted": True, "step": 2}
+    # The loud line on the progress output: the bar, the rule, the step's numbers.
+    shown = stream.getvalue()
+    assert "!" * 78 + "\nWARNING: health alarm entropy_collapse: step 1: train/entropy " in shown
+    assert "< health.entropy_floor 100.0 (health.stop_on_alarm: saving a checkpoint" in shown
     ck = Checkpointer(tmp_path / "checkpoints")
     try:
         assert ck.all_steps() == [2]
@@ -198,6 +203,10 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
         ck.close()
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
     assert records[1]["alarms/entropy_collapse"] == 1.0
+    # Every key the rules read is written by a real step (the KL only with beta > 0,
+    # the held-out pass@1 only on evaluation steps), so no rule watches a missing key.
+    unwritten = set(KEYS) - set(records[1]) - {"train/kl", "eval/pass_at_1"}
+    assert not unwritten, unwritten
     assert not any(k.startswith("alarms/") for k in records[2])  # not repeated while active
     text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
     assert "entropy_floor 100.0" in text and "[completion]" in text
