@@ -399,6 +399,14 @@ def test_new_estimators_jit_and_sharded_equal_single_device(estimator):
         {"grpo.policy_loss": "gmpo"},
         {"grpo.policy_loss": "clip", "grpo.dual_clip_c": 3.0},
         {"grpo.advantage_estimator": "passk", "grpo.passk_k": 2},
+        # The behaviour correction end to end: top-k sampling (q != pi_old), truncated
+        # sequence weights, pi_old rescored by the update's own path.
+        {
+            "sampling.top_k": 4,
+            "grpo.behavior_correction": "tis",
+            "grpo.behavior_level": "sequence",
+            "grpo.old_logps": "recompute",
+        },
     ],
 )
 def test_each_objective_trains_from_the_shipped_config(tmp_path, overrides):
@@ -428,3 +436,9 @@ def test_each_objective_trains_from_the_shipped_config(tmp_path, overrides):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     losses_ = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses_) == 2 and all(math.isfinite(x) for x in losses_)
+    if "sampling.top_k" in overrides:
+        # Top-4 sampling renormalises: every sampled token's q exceeds its pi_old
+        # probability, so the logged gap is positive on every step.
+        for r in rows[1:]:
+            assert r["behavior/abs_log_diff_mean"] > 0.0
+            assert 0.0 <= r["behavior/frac_capped"] <= 1.0
