@@ -1,21 +1,32 @@
 """The sandbox (run_python) holds its limits and leaves the trainer, machine and files alone."""
 
+import functools
+import json
 import os
 import pathlib
+import resource
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import pytest
 
 from grpo_jax import tools
-from grpo_jax.tools import sandbox
+from grpo_jax.tools import _sandbox_boot, sandbox
+
+_RLIMITS = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
 
 
 @pytest.fixture
 def unharmed(monkeypatch):
-    """After the test: each sandbox's directory is gone, and no process of its group is left."""
+    """After the test: each sandbox's directory is gone, no process of its group is left,
+    and the trainer itself kept its working directory and resource limits (the child sets
+    its limits and directory on itself only)."""
+    cwd, limits = os.getcwd(), {r: resource.getrlimit(r) for r in _RLIMITS}
     made, procs = [], []
     real_mkdtemp, real_popen = sandbox.tempfile.mkdtemp, sandbox.subprocess.Popen
 
@@ -36,6 +47,8 @@ def unharmed(monkeypatch):
         assert p.returncode is not None  # reaped
         with pytest.raises(ProcessLookupError):
             os.killpg(p.pid, 0)  # its process group is empty
+    assert os.getcwd() == cwd
+    assert {r: resource.getrlimit(r) for r in _RLIMITS} == limits
 
 
 def test_runs_code_and_returns_output(unharmed):
@@ -131,6 +144,172 @@ def test_files_outside_the_directory(unharmed, tmp_path):
         assert "do not read" not in r.stdout
     assert victim.read_text() == "keep me" and secret.exists()
     assert not (pathlib.Path(tempfile.gettempdir()) / "escape.txt").exists()
+
+
+@pytest.fixture
+def outside():
+    """A fresh path in the shared temporary directory, which every user may write to."""
+    path = pathlib.Path(tempfile.gettempdir()) / f"grpo_outside_{uuid.uuid4().hex}"
+    yield path
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def test_fifos_and_device_nodes_cannot_be_made(unharmed, outside):
+    # No audit event covers mkfifo/mknod, so the sandbox takes them away altogether.
+    target = repr(str(outside))
+    for code in (
+        f"import os\nos.mkfifo({target})",
+        f"import os, stat\nos.mknod({target}, stat.S_IFREG | 0o600)",
+        f"import os, stat\nos.mknod({target}, stat.S_IFIFO | 0o600)",
+        f"import posix\nposix.mkfifo({target})",
+        "import os\nos.mkfifo('fifo_inside')",
+        f"import os\n[f for f in os.supports_dir_fd if f.__name__ == 'mkfifo'][0]({target})",
+        f"import importlib, os\nimportlib.reload(os)\nos.mkfifo({target})",
+        f"import sys\ndel sys.modules['posix']\nimport posix\nposix.mkfifo({target})",
+        "import _imp, importlib.machinery as m\n"
+        "p = _imp.create_builtin(m.ModuleSpec('posix', m.BuiltinImporter, origin='built-in'))\n"
+        f"p.mkfifo({target})",
+    ):
+        r = tools.run_python(code, timeout_s=5)
+        assert r.exit_code == 1 and "sandbox:" in r.stderr and "not allowed" in r.stderr, (
+            code,
+            r.stderr,
+        )
+        assert not outside.exists() and not outside.is_symlink(), code
+
+
+def test_dir_fd_cannot_escape_the_directory(unharmed, outside):
+    for code in (
+        # A descriptor of a directory outside, then a path relative to it.
+        "import os\nfd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n"
+        "os.open('evil.py', os.O_CREAT | os.O_WRONLY, dir_fd=fd)",
+        # The sandbox directory's own descriptor, used from a deeper working directory: the
+        # path looks inside when read from the cwd, and is outside when read from the fd.
+        "import os\nfd = os.open('.', os.O_RDONLY)\nos.makedirs('a/b')\nos.chdir('a/b')\n"
+        f"os.open('../{outside.name}', os.O_CREAT | os.O_WRONLY, dir_fd=fd)",
+        "import os\nfd = os.open('.', os.O_PATH | os.O_WRONLY)\nos.makedirs('a/b')\n"
+        f"os.chdir('a/b')\nos.mkdir('../{outside.name}', dir_fd=fd)",
+        # A file descriptor of a readable file outside, changed through the descriptor.
+        "import os\nfd = os.open('/dev/null', os.O_RDONLY)\nos.fchmod(fd, 0o600)",
+    ):
+        r = tools.run_python(code, timeout_s=5)
+        assert r.exit_code == 1 and "sandbox:" in r.stderr and "not allowed" in r.stderr, (
+            code,
+            r.stderr,
+        )
+        assert not outside.exists(), code
+    assert stat.S_IMODE(os.stat("/dev/null").st_mode) == 0o666
+
+
+def test_directory_work_inside_still_works(unharmed):
+    code = (
+        "import os, shutil\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\n"
+        "os.chmod('a/b/f', 0o600)\n"
+        "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))"
+    )
+    r = tools.run_python(code, timeout_s=5)
+    assert r.stdout == "['main.py']\n", r.stderr
+
+
+@pytest.mark.parametrize(
+    "euid, uid_map, drop",
+    [
+        (0, "         0          0 4294967295\n", True),  # root, no user namespace
+        (0, None, True),  # no /proc: euid 0 is root
+        (0, "         0       1000          1\n", False),  # unshare -r by uid 1000
+        (0, "         0      65534          1\n", False),
+        (0, "  1000 0 1\n         0       1000          1\n", False),
+        (0, "         0          0          1\n", True),  # root's own unshare -r: still root
+        (1000, "         0          0 4294967295\n", False),
+        (65534, None, False),
+    ],
+)
+def test_drop_root_only_for_the_real_root(euid, uid_map, drop):
+    assert _sandbox_boot._is_real_root(euid, uid_map) is drop
+
+
+_AS_NOBODY_IN_A_NAMESPACE = (
+    *("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"),
+    *("unshare", "-r", "-n"),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _python_for_nobody():
+    """A Python interpreter the nobody user can run inside ``unshare -r -n``, or None."""
+    if os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")):
+        return None
+    for exe in (sys.executable, "/usr/bin/python3"):
+        probe = [*_AS_NOBODY_IN_A_NAMESPACE, exe, "-I", "-c", "pass"]
+        if os.path.exists(exe) and subprocess.run(probe, capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+needs_nobody = pytest.mark.skipif(
+    _python_for_nobody() is None, reason="needs root, setpriv and user namespaces"
+)
+
+
+def _boot_as_nobody(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` through the sandbox's boot script as a non-root user in a namespace
+    made with ``unshare -r -n``: euid 0 inside, its own uid outside, no nobody to switch
+    to. This is what a non-root trainer gets when ``unshare`` has no ``-c``."""
+    work = tempfile.mkdtemp(prefix="grpo_boot_")
+    try:
+        main = pathlib.Path(work, "main.py")
+        main.write_text(code)
+        for path in (work, main):
+            os.chown(path, 65534, 65534)
+        limits = {"cpu_s": 5, "memory_bytes": 2**30, "file_bytes": 2**20, "nproc": 64}
+        cmd = [*_AS_NOBODY_IN_A_NAMESPACE, _python_for_nobody(), "-I", str(sandbox._BOOT)]
+        cmd += [work, str(main), json.dumps(limits)]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=30)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@needs_nobody
+def test_boot_runs_in_a_namespace_made_by_a_non_root_user():
+    # The boot must run the code as it is, not fail switching to nobody.
+    out = _boot_as_nobody("import os\nprint(os.geteuid(), open('x', 'w').write('ok'))")
+    assert (out.returncode, out.stdout) == (0, "0 2\n"), out.stderr
+
+
+@needs_nobody
+def test_temporary_files_and_directory_walks_still_work():
+    # With a Python whose whole standard library the child can read (tempfile among it).
+    code = (
+        "import os, tempfile, shutil, pathlib\nwith tempfile.TemporaryFile() as t:\n"
+        "    t.write(b'y')\n    t.seek(0)\n    print(t.read())\n"
+        "with tempfile.TemporaryDirectory(dir='.') as d:\n"
+        "    pathlib.Path(d, 'a').mkdir()\n    pathlib.Path(d, 'a', 'f').write_text('x')\n"
+        "    shutil.copytree(d, 'copy')\n"
+        "print([sorted(f) for _, _, f in os.walk('copy')])\nshutil.rmtree('copy')\n"
+        "print(sorted(os.listdir('.')))"
+    )
+    out = _boot_as_nobody(code)
+    assert out.stdout == "b'y'\n[[], ['f']]\n['main.py']\n", out.stderr
+
+
+@needs_nobody
+def test_ctypes_cannot_be_loaded_by_any_import():
+    # With a Python whose extensions the child can read, so that _ctypes is found.
+    code = (
+        "import importlib, importlib.util as u\nfor attempt in (\n"
+        "    'import _ctypes', 'import ctypes', \"importlib.import_module('_ctypes')\",\n"
+        "    \"u.module_from_spec(u.find_spec('_ctypes'))\",\n"
+        "    \"import _imp; _imp.create_dynamic(u.find_spec('_ctypes'))\",\n):\n"
+        "    try:\n        exec(attempt)\n        print('loaded', attempt)\n"
+        "    except PermissionError as e:\n        print(e)\n"
+    )
+    out = _boot_as_nobody(code)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 5, (out.stdout, out.stderr)
+    assert all(ln.startswith("sandbox: import") and "not allowed" in ln for ln in lines), lines
 
 
 def test_printing_gigabytes_is_cut(unharmed):

@@ -19,6 +19,26 @@ case does not stop the rest; a case that hangs uses up the run's time and the ca
 after it count as failed. Completions are run in parallel (one thread waiting per
 process, ``workers`` at a time).
 
+How a pass is reported, and what that protects against. The completion's code shares
+stdout with the harness that runs the cases, so a plain "case i passed" line could be
+printed by the code itself. Instead, the parent draws a fresh random nonce for every
+run and sends it on stdin; the harness reads it before the completion's code runs,
+keeps it in its own frame (not in the code's globals, not in ``main.py``), binds
+``exec``, ``compile`` and everything else it needs before the code can replace them,
+and after each case that passes writes a marker with the nonce on a private copy of
+stdout. The parent counts only markers with that nonce. So printing markers, reading
+stdin or the program's files, replacing builtins the harness uses, and exiting early
+(``os._exit(0)``, ``sys.exit``: no marker is written for the cases not yet run) all
+score nothing.
+
+It does not protect against code deliberately written against this harness: code in
+the same interpreter can still reach the nonce by frame inspection (``sys._getframe``,
+a traceback's frames, ``sys.settrace``) and then print valid markers. Nor does it
+judge what the cases compare: an object whose ``__eq__`` always says True passes
+``assert f(x) == y``, and builtins the cases themselves call can be replaced by the
+code; write cases that check types (``assert type(f(x)) is int and f(x) == y``) where
+that matters, and inspect high-reward completions.
+
 Options: ``code_tests(timeout_s=5.0, memory_mb=256, workers=4)``. A reward that cannot
 score (no ``tests`` for an example) gives NaN. The reward bounds its own time (each
 program has ``timeout_s``), so ``train.reward_timeout_s`` does not cut it short.
@@ -30,6 +50,7 @@ import concurrent.futures
 import json
 import math
 import re
+import secrets
 
 from grpo_jax.rewards.registry import register
 from grpo_jax.tools.sandbox import run_python
@@ -49,25 +70,59 @@ def extract_code(completion: str) -> str:
     return completion
 
 
-def _assert_program(code: str, cases: list[str]) -> str:
-    lines = [
-        "import sys as _s",
-        f"_src = {code!r}",
-        "try:",
-        "    exec(compile(_src, 'solution.py', 'exec'), globals())",
-        "except BaseException as _e:",
-        "    print('solution failed:', type(_e).__name__, _e, file=_s.stderr)",
-        "    raise SystemExit(1)",
-    ]
+# The harness that runs a completion's code, then its assert cases (see the module
+# docstring). Everything it uses after the code has run is bound before: the code may
+# replace builtins, sys.stdout or os.write, and must not be able to make a case pass.
+_HARNESS = """\
+def _harness(src, cases, mark):
+    import os
+    read, write, exit_, exec_, base = os.read, os.write, os._exit, exec, BaseException
+
+    def report(what, e):
+        write(2, f"{what} {type(e).__name__} {e}\\n".encode("utf-8", "replace"))
+
+    nonce = b""
+    while not nonce.endswith(b"\\n"):
+        chunk = read(0, 64)
+        if not chunk:
+            break
+        nonce += chunk
+    prefix = b"\\n" + mark + b" " + nonce.strip() + b" "
+    del nonce, chunk
+    out = os.dup(1)  # a private stdout: the code may close or replace fd 1 and sys.stdout
+    runs = []
     for i, case in enumerate(cases):
-        lines += [
-            "try:",
-            f"    exec(compile({case!r}, 'test_{i}', 'exec'), globals())",
-            f"    print({_MARK!r}, {i}, flush=True)",
-            "except BaseException as _e:",
-            f"    print('test {i} failed:', type(_e).__name__, _e, file=_s.stderr)",
-        ]
-    return "\n".join(lines) + "\n"
+        why = f"test {i} failed:"
+        try:
+            runs.append((compile(case, f"test_{i}", "exec"), prefix + b"%d\\n" % i, why))
+        except base as e:
+            report(why, e)
+    del prefix
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec_(compile(src, "solution.py", "exec"), ns)
+    except base as e:
+        report("solution failed:", e)
+        exit_(1)
+    for test, marker, why in runs:
+        try:
+            exec_(test, ns)
+        except base as e:
+            report(why, e)
+            continue
+        write(out, marker)
+"""
+
+
+def _assert_program(code: str, cases: list[str]) -> str:
+    """The harness program for ``code`` and its assert ``cases``; it reads a nonce on stdin."""
+    return _HARNESS + f"\n\n_harness({code!r}, {list(cases)!r}, {_MARK.encode()!r})\n"
+
+
+def _count_passes(stdout: str, nonce: str, n: int) -> int:
+    """How many of the ``n`` cases the harness reported passed with this run's ``nonce``."""
+    lines = set(stdout.splitlines())
+    return sum(f"{_MARK} {nonce} {i}" in lines for i in range(n))
 
 
 def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256) -> float:
@@ -83,9 +138,14 @@ def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256)
         raise ValueError("each test must be a string or a mapping with 'input' and 'output'")
     passed = 0
     if asserts:
-        r = run_python(_assert_program(code, asserts), timeout_s=timeout_s, memory_mb=memory_mb)
-        marks = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith(_MARK + " ")}
-        passed += len(marks & {str(i) for i in range(len(asserts))})
+        nonce = secrets.token_hex(16)  # fresh for every run: a printed marker cannot know it
+        r = run_python(
+            _assert_program(code, asserts),
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            stdin=nonce + "\n",
+        )
+        passed += _count_passes(r.stdout, nonce, len(asserts))
     for case in io_cases:
         r = run_python(
             code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(case.get("input", ""))

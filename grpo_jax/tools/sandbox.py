@@ -15,7 +15,8 @@ What bounds the code, and who enforces it:
   child on itself before the code runs. Kernel-enforced: an allocation past the limit
   raises ``MemoryError``, a write past the file size fails with ``EFBIG``. A trainer
   running as root would make ``RLIMIT_NPROC`` void and every file writable, so under
-  root the child first becomes the ``nobody`` user.
+  root the child first becomes the ``nobody`` user. (Not in the ``unshare -r``
+  namespace of a non-root trainer: its uid 0 there is the trainer's own uid outside.)
 * **Output**: stdout and stderr are read as they come, at most ``max_output_bytes``
   each; a child that writes more is killed at once and ``truncated`` is True, so
   printing gigabytes costs neither memory nor time in the trainer.
@@ -27,7 +28,12 @@ What bounds the code, and who enforces it:
   removed afterwards. An audit hook (PEP 578) installed before the code runs refuses
   writing outside that directory, reading outside it and the Python installation,
   starting processes (``fork``, ``exec``, ``subprocess``, ``os.system``), sending
-  signals, sockets and native code (``ctypes``).
+  signals, sockets, native code (``ctypes``) and subinterpreters. It also refuses to
+  open directories, since the audit event of ``open`` does not carry ``dir_fd`` and a
+  path relative to a directory's descriptor would be checked against the wrong place,
+  and changing a file through a descriptor (``fchmod``) unless the file is in the
+  directory. ``os.mkfifo`` and ``os.mknod`` raise no audit event at all, so they are
+  removed from ``os`` and ``posix`` before the code runs.
 
 The audit hook guards against accidents and the ordinary ways of doing these things
 inside Python; it is not a hardened jail against code written to escape it (a
@@ -85,7 +91,9 @@ def _unshare_prefix() -> tuple[str, ...]:
     if exe is None or not sys.platform.startswith("linux"):
         return ()
     # Root may make a network namespace directly; others need a user namespace that
-    # maps them to themselves (so RLIMIT_NPROC still counts their processes).
+    # maps them to themselves (so RLIMIT_NPROC still counts their processes). Older
+    # unshare has no -c; under -r the child is uid 0 inside, its own uid outside, and
+    # the boot script leaves that uid as it is (see _sandbox_boot._is_real_root).
     options = [("-n",)] if os.geteuid() == 0 else [("-c", "-n"), ("-r", "-n")]
     for opts in options:
         cmd = (exe, *opts)
