@@ -298,6 +298,46 @@ def test_a_stated_budget_in_the_run_config_refuses_the_run_at_start_up(tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_plan_sampler_is_a_whole_copy_of_the_parameters_and_the_kv_cache_of_its_rows():
+    """``plan_sampler``: mesh.sampler_devices = 4 of 8 (grpo_jax.pipeline's split mesh)."""
+    from configs.default import get_config
+    from grpo_jax import config, setup
+
+    c = get_config("smoke")  # B = 4, G = 4, prompt buckets up to 32, 6 new tokens
+    c.mesh.num_devices, c.mesh.sampler_devices, c.train.max_staleness = 8, 4, 1
+    c.mesh.data, c.mesh.fsdp = 1, -1  # the learner: fsdp 4 on devices 4-7
+    c.grpo.beta = 0.04  # the learner holds a reference, the sampler does not
+    c.eval.batch_size = 64  # evaluation runs on the learner mesh: more rows there
+    run = config.parse_config(c)
+    sampler_mesh = dict(setup.build_sampler_mesh(run).shape)
+    learner_mesh = dict(setup.build_mesh(run).shape)
+    assert sampler_mesh == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert learner_mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+
+    est = memory.plan_sampler(run, HAND, sampler_mesh)
+    # The whole model on each sampler device, float32: 172 parameters (test_param_count_by_hand).
+    assert est.params == 172 * 4 == memory.param_count(HAND) * 4
+    assert (est.grads, est.optimizer, est.reference, est.activations) == (0, 0, 0, 0)
+    # KV cache of the step's B * G = 16 rows over 4 sampler devices, S = 32 + 6 slots:
+    # 2 (k, v) * L=1 * 4 rows * 38 * K=1 * Dh=2 * 4 bytes.
+    assert est.kv_cache == 2 * 1 * 4 * 38 * 1 * 2 * 4 == 2432
+    assert est.total == est.sampling == 688 + 2432
+    memory.plan_sampler(run, HAND, sampler_mesh, budget_bytes=688 + 2432)  # fits exactly
+    with pytest.raises(memory.MemoryBudgetError, match="over the budget"):
+        memory.plan_sampler(run, HAND, sampler_mesh, budget_bytes=688 + 2431)
+
+    # The learner's own plan: fsdp 4 splits D = 4 (embed 10, q 4, k 2, v 2, o 4, MLP 18; the
+    # norms, 12, stay whole), with its gradients, Adam moments and reference, and the KV
+    # cache of max(16, 64) = 64 evaluation rows over 4 shards.
+    learner = memory.plan_run(run, HAND, learner_mesh)
+    p = (10 + 4 + 2 + 2 + 4 + 18 + 12) * 4
+    assert (learner.params, learner.grads, learner.optimizer, learner.reference) == (
+        p, p, 2 * p, p,
+    )  # fmt: skip
+    assert learner.kv_cache == 2 * 1 * 16 * 38 * 1 * 2 * 4
+    assert learner.activations > 0
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     """The activation term against the tensors JAX keeps for the gradient.

@@ -7,6 +7,9 @@ parameters of that version, with the step's key, and require the very same
 tokens and log-probs, so a batch labelled with a version really came from it.
 """
 
+import math
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -51,6 +54,9 @@ def _config(**updates):
     c.rewards = "overlong(max_len=16,buffer=15):1.0"
     c.correct_reward = "overlong"
     c.sampling.max_new_tokens = 16
+    # No warmup: the smoke config's warmup gives step 1 a learning rate of 0, which would leave
+    # version 1 equal to version 0.
+    c.optim.warmup_steps = 0
     for dotted, value in updates.items():
         section, key = dotted.split(".")
         c[section][key] = value
@@ -86,7 +92,14 @@ def compilation_cache(tmp_path_factory):
         jax.config.update(k, v)
 
 
-PLACEMENTS = {"one_mesh": {}, "split_4_4": {"mesh.sampler_devices": 4, "mesh.num_devices": 8}}
+# Both placements use the 8 fake devices (the smoke config itself runs on 1). Each batch shard
+# holds whole groups, and the smoke batch of B = 4 groups does not divide over the one mesh's 8
+# data shards, so the one mesh trains on B = 8 (one group per device). The split mesh keeps
+# B = 4: devices 0-3 sample (data 4, parameters replicated), devices 4-7 learn (data 4).
+PLACEMENTS = {
+    "one_mesh": {"mesh.num_devices": 8, "train.batch_size": 8},
+    "split_4_4": {"mesh.sampler_devices": 4, "mesh.num_devices": 8},
+}
 
 
 def _record_batches(monkeypatch):
@@ -118,7 +131,9 @@ def _params_by_version(workdir, run, s):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "placement, k", [("one_mesh", 1), ("one_mesh", 2), ("split_4_4", 1)], ids=str
+    "placement, k",
+    [("one_mesh", 1), ("one_mesh", 2), ("split_4_4", 1), ("split_4_4", 2)],
+    ids=str,
 )
 def test_each_batch_comes_from_a_version_within_the_bound(tmp_path, monkeypatch, placement, k):
     from grpo_jax.sampling import generate
@@ -136,8 +151,23 @@ def test_each_batch_comes_from_a_version_within_the_bound(tmp_path, monkeypatch,
         assert r["pipeline/version"] == pipeline.sampled_version(s, k)
         assert r["pipeline/staleness"] == s - 1 - r["pipeline/version"]
         assert 0 <= r["pipeline/staleness"] <= k
-        for key in ("perf/learner_wait_s", "perf/sampler_wait_s", "perf/update_s"):
-            assert r[key] >= 0.0
+        # Timings: the waits are clamped at 0, so only their being measured (finite) is
+        # checked; the update's own time is not clamped and must be positive.
+        for key in ("perf/learner_wait_s", "perf/sampler_wait_s", "perf/step_wall_s"):
+            assert math.isfinite(r[key]), (s, key)
+        assert 0.0 < r["perf/update_s"] < math.inf
+        if s > 1:
+            assert r["perf/step_wall_s"] > 0.0
+        # The overlap of this update with the next batch's work: measured exactly at the steps
+        # that dispatched a next batch (step s + k <= 4); sampling overlap on a split mesh only.
+        dispatched = s + k <= 4
+        assert ("perf/overlap_host_s" in r) == dispatched
+        assert ("perf/overlap_sample_s" in r) == (dispatched and placement == "split_4_4")
+    # Host work of the next batch (decoding, rewards) ran while an update ran, and on the split
+    # mesh the sampler sampled while the learner updated.
+    assert any(r.get("perf/overlap_host_s", 0.0) > 0.0 for r in records)
+    if placement == "split_4_4":
+        assert any(r.get("perf/overlap_sample_s", 0.0) > 0.0 for r in records)
     assert [f.step for _, f in seen] == [1, 2, 3, 4]
     assert [f.version for _, f in seen] == [pipeline.sampled_version(s, k) for s in (1, 2, 3, 4)]
 
@@ -182,13 +212,27 @@ def test_each_batch_comes_from_a_version_within_the_bound(tmp_path, monkeypatch,
     assert distinct >= 1
 
 
-def _restore(workdir, like):
+def _restore(workdir, like, step=4, latest=4):
     ck = Checkpointer(workdir / "checkpoints")
     try:
-        assert ck.latest_step() == 4
-        return ck.restore_params(params_like=like)
+        assert ck.latest_step() == latest
+        return ck.restore_params(step, params_like=like)
     finally:
         ck.close()
+
+
+def _params_like(cfg, workdir):
+    from grpo_jax import setup as setup_lib
+
+    run = config_lib.parse_config(cfg)
+    tok = setup_lib.build_tokenizer(run, workdir)
+    _, like = setup_lib.build_model(run, tok, setup_lib.build_mesh(run))
+    return like
+
+
+def _assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 class _Kill(Exception):
@@ -224,11 +268,82 @@ def test_kill_and_resume_at_k1_equals_the_uninterrupted_run(tmp_path, placement)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert _deterministic(resumed) == _deterministic(whole)
     assert [r.get("pipeline/staleness") for r in resumed] == [None, 0.0, 1.0, 1.0, 1.0]
-    from grpo_jax import setup as setup_lib
+    like = _params_like(cfg, tmp_path / "whole")
+    _assert_same_params(*(_restore(tmp_path / w, like) for w in ("whole", "killed")))
 
-    run = config_lib.parse_config(cfg)
-    tok = setup_lib.build_tokenizer(run, tmp_path / "whole")
-    _, like = setup_lib.build_model(run, tok, setup_lib.build_mesh(run))
-    a, b = (_restore(tmp_path / w, like) for w in ("whole", "killed"))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+def _differ(a, b):
+    return any(
+        not np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _loops_taken(monkeypatch):
+    """Records which loop each train() call runs: the on-policy one, then maybe the pipeline."""
+    train_module = sys.modules["grpo_jax.train"]
+    taken = []
+    loop, run_loop = train_module._loop, pipeline.run_loop
+
+    def spy_loop(*args, **kwargs):
+        taken.append("train._loop")
+        return loop(*args, **kwargs)
+
+    def spy_run_loop(*args, **kwargs):
+        taken.append("pipeline.run_loop")
+        return run_loop(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "_loop", spy_loop)
+    monkeypatch.setattr(pipeline, "run_loop", spy_run_loop)
+    return taken
+
+
+def _without_pipeline_keys(records):
+    return [{k: v for k, v in r.items() if not k.startswith("pipeline/")} for r in records]
+
+
+# The k = 0 run of each placement: a split mesh needs k >= 1 (the config refuses it at k = 0),
+# so its k = 0 counterpart is the on-policy loop on 4 devices, laid out like the split's
+# sampler and learner meshes (data 4, parameters replicated).
+ON_POLICY = {"one_mesh": PLACEMENTS["one_mesh"], "split_4_4": {"mesh.num_devices": 4}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["one_mesh", "split_4_4"])
+def test_k0_is_the_on_policy_loop_and_the_first_k1_step_equals_it(tmp_path, monkeypatch, placement):
+    """k = 0 never enters grpo_jax.pipeline: train() runs train._loop, the on-policy loop.
+
+    Step 1 of a k = 1 run has staleness 0: its batch comes from version 0 with step 1's key and
+    the first prompts, as the on-policy loop's does, while step 2's batch (also version 0) is
+    sampled during step 1's update. So step 1's record (timings and pipeline/* aside) and the
+    parameters after it equal the k = 0 run's, bit for bit. Later steps differ by design:
+    k = 1 samples step s with version s - 2, k = 0 with version s - 1.
+    """
+    taken = _loops_taken(monkeypatch)
+    # Two steps each (the last step's record also holds the final evaluation), a checkpoint
+    # after each.
+    two_steps = {"train.steps": 2, "checkpoint.every": 1}
+    on_policy = _config(**two_steps, **ON_POLICY[placement])
+    train(on_policy, tmp_path / "k0")
+    assert taken == ["train._loop"]  # not pipeline.run_loop
+    del taken[:]
+    k1 = _config(**two_steps, **{"train.max_staleness": 1}, **PLACEMENTS[placement])
+    train(k1, tmp_path / "k1")
+    assert taken == ["train._loop", "pipeline.run_loop"]
+
+    a = read_metrics(tmp_path / "k0" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "k1" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
+    assert not any(k.startswith("pipeline/") for r in a for k in r)
+    assert (b[1]["pipeline/staleness"], b[1]["pipeline/version"]) == (0.0, 0.0)
+    assert (b[2]["pipeline/staleness"], b[2]["pipeline/version"]) == (1.0, 0.0)
+    # Steps 0 (the evaluation before training) and 1.
+    assert _without_pipeline_keys(_deterministic(b[:2])) == _deterministic(a[:2])
+    like = _params_like(on_policy, tmp_path / "k0")
+    k0_1, k0_2 = (_restore(tmp_path / "k0", like, step=v, latest=2) for v in (1, 2))
+    k1_1, k1_2 = (_restore(tmp_path / "k1", like, step=v, latest=2) for v in (1, 2))
+    _assert_same_params(k0_1, k1_1)
+    assert _differ(k0_1, like)  # step 1 moved the parameters
+    # Step 2 trains on batches of different versions (1 and 0), so the runs part there: the
+    # comparison above tells them apart.
+    assert _differ(k0_2, k1_2)
