@@ -507,13 +507,16 @@ def run_episodes(
             turn_start[i] = length[i] + len(ids)
         if not next_active.any():
             break
+        # A row still in its turn (the cache filled) keeps its queue: the rest of an
+        # observation it was writing comes first in the next phase.
+        new_N = jnp.asarray(new_turn)
         st = st._replace(
             active_N=jnp.asarray(next_active),
             reason_N=jnp.zeros((n,), jnp.int32),
-            forced_NxO=jnp.asarray(forced),
-            forced_len_N=jnp.asarray(forced_len),
-            forced_pos_N=jnp.zeros((n,), jnp.int32),
-            turn_len_N=jnp.where(jnp.asarray(new_turn), 0, st.turn_len_N),
+            forced_NxO=jnp.where(new_N[:, None], jnp.asarray(forced), st.forced_NxO),
+            forced_len_N=jnp.where(new_N, jnp.asarray(forced_len), st.forced_len_N),
+            forced_pos_N=jnp.where(new_N, 0, st.forced_pos_N),
+            turn_len_N=jnp.where(new_N, 0, st.turn_len_N),
         )
     tokens, mask, logps, behavior, length = jax.device_get(
         (st.tokens_NxT, st.mask_NxT, st.logps_NxT, st.behavior_NxT, st.len_N)

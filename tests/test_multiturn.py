@@ -1,10 +1,13 @@
 """The multi-turn sampler: recorded log-probs equal one full forward pass over the transcript.
 
 Every model family, left-padded prompts of different lengths, rows in different
-turns, a sliding window that binds, early ends and budget hits.
+turns, a sliding window that binds, early ends and budget hits (each row's cut checked
+against a replay of the budgets), a cache that fills while a row writes an observation,
+and environments that raise or hang.
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +120,7 @@ def _run(graphdef, params, *, g=2, temperature=1.0, key=0, **cfg_kw):
     )
 
 
-def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5):
+def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5, group_size=2, update=True):
     model_NxT = ep.mask_NxT.astype(bool)
     assert (
         model_NxT.any()
@@ -126,6 +129,8 @@ def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5):
     want = full_forward_logps(graphdef, params, ep, temperature)
     np.testing.assert_allclose(ep.logps_NxT[model_NxT], want[model_NxT], atol=atol, rtol=0)
     assert (ep.logps_NxT[~model_NxT] == 0).all()
+    if not update:
+        return
     # The update's own scoring path (shared prompt, loss mask = model tokens) agrees too.
     got = scoring.completion_logps(
         graphdef,
@@ -135,7 +140,7 @@ def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5):
         jnp.asarray(ep.tokens_NxT),
         jnp.asarray(ep.mask_NxT),
         temperature,
-        group_size=2,
+        group_size=group_size,
     )
     np.testing.assert_allclose(np.asarray(got)[model_NxT], want[model_NxT], atol=atol, rtol=0)
 
@@ -184,6 +189,51 @@ def test_transcript_layout_rewards_and_turns():
         assert m[-1]  # a transcript ends with a model token
 
 
+def _replay(ep, i, obs, *, max_tokens, max_turns, max_turn_tokens):
+    """Walks row i's transcript as the budgets say it must unfold; -> what ended it.
+
+    "done" (the script ran out), "turns" (max_turns), "tokens" (max_tokens reached
+    inside a model turn) or "observation" (the next observation would leave no room
+    for a model token). Asserts on the way that each model turn ends where it must and
+    that each observation follows it whole.
+    """
+    tokens, mask = ep.tokens_NxT[i].tolist(), ep.mask_NxT[i].astype(bool)
+    at, turn = 0, 1
+    while True:
+        start = at
+        while True:  # one model turn
+            assert mask[at], (i, at)
+            at += 1
+            if tokens[at - 1] in EOS or at - start == max_turn_tokens:
+                break  # the turn is over (on the last slot too: the environment sees it)
+            if at == max_tokens:
+                return "tokens", at, turn
+        if turn > len(obs):
+            return "done", at, turn
+        if turn >= max_turns:
+            return "turns", at, turn
+        ids = [int(x) for x in obs[turn - 1].split()]
+        if at + len(ids) >= max_tokens:
+            return "observation", at, turn
+        assert tokens[at : at + len(ids)] == ids and not mask[at : at + len(ids)].any(), (i, at)
+        at += len(ids)
+        turn += 1
+
+
+def _check_budgets(ep, **budgets):
+    """Each row ended as :func:`_replay` says, with the turns, length, flags and reward."""
+    cuts = []
+    for i, env in enumerate(_envs(2)):
+        cut, length, turns = _replay(ep, i, env.obs, **budgets)
+        assert (ep.lengths_N[i], ep.turns_N[i]) == (length, turns), i
+        assert ep.truncated_N[i] == (cut != "done") and not ep.errors_N[i], i
+        assert len(ep.turn_texts[i]) == turns
+        # 0.25 per step: a turn cut by max_tokens never reached the environment.
+        assert ep.rewards_N[i] == pytest.approx(0.25 * (turns - (cut == "tokens")))
+        cuts.append(cut)
+    return cuts
+
+
 @pytest.mark.slow
 def test_turn_and_token_budgets():
     graphdef, params = _model("llama")
@@ -193,41 +243,83 @@ def test_turn_and_token_budgets():
     for i, env in enumerate(envs):
         assert ep.turns_N[i] == min(len(env.obs) + 1, 2)
         assert ep.truncated_N[i] == (len(env.obs) + 1 > 2)
+    cuts = _check_budgets(ep, max_tokens=40, max_turns=2, max_turn_tokens=5)
+    assert cuts == ["turns" if len(env.obs) + 1 > 2 else "done" for env in envs]
     _check_exact(graphdef, params, ep)
-    # Token budget: 8 transcript tokens; every row stops within it, marked truncated
-    # when the script had more to say.
+    # Token budget: 8 transcript tokens. A row ends inside a model turn at the 8th
+    # token, or after a turn whose next observation does not fit, or when its script
+    # ends; each happens to some row here.
     ep = _run(graphdef, params, max_tokens=8, max_turn_tokens=5)
-    assert ep.lengths_N.max() <= 8
-    assert ep.truncated_N.any()
-    for i in range(len(ep.rewards_N)):
-        assert ep.mask_NxT[i, ep.lengths_N[i] - 1]
+    cuts = _check_budgets(ep, max_tokens=8, max_turns=4, max_turn_tokens=5)
+    assert {"tokens", "observation", "done"} <= set(cuts), cuts
+    for i in range(len(cuts)):
+        assert ep.mask_NxT[i, ep.lengths_N[i] - 1]  # every row ends on a model token
+    _check_exact(graphdef, params, ep)
 
 
-def test_environment_error_ends_the_episode_with_nan():
+def _run_fixed(graphdef, params, prompts, environments):
+    """Two rows, no EOS, turns of exactly 2 model tokens: lengths known in advance."""
+    toks, mask = pad_prompts(prompts, pad_id=0, buckets=(8,))
+    return multiturn.run_episodes(
+        graphdef,
+        params,
+        environments,
+        toks,
+        mask,
+        jax.random.key(0),
+        sampling=SamplingConfig(max_new_tokens=1, eos_ids=(), pad_id=0),
+        cfg=multiturn.MultiTurnConfig(
+            max_tokens=20, max_turns=4, max_turn_tokens=2, max_obs_tokens=10, env_timeout_s=0.5
+        ),
+        encode_observation=encode_obs,
+        decode=decode,
+    )
+
+
+@pytest.mark.parametrize("failure", ["raise", "hang"])
+def test_environment_error_ends_the_episode_with_nan(failure):
     class Boom(ScriptedEnv):
         def step(self, text):
             if self.turn == 1:
+                if failure == "hang":
+                    time.sleep(30)  # the 0.5 s budget interrupts it
                 raise RuntimeError("env bug")
             return super().step(text)
 
     graphdef, params = _model("qwen2")
-    toks, mask = pad_prompts(PROMPTS[:2], pad_id=0, buckets=(8,))
-    envs = [ScriptedEnv(["20"]), Boom(["20", "21"])]
-    ep = multiturn.run_episodes(
-        graphdef,
-        params,
-        envs,
-        toks,
-        mask,
-        jax.random.key(0),
-        sampling=SamplingConfig(max_new_tokens=1, eos_ids=EOS, pad_id=0),
-        cfg=multiturn.MultiTurnConfig(max_tokens=30, max_turn_tokens=4, max_obs_tokens=4),
-        encode_observation=encode_obs,
-        decode=decode,
-    )
-    assert not np.isnan(ep.rewards_N[0]) and not ep.errors_N[0]
+    t0 = time.monotonic()
+    ep = _run_fixed(graphdef, params, PROMPTS[:2], [ScriptedEnv(["20"]), Boom(["20", "21"])])
+    assert time.monotonic() - t0 < 25
     assert np.isnan(ep.rewards_N[1]) and ep.errors_N[1] and ep.turns_N[1] == 2
-    assert "env bug" in ep.error_messages[0]
+    want = "EnvTimeout: ran past 0.5 s" if failure == "hang" else "RuntimeError: env bug"
+    assert ep.error_messages == [f"row 1: step: {want}"]
+    # The other row played on to its end.
+    assert not ep.errors_N[0] and ep.turns_N[0] == 2 and ep.rewards_N[0] == pytest.approx(0.5)
+
+
+def test_cache_filled_inside_an_observation_writes_the_rest_next_phase():
+    """A row whose observation the cache cannot hold this phase finishes it in the next.
+
+    Row 0 (prompt 8) has 13 transcript tokens when its second observation is queued,
+    row 1 (prompt 1) 5, so row 1's cache is aligned to end where row 0's does (slot 20
+    of 28) and the 8 free slots cannot hold its 9-token observation: the phase ends with
+    row 1 still writing it.
+    """
+    graphdef, params = _model("qwen2")
+    long = " ".join(str(30 + k) for k in range(9))
+    scripts = [[" ".join(["20"] * 9), "21"], ["22", long]]
+    ep = _run_fixed(graphdef, params, [list(range(5, 13)), [7]], [ScriptedEnv(o) for o in scripts])
+    assert ep.phases == 4 and ep.turns_N.tolist() == [3, 3]  # one phase more than turns
+    for i, obs in enumerate(scripts):
+        ids = [[int(x) for x in o.split()] for o in obs]
+        want_mask = [1, 1] + [0] * len(ids[0]) + [1, 1] + [0] * len(ids[1]) + [1, 1]
+        n = ep.lengths_N[i]
+        assert ep.mask_NxT[i, :n].astype(int).tolist() == want_mask
+        env_tokens = [t for t, m in zip(ep.tokens_NxT[i, :n].tolist(), want_mask) if not m]
+        assert env_tokens == ids[0] + ids[1]
+        assert [len(t.split()) for t in ep.turn_texts[i]] == [2, 2, 2]
+        assert not ep.truncated_N[i] and ep.rewards_N[i] == pytest.approx(0.75)
+    _check_exact(graphdef, params, ep, update=False)
 
 
 @pytest.mark.slow
