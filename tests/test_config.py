@@ -38,3 +38,77 @@ def test_frozen():
     c = GRPOConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.G = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------
+# The env section (multi-turn rollouts) as parse_config checks it.
+
+_RUN = {"data": {"source": "synthetic"}, "rewards": "exact_match:1.0"}
+
+
+def _parse(env, **sections):
+    from grpo_jax.config import parse_config
+
+    return parse_config({**_RUN, "sampling": {"max_new_tokens": 8}, "env": env, **sections})
+
+
+@pytest.mark.parametrize(
+    "env, sections, message",
+    [
+        (
+            {"name": "guess_number"},
+            {"train": {"dynamic_sampling": True}},
+            r"'train.dynamic_sampling' = True does not combine with an environment",
+        ),
+        (
+            {"name": "guess_number"},
+            {"train": {"max_staleness": 1}},
+            r"'train.max_staleness' = 1 does not combine with env.name",
+        ),
+        (
+            {"name": "nope"},
+            {},
+            r"'env.name' = 'nope': .*unknown environment 'nope'; registered: \[.*'guess_number'",
+        ),
+        (
+            {"name": "guess_number(colour=1)"},
+            {},
+            r"'env.name' = 'guess_number\(colour=1\)': .*bad options",
+        ),
+        ({"name": "guess_number(1)"}, {}, r"'env.name' = 'guess_number\(1\)': .*keyword=literal"),
+        (
+            {"name": "guess_number", "modules": "/no/such/dir/env.py"},
+            {},
+            r"'env.modules': '/no/such/dir/env.py': .*no such file",
+        ),
+        (
+            {"name": "guess_number", "modules": "no_such_env_module"},
+            {},
+            r"'env.modules': 'no_such_env_module': No module named",
+        ),
+        ({"name": 7}, {}, r"'env.name' = 7 must be a string"),
+        (
+            {"name": "guess_number", "max_turn_tokens": 100},
+            {},
+            r"'env.max_turn_tokens' = 100 exceeds 'env.max_tokens' = 64",
+        ),
+    ],
+)
+def test_env_section_errors_name_the_key(env, sections, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse(env, **sections)
+
+
+def test_env_module_by_path_registers_the_environment(tmp_path):
+    path = tmp_path / "config_env.py"
+    path.write_text(
+        "from grpo_jax import envs\n"
+        "@envs.register('config_path_env_test')\n"
+        "class E:\n"
+        "    def reset(self, example):\n"
+        "        return None\n"
+        "    def step(self, text):\n"
+        "        return None, 0.0, True, {}\n"
+    )
+    run = _parse({"name": "config_path_env_test", "modules": f"  {path} ,"})
+    assert run.env.name == "config_path_env_test"

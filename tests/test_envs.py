@@ -102,3 +102,55 @@ def test_reset_error_and_good_step():
     assert r.done and math.isnan(r.reward) and "broken reset" in r.error
     r = envs.safe_step(_Bad("ok"), "t", 1.0)
     assert (r.observation, r.reward, r.done, r.error) == ("fine", 0.5, False, None)
+
+
+_RESETS = iter(range(10**6))
+
+
+@envs.register("reset_all_test")
+class _ResetProbe:
+    """reset: raises for answer "bad", a per-instance prompt for "differ", else "go <answer>"."""
+
+    def __init__(self):
+        self.k = next(_RESETS)
+
+    def reset(self, example):
+        answer = example["answer"]
+        if answer == "bad" or (answer == "flaky" and self.k % 2):
+            raise RuntimeError(f"broken reset {answer}")
+        if answer == "hang":
+            time.sleep(30)
+        return f"go {self.k}" if answer == "differ" else f"go {answer}"
+
+    def step(self, text):
+        return None, 1.0, True, {}
+
+
+def test_reset_all_contains_failing_resets():
+    from grpo_jax import multiturn
+
+    examples = [{"answer": a} for a in ("1", "bad", "flaky", "hang")]
+    t0 = time.monotonic()
+    environments, first, messages = multiturn.reset_all("reset_all_test", examples, 2, 0.3)
+    assert time.monotonic() - t0 < 10
+    assert len(environments) == 8 and first[:2] == ["go 1", None]
+    broken = [e is None for e in environments]
+    # Both episodes of "bad" and "hang"; one of the two of "flaky", whose prompt is the
+    # good one's.
+    assert broken[:4] == [False, False, True, True] and broken[6:] == [True, True]
+    assert sum(broken[4:6]) == 1 and first[2] == "go flaky" and first[3] is None
+    assert len(messages) == 5 and messages[0] == "example 1: reset: RuntimeError: broken reset bad"
+    assert messages[-1] == "example 3: reset: EnvTimeout: ran past 0.3 s"
+    # A broken environment's episode ends at its first turn with NaN, counted.
+    r = envs.safe_step(environments[2], "x", 1.0)
+    assert r.done and math.isnan(r.reward) and r.error is not None
+
+
+def test_reset_all_refuses_different_first_observations_in_a_group():
+    from grpo_jax import multiturn
+
+    with pytest.raises(ValueError, match="different first observations for the 2 episodes"):
+        multiturn.reset_all("reset_all_test", [{"answer": "differ"}], 2, 1.0)
+    # One episode per example: nothing to compare.
+    _, first, _ = multiturn.reset_all("reset_all_test", [{"answer": "differ"}], 1, 1.0)
+    assert first[0].startswith("go ")
