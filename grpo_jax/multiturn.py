@@ -477,6 +477,10 @@ def run_episodes(
             if reason[i] == BUDGET:
                 done[i] = truncated[i] = True
                 continue
+            if environments[i] is None:  # its reset failed (reported by reset_all)
+                done[i], errors[i], rewards[i] = True, True, math.nan
+                messages.append(f"row {i}: no environment: its reset failed")
+                continue
             out = envs_lib.safe_step(environments[i], text, cfg.env_timeout_s)
             if out.error is not None:
                 done[i], errors[i], rewards[i] = True, True, math.nan

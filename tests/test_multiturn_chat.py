@@ -306,3 +306,5 @@ def test_collect_contains_a_failing_reset(one_device_mesh):
         "environment error (episode ends, reward NaN): "
         "example 1: reset: RuntimeError: no such puzzle"
     )
+    # The broken rows end without stepping a missing environment.
+    assert not any("NoneType" in line for line in said), said
