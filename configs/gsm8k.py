@@ -245,25 +245,29 @@ def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
         c.train.logits_chunk = 16
     if "words" in flags:
         # A learning run that fits a CPU in about half an hour: the real model on
-        # synthetic one- and two-step word problems (grpo_jax.runlocal.word_problem),
-        # which the base model solves in a minority of samples: groups with both
-        # right and wrong answers, so most carry a learning signal.
-        c.data.jsonl_dir = "tiny:word_problems:2048:128"
-        c.sampling.prompt_buckets = (160,)  # the template plus one question: 137-147
-        c.sampling.max_new_tokens = 32  # the answers are one or two short lines
-        c.train.logits_chunk = 0
+        # synthetic one-step word problems (grpo_jax.runlocal.one_step_problem: add,
+        # take away, multiply small numbers). The base model multiplies well but adds
+        # and subtracts poorly after this few-shot prompt (it copies the examples'
+        # * and /), so many groups mix right and wrong answers.
+        c.data.jsonl_dir = "tiny:one_step_problems:2048:96"
+        c.sampling.prompt_buckets = (160,)  # the template plus one question
+        c.sampling.max_new_tokens = 24  # the answers are one short line and "#### n"
+        c.train.logits_chunk = 8  # 32 x 8 x 262144 float32 logits at a time: 268 MB
+        # At temperature 1 the base model's samples wander off the few-shot pattern
+        # (none right in the first steps, half truncated); at 0.6 they keep to it.
+        c.grpo.temperature = 0.6
         c.train.batch_size = 4
         c.grpo.G = 8
         c.grpo.beta = 0.0  # no reference model: a short run stays close to the base
         c.train.minibatch_size = 32  # one update per step
         c.optim.grad_accum = 1
-        c.optim.learning_rate = 3e-6
-        c.optim.warmup_steps = 2
-        c.train.steps = 40
+        c.optim.learning_rate = 1e-5
+        c.optim.warmup_steps = 0
+        c.train.steps = 20
         c.train.samples_every = 5
         c.eval.every = 0
-        c.eval.num_problems = 128
-        c.eval.batch_size = 64
+        c.eval.num_problems = 96
+        c.eval.batch_size = 48
         c.checkpoint.every = 10
         c.mesh.num_devices = 1
     return c

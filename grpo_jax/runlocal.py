@@ -85,7 +85,8 @@ def resolve(run):
     """``run`` with its "tiny:..." model path and data folders replaced by real ones, made now.
 
     model.path "tiny:<family>" becomes :func:`tiny_checkpoint`; a gsm8k
-    data.jsonl_dir "tiny:word_problems" becomes :func:`word_problems_dir`
+    data.jsonl_dir "tiny:word_problems" (or "tiny:one_step_problems") becomes
+    :func:`word_problems_dir`
     (with data.data_dir, when unset, inside it). Files are content-addressed
     under :func:`assets_root` and reused; a run config without "tiny:" values
     comes back unchanged.
@@ -103,7 +104,8 @@ def resolve(run):
         model = dataclasses.replace(model, path=str(tiny_checkpoint(family, assets_root())))
     jsonl_dir = data.options.get("jsonl_dir")
     if isinstance(jsonl_dir, str) and jsonl_dir.startswith(TINY_PREFIX):
-        d = word_problems_dir(assets_root(), *_word_problem_sizes(jsonl_dir))
+        kind, n_train, n_test = _problem_set(jsonl_dir)
+        d = word_problems_dir(assets_root(), n_train, n_test, kind)
         options = dict(data.options, jsonl_dir=str(d))
         if options.get("data_dir") is None:
             options["data_dir"] = str(d / "tfds")
@@ -238,30 +240,67 @@ def word_problem(rng: random.Random) -> dict:
     return {"question": q, "answer": f"{r}\n#### {n:,}"}
 
 
+def one_step_problem(rng: random.Random) -> dict:
+    """One GSM8K-format row of a single operation: add, take away, or multiply small numbers."""
+    who, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b = rng.randint(2, 40), rng.randint(2, 20)
+        n, q = a + b, f"{who} has {a} {item} and gets {b} more. How many {item} are there now?"
+        r = f"{who} has {a}+{b}=<<{a}+{b}={n}>>{n} {item}."
+    elif kind == 1:
+        a = rng.randint(10, 50)
+        b = rng.randint(2, a - 1)
+        n, q = a - b, f"{who} has {a} {item} and gives away {b}. How many {item} are left?"
+        r = f"{a}-{b}=<<{a}-{b}={n}>>{n} {item} are left."
+    else:
+        a, b = rng.randint(2, 10), rng.randint(2, 10)
+        n, q = a * b, f"A box holds {a} {item}. How many {item} are in {b} boxes?"
+        r = f"{b} boxes hold {a}*{b}=<<{a}*{b}={n}>>{n} {item}."
+    return {"question": q, "answer": f"{r}\n#### {n:,}"}
+
+
+# The made problem sets: name -> (row maker, folder prefix).
+_PROBLEM_SETS = {
+    "word_problems": (word_problem, "gsm8k-words"),
+    "one_step_problems": (one_step_problem, "gsm8k-one-step"),
+}
+
+
 def _word_problem_sizes(jsonl_dir: str) -> tuple[int, int]:
     """ "tiny:word_problems" -> (32, 16); "tiny:word_problems:<train>:<test>" -> the sizes."""
+    return _problem_set(jsonl_dir)[1:]
+
+
+def _problem_set(jsonl_dir: str) -> tuple[str, int, int]:
+    """ "tiny:<set>[:<n_train>:<n_test>]" -> (set, n_train, n_test); sizes default to 32, 16."""
     from grpo_jax.config import TINY_PREFIX, ConfigError
 
     name, *sizes = jsonl_dir[len(TINY_PREFIX) :].split(":")
-    ok = name == "word_problems" and len(sizes) in (0, 2)
+    ok = name in _PROBLEM_SETS and len(sizes) in (0, 2)
     ok = ok and all(x.isdigit() and int(x) > 0 for x in sizes)
     if not ok:
         raise ConfigError(
-            f"config key 'data.jsonl_dir' = {jsonl_dir!r}: the only made data set is "
-            "'tiny:word_problems' (32 train and 16 test problems), or "
-            "'tiny:word_problems:<n_train>:<n_test>' with positive sizes"
+            f"config key 'data.jsonl_dir' = {jsonl_dir!r}: the made data sets are "
+            "'tiny:word_problems' and 'tiny:one_step_problems' (32 train and 16 test "
+            "problems), or 'tiny:word_problems:<n_train>:<n_test>' (likewise) with positive sizes"
         )
-    return (int(sizes[0]), int(sizes[1])) if sizes else (32, 16)
+    return (name, *((int(sizes[0]), int(sizes[1])) if sizes else (32, 16)))
 
 
-def word_problems_dir(root: pathlib.Path, n_train: int = 32, n_test: int = 16) -> pathlib.Path:
-    """A folder of GSM8K-format train.jsonl / test.jsonl with synthetic word problems."""
-    key = _digest([_ASSETS_VERSION, n_train, n_test])
+def word_problems_dir(
+    root: pathlib.Path, n_train: int = 32, n_test: int = 16, kind: str = "word_problems"
+) -> pathlib.Path:
+    """A folder of GSM8K-format train.jsonl / test.jsonl with synthetic problems of ``kind``."""
+    make, prefix = _PROBLEM_SETS[kind]
+    # The original set keeps its key (and so its folder); others add their name.
+    parts = [_ASSETS_VERSION, n_train, n_test] + ([] if kind == "word_problems" else [kind])
+    key = _digest(parts)
 
     def fill(d: pathlib.Path) -> None:
         rng = random.Random(0)
         for split, n in (("train", n_train), ("test", n_test)):
-            rows = [json.dumps(word_problem(rng)) for _ in range(n)]
+            rows = [json.dumps(make(rng)) for _ in range(n)]
             (d / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
 
-    return _atomic_dir(root / f"gsm8k-words-{key}", fill)
+    return _atomic_dir(root / f"{prefix}-{key}", fill)

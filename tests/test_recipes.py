@@ -222,10 +222,14 @@ def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
     )
 
 
-def test_word_problems_are_gsm8k_format(assets):
+@pytest.mark.parametrize("kind", ["word_problems", "one_step_problems"])
+def test_word_problems_are_gsm8k_format(assets, kind):
+    import re
+
     from grpo_jax.data import gsm8k
 
-    d = runlocal.word_problems_dir(assets)
+    d = runlocal.word_problems_dir(assets, kind=kind)
+    assert d.name.startswith({"word_problems": "gsm8k-words-"}.get(kind, "gsm8k-one-step-"))
     train, skipped = gsm8k.read_gsm8k_jsonl(d / "train.jsonl")
     test, _ = gsm8k.read_gsm8k_jsonl(d / "test.jsonl")
     assert (len(train), len(test), skipped) == (32, 16, [])
@@ -235,11 +239,18 @@ def test_word_problems_are_gsm8k_format(assets):
         from grpo_jax.rewards import get
 
         assert get("gsm8k")([""], [ex["solution"]], answer=[ex["answer"]]) == [1.0]
+        # Every <<calculation>> in the worked solution is right.
+        for expr, value in re.findall(r"<<([^=]+)=([^>]+)>>", ex["solution"]):
+            assert eval(expr) == float(value), expr  # noqa: S307 - digits and + - * / only
 
 
 @pytest.mark.parametrize(
     "value, sizes",
-    [("tiny:word_problems", (32, 16)), ("tiny:word_problems:100:7", (100, 7))],
+    [
+        ("tiny:word_problems", (32, 16)),
+        ("tiny:word_problems:100:7", (100, 7)),
+        ("tiny:one_step_problems:2048:96", (2048, 96)),
+    ],
 )
 def test_word_problem_sizes_in_the_data_path(value, sizes):
     assert runlocal._word_problem_sizes(value) == sizes
@@ -366,10 +377,10 @@ def test_gguf_base_model_recipes_parse_and_stop_at_the_next_question():
         run = parse_config(recipes.get_config(arg))
         assert run.sampling.stop == ("\n\nQuestion:",) and not run.prompt.chat
     run = parse_config(recipes.get_config("model=gemma3-270m,words"))
-    assert run.data.options["jsonl_dir"] == "tiny:word_problems:2048:128"
+    assert run.data.options["jsonl_dir"] == "tiny:one_step_problems:2048:96"
     assert run.train.batch_size * run.grpo.G == run.train.minibatch_size == 32
     assert run.grpo.beta == 0.0 and run.sampling.prompt_buckets == (160,)
-    assert runlocal._word_problem_sizes(run.data.options["jsonl_dir"]) == (2048, 128)
+    assert runlocal._problem_set(run.data.options["jsonl_dir"]) == ("one_step_problems", 2048, 96)
 
 
 @pytest.mark.parametrize("arg", ["model=qwen2.5-0.5b,words", "model=gemma3-270m,words,runlocal"])
