@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: makes .venv with the runtime and test requirements when it is missing,
 # lints, then runs the suite. Usage: bash tests/run.sh [pytest args...]
-# The fast tier (tests not marked slow, about a minute on 2 CPU cores): bash tests/run.sh -m "not slow"
+# The fast tier (tests not marked slow): bash tests/run.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ! -x .venv/bin/python ]]; then
@@ -14,4 +14,11 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q "$@"
+# Test files in parallel, one worker per core (GRPO_JAX_TEST_WORKERS, default 2; 0 runs
+# them in this process). A file's tests stay on one worker (--dist loadfile), so its
+# module fixtures and compiled programs are shared as before.
+workers=${GRPO_JAX_TEST_WORKERS:-2}
+if [[ $workers == 0 ]]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
