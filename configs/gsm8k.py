@@ -261,7 +261,7 @@ def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
         c.grpo.beta = 0.0  # no reference model: a short run stays close to the base
         c.train.minibatch_size = 32  # one update per step
         c.optim.grad_accum = 1
-        c.optim.learning_rate = 1e-5
+        c.optim.learning_rate = 1e-6  # 1e-5 broke the few-shot pattern within 2 steps
         c.optim.warmup_steps = 0
         c.train.steps = 20
         c.train.samples_every = 5
