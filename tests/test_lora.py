@@ -65,6 +65,7 @@ def _logits(gd, params):
     return np.asarray(_JITTED[gd](params))
 
 
+@pytest.mark.slow  # 14-29 s each on two cores, most of it compilation
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 @pytest.mark.parametrize("scan", [False, True])
 def test_adapters_at_zero_give_exactly_the_base_logits(family, scan):
@@ -80,6 +81,7 @@ def test_adapters_at_zero_give_exactly_the_base_logits(family, scan):
     np.testing.assert_array_equal(_logits(base_gd, lora.split(p2)[0]), base)
 
 
+@pytest.mark.slow  # 14-29 s each on two cores, most of it compilation
 @pytest.mark.parametrize("scan", [False, True])
 def test_reference_with_adapters_off_is_the_frozen_base_and_merged_equals_unmerged(scan):
     gd, params, gd2, p2, base_gd, lcfg = _model(scan=scan)
@@ -304,6 +306,7 @@ def test_dropout_only_inside_its_block_and_fresh_masks_per_key():
     np.testing.assert_array_equal(_logits(gd2, p3), plain)  # nothing left behind
 
 
+@pytest.mark.slow  # 14-29 s each on two cores, most of it compilation
 def test_fingerprint_changes_with_the_weights_not_with_the_copy():
     _, params, *_ = _model()
     fp = lora.fingerprint(params)
