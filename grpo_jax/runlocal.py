@@ -267,11 +267,6 @@ _PROBLEM_SETS = {
 }
 
 
-def _word_problem_sizes(jsonl_dir: str) -> tuple[int, int]:
-    """ "tiny:word_problems" -> (32, 16); "tiny:word_problems:<train>:<test>" -> the sizes."""
-    return _problem_set(jsonl_dir)[1:]
-
-
 def _problem_set(jsonl_dir: str) -> tuple[str, int, int]:
     """ "tiny:<set>[:<n_train>:<n_test>]" -> (set, n_train, n_test); sizes default to 32, 16."""
     from grpo_jax.config import TINY_PREFIX, ConfigError
@@ -283,7 +278,7 @@ def _problem_set(jsonl_dir: str) -> tuple[str, int, int]:
         raise ConfigError(
             f"config key 'data.jsonl_dir' = {jsonl_dir!r}: the made data sets are "
             "'tiny:word_problems' and 'tiny:one_step_problems' (32 train and 16 test "
-            "problems), or 'tiny:word_problems:<n_train>:<n_test>' (likewise) with positive sizes"
+            "problems each), with other positive sizes as 'tiny:word_problems:<n_train>:<n_test>'"
         )
     return (name, *((int(sizes[0]), int(sizes[1])) if sizes else (32, 16)))
 

@@ -229,7 +229,7 @@ def test_word_problems_are_gsm8k_format(assets, kind):
     from grpo_jax.data import gsm8k
 
     d = runlocal.word_problems_dir(assets, kind=kind)
-    assert d.name.startswith({"word_problems": "gsm8k-words-"}.get(kind, "gsm8k-one-step-"))
+    assert d.name.startswith(runlocal._PROBLEM_SETS[kind][1] + "-")
     train, skipped = gsm8k.read_gsm8k_jsonl(d / "train.jsonl")
     test, _ = gsm8k.read_gsm8k_jsonl(d / "test.jsonl")
     assert (len(train), len(test), skipped) == (32, 16, [])
@@ -239,8 +239,11 @@ def test_word_problems_are_gsm8k_format(assets, kind):
         from grpo_jax.rewards import get
 
         assert get("gsm8k")([""], [ex["solution"]], answer=[ex["answer"]]) == [1.0]
-        # Every <<calculation>> in the worked solution is right.
-        for expr, value in re.findall(r"<<([^=]+)=([^>]+)>>", ex["solution"]):
+    # Every <<calculation>> of the raw rows (the reader strips them) is right.
+    for line in (d / "train.jsonl").read_text().splitlines():
+        calcs = re.findall(r"<<([^=]+)=([^>]+)>>", json.loads(line)["answer"])
+        assert calcs
+        for expr, value in calcs:
             assert eval(expr) == float(value), expr  # noqa: S307 - digits and + - * / only
 
 
@@ -253,7 +256,7 @@ def test_word_problems_are_gsm8k_format(assets, kind):
     ],
 )
 def test_word_problem_sizes_in_the_data_path(value, sizes):
-    assert runlocal._word_problem_sizes(value) == sizes
+    assert runlocal._problem_set(value)[1:] == sizes
 
 
 @pytest.mark.parametrize(
@@ -261,7 +264,7 @@ def test_word_problem_sizes_in_the_data_path(value, sizes):
 )
 def test_bad_word_problem_data_paths_name_the_key(value):
     with pytest.raises(ConfigError, match="data.jsonl_dir.*tiny:word_problems:<n_train>:<n_test>"):
-        runlocal._word_problem_sizes(value)
+        runlocal._problem_set(value)
 
 
 def test_sweep_points_are_valid_configs():
