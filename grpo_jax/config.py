@@ -15,6 +15,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+# The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
+ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, misspelled or out of range."""
@@ -627,7 +630,8 @@ class ModelSection:
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
       param_dtype: storage dtype of the parameters (None: ``dtype``).
       remat: recompute each layer in the backward pass.
-      attention: "einsum", "blockwise" or "dot_product" (``grpo_jax.models.attention``).
+      attention: "einsum", "blockwise", "dot_product" or "splash"
+        (``grpo_jax.models.attention``).
       scan_layers: run the layers as one scan over stacked parameters.
       lora: low-rank adapters on a frozen base (:class:`LoRAConfig`; rank 0: off).
       overrides: for the built-in tiny model only, ``grpo_jax.models.ModelConfig``
@@ -652,7 +656,7 @@ class ModelSection:
         if self.scan_layers is not None:
             check_bool("model.scan_layers", self.scan_layers)
         if self.attention is not None:
-            check_choice("model.attention", self.attention, ("einsum", "blockwise", "dot_product"))
+            check_choice("model.attention", self.attention, ATTENTION)
         if self.path and self.overrides:
             raise ConfigError(
                 f"config keys {[f'model.{k}' for k in sorted(self.overrides)]} only apply to "

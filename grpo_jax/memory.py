@@ -42,6 +42,9 @@ x, 1 where it is not split):
                  float32 row maximum and normaliser; the scores are recomputed
                  block by block), plus, once, the working set of one block of
                  one layer: 5 * 4 * n * (H / tp_h) * S * C_a (C_a = the block size);
+                 with attention "splash" it is 4 * (H / tp_h) (the float32
+                 log-sum-exp the kernel's backward reads) and the block working set
+                 lives in the TPU core's VMEM, not in HBM;
                  sandwich norms add 2 D, q/k norms (H + K) Dh, a GELU gate 2 F
                  (its tanh intermediates),
                  plus float32 logits and their gradient, 8 * V / tp_v per scored
@@ -86,7 +89,7 @@ import functools
 import math
 from collections.abc import Mapping
 
-from grpo_jax.config import ConfigError
+from grpo_jax.config import ATTENTION, ConfigError
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -317,8 +320,8 @@ def estimate(
       logits_chunk: completion tokens scored at a time (``train.logits_chunk``;
         0: all T).
       attention, attention_block_size: the attention implementation and its
-        key block (``ModelConfig.attention``): "blockwise" never holds the
-        [S, S] scores.
+        key block (``ModelConfig.attention``): "blockwise" and "splash" never
+        hold the [S, S] scores.
       lora_rank: r of LoRA adapters on a frozen base (0: full fine-tuning).
       lora_targets: the projections with adapters (``LoRAConfig.projections``).
     """
@@ -332,10 +335,8 @@ def estimate(
         _check_positive(f"mesh_shape[{a!r}]", v)
     if optimizer not in OPTIMIZER_MOMENTS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known are {sorted(OPTIMIZER_MOMENTS)}")
-    if attention not in ("einsum", "blockwise", "dot_product"):
-        raise ValueError(
-            f"unknown attention {attention!r}; known are ['blockwise', 'dot_product', 'einsum']"
-        )
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; known are {sorted(ATTENTION)}")
     sample_rows = batch_rows if sample_rows is None else sample_rows
     for name, value, lo in (
         ("batch_rows", batch_rows, 1),
@@ -388,6 +389,8 @@ def estimate(
     if attention == "blockwise":
         per_layer_token += 8 * (H // tp_h)
         blockwise = 5 * 4 * n * (H // tp_h) * S * min(attention_block_size, S)
+    elif attention == "splash":
+        per_layer_token += 4 * (H // tp_h)
     else:
         per_layer_token += (4 + c) * (H // tp_h) * S
     logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v) + blockwise

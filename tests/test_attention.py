@@ -5,7 +5,9 @@ Gemma 3 with a binding window of 3 and attention soft-capping) is run on a
 left-padded batch; logits are compared on real tokens, gradients of a loss
 over real tokens for every parameter. The blockwise block size (4) is
 smaller than the sequence, so several key blocks, a padded last block and
-the online-softmax rescaling are all exercised.
+the online-softmax rescaling are all exercised. ``splash`` (TPU splash
+attention) runs in Pallas's interpreter here, the same kernel code the TPU
+compiles; its blocks are whole 128-lane tiles, so these sequences fit one.
 """
 
 import jax
@@ -17,9 +19,10 @@ from test_models import FAMILIES, left_padded_batch, random_model, small_config
 
 from grpo_jax.config import ConfigError
 from grpo_jax.models import attention as attn_lib
-from grpo_jax.models import positions_from_mask
+from grpo_jax.models import create_model, param_shardings, positions_from_mask
+from grpo_jax.sharding import batch_sharding, make_mesh
 
-IMPLS = ("blockwise", "dot_product")
+IMPLS = ("blockwise", "dot_product", "splash")
 
 
 def _cfg(family, impl, **kw):
@@ -186,7 +189,8 @@ def test_unknown_attention_is_an_error():
 
 def test_memory_plan_counts_blockwise_scores_once_per_block():
     """einsum saves (4 + c) H S bytes of scores per layer and token; blockwise saves the row
-    max and normaliser (8 H) and holds one block's working set, 5 * 4 * n H S C, once."""
+    max and normaliser (8 H) and holds one block's working set, 5 * 4 * n H S C, once;
+    splash saves the log-sum-exp (4 H)."""
     from grpo_jax import memory
 
     cfg = small_config("qwen2")
@@ -196,5 +200,160 @@ def test_memory_plan_counts_blockwise_scores_once_per_block():
     n, S, L, H, c = 2, 64, cfg.num_layers, cfg.num_heads, 4
     expected = n * S * L * ((4 + c) * H * S - 8 * H) - 5 * 4 * n * H * S * 16
     assert dense.activations - blocks.activations == expected
+    # splash saves the float32 log-sum-exp (4 H) and keeps its blocks in VMEM, not HBM.
+    splash = memory.estimate(cfg, attention="splash", **kw)
+    assert dense.activations - splash.activations == n * S * L * ((4 + c) * H * S - 4 * H)
     with pytest.raises(ValueError, match="unknown attention"):
         memory.estimate(cfg, attention="flash", **kw)
+
+
+# ---------------------------------------------------------------------------
+# splash: the kernel's own cases (static offsets, traced windows, the mesh).
+
+
+def _cached_layout(k, v):
+    """[B, S, K, Dh] keys/values as the kernels' [B, K, S, Dh]."""
+    return jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+
+
+@pytest.mark.parametrize(
+    "offset,window",
+    [(5, "traced")]  # the fast tier's case: both kernels and an offset
+    + [pytest.param(o, w, marks=pytest.mark.slow) for o in (0, 5) for w in (None, 3)]
+    + [pytest.param(0, "traced", marks=pytest.mark.slow)],
+)
+def test_splash_kernel_value_and_gradient(offset, window):
+    """Queries in slots offset..offset+T-1 over S = offset + T keys (the prompt-once
+    scoring call at offset 5), left padding, soft-capping; a per-layer window traced
+    (scanned Gemma 3) picks the local kernel at 3 and the global one at NO_WINDOW."""
+    B, T, K, G, Dh = 2, 6, 2, 2, 8
+    S = offset + T
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, K, G, Dh)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, K, Dh)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, K, Dh)), jnp.float32)
+    kv_mask = jnp.asarray(np.arange(S)[None] >= np.array([[0], [3]]))  # row 1: 3 pads
+    slot = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
+    q_real = np.asarray(kv_mask)[:, offset:, None, None, None]
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    cases = [(3, 3), (attn_lib.NO_WINDOW, None)] if window == "traced" else [(window, window)]
+    for w_in, w_ref in cases:
+        ref_mask = attn_lib.AttnMask(slot, kv_mask, w_ref)
+
+        def ref(q, k, v):
+            out = attn_lib.einsum_attention(q, k, v, "bskh", "bskh", ref_mask, 0.5, 2.0)
+            return jnp.sum(jnp.where(q_real, out * w, 0.0)), out
+
+        def spl(q, k, v, w_arg):
+            m = attn_lib.AttnMask(slot, kv_mask, w_arg, offset)
+            kt, vt = _cached_layout(k, v)
+            out = attn_lib.splash_attention(q, kt, vt, m, 0.5, 2.0, 128, 3, "fsdp")
+            return jnp.sum(jnp.where(q_real, out * w, 0.0)), out
+
+        w_arg = jnp.int32(w_in) if window == "traced" else w_in
+        (l0, o0), g0 = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (l1, o1), g1 = jax.jit(jax.value_and_grad(spl, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v, w_arg
+        )
+        r = np.broadcast_to(q_real, o0.shape)
+        np.testing.assert_allclose(np.asarray(o1)[r], np.asarray(o0)[r], atol=1e-5)
+        np.testing.assert_allclose(l1, l0, rtol=1e-5)
+        for a, b in zip(g0, g1):
+            np.testing.assert_allclose(b, a, atol=1e-5)
+        assert np.isfinite(np.asarray(o1)).all()  # Pad queries see pads: finite, not NaN.
+
+
+def test_splash_without_a_static_offset_is_refused():
+    q = jnp.zeros((1, 2, 1, 1, 8))
+    k = jnp.zeros((1, 1, 4, 8))
+    mask = attn_lib.AttnMask(jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 4), bool))
+    with pytest.raises(ValueError, match="q_offset"):
+        attn_lib.splash_attention(q, k, k, mask, 1.0, None, 128, None, "fsdp")
+
+
+@pytest.mark.slow
+def test_splash_model_serves_traced_multi_token_writes_by_blockwise():
+    """A multi-token write at a traced slot (a multi-turn observation) cannot use the static
+    mask; the model runs blockwise there and still equals einsum."""
+    cfg = small_config("gemma3")
+    ref = random_model(cfg)
+    model = nnx.merge(nnx.graphdef(random_model(cfg.replace(attention="splash"))), nnx.state(ref))
+    tokens, mask = left_padded_batch((6, 4), 6, cfg.vocab_size, seed=5)
+    S = 9
+    kv_mask = jnp.zeros((2, S), bool).at[:, :6].set(mask)
+    positions = positions_from_mask(mask)
+
+    def run(m, index):
+        return m.forward_with_cache(
+            tokens,
+            positions_BxT=positions,
+            kv_mask_BxS=kv_mask,
+            cache=m.init_cache(2, S),
+            cache_index=index,
+        )[0]
+
+    want = jax.jit(lambda: run(ref, 0))()
+    got = jax.jit(lambda i: run(model, i))(jnp.int32(0))  # traced index
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,axes", [("fsdp", {"data": 2, "fsdp": 4}), ("fsdp_tp", {"fsdp": 4, "tensor": 2})]
+)
+def test_splash_on_a_mesh_equals_one_device(layout, axes):
+    """On 8 devices the kernel runs under shard_map (rows over the batch axes, KV heads over
+    "tensor"); logits and gradients equal the single-device einsum model's."""
+    cfg = small_config("gemma3", scan_layers=True)
+    mesh = make_mesh(axes)
+    ref = random_model(cfg)
+    tokens, mask = left_padded_batch((11, 7, 3, 9, 11, 5, 8, 2), 11, cfg.vocab_size, seed=3)
+    l0, z0, g0 = _loss_and_grads(ref, tokens, mask)
+    graphdef = nnx.graphdef(create_model(cfg.replace(attention="splash"), layout=layout))
+    params = jax.device_put(nnx.state(ref), param_shardings(nnx.state(ref), mesh, layout))
+    with jax.set_mesh(mesh):
+        tokens_s, mask_s = jax.device_put((tokens, mask), batch_sharding(mesh))
+        l1, z1, g1 = _loss_and_grads(nnx.merge(graphdef, params), tokens_s, mask_s)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(z1)[real], np.asarray(z0)[real], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
+    for path in flat0:
+        a, b = flat0[path].get_value(), np.asarray(flat1[path].get_value())
+        np.testing.assert_allclose(b, a, atol=2e-5 * (float(np.abs(a).max()) + 1e-6) + 1e-7)
+
+
+@pytest.mark.slow
+def test_splash_serves_the_prompt_once_scoring_path():
+    """The update's scoring with groups (prompt prefilled once at slot 0, completions written
+    at the static slot P): splash's features and their gradient equal einsum's."""
+    from grpo_jax.scoring import completion_features
+
+    cfg = small_config("qwen3")
+    ref = random_model(cfg)
+    model = nnx.merge(nnx.graphdef(random_model(cfg.replace(attention="splash"))), nnx.state(ref))
+    prompt, pmask = left_padded_batch((5, 5, 3, 3), 5, cfg.vocab_size, seed=7)
+    prompt, pmask = prompt.at[1].set(prompt[0]), pmask  # rows 0-1 and 2-3: one group each
+    prompt = prompt.at[3].set(prompt[2])
+    tokens, _ = left_padded_batch((6, 6, 6, 6), 6, cfg.vocab_size, seed=8)
+    cmask = jnp.asarray(np.arange(6)[None] < np.array([[6], [4], [5], [2]]))  # ended early
+
+    def features(m):
+        graphdef, params = nnx.split(m)
+
+        def loss(p):
+            x = completion_features(nnx.merge(graphdef, p), prompt, pmask, tokens, cmask, 2)
+            return jnp.sum(jnp.where(cmask[..., None], x, 0.0) ** 2), x
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (l0, x0), g0 = features(ref)
+    (l1, x1), g1 = features(model)
+    real = np.asarray(cmask)
+    np.testing.assert_allclose(np.asarray(x1)[real], np.asarray(x0)[real], atol=2e-5)
+    np.testing.assert_allclose(l1, l0, rtol=1e-5)
+    flat0, flat1 = dict(nnx.to_flat_state(g0)), dict(nnx.to_flat_state(g1))
+    for path in flat0:
+        a, b = flat0[path].get_value(), flat1[path].get_value()
+        np.testing.assert_allclose(b, a, atol=2e-5 * (float(np.abs(a).max()) + 1e-6) + 1e-7)

@@ -26,6 +26,20 @@ implementation; nothing downstream reads a pad's output).
                fused kernel on a GPU with a half-precision compute dtype, XLA's
                implementation elsewhere. Its options have no soft-capping, so a
                config with ``attn_logit_softcap`` is refused.
+  splash       TPU splash attention (Pallas; JAX's
+               ``jax.experimental.pallas.ops.tpu.splash_attention``): the causal
+               or sliding-window mask as a static block-sparse mask, left padding
+               as segment ids (real tokens segment 1, pads 0: a real query sees
+               real keys only, a pad query sees pads, so no row is empty), the
+               soft-cap in the kernel, a fused backward. Compiled for the TPU on
+               a TPU backend; elsewhere run by Pallas's interpreter (slow; for
+               tests). The mask is static, so the kernel serves calls whose
+               queries sit in consecutive slots from a known offset
+               (``AttnMask.q_offset``): the uncached forward pass, the sampler's
+               prefill and the update's prompt-once scoring. A one-token decode
+               step runs ``einsum`` (its scores are [B, H, 1, S], linear in S);
+               several tokens written at a traced slot (a multi-turn
+               observation) run ``blockwise``.
 """
 
 from __future__ import annotations
@@ -36,7 +50,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("einsum", "blockwise", "dot_product")
 MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
 NO_WINDOW = 2**30  # A per-layer window value (scanned layers) meaning "global layer".
 
@@ -49,11 +62,16 @@ class AttnMask(NamedTuple):
     window: None (all layers global), or a window W (a Python int, or an
       int32 scalar per layer when layers are scanned; ``NO_WINDOW`` for a
       global layer).
+    q_offset: the slot of query 0 as a Python int when the queries occupy
+      slots q_offset .. q_offset + T - 1 of every row (then
+      ``q_slot_BxT[b, t] == q_offset + t``); None when that slot is traced.
+      Only the static-mask kernel (``splash``) needs it.
     """
 
     q_slot_BxT: jax.Array
     kv_mask_BxS: jax.Array
     window: jax.Array | int | None = None
+    q_offset: int | None = None
 
 
 def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:
@@ -264,3 +282,141 @@ def dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask: AttnMask, 
         implementation="cudnn" if gpu_half else "xla",
     )
     return out_BxTxHxDh.reshape(B, T, K, G, Dh)
+
+
+# ---------------------------------------------------------------------------
+# splash: TPU splash attention (Pallas), interpreted off the TPU.
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(shape, q_offset, window, heads, softcap, bq, bkv, interpret):
+    """The Pallas kernel of one static mask: causal from ``q_offset``, within ``window``."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if window is None:
+        one = sm.CausalMask(shape, offset=q_offset)
+    else:  # j in [i - (W - 1), i]: causal and i - j < W.
+        one = sm.LocalMask(shape, window_size=(window - 1, 0), offset=q_offset)
+    blocks = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+    with jax.ensure_compile_time_eval():  # concrete mask tables, safe to cache across traces
+        return sk.make_splash_mqa(
+            sm.MultiHeadMask([one] * heads),
+            block_sizes=blocks,
+            attn_logits_soft_cap=softcap,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+
+
+def splash_attention(
+    q_BxTxKxGxDh,
+    k_BxKxSxDh,
+    v_BxKxSxDh,
+    mask: AttnMask,
+    scale,
+    softcap,
+    block_size: int,
+    local_window: int | None,
+    layout: str,
+):
+    """TPU splash attention for queries in consecutive slots from ``mask.q_offset``.
+
+    Per row and KV head the G query heads share one key/value head (the MQA
+    kernel, vmapped over rows and KV heads). T and S are padded to blocks of
+    ``block_size`` rounded up to 128 (at most T or S rounded up to 128, since the
+    kernel works in whole 128-lane tiles): padded queries and keys are
+    pads (segment 0), outside every real query's view. ``mask.window`` may be a
+    traced per-layer scalar (scanned Gemma 3): then a ``lax.cond`` picks the
+    global kernel or the one of ``local_window``. On a mesh with the
+    ("data", "fsdp", "tensor") axes the kernel runs under ``shard_map``, rows
+    over the batch axes and KV heads over "tensor" as the layout shards them,
+    since a Pallas call is not partitioned by XLA.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    from grpo_jax.models.partitioning import fit_spec
+    from grpo_jax.sharding import MESH_AXES, logical_to_spec
+
+    if mask.q_offset is None:
+        raise ValueError("splash_attention needs the queries' static slot offset (q_offset)")
+    B, T, K, G, Dh = q_BxTxKxGxDh.shape
+    S, off = k_BxKxSxDh.shape[2], mask.q_offset
+    block = _round_up(block_size, 128)  # the kernel's blocks are whole 128-lane tiles
+    bq, bkv = min(block, _round_up(T, 128)), min(block, _round_up(S, 128))
+    Tp, Sp = _round_up(T, bq), _round_up(S, bkv)
+    interpret = jax.default_backend() != "tpu"
+    kernel = lambda w: _splash_kernel((Tp, Sp), off, w, G, softcap, bq, bkv, interpret)
+    window = mask.window
+
+    dt = q_BxTxKxGxDh.dtype
+    kv_seg_BxS = mask.kv_mask_BxS.astype(jnp.int32)
+    q_seg_BxT = jax.lax.slice_in_dim(kv_seg_BxS, off, off + T, axis=1)
+    q_BxKxGxTxDh = jnp.transpose(q_BxTxKxGxDh * jnp.asarray(scale, dt), (0, 2, 3, 1, 4))
+    pad_t = lambda x, axis, n: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])
+    args = (
+        pad_t(q_BxKxGxTxDh, 3, Tp - T),
+        pad_t(k_BxKxSxDh.astype(dt), 2, Sp - S),
+        pad_t(v_BxKxSxDh.astype(dt), 2, Sp - S),
+        pad_t(q_seg_BxT, 1, Tp - T),
+        pad_t(kv_seg_BxS, 1, Sp - S),
+    )
+
+    def run(kern, q, k, v, q_seg, kv_seg):
+        def row(q_KxGxTxDh, k_KxSxDh, v_KxSxDh, q_seg_T, kv_seg_S):
+            seg = sk.SegmentIds(q=q_seg_T, kv=kv_seg_S)
+            return jax.vmap(lambda q, k, v: kern(q, k, v, segment_ids=seg))(
+                q_KxGxTxDh, k_KxSxDh, v_KxSxDh
+            )
+
+        return jax.vmap(row)(q, k, v, q_seg, kv_seg)
+
+    def attend(q, k, v, q_seg, kv_seg, w):
+        if w is None or isinstance(w, int):
+            return run(kernel(w), q, k, v, q_seg, kv_seg)
+        return jax.lax.cond(
+            w >= NO_WINDOW,
+            lambda *a: run(kernel(None), *a),
+            lambda *a: run(kernel(local_window), *a),
+            q,
+            k,
+            v,
+            q_seg,
+            kv_seg,
+        )
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        out = attend(*args, window)
+    else:
+        P = jax.sharding.PartitionSpec
+        b_ax, k_ax = fit_spec(logical_to_spec(("batch", "kv_heads"), layout), (B, K), mesh.shape)
+        heads, rows = P(b_ax, k_ax), P(b_ax)
+        if window is None or isinstance(window, int):
+            fn, in_specs, extra = (
+                functools.partial(attend, w=window),
+                (heads,) * 3 + (rows,) * 2,
+                (),
+            )
+        else:
+            fn, in_specs = attend, (heads,) * 3 + (rows,) * 2 + (P(),)
+            extra = (jnp.asarray(window, jnp.int32),)
+        out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
+            *args, *extra
+        )
+    out_BxKxGxTxDh = out[:, :, :, :T]
+    return jnp.transpose(out_BxKxGxTxDh, (0, 3, 1, 2, 4))

@@ -26,14 +26,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_jax.config import ConfigError, check_choice, check_range
+from grpo_jax.config import ATTENTION, ConfigError, check_choice, check_range
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALINGS = ("linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION = ("einsum", "blockwise", "dot_product")  # see grpo_jax.models.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +120,10 @@ class ModelConfig:
       remat: rematerialise each layer in the backward pass.
       attention: the attention implementation, one of ``ATTENTION``
         ("einsum" the reference, "blockwise" memory linear in the context,
-        "dot_product" ``jax.nn.dot_product_attention``; see
-        ``grpo_jax.models.attention``).
-      attention_block_size: keys per block of the "blockwise" implementation.
+        "dot_product" ``jax.nn.dot_product_attention``, "splash" TPU splash
+        attention through Pallas; see ``grpo_jax.models.attention``).
+      attention_block_size: keys per block of "blockwise"; the query and key
+        block (at most) of "splash".
       scan_layers: the layers' parameters are stacked on a leading "layers"
         axis and run by one ``jax.lax.scan`` (compile time flat in depth).
       bos_token_id, eos_token_id (int or tuple of ints), pad_token_id.
@@ -224,8 +224,8 @@ class ModelConfig:
         if self.attention == "dot_product" and self.attn_logit_softcap is not None:
             raise ConfigError(
                 "config key 'model.attention' = 'dot_product' cannot soft-cap attention scores "
-                f"(model.attn_logit_softcap = {self.attn_logit_softcap}); use 'einsum' or "
-                "'blockwise'"
+                f"(model.attn_logit_softcap = {self.attn_logit_softcap}); use 'einsum', "
+                "'blockwise' or 'splash'"
             )
         for key in ("bos_token_id", "pad_token_id"):
             if getattr(self, key) is not None:

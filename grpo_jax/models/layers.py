@@ -207,7 +207,7 @@ class Attention(nnx.Module):
             k_kv, v_kv = k_BxKxSxDh, v_BxKxDhxS
 
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh)
-        out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask)
+        out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask, layout)
         out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
         o_proj_HDhxD = w(self.o_proj).reshape(K * G * Dh, -1)
         out_MxHDh = out_BxTxHxDh.reshape(B * T, K * G * Dh)
@@ -216,19 +216,38 @@ class Attention(nnx.Module):
             out_BxTxD = out_BxTxD + w(self.o_bias)
         return out_BxTxD, kv_cache
 
-    def _attend(self, q_BxTxKxGxDh, k, v, k_spec: str, mask: attn_lib.AttnMask):
+    def _attend(self, q_BxTxKxGxDh, k, v, k_spec: str, mask: attn_lib.AttnMask, layout: str):
         """softmax(q k^T) v in the configured implementation; keys/values in their layout:
         "bskh" [B, S, K, Dh] each (no cache), or "bksh" keys [B, K, S, Dh] with
-        values [B, K, Dh, S] (the cache)."""
+        values [B, K, Dh, S] (the cache).
+
+        ``splash`` needs the queries' static slot offset; a one-token decode step
+        runs ``einsum`` and a traced multi-token write ``blockwise`` (attention.py).
+        """
         cfg = self.cfg
         scale, cap = cfg.attn_scale, cfg.attn_logit_softcap
         cached = k_spec == "bksh"
-        if cfg.attention == "einsum":
+        impl = cfg.attention
+        if impl == "splash" and (q_BxTxKxGxDh.shape[1] == 1 or mask.q_offset is None):
+            impl = "einsum" if q_BxTxKxGxDh.shape[1] == 1 else "blockwise"
+        if impl == "einsum":
             v_spec = "bkhs" if cached else "bskh"
             return attn_lib.einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap)
-        if cfg.attention == "blockwise":
+        if impl in ("blockwise", "splash"):
             k_BxKxSxDh = k if cached else jnp.transpose(k, (0, 2, 1, 3))
             v_BxKxSxDh = jnp.swapaxes(v, 2, 3) if cached else jnp.transpose(v, (0, 2, 1, 3))
+            if impl == "splash":
+                return attn_lib.splash_attention(
+                    q_BxTxKxGxDh,
+                    k_BxKxSxDh,
+                    v_BxKxSxDh,
+                    mask,
+                    scale,
+                    cap,
+                    cfg.attention_block_size,
+                    cfg.sliding_window,
+                    layout,
+                )
             return attn_lib.blockwise_attention(
                 q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size
             )

@@ -111,16 +111,19 @@ class Transformer(nnx.Module):
             kind.append(keys[key])
         return tables, kind
 
-    def _run_layers(self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index):
+    def _run_layers(
+        self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
+    ):
+        """The decoder layers; ``q_offset``: query 0's slot as a Python int, or None."""
         if self.config.scan_layers:
             return self._scan_layers(
-                x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index
+                x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
             )
         cfg = self.config
         tables, kind = self._rope_tables(positions_BxT)
         for i, block in enumerate(self.layers):
             cos, sin = tables[kind[i]]
-            mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i))
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i), q_offset)
             apply = _block_fn(self.layout)
             if cfg.remat:  # Keep only the layer's inputs; recompute its insides for the gradient.
                 apply = nnx.remat(apply)
@@ -131,7 +134,9 @@ class Transformer(nnx.Module):
                 cache = {k: swap(cache[k], layer_cache[k]) for k in cache}
         return x_BxTxD, cache
 
-    def _scan_layers(self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index):
+    def _scan_layers(
+        self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
+    ):
         """The stacked layers by ``jax.lax.scan``; per-layer window and RoPE table as inputs."""
         cfg, layout, L = self.config, self.layout, self.config.num_layers
         tables, kind = self._rope_tables(positions_BxT)
@@ -154,7 +159,8 @@ class Transformer(nnx.Module):
                 cos, sin = cos_RxBxTxDh[xs["kind"]], sin_RxBxTxDh[xs["kind"]]
             else:
                 cos, sin = tables[0]
-            mask = AttnMask(q_slot_BxT, kv_mask_BxS, xs.get("window", windows[0]))
+            window = xs.get("window", windows[0])
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, window, q_offset)
             layer_cache = None
             if cache is not None:  # This layer's slabs [B, K, S, Dh] / [B, K, Dh, S].
                 layer_cache = {
@@ -208,7 +214,7 @@ class Transformer(nnx.Module):
             positions_BxT = positions_from_mask(mask_BxT)
         slot_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        x_BxTxD, _ = self._run_layers(x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None)
+        x_BxTxD, _ = self._run_layers(x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None, 0)
         return x_BxTxD
 
     def logits(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -269,10 +275,14 @@ class Transformer(nnx.Module):
     def features_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
         """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head."""
         B, T = tokens_BxT.shape
+        # A Python int slot is static: the static-mask kernel (splash) can serve the call.
+        q_offset = cache_index if isinstance(cache_index, int) else None
         index = jnp.asarray(cache_index, jnp.int32)
         slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        return self._run_layers(x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index)
+        return self._run_layers(
+            x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
+        )
 
 
 def stack_layers(params, num_layers: int):
