@@ -10,6 +10,7 @@ estimator, whatever the values and eps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -152,6 +153,18 @@ def _binomial_ratio(top_Bx1, bottom_Bx1, k):
     return out
 
 
+def _check_binary(rewards_BxG) -> None:
+    """Raises unless concrete rewards are 0, 1 or NaN (traced ones cannot be checked)."""
+    if not isinstance(rewards_BxG, jax.core.Tracer):
+        r = np.asarray(rewards_BxG)
+        bad = np.isfinite(r) & (r != 0) & (r != 1)
+        if bad.any():
+            raise ValueError(
+                "advantage estimator 'passk' needs binary rewards (0 or 1, NaN for unscored); "
+                f"got {r[bad][:5].tolist()}"
+            )
+
+
 def passk_advantages(rewards_BxG: jax.Array, *, k: int = 1, eps: float = DEFAULT_EPS) -> jax.Array:
     """Pass@k advantages in closed form (Chen et al. 2025, "Pass@k Training", sec. 4).
 
@@ -165,18 +178,12 @@ def passk_advantages(rewards_BxG: jax.Array, *, k: int = 1, eps: float = DEFAULT
 
     k = 1 gives GRPO's advantages. sigma = 0 (no correct sample, or every
     k-subset holds one) gives 0. A group with fewer than k finite rewards
-    gets 0. Rewards must be 0 or 1 (or NaN): outside jit other values raise
-    ValueError; under jit, where values cannot be checked, a reward counts as
-    correct exactly when it equals 1.
+    gets 0. Rewards must be 0 or 1 (or NaN): concrete rewards with other values
+    raise ValueError (``compute_advantages`` checks before its jitted program);
+    under jit, where values cannot be checked, a reward counts as correct
+    exactly when it equals 1.
     """
-    if not isinstance(rewards_BxG, jax.core.Tracer):
-        r = np.asarray(rewards_BxG)
-        bad = np.isfinite(r) & (r != 0) & (r != 1)
-        if bad.any():
-            raise ValueError(
-                "advantage estimator 'passk' needs binary rewards (0 or 1, NaN for unscored); "
-                f"got {r[bad][:5].tolist()}"
-            )
+    _check_binary(rewards_BxG)
     valid_BxG = jnp.isfinite(rewards_BxG)
     correct_BxG = valid_BxG & (rewards_BxG == 1)
     dtype = jnp.promote_types(rewards_BxG.dtype, jnp.float32)
@@ -209,9 +216,20 @@ def compute_advantages(
     eps: float = DEFAULT_EPS,
     passk_k: int = 1,
 ) -> jax.Array:
-    """Advantages by registry name: one of ``ESTIMATORS``; ``passk_k`` is "passk"'s k."""
+    """Advantages by registry name: one of ``ESTIMATORS``; ``passk_k`` is "passk"'s k.
+
+    One jitted program per (estimator, eps, k, shape): run op by op, the
+    estimator compiled each of its dozen small operations on first use.
+    """
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantage estimator {estimator!r} is not one of {sorted(ESTIMATORS)}")
+    if estimator == "passk":
+        _check_binary(rewards_BxG)  # here: inside the jitted program the values are traced
+    return _jitted_advantages(jnp.asarray(rewards_BxG), estimator, float(eps), int(passk_k))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _jitted_advantages(rewards_BxG, estimator, eps, passk_k):
     return ESTIMATORS[estimator](rewards_BxG, eps, passk_k=passk_k)
 
 
