@@ -58,6 +58,8 @@ class Workload:
         this many tokens at a time, so no [N, T, V] float32 logits are formed
         (0: all at once). TRL's fused LM head tiles on its own; Tunix forms
         the whole [N, P + T, V] logits and has no such setting.
+      compilation_cache_dir: grpo_jax's ``train.compilation_cache_dir`` (JAX's
+        persistent compilation cache; "": off). The other systems ignore it.
     """
 
     system: str
@@ -82,6 +84,7 @@ class Workload:
     prompts: list | None = None
     prompt_len: int = 16
     logits_chunk: int = 0
+    compilation_cache_dir: str = ""
 
     @property
     def total_steps(self) -> int:

@@ -133,6 +133,7 @@ def make_config(wl: common.Workload, work: pathlib.Path):
             logits_chunk=wl.logits_chunk,
             update_kl_warn=0.0,
             reward_timeout_s=5.0,
+            compilation_cache_dir=wl.compilation_cache_dir,
         )
     )
     c.eval = ConfigDict(

@@ -140,6 +140,7 @@ def base() -> ConfigDict:
     c.train.max_sampling_rounds = 3
     c.train.sampled_tokens_budget = 0  # stop after this many sampled completion tokens (0: off)
     c.train.max_staleness = 0  # k >= 1: sample with parameters up to k updates old, pipelined
+    c.train.compilation_cache_dir = ""  # a directory: compiled programs reused by relaunches
 
     c.eval = ConfigDict()
     c.eval.every = 50

@@ -338,6 +338,7 @@ RESUME_MAY_CHANGE = (
     "train.track_update",
     "train.update_kl_warn",
     "train.reward_timeout_s",
+    "train.compilation_cache_dir",
     "eval.",
     "checkpoint.",
     "mesh.",

@@ -300,6 +300,11 @@ class TrainConfig:
         sampling and updating one after the other). With k >= 1 the batch of
         step s is sampled by parameter version max(0, s - 1 - k) while earlier
         steps update (``grpo_jax.pipeline``, docs/pipeline.md).
+      compilation_cache_dir: JAX's persistent compilation cache in this
+        directory ("": off): a relaunch, a resume or a second run of the same
+        shapes loads the compiled sampler and update from disk instead of
+        compiling them again (docs/long_context.md, "Start-up"). Trusted
+        storage only: whoever can write there can make the run execute code.
     """
 
     steps: int = 100
@@ -318,9 +323,15 @@ class TrainConfig:
     max_sampling_rounds: int = 3
     sampled_tokens_budget: int = 0
     max_staleness: int = 0
+    compilation_cache_dir: str = ""
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
+        if not isinstance(self.compilation_cache_dir, str):
+            raise ConfigError(
+                f"config key 'train.compilation_cache_dir' = {self.compilation_cache_dir!r} "
+                "must be a directory path (a string; '' turns the cache off)"
+            )
         check_range("train.batch_size", self.batch_size, lo=1, integer=True)
         check_range("train.minibatch_size", self.minibatch_size, lo=0, integer=True)
         check_range("train.log_every", self.log_every, lo=1, integer=True)

@@ -381,8 +381,28 @@ def setup(run: RunConfig, workdir, *, stream=None):
         raise
 
 
+def use_compilation_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in ``directory`` ("": leave JAX's setting alone).
+
+    Programs that take at least 0.1 s to compile are written there and loaded
+    by later processes that compile the same program (same shapes, config and
+    JAX version). JAX decides once per process whether it uses a cache, so
+    the decision is reset when the directory changes after something compiled.
+    """
+    if not directory:
+        return
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(pathlib.Path(directory).expanduser().absolute())
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        cc.reset_cache()
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
 def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     run = runlocal.resolve(run)
+    use_compilation_cache(run.train.compilation_cache_dir)
     is_main = jax.process_index() == 0
     mesh = build_mesh(run)
     samp_mesh = build_sampler_mesh(run)

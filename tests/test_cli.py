@@ -177,3 +177,37 @@ def test_sigterm_ends_a_run_stuck_in_a_reward_within_bounded_time(tmp_path):
     assert proc.returncode == 0, rest[-2000:]
     assert "preempted: saved the checkpoint of step" in rest
     assert any(p.name.isdigit() for p in (tmp_path / "w" / "checkpoints").iterdir())
+
+
+def test_compilation_cache_is_written_then_read_by_a_relaunch(tmp_path):
+    """train.compilation_cache_dir: the first launch writes the sampler's and the update's
+    executables; a second launch (new workdir, new process) loads them: JAX logs a
+    persistent-cache hit for each, and nothing new is written."""
+    cache = tmp_path / "xla_cache"
+    env_args = [
+        "grpo_jax.main",
+        "--config=configs/default.py:smoke",
+        "--config.warm_start.enabled=False",
+        "--config.train.steps=1",
+        "--config.eval.num_samples=0",
+        "--config.eval.at_start=False",
+        f"--config.train.compilation_cache_dir={cache}",
+    ]
+    first = _cli(*env_args, f"--workdir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    written = sorted(p.name for p in cache.iterdir())
+    for program in ("jit__prefill", "jit__decode", "jit_update"):
+        assert any(n.startswith(program + "-") for n in written), (program, written)
+    second = subprocess.run(
+        [sys.executable, "-m", *env_args, f"--workdir={tmp_path / 'b'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "JAX_LOG_COMPILES": "1"},
+    )
+    assert second.returncode == 0, second.stderr[-2000:]
+    hits = re.findall(r"Persistent compilation cache hit for '([^']+)'", second.stderr)
+    for program in ("jit__prefill", "jit__decode", "jit_update"):
+        assert program in hits, (program, hits)
+    assert sorted(p.name for p in cache.iterdir()) == written
