@@ -1,6 +1,6 @@
 """Peak memory and step time of the GRPO update at long contexts: einsum vs blockwise attention.
 
-    .venv/bin/python benchmarks/attention_memory.py [--lengths 1024,4096,8192] [--rows 1]
+    .venv/bin/python benchmarks/attention_memory.py [--lengths 1024,4096,8192] [--rows 2]
 
 The update is the library's own jitted ``grpo_jax.update.jit_update`` (one
 minibatch, AdamW, beta = 0) on a synthetic rollout batch of ``rows``

@@ -315,3 +315,67 @@ def test_fingerprint_changes_with_the_weights_not_with_the_copy():
     path = next(p for p in flat if p[-1] == "embed")
     flat[path] = flat[path].replace(flat[path].get_value() * 1.001)
     assert lora.fingerprint(nnx.from_flat_state(flat)) != fp
+
+
+@pytest.mark.slow
+def test_update_with_a_bfloat16_base_on_8_devices_equals_one_device():
+    """A bfloat16 base with float32 adapters, on a 2 x 4 (data x fsdp) mesh of 8 devices and on
+    one device: the base stays bfloat16 and untouched, only the adapters move, and the sharded
+    update gives the single-device adapters and metrics."""
+    from test_update import rollout_batch
+
+    from grpo_jax.models import param_shardings
+
+    cfg = CFG.replace(param_dtype="bfloat16")
+    gd, params = nnx.split(create_model(cfg, seed=0))
+    gd2, p2, base_gd = lora.attach_params(gd, params, LORA, jax.random.key(1))
+    p3 = jax.tree.map(np.asarray, _perturbed(p2))  # host copies: the update donates its state
+    base0, ad0 = lora.split(p3)
+    assert {x.dtype for x in jax.tree.leaves(base0)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(ad0)} == {jnp.dtype(jnp.float32)}
+    rows = _rows()
+    adv = np.random.default_rng(1).normal(size=8).astype(np.float32)
+    grpo = GRPOConfig(G=4, beta=0.1)
+    tx, schedule = optimizer.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+
+    def run(mesh, layout):
+        p = jax.device_put(p3, param_shardings(p3, mesh, layout))
+        state = optimizer.init_state(p, tx, mesh, trained=lora.trainable(p))
+        batch = jax.device_put(rollout_batch(gd2, p3, rows, adv), upd.rollout_batch_shardings(mesh))
+        fn = upd.jit_update(
+            graphdef=gd2,
+            tx=tx,
+            schedule=schedule,
+            grpo=grpo,
+            minibatch_size=0,
+            grad_accum=1,
+            batch_shards=sharding.batch_shards(mesh),
+            track_update=False,
+            state_shardings=jax.tree.map(lambda x: x.sharding, state),
+            batch_shardings=upd.rollout_batch_shardings(mesh),
+            ref_shardings=None,
+            replicated=sharding.replicated(mesh),
+            base_graphdef=base_gd,
+        )
+        with jax.set_mesh(mesh):
+            new, metrics = fn(state, batch, jax.random.key(0), None)
+        return jax.tree.map(np.asarray, new.params), {k: float(v) for k, v in metrics.items()}
+
+    one, m1 = run(sharding.make_mesh({"data": 1}, jax.devices()[:1]), "dp")
+    eight, m8 = run(sharding.make_mesh({"data": 2, "fsdp": 4}), "fsdp")
+    for got in (one, eight):
+        base, ad = lora.split(got)
+        for x, y in zip(jax.tree.leaves(base0), jax.tree.leaves(base), strict=True):
+            assert y.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(x), y)
+        assert all(
+            not np.array_equal(np.asarray(x), y)
+            for x, y in zip(jax.tree.leaves(ad0), jax.tree.leaves(ad), strict=True)
+        )
+    # Adam's first step moves each entry by about lr * g / |g| (1e-2): the 8 shards' gradient
+    # sums round differently, which near-zero entries turn into differences of ~1e-5 there.
+    for x, y in zip(jax.tree.leaves(lora.trainable(one)), jax.tree.leaves(lora.trainable(eight))):
+        np.testing.assert_allclose(y, x, atol=2e-5, rtol=0)
+    assert m1.keys() == m8.keys()
+    for k in m1:
+        np.testing.assert_allclose(m8[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)

@@ -78,8 +78,21 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
         finals.append(saved)
         assert meta["lora_base"] == lora_run.identity(lora.split(params)[0])
         assert meta["lora_base"]["path"] == "" and meta["lora_base"]["warm_start"] is None
-    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(finals[0])}
+    # What was written, read from the checkpoint's own tree metadata (not from the restore
+    # template): the adapters, every one of them, and nothing of the base.
+    import orbax.checkpoint as ocp
+
+    written = ocp.StandardCheckpointer().metadata(
+        tmp_path / "whole" / "checkpoints" / "4" / "params"
+    )
+    keys = lambda tree: {
+        ".".join(str(getattr(k, "key", k)) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    saved_names = {n.removesuffix(".value") for n in keys(written.item_metadata)}
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(adapters)}
     assert names and all(n.endswith(("_lora_a", "_lora_b")) for n in names)
+    assert saved_names == names
     for x, y in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     moved = [

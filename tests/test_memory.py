@@ -379,3 +379,23 @@ def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     one_layer = (est[False] - 8 * V * n * S) / 3
     assert found[True] == pytest.approx(est[True] - one_layer, rel=0.1)
     assert found[True] < found[False] / 2
+
+
+def test_the_documented_qwen_memory_tables_are_what_the_script_prints():
+    """README.md and docs/lora.md quote benchmarks/memory_plans.py's tables row for row."""
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import memory_plans
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    readme = (root / "README.md").read_text()
+    lora_doc = (root / "docs" / "lora.md").read_text()
+    for placement in memory_plans.PLACEMENTS:
+        rows = memory_plans.table(placement)[2:]
+        assert len(rows) == 6
+        assert "\n".join(rows) in lora_doc, placement
+    assert "\n".join(memory_plans.table("16 fsdp devices, 128 rows")[2:]) in readme
