@@ -11,7 +11,11 @@ on one batch: sample G completions for each of B prompts, score them with the
 reward, compute group advantages, and take one AdamW update (mu = 1), with
 the reference model's forward pass when beta > 0. The first step's time
 (compilation for the JAX systems, lazy initialisation for torch) is reported
-separately and never mixed into the throughput.
+separately and never mixed into the throughput. Every side starts that clock
+when its training loop begins, once its model, tokenizer, data and trainer or
+optimizer exist (TRL: ``on_train_begin``; grpo_jax: after setup and
+``checkpoint.restore_or_init``; Tunix: its first global step); grpo_jax
+reports the setup before it as ``setup_s``.
 
 Same work on every system:
 

@@ -246,6 +246,12 @@ def host_prompts(encoder: PromptEncoder, examples, *, mesh, num_rows: int, max_n
     return texts, tokens_BxP, mask_BxP, int(mask_bxP.sum())
 
 
+def prompt_width(encoder: PromptEncoder, examples, *, max_new_tokens: int) -> int:
+    """P, the padded prompt width :func:`host_prompts` gives these examples (every host)."""
+    _, tokens_bxP, _ = encoder.encode(examples, max_new_tokens=max_new_tokens)
+    return distributed.max_over_hosts(tokens_bxP.shape[1])
+
+
 @dataclasses.dataclass
 class HostRollout:
     """What the host keeps of one step's rollout: texts of its rows and the batch's statistics."""

@@ -150,6 +150,21 @@ def _save(
     )
 
 
+def _update_compiled_ahead(s: Setup, state, examples, key, ref_params):
+    """``s.update`` compiled, in a background thread, for the batch these examples make."""
+    from grpo_jax import update as update_lib
+
+    run = s.run
+    p = rollout.prompt_width(s.encoder, examples, max_new_tokens=run.sampling.max_new_tokens)
+    spec = update_lib.batch_spec(
+        update_lib.rollout_batch_shardings(s.mesh),
+        run.train.batch_size * run.grpo.G,
+        p,
+        run.sampling.max_new_tokens,
+    )
+    return update_lib.CompiledAhead(s.update, state, spec, key, ref_params)
+
+
 def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
     run = s.run
     if run.train.max_staleness:  # off-policy, pipelined (docs/pipeline.md)
@@ -168,19 +183,23 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         sampled_tokens=start.sampled_tokens,
     )
     save = functools.partial(_save, s, start=start, report=report, t_start=t_start)
+    update = s.update
     for step in range(start.start_step + 1, run.train.steps + 1):
         if report.budget_spent():  # train.sampled_tokens_budget
             break
         k_sample, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))
+        k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
         if run.train.dynamic_sampling:  # rounds of prompts until B groups have signal
             batch, host = rollout.collect_dynamic(s, state.params, s.iterator.next, k_sample)
         else:
             examples = s.iterator.next()  # this host's rows of the global batch
+            if update is s.update and not run.env.name:
+                # The update compiles while the sampler compiles and samples.
+                update = _update_compiled_ahead(s, state, examples, k_train, ref_params)
             collect = multiturn.collect if run.env.name else rollout.collect
             batch, host = collect(s, state.params, examples, k_sample)
-        k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
-        state, dev_metrics = s.update(state, batch, k_train, ref_params)
+        state, dev_metrics = update(state, batch, k_train, ref_params)
         report.step_done(step, dev_metrics, host, t_update)
         preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 

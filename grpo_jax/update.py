@@ -370,3 +370,71 @@ def jit_update(
         out_shardings=(state_shardings, replicated),
         donate_argnames=("state",),
     )
+
+
+# ---------------------------------------------------------------------------
+# The first step: the update compiled while the sampler compiles and runs.
+
+
+def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> RolloutBatch:
+    """The RolloutBatch the loop will hand the update, as ShapeDtypeStructs with shardings:
+    ``n`` rows, prompts padded to ``p`` tokens, completions of ``t``."""
+    dtypes = dict(
+        prompt_tokens_NxP=jnp.int32,
+        prompt_mask_NxP=jnp.bool_,
+        tokens_NxT=jnp.int32,
+        mask_NxT=jnp.bool_,
+        old_logps_NxT=jnp.float32,
+        behavior_logps_NxT=jnp.float32,
+        rewards_N=jnp.float32,
+        advantages_N=jnp.float32,
+        weights_N=jnp.float32,
+        group_ids_N=jnp.int32,
+    )
+    shape = lambda name: (
+        (n, p) if name.endswith("NxP") else (n, t) if name.endswith("NxT") else (n,)
+    )
+    return RolloutBatch(
+        **{
+            name: jax.ShapeDtypeStruct(shape(name), dt, sharding=getattr(batch_shardings, name))
+            for name, dt in dtypes.items()
+        }
+    )
+
+
+def _signature(args):
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, [(x.shape, x.dtype, x.sharding) for x in leaves]
+
+
+class CompiledAhead:
+    """A jitted function compiled for one argument signature in a background thread.
+
+    The first step of a run compiles the sampler, samples, then compiles the
+    update. ``CompiledAhead(update, state, batch_spec(...), key, ref)`` starts
+    the update's tracing and compilation at once, so they overlap the
+    sampler's (XLA compiles with the interpreter lock released, on another
+    core where there is one) and its sampling. Calling it with arguments of
+    that signature (shapes, dtypes, shardings) runs the compiled executable;
+    any other call, or a failed compilation, goes to the jitted function
+    itself, which then compiles (or raises) as usual.
+    """
+
+    def __init__(self, jitted, *args):
+        import concurrent.futures
+
+        self._jitted = jitted
+        self._signature = _signature(args)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
+        self._future = pool.submit(lambda: jitted.lower(*args).compile())
+        pool.shutdown(wait=False)
+
+    def __call__(self, *args):
+        if _signature(args) == self._signature:
+            try:
+                compiled = self._future.result()
+            except Exception:  # noqa: BLE001 - the jitted call below raises it with context
+                compiled = None
+            if compiled is not None:
+                return compiled(*args)
+        return self._jitted(*args)

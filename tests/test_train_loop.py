@@ -242,3 +242,37 @@ def test_train_time_covers_the_update_on_every_step(tmp_path, monkeypatch):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["perf/time_train_s"] >= 0.3, (r["step"], r["perf/time_train_s"])
+
+
+def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
+    """The first step compiles the update in a thread from ``batch_spec``; that spec is the
+    real batch's signature, so every step runs that executable and the jitted update itself
+    never compiles. The run equals one whose update is the plain jitted function."""
+    from grpo_jax import train as train_lib
+    from grpo_jax import update as update_lib
+
+    made, calls = [], []
+    real_init, real_call = update_lib.CompiledAhead.__init__, update_lib.CompiledAhead.__call__
+
+    def init(self, jitted, *args):
+        made.append((self, jitted))
+        real_init(self, jitted, *args)
+
+    def call(self, *args):
+        calls.append(update_lib._signature(args) == self._signature)
+        return real_call(self, *args)
+
+    monkeypatch.setattr(update_lib.CompiledAhead, "__init__", init)
+    monkeypatch.setattr(update_lib.CompiledAhead, "__call__", call)
+    cfg = _quick(**{"train.steps": 3, "checkpoint.every": 0})
+    train(cfg, tmp_path / "ahead", stream=io.StringIO())
+    assert len(made) == 1 and calls == [True, True, True]
+    assert made[0][1]._cache_size() == 0  # the jitted update was never compiled
+
+    monkeypatch.setattr(
+        train_lib, "_update_compiled_ahead", lambda s, *a: s.update
+    )  # the plain jitted update
+    train(cfg, tmp_path / "plain", stream=io.StringIO())
+    ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
+    plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    assert _deterministic(ahead) == _deterministic(plain)
