@@ -1,9 +1,10 @@
 """Compile time and step time of the GRPO update, layers unrolled vs as a scan, by depth.
 
-    .venv/bin/python benchmarks/scan_compile.py [--depths 4,12,24,36] [--repeats 5]
+    .venv/bin/python benchmarks/scan_compile.py [--depths 4,12,24,36] [--repeats 5] [--hidden 64]
 
-For each depth L a small random Qwen2-style model (D 64, 4 query heads of 16
-sharing 2 KV heads, MLP 128, vocabulary 128) is built unrolled and with
+For each depth L a small random Qwen2-style model (D = ``--hidden``, default
+64, with D / 16 query heads of 16 sharing D / 32 KV heads, MLP 2 D,
+vocabulary 128) is built unrolled and with
 ``scan_layers=True`` (the same weights, stacked), and the library's jitted
 update (``grpo_jax.update.jit_update``: one AdamW step on 8 rollouts of a
 16-token prompt and 64 completion tokens, beta = 0) is compiled
@@ -47,15 +48,15 @@ def make_batch(vocab: int) -> RolloutBatch:
     )
 
 
-def measure(layers: int, scan: bool, remat: bool, repeats: int):
+def measure(layers: int, scan: bool, remat: bool, repeats: int, hidden: int = 64):
     cfg = tiny_config(
         128,
-        hidden_size=64,
+        hidden_size=hidden,
         num_layers=layers,
-        num_heads=4,
-        num_kv_heads=2,
+        num_heads=hidden // 16,
+        num_kv_heads=hidden // 32,
         head_dim=16,
-        mlp_dim=128,
+        mlp_dim=2 * hidden,
         scan_layers=scan,
         remat=remat,
     )
@@ -95,16 +96,22 @@ def main():
     p.add_argument("--depths", default="4,12,24,36")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--remat", action="store_true")
+    p.add_argument("--hidden", type=int, default=64, help="model width D (a multiple of 32)")
     args = p.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, remat {args.remat}")
+    if args.hidden < 32 or args.hidden % 32:
+        raise SystemExit(f"--hidden must be a positive multiple of 32, got {args.hidden}")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, remat {args.remat}, "
+        f"width {args.hidden}"
+    )
     print(
         "| layers | compile unrolled (s) | compile scanned (s) | step unrolled (ms) "
         "| step scanned (ms) | scanned / unrolled step |"
     )
     print("|---|---|---|---|---|---|")
     for L in (int(d) for d in args.depths.split(",")):
-        cu, su = measure(L, False, args.remat, args.repeats)
-        cs, ss = measure(L, True, args.remat, args.repeats)
+        cu, su = measure(L, False, args.remat, args.repeats, args.hidden)
+        cs, ss = measure(L, True, args.remat, args.repeats, args.hidden)
         print(
             f"| {L} | {cu:.2f} | {cs:.2f} | {su * 1e3:.1f} | {ss * 1e3:.1f} | {ss / su:.2f} |",
             flush=True,

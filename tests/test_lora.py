@@ -170,6 +170,25 @@ def _rows(n=8, p=5, t=4, seed=0):
     )
 
 
+def _lora_update(gd2, base_gd, state, mesh, tx, schedule, grpo, *, track_update):
+    """The jitted update of a LoRA policy (graphdef ``gd2``, reference ``base_gd``) on ``mesh``."""
+    return upd.jit_update(
+        graphdef=gd2,
+        tx=tx,
+        schedule=schedule,
+        grpo=grpo,
+        minibatch_size=0,
+        grad_accum=1,
+        batch_shards=sharding.batch_shards(mesh),
+        track_update=track_update,
+        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        batch_shardings=upd.rollout_batch_shardings(mesh),
+        ref_shardings=None,
+        replicated=sharding.replicated(mesh),
+        base_graphdef=base_gd,
+    )
+
+
 @pytest.mark.slow
 def test_update_trains_adapters_only_with_the_base_as_reference(one_device_mesh):
     """Optimizer state for adapters only; the base is untouched bit for bit; with beta > 0
@@ -189,21 +208,7 @@ def test_update_trains_adapters_only_with_the_base_as_reference(one_device_mesh)
     n_adapters = sum(x.size for x in jax.tree.leaves(lora.trainable(p3)))
     # Adam's two moments, each the adapters' size; the rest are scalar counters.
     assert sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim) == 2 * n_adapters
-    fn = upd.jit_update(
-        graphdef=gd2,
-        tx=tx,
-        schedule=schedule,
-        grpo=grpo,
-        minibatch_size=0,
-        grad_accum=1,
-        batch_shards=1,
-        track_update=True,
-        state_shardings=jax.tree.map(lambda x: x.sharding, state),
-        batch_shardings=upd.rollout_batch_shardings(mesh),
-        ref_shardings=None,
-        replicated=sharding.replicated(mesh),
-        base_graphdef=base_gd,
-    )
+    fn = _lora_update(gd2, base_gd, state, mesh, tx, schedule, grpo, track_update=True)
     before = jax.tree.map(np.asarray, p3)
     new, metrics = fn(state, batch, jax.random.key(0), None)
     base_before, ad_before = lora.split(before)
@@ -342,21 +347,7 @@ def test_update_with_a_bfloat16_base_on_8_devices_equals_one_device():
         p = jax.device_put(p3, param_shardings(p3, mesh, layout))
         state = optimizer.init_state(p, tx, mesh, trained=lora.trainable(p))
         batch = jax.device_put(rollout_batch(gd2, p3, rows, adv), upd.rollout_batch_shardings(mesh))
-        fn = upd.jit_update(
-            graphdef=gd2,
-            tx=tx,
-            schedule=schedule,
-            grpo=grpo,
-            minibatch_size=0,
-            grad_accum=1,
-            batch_shards=sharding.batch_shards(mesh),
-            track_update=False,
-            state_shardings=jax.tree.map(lambda x: x.sharding, state),
-            batch_shardings=upd.rollout_batch_shardings(mesh),
-            ref_shardings=None,
-            replicated=sharding.replicated(mesh),
-            base_graphdef=base_gd,
-        )
+        fn = _lora_update(gd2, base_gd, state, mesh, tx, schedule, grpo, track_update=False)
         with jax.set_mesh(mesh):
             new, metrics = fn(state, batch, jax.random.key(0), None)
         return jax.tree.map(np.asarray, new.params), {k: float(v) for k, v in metrics.items()}
