@@ -384,8 +384,9 @@ def setup(run: RunConfig, workdir, *, stream=None):
 def use_compilation_cache(directory: str) -> None:
     """JAX's persistent compilation cache in ``directory`` ("": leave JAX's setting alone).
 
-    Every compiled program is written there, the small ones too (loading them
-    saved about half a second of the 20M benchmark model's warm first step),
+    Every compiled program is written there, the small ones too (in one
+    comparison, loading them took 0.4-0.8 s off the 20M benchmark model's warm
+    first step),
     and loaded by later processes that compile the same program (same shapes,
     config and JAX version). JAX decides once per process whether it uses a cache, so
     the decision is reset when the directory changes after something compiled.

@@ -385,11 +385,16 @@ def splash_attention(
 
         return jax.vmap(row)(q, k, v, q_seg, kv_seg)
 
-    def attend(q, k, v, q_seg, kv_seg, w):
-        if w is None or isinstance(w, int):
-            return run(kernel(w), q, k, v, q_seg, kv_seg)
+    # A static window (or none) picks one kernel; a traced one (scanned layers) arrives as an
+    # extra int32 input and a lax.cond picks between the global and the local kernel.
+    static = window is None or isinstance(window, int)
+    extra = () if static else (jnp.asarray(window, jnp.int32),)
+
+    def attend(q, k, v, q_seg, kv_seg, *w):
+        if static:
+            return run(kernel(window), q, k, v, q_seg, kv_seg)
         return jax.lax.cond(
-            w >= NO_WINDOW,
+            w[0] >= NO_WINDOW,
             lambda *a: run(kernel(None), *a),
             lambda *a: run(kernel(local_window), *a),
             q,
@@ -401,21 +406,13 @@ def splash_attention(
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
-        out = attend(*args, window)
+        out = attend(*args, *extra)
     else:
         P = jax.sharding.PartitionSpec
         b_ax, k_ax = fit_spec(logical_to_spec(("batch", "kv_heads"), layout), (B, K), mesh.shape)
         heads, rows = P(b_ax, k_ax), P(b_ax)
-        if window is None or isinstance(window, int):
-            fn, in_specs, extra = (
-                functools.partial(attend, w=window),
-                (heads,) * 3 + (rows,) * 2,
-                (),
-            )
-        else:
-            fn, in_specs = attend, (heads,) * 3 + (rows,) * 2 + (P(),)
-            extra = (jnp.asarray(window, jnp.int32),)
-        out = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
+        in_specs = (heads,) * 3 + (rows,) * 2 + (P(),) * len(extra)
+        out = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
             *args, *extra
         )
     out_BxKxGxTxDh = out[:, :, :, :T]

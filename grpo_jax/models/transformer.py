@@ -159,8 +159,7 @@ class Transformer(nnx.Module):
                 cos, sin = cos_RxBxTxDh[xs["kind"]], sin_RxBxTxDh[xs["kind"]]
             else:
                 cos, sin = tables[0]
-            window = xs.get("window", windows[0])
-            mask = AttnMask(q_slot_BxT, kv_mask_BxS, window, q_offset)
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, xs.get("window", windows[0]), q_offset)
             layer_cache = None
             if cache is not None:  # This layer's slabs [B, K, S, Dh] / [B, K, Dh, S].
                 layer_cache = {
