@@ -29,10 +29,17 @@ def _config(**updates):
         "checkpoint.every": 2,
         "grpo.beta": 0.04,
         "optim.learning_rate": 1e-2,
+        # The untrained model's answers are never right; half of its completions hold a digit
+        # below 5, which gives every step's groups reward variance, so the adapters move
+        # whatever this CPU's floating point draws.
+        "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
     }
     for dotted, value in {**base, **updates}.items():
-        section, key = dotted.split(".")
-        c[section][key] = value
+        if "." in dotted:
+            section, key = dotted.split(".")
+            c[section][key] = value
+        else:
+            c[dotted] = value
     c.model.lora.rank = 2
     c.model.lora.alpha = 4.0
     c.model.lora.dropout = 0.1
