@@ -21,14 +21,35 @@ from grpo_jax.tools import _sandbox_boot, sandbox
 _RLIMITS = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
 
 
+def _live_processes(session: int, uid: int | None) -> list[int]:
+    """Pids of live (not zombie) processes in ``session`` or of user ``uid`` (Linux)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            status = pathlib.Path("/proc", entry, "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields["State"].split()[0] in "ZX":
+            continue
+        if int(fields["NSsid"].split()[0]) == session or int(fields["Uid"].split()[0]) == uid:
+            found.append(int(entry))
+    return found
+
+
 @pytest.fixture
 def unharmed(monkeypatch):
-    """After the test: each sandbox's directory is gone, no process of its group is left,
-    and the trainer itself kept its working directory and resource limits (the child sets
-    its limits and directory on itself only)."""
+    """After the test: each sandbox's directory is gone, no process of its session or of
+    its user is left, and the trainer itself kept its working directory and resource limits
+    (the child sets its limits and directory on itself only)."""
     cwd, limits = os.getcwd(), {r: resource.getrlimit(r) for r in _RLIMITS}
-    made, procs = [], []
+    made, procs, uids = [], [], []
     real_mkdtemp, real_popen = sandbox.tempfile.mkdtemp, sandbox.subprocess.Popen
+    real_run_uid = sandbox._run_uid
+
+    def run_uid():
+        uids.append(real_run_uid())
+        return uids[-1]
 
     def mkdtemp(*a, **k):
         made.append(real_mkdtemp(*a, **k))
@@ -40,6 +61,7 @@ def unharmed(monkeypatch):
 
     monkeypatch.setattr(sandbox.tempfile, "mkdtemp", mkdtemp)
     monkeypatch.setattr(sandbox.subprocess, "Popen", popen)
+    monkeypatch.setattr(sandbox, "_run_uid", run_uid)
     yield
     assert made and procs
     assert not any(os.path.exists(d) for d in made)
@@ -47,6 +69,9 @@ def unharmed(monkeypatch):
         assert p.returncode is not None  # reaped
         with pytest.raises(ProcessLookupError):
             os.killpg(p.pid, 0)  # its process group is empty
+        assert not _live_processes(p.pid, None)  # nor its session
+    for uid in uids:
+        assert uid is None or not _live_processes(-1, uid)  # nor the run's own user
     assert os.getcwd() == cwd
     assert {r: resource.getrlimit(r) for r in _RLIMITS} == limits
 

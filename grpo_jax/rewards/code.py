@@ -8,7 +8,8 @@ Each example carries a ``tests`` field, a list of test cases in either form:
   code in the same interpreter (``"assert add(2, 3) == 5"``);
 * a mapping ``{"input": ..., "output": ...}``: the code runs as a program with that
   standard input, and passes when its standard output, stripped of surrounding
-  white space, equals ``output`` stripped.
+  white space, equals ``output`` stripped. Its output may be twice the expected
+  output's length (at least the sandbox's default cap) before it is cut.
 
 The code is the last fenced ```` ```python ```` block of the completion (or the last
 fenced block of any language), else the whole completion. Everything runs in the
@@ -33,7 +34,7 @@ score nothing.
 
 It does not protect against code deliberately written against this harness: code in
 the same interpreter can still reach the nonce by frame inspection (``sys._getframe``,
-a traceback's frames, ``sys.settrace``) and then print valid markers. Nor does it
+a traceback's frames) and then print valid markers. Nor does it
 judge what the cases compare: an object whose ``__eq__`` always says True passes
 ``assert f(x) == y``, and builtins the cases themselves call can be replaced by the
 code; write cases that check types (``assert type(f(x)) is int and f(x) == y``) where
@@ -53,7 +54,7 @@ import re
 import secrets
 
 from grpo_jax.rewards.registry import register
-from grpo_jax.tools.sandbox import run_python
+from grpo_jax.tools.sandbox import DEFAULT_MAX_OUTPUT, run_python
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 _MARK = "__grpo_case_passed__"
@@ -147,10 +148,17 @@ def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256)
         )
         passed += _count_passes(r.stdout, nonce, len(asserts))
     for case in io_cases:
+        expected = str(case["output"]).strip()
         r = run_python(
-            code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=str(case.get("input", ""))
+            code,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            stdin=str(case.get("input", "")),
+            # Room for the expected output with ample white space around it: a program
+            # that writes more cannot match, and one that writes that much must not be cut.
+            max_output_bytes=max(DEFAULT_MAX_OUTPUT, 2 * len(expected.encode()) + 4096),
         )
-        if r.ok and r.stdout.strip() == str(case["output"]).strip():
+        if r.ok and r.stdout.strip() == expected:
             passed += 1
     return passed / len(tests)
 

@@ -3,10 +3,18 @@
     python -I _sandbox_boot.py <workdir> <code file> <limits json>
 
 Runs in the child before the user's code: lowers its own resource limits, drops root to
-the ``nobody`` user, removes the os functions that make files without an audit event
-(``mkfifo``, ``mknod``), installs an audit hook (PEP 578) that refuses processes,
-sockets, native code, directory descriptors and file access outside the working
-directory, then runs the code as ``__main__``. Only the standard library is imported here.
+the user id the parent chose for this run (making the Python installation readable to it
+first), removes the os functions that make files without an audit event (``mkfifo``,
+``mknod``), installs an audit hook (PEP 578) that refuses processes, sockets, native code,
+directory descriptors and file access outside the working directory, then runs the code
+as a fresh ``__main__`` module. Only the standard library is imported here.
+
+What the hook decides must not be changeable by the code it judges, which runs in the
+same interpreter: the hook keeps its policy in frozen values bound when it is installed
+(not in this module's globals, which any function defined here leads to), calls only
+functions implemented in C that it bound itself (not ``os.path.realpath``, whose helpers
+are module globals the code may replace), and refuses the ways to reach its frame's cells
+(``gc`` referent walks, ``sys.settrace``/``setprofile``).
 """
 
 import json
@@ -64,17 +72,69 @@ def _is_real_root(euid: int, uid_map) -> bool:
     return True
 
 
-def _drop_root(workdir: str) -> None:
-    # Root ignores RLIMIT_NPROC and file permissions: run the code as nobody.
+def _drop_root(workdir: str, uid: int, read_roots, private_mounts: bool) -> None:
+    """Root ignores RLIMIT_NPROC and file permissions: run the code as ``uid``, a user of
+    this run alone (so the parent can find and end every process it started by its user)."""
     if not _is_real_root(os.geteuid(), _uid_map()):
         return
-    nobody = 65534
-    os.chown(workdir, nobody, nobody)
-    for name in os.listdir(workdir):
-        os.chown(os.path.join(workdir, name), nobody, nobody)
+    if private_mounts:
+        _expose(read_roots)
+    for parent, dirs, names in os.walk(workdir):
+        for name in [parent, *(os.path.join(parent, n) for n in dirs + names)]:
+            os.chown(name, uid, uid)
     os.setgroups([])
-    os.setgid(nobody)
-    os.setuid(nobody)
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _mount(*args: str) -> bool:
+    # Before the hook: nothing else runs in this process yet, so a plain spawn is safe.
+    try:
+        pid = os.posix_spawnp("mount", ["mount", *args], os.environ)
+        return os.waitpid(pid, 0)[1] == 0
+    except OSError:
+        return False
+
+
+def _expose(roots) -> None:
+    """Makes each of ``roots`` reachable by any user, in this process's own mount namespace.
+
+    A Python installed under ``/root`` (mode 0700) is unreadable to the run's user, so it
+    could import only what was loaded before the switch. Here an ancestor that others may
+    not pass is covered by an empty, passable tmpfs, and each root below it is bound back
+    at its own path: the code reads the installation where it is, and nothing else of that
+    directory (the host's files and modes are untouched; the mounts end with the run).
+    """
+    blocked: dict[str, list[str]] = {}
+    for root in sorted(roots):
+        parts = root.split("/")
+        for i in range(2, len(parts)):
+            above = "/".join(parts[:i])
+            try:
+                passable = os.stat(above).st_mode & stat.S_IXOTH
+            except OSError:
+                break
+            if not passable:
+                kept = blocked.setdefault(above, [])
+                if not any(root.startswith(k + "/") for k in kept):
+                    kept.append(root)
+                break
+    for above, below in blocked.items():
+        fds = [os.open(r, os.O_PATH) for r in below]  # still reachable once covered
+        try:
+            if not _mount("-t", "tmpfs", "-o", "mode=755,size=64k", "tmpfs", above):
+                continue
+            for root, fd in zip(below, fds, strict=True):
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    os.makedirs(root, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(root), exist_ok=True)
+                    open(root, "a").close()
+                os.set_inheritable(fd, True)
+                _mount("--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", root)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 _DENIED_EVENTS = {
@@ -99,6 +159,12 @@ _DENIED_EVENTS = {
     "os.chown",
     "os.setxattr",
     "os.removexattr",
+    # The ways to the hook's own function and to its frame's cells, which hold its policy.
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "sys.settrace",
+    "sys.setprofile",
 }
 # Refused when not imported yet; posix and _imp are, so only a fresh copy is refused
 # (one with the os functions this script removes).
@@ -107,92 +173,143 @@ _DENIED_IMPORTS = {"_posixsubprocess", "_ctypes", "ctypes", "posix", "_imp"}
 # no audit event that the hook could check: removed from os and posix altogether.
 _UNAUDITED_MAKERS = ("mkfifo", "mknod")
 _PATH_WRITE_EVENTS = {
-    "os.remove": 0,
-    "os.rmdir": 0,
-    "os.mkdir": 0,
-    "os.rename": 0,
-    "os.truncate": 0,
-    "os.chmod": 0,
-    "os.utime": 0,
-    "shutil.rmtree": 0,
+    "os.remove",
+    "os.rmdir",
+    "os.mkdir",
+    "os.rename",
+    "os.truncate",
+    "os.chmod",
+    "os.utime",
+    "shutil.rmtree",
 }
-_PATH_READ_EVENTS = {"os.listdir": 0, "os.scandir": 0, "os.chdir": 0, "glob.glob": 0}
+_PATH_READ_EVENTS = {"os.listdir", "os.scandir", "os.chdir", "glob.glob"}
+# Devices a read-only os.open may name (the runtime's own fallback for random bytes).
+_READABLE_DEVICES = {"/dev/null", "/dev/urandom", "/dev/random", "/dev/zero"}
 
 
-def _install_hook(workdir: str) -> None:
-    workdir = os.path.realpath(workdir)
-    # Reading is allowed in the working directory and in the Python installation
-    # (the standard library must import); writing in the working directory only.
-    read_roots = {workdir}
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
-        read_roots.add(os.path.realpath(p))
-    for p in sys.path:
-        if p and os.path.isdir(p):
-            read_roots.add(os.path.realpath(p))
-    read_roots.update({"/dev/null", "/dev/urandom"})
-    real = os.path.realpath
-    fspath = os.fspath
+def _writes(mode, flags) -> bool:
+    """Whether an ``open`` event (``mode``: io's mode string, None for os.open) may write.
+
+    O_TRUNC empties a file even when opened read-only, so it counts as writing.
+    """
+    if mode is not None:
+        return any(c in str(mode) for c in "wax+")
+    return isinstance(flags, int) and bool(
+        flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    )
+
+
+def _install_hook(workdir: str, read_roots) -> None:
+    # Everything the hook uses is bound here, immutable or implemented in C: the code runs
+    # in this interpreter and may replace any module attribute afterwards.
+    denied_events, denied_imports = frozenset(_DENIED_EVENTS), frozenset(_DENIED_IMPORTS)
+    write_events, read_events = frozenset(_PATH_WRITE_EVENTS), frozenset(_PATH_READ_EVENTS)
+    devices, writes = frozenset(_READABLE_DEVICES), _writes
+    write_roots, read_roots = (workdir.rstrip("/"),), tuple(r.rstrip("/") for r in read_roots)
+    lstat, readlink, getcwd, fspath = os.lstat, os.readlink, os.getcwd, os.fspath
+    is_link, as_str, decode = stat.S_ISLNK, str.__str__, bytes.decode
+    o_path, path_types = getattr(os, "O_PATH", 0), (str, bytes, os.PathLike)
+
+    def text(path):
+        path = fspath(path)
+        return decode(path, "utf-8", "surrogateescape") if isinstance(path, bytes) else as_str(path)
+
+    def resolve(path: str):
+        """The absolute path with every symbolic link followed (os.path.realpath, non-strict:
+        a part that does not exist or cannot be examined is taken as written)."""
+        todo = path.split("/")[::-1]
+        if not path.startswith("/"):
+            todo += getcwd().split("/")[::-1]
+        done, links = [], 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if done:
+                    done.pop()
+                continue
+            here = "/" + "/".join([*done, name])
+            try:
+                link = is_link(lstat(here).st_mode)
+            except (OSError, ValueError):
+                link = False
+            if not link:
+                done.append(name)
+                continue
+            links += 1
+            if links > 40:
+                return None
+            target = readlink(here)
+            if target.startswith("/"):
+                done = []
+            todo += target.split("/")[::-1]
+        return "/" + "/".join(done)
 
     def inside(path, roots) -> bool:
         try:
-            p = real(fspath(path))
+            p = resolve(text(path))
         except Exception:
             return False
-        return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+        return p is not None and any(p == r or p.startswith(r + "/") for r in roots)
 
     def refuse(what):
         raise PermissionError(f"sandbox: {what} is not allowed")
 
-    stat_path, is_dir_mode = os.stat, stat.S_ISDIR
-
-    def maybe_directory(path) -> bool:
-        # A path it cannot stat (no permission) may be a directory too.
-        try:
-            return is_dir_mode(stat_path(path).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except (OSError, ValueError):
-            return True
-
     def hook(event, args):
-        if event in _DENIED_EVENTS or event.startswith("ctypes."):
+        if event in denied_events or event.startswith("ctypes."):
             refuse(event)  # all of ctypes: no foreign call, however _ctypes got loaded
-        if event == "import" and args and args[0] in _DENIED_IMPORTS:
-            refuse(f"import {args[0]}")
+        if event == "import" and args and isinstance(args[0], str):
+            if as_str(args[0]) in denied_imports:
+                refuse(f"import {args[0]}")
         if event == "open":
             path, mode, flags = (list(args) + [None, None, None])[:3]
             if isinstance(path, int) or path is None:
                 return
-            writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-            )
-            if writing and not inside(path, {workdir}):
-                refuse(f"writing {fspath(path)!r} (outside the sandbox directory)")
+            writing = writes(mode, flags)
+            if writing and not inside(path, write_roots):
+                refuse(f"writing {text(path)!r} (outside the sandbox directory)")
             if not writing and not inside(path, read_roots):
-                refuse(f"reading {fspath(path)!r} (outside the sandbox directory)")
+                refuse(f"reading {text(path)!r} (outside the sandbox directory)")
             # The open event does not carry dir_fd, so a path relative to a directory's
-            # descriptor would be checked against the wrong directory: os.open (the event
-            # with mode None) hands out no descriptor of a directory at all. io.open never
-            # gives one (FileIO refuses directories), though tempfile passes it a directory
-            # with an opener; os.scandir and os.listdir need none.
-            if mode is None and maybe_directory(path):
-                refuse(f"opening the directory {fspath(path)!r} (a dir_fd escapes the checks)")
-        elif event in _PATH_WRITE_EVENTS:
-            paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))]
-            for path in paths:
-                if not inside(path, {workdir}):
-                    refuse(f"{event} on {fspath(path)!r} (outside the sandbox directory)")
+            # descriptor would be checked against the wrong directory: no directory
+            # descriptor may be handed out. A check of the path before the open cannot
+            # know (a second thread may swap a directory in), so the kernel decides:
+            # os.open must ask for writing, which a directory refuses (EISDIR), and io's
+            # open examines what it opened and refuses a directory itself. O_PATH opens a
+            # directory whatever else it asks for.
+            if mode is None and isinstance(flags, int):
+                if flags & o_path:
+                    refuse(f"os.open with O_PATH ({text(path)!r})")
+                if not writing and resolve(text(path)) not in devices:
+                    refuse(f"os.open for reading ({text(path)!r}; open() it instead)")
+        elif event in write_events:
+            for path in args:
+                if isinstance(path, path_types) and not inside(path, write_roots):
+                    refuse(f"{event} on {text(path)!r} (outside the sandbox directory)")
             # fchmod, futimens, ftruncate: the event names a descriptor, not a path; a
             # file opened for reading outside must not be changed through it.
             if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-                if not inside(f"/proc/self/fd/{args[0]}", {workdir}):
+                if not inside(f"/proc/self/fd/{args[0]}", write_roots):
                     refuse(f"{event} on descriptor {args[0]} (not a file in the sandbox directory)")
-        elif event in _PATH_READ_EVENTS:
+        elif event in read_events:
             path = args[0] if args else None
-            if isinstance(path, (str, bytes, os.PathLike)) and not inside(path, read_roots):
-                refuse(f"{event} on {fspath(path)!r} (outside the sandbox directory)")
+            if isinstance(path, path_types) and not inside(path, read_roots):
+                refuse(f"{event} on {text(path)!r} (outside the sandbox directory)")
 
     sys.addaudithook(hook)
+
+
+def _read_roots(workdir: str) -> set[str]:
+    """Where the code may read: its directory and the Python installation (the standard
+    library must import), by real path."""
+    roots = {workdir, "/dev/null", "/dev/urandom"}
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+        roots.add(os.path.realpath(p))
+    for p in sys.path:
+        if p and os.path.isdir(p):
+            roots.add(os.path.realpath(p))
+    return roots
 
 
 def _remove_unaudited_makers() -> None:
@@ -255,8 +372,37 @@ PRELOAD = (
 ).split()
 
 
+def _supervise(status_fd: int) -> None:
+    """Forks; the child returns and runs the code, this process waits for it and reports.
+
+    This process is the first of the run's pid namespace (when it has one): the kernel ends
+    every process of the namespace when it exits, and it never changes user, so unshare's
+    --kill-child still ends it with unshare. The code does not run as that first process,
+    whose default signal dispositions do not apply (it would outlive SIGXCPU, for one).
+    How the child ended goes to the parent on ``status_fd`` as an exit code (negative: the
+    signal that killed it), since this process exits normally whatever happened.
+    """
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)
+        return
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1):  # the output pipes end when the code's processes end
+        os.dup2(null, fd)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    os.write(status_fd, b"%d" % code)
+    os._exit(code if code >= 0 else 1)
+
+
 def main() -> None:
     workdir, code_path, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    workdir = os.path.realpath(workdir)
     with open(code_path, encoding="utf-8") as f:
         source = f.read()
     os.chdir(workdir)
@@ -265,25 +411,34 @@ def main() -> None:
             __import__(name)
         except ImportError:
             pass
-    _drop_root(workdir)
+    read_roots = _read_roots(workdir)
+    if limits.get("status_fd") is not None:
+        _supervise(limits["status_fd"])  # returns in the child that runs the code
+    _drop_root(workdir, limits.get("uid", 65534), read_roots, limits.get("private_mounts", False))
     _limits(limits)
     sys.argv = ["main.py"]
     sys.path[:] = [p for p in sys.path if p]  # no script directory on the path
     code = compile(source, "main.py", "exec")
     _remove_unaudited_makers()
     _directory_fds_unused()
-    _install_hook(workdir)
-    del sys.modules["__main__"].__dict__["main"]
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    _install_hook(workdir, read_roots)
+    # The code's own __main__: `import __main__` must not lead to this script's globals.
+    module = type(sys)("__main__")
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
     try:
-        exec(code, namespace)
+        exec(code, module.__dict__)
     except SystemExit:
         raise
     except BaseException as e:  # the user's traceback, without this script's frame
         import traceback
 
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__):
+            try:  # what the code printed before it failed is part of its output
+                stream.flush()
+            except Exception:
+                pass
         os._exit(1)
 
 

@@ -5,9 +5,16 @@
 
 What bounds the code, and who enforces it:
 
-* **Wall time**: the parent waits ``timeout_s`` seconds, then kills the child's whole
-  process group (SIGKILL; the child is started in a new session). Enforced by the
-  kernel; ``timed_out`` is then True.
+* **Wall time**: the parent waits ``timeout_s`` seconds, then kills every process of the
+  run (SIGKILL); ``timed_out`` is then True. Standard input is written in the same loop
+  that reads the output and watches the clock, so no use of the pipes (a large stdin never
+  read, output written before input is read) holds the parent past the deadline.
+* **Every process of the run ends with it**: where ``unshare`` can make a pid namespace,
+  the run has its own, whose first process (the boot script, which waits for the code's
+  process) takes every other with it when it ends: the kernel ends them all, whatever
+  session or process group they made for themselves. Under a root trainer the code runs as
+  a user id of its own (see below). After every run the parent kills what is left in the
+  run's session or under its user, and looks again until nothing is.
 * **CPU time, memory, processes, file size, open files**: ``RLIMIT_CPU`` (the timeout
   rounded up, plus one second: a backstop the wall clock reaches first, since a
   single-threaded child's CPU time runs no faster than the clock), ``RLIMIT_AS``
@@ -15,8 +22,13 @@ What bounds the code, and who enforces it:
   child on itself before the code runs. Kernel-enforced: an allocation past the limit
   raises ``MemoryError``, a write past the file size fails with ``EFBIG``. A trainer
   running as root would make ``RLIMIT_NPROC`` void and every file writable, so under
-  root the child first becomes the ``nobody`` user. (Not in the ``unshare -r``
-  namespace of a non-root trainer: its uid 0 there is the trainer's own uid outside.)
+  root the child first becomes a user id chosen for this run alone (above the ranges of
+  system and directory accounts; ``nobody`` where those ids are not mapped): the limit
+  then counts the run's processes only, and concurrent runs cannot signal each other.
+  In a mount namespace of its own, an installation that user could not read (a Python
+  under ``/root``) is made readable there, and nothing else of its directory. (Not in the
+  ``unshare -r`` namespace of a non-root trainer: its uid 0 there is the trainer's own
+  uid outside.)
 * **Output**: stdout and stderr are read as they come, at most ``max_output_bytes``
   each; a child that writes more is killed at once and ``truncated`` is True, so
   printing gigabytes costs neither memory nor time in the trainer.
@@ -26,19 +38,25 @@ What bounds the code, and who enforces it:
   applies. In every case an audit hook in the child refuses to create sockets.
 * **Files and processes**: the working directory is a fresh temporary directory,
   removed afterwards. An audit hook (PEP 578) installed before the code runs refuses
-  writing outside that directory, reading outside it and the Python installation,
-  starting processes (``fork``, ``exec``, ``subprocess``, ``os.system``), sending
-  signals, sockets, native code (``ctypes``) and subinterpreters. It also refuses to
-  open directories, since the audit event of ``open`` does not carry ``dir_fd`` and a
-  path relative to a directory's descriptor would be checked against the wrong place,
-  and changing a file through a descriptor (``fchmod``) unless the file is in the
-  directory. ``os.mkfifo`` and ``os.mknod`` raise no audit event at all, so they are
-  removed from ``os`` and ``posix`` before the code runs.
+  writing outside that directory (``O_TRUNC`` counts as writing), reading outside it and
+  the Python installation, starting processes (``fork``, ``exec``, ``subprocess``,
+  ``os.system``), sending signals, sockets, native code (``ctypes``) and
+  subinterpreters. The ``open`` audit event does not carry ``dir_fd``, so no directory
+  descriptor may be handed out: ``os.open`` must ask for writing (which the kernel
+  refuses on a directory) and may not use ``O_PATH``; ``open()`` refuses directories
+  itself. Both are decided on what was opened, not on a check of the path before, which
+  a second thread could race. Changing a file through a descriptor (``fchmod``) is
+  refused unless the file is in the directory. ``os.mkfifo`` and ``os.mknod`` raise no
+  audit event at all, so they are removed from ``os`` and ``posix`` before the code runs.
+  The hook's policy is out of the code's reach: frozen in the hook's closure, not in a
+  module the code can import (the code gets a ``__main__`` module of its own), and
+  checked with functions the code cannot replace.
 
 The audit hook guards against accidents and the ordinary ways of doing these things
 inside Python; it is not a hardened jail against code written to escape it (a
-C extension in the installation could still be imported). Run code you suspect of
-malice inside a container or a virtual machine as well.
+C extension in the installation could still be imported). What the kernel enforces
+(limits, user, namespaces, the end of every process) holds either way. Run code you
+suspect of malice inside a container or a virtual machine as well.
 """
 
 from __future__ import annotations
@@ -49,12 +67,15 @@ import json
 import math
 import os
 import pathlib
+import pwd
+import random
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 _BOOT = pathlib.Path(__file__).with_name("_sandbox_boot.py")
@@ -70,7 +91,7 @@ class ToolResult:
       stdout, stderr: the text it wrote (at most ``max_output_bytes`` each).
       exit_code: the process's exit status; negative: killed by that signal
         (-9 when the timeout or the output cap killed it); 0 for a tool that ran fine.
-      timed_out: the wall-clock limit was reached and the process group killed.
+      timed_out: the wall-clock limit was reached and every process of the run killed.
       truncated: the output passed its cap; the process was killed there.
     """
 
@@ -90,11 +111,19 @@ def _unshare_prefix() -> tuple[str, ...]:
     exe = shutil.which("unshare")
     if exe is None or not sys.platform.startswith("linux"):
         return ()
-    # Root may make a network namespace directly; others need a user namespace that
-    # maps them to themselves (so RLIMIT_NPROC still counts their processes). Older
-    # unshare has no -c; under -r the child is uid 0 inside, its own uid outside, and
-    # the boot script leaves that uid as it is (see _sandbox_boot._is_real_root).
-    options = [("-n",)] if os.geteuid() == 0 else [("-c", "-n"), ("-r", "-n")]
+    # Root may make namespaces directly; others need a user namespace that maps them to
+    # themselves (so RLIMIT_NPROC still counts their processes). Older unshare has no -c;
+    # under -r the child is uid 0 inside, its own uid outside, and the boot script leaves
+    # that uid as it is (see _sandbox_boot._is_real_root). A pid namespace (-p -f) ends
+    # every process of the run with its first one, whatever session it made for itself;
+    # --kill-child ends that first one with unshare. Root also gets a mount namespace of
+    # its own, in which the boot script makes the Python installation readable to the
+    # run's user (-m; mounts there are private).
+    pid = ("-p", "-f", "--kill-child")
+    if os.geteuid() == 0:
+        options = [("-n", *pid, "-m"), ("-n", *pid), ("-n",)]
+    else:
+        options = [("-c", "-n", *pid), ("-r", "-n", *pid), ("-c", "-n"), ("-r", "-n")]
     for opts in options:
         cmd = (exe, *opts)
         try:
@@ -104,6 +133,45 @@ def _unshare_prefix() -> tuple[str, ...]:
         if ok:
             return cmd
     return ()
+
+
+# Users for the runs of a root trainer: above the ranges that system and directory-service
+# accounts use, one per run (see _run_uid).
+_RUN_UIDS = (2_000_300_000, 2_147_000_000)
+_uids_in_use: set[int] = set()
+_uids_lock = threading.Lock()
+
+
+def _run_uid() -> int | None:
+    """A user id no account and no other run of this process has, for one run under root.
+
+    Its processes are then exactly the run's: RLIMIT_NPROC counts only them, concurrent
+    runs cannot signal each other, and after the run every process of that user is ended.
+    None where such ids are not mapped (a user namespace of 65536 ids): the run is then
+    nobody, shared with other runs, and its processes are found by session only.
+    """
+    mapped = []
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as f:
+            for line in f:
+                inside, _, count = (int(x) for x in line.split())
+                mapped.append((inside, inside + count))
+    except (OSError, ValueError):
+        pass
+    for _ in range(100):
+        uid = random.randrange(*_RUN_UIDS)
+        if not any(lo <= uid < hi for lo, hi in mapped):
+            return None
+        try:
+            pwd.getpwuid(uid)
+            continue
+        except KeyError:
+            pass
+        with _uids_lock:
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+    return None
 
 
 def network_isolation() -> str:
@@ -150,11 +218,14 @@ def run_python(
     _check("timeout_s", timeout_s, lo=0.01)
     _check("memory_mb", memory_mb, lo=16)
     _check("max_output_bytes", max_output_bytes, lo=1)
+    run_uid = _run_uid() if os.geteuid() == 0 else None
     limits = {
         "cpu_s": math.ceil(timeout_s) + 1,
         "memory_bytes": int(memory_mb) * 2**20,
         "file_bytes": int(max_file_mb) * 2**20,
         "nproc": int(max_processes),
+        "uid": 65534 if run_uid is None else run_uid,
+        "private_mounts": "-m" in _unshare_prefix(),
     }
     workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
     try:
@@ -189,12 +260,65 @@ def run_python(
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
         }
-        return _run(cmd, env, workdir, stdin, timeout_s, int(max_output_bytes))
+        return _run(cmd, env, workdir, stdin, timeout_s, int(max_output_bytes), run_uid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        with _uids_lock:
+            _uids_in_use.discard(run_uid)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _strays(session: int, uid: int | None) -> list[int]:
+    """Live processes of the run: in its session, or (when it had a user of its own) of its
+    user. Linux only (read from /proc); elsewhere none are found."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", encoding="utf-8", errors="replace") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if fields["State"].split()[0] in ("Z", "X"):
+                continue  # already dead, holding only its pid until its parent reaps it
+            sid = int(fields["NSsid"].split()[0])
+            real_uid = int(fields["Uid"].split()[0])
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+        if sid == session or (uid is not None and real_uid == uid):
+            found.append(int(entry))
+    return found
+
+
+def _end_run(proc: subprocess.Popen, uid: int | None, reaps_child: bool) -> None:
+    """SIGKILL to every process the run started, until a look finds none left.
+
+    The process group is not enough: code that gets past the audit hook can fork, start a
+    new session and outlive it. In a pid namespace the kernel ends all of the run's
+    processes with its first one; without one (or when that first process changed user,
+    which clears unshare's --kill-child), what is left is found by session and by the
+    run's own user. The process started here is ended last: when it is ``unshare -f``
+    (``reaps_child``), it then reaps the child it forked and exits by itself, leaving no
+    zombie in the group.
+    """
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        strays = [pid for pid in _strays(proc.pid, uid) if pid != proc.pid]
+        if not strays:
+            break
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.005)
+    if reaps_child:
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -203,31 +327,57 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.kill()
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
-def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int) -> ToolResult:
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,  # its own process group: one killpg ends all it started
-        close_fds=True,
-    )
+def _read_status(fd: int) -> bytes:
+    """What the boot script reported on ``fd`` (empty if it was killed first); closes it."""
+    try:
+        os.set_blocking(fd, False)
+        return os.read(fd, 64)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResult:
+    # The boot script forks the code's process and reports how it ended on this pipe.
+    status_r, status_w = os.pipe()
+    cmd[-1] = json.dumps({**json.loads(cmd[-1]), "status_fd": status_w})
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,  # its own session: what it starts is found by session id
+            close_fds=True,
+            pass_fds=(status_w,),
+        )
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
     out = {"stdout": bytearray(), "stderr": bytearray()}
     timed_out = truncated = False
     deadline = time.monotonic() + timeout_s
+    # stdin is written as the child takes it, in the same loop that reads its output and
+    # watches the clock: a child that reads nothing, or writes before it reads, blocks
+    # neither the parent nor the deadline.
+    pending = memoryview(stdin.encode("utf-8"))
     try:
-        try:
-            proc.stdin.write(stdin.encode("utf-8"))
-        except (BrokenPipeError, OSError):
-            pass
-        proc.stdin.close()
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        if pending:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+        else:
+            proc.stdin.close()
         open_streams = 2
         while open_streams:
             left = deadline - time.monotonic()
@@ -235,7 +385,18 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int) -> ToolResult:
                 timed_out = True
                 break
             for key, _ in sel.select(timeout=min(left, 0.5)):
-                chunk = os.read(key.fileobj.fileno(), 65536)
+                if key.data == "stdin":
+                    try:
+                        pending = pending[os.write(key.fd, pending[:65536]) :]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the child closed its stdin: the rest is not wanted
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     open_streams -= 1
@@ -247,19 +408,26 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int) -> ToolResult:
             if truncated:
                 break
         sel.close()
-        if timed_out or truncated:
-            _kill_group(proc)
-        else:
+        if not (timed_out or truncated):
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill_group(proc)
-        exit_code = proc.wait()
     finally:
-        _kill_group(proc)  # anything it left in its group goes too
-        for stream in (proc.stdout, proc.stderr):
-            stream.close()
+        # The process, and anything it left in its session or under its user.
+        _end_run(proc, uid, reaps_child="--kill-child" in cmd)
+        reported = _read_status(status_r)
+        if reported:
+            exit_code = int(reported)
+        elif timed_out or truncated:
+            exit_code = -signal.SIGKILL
+        else:
+            exit_code = proc.returncode
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
     stderr = out["stderr"].decode("utf-8", "replace")
     if timed_out:
         stderr += f"\n[sandbox] killed: wall-clock limit of {timeout_s:g} s reached"
