@@ -477,9 +477,9 @@ def run_episodes(
             if reason[i] == BUDGET:
                 done[i] = truncated[i] = True
                 continue
-            if environments[i] is None:  # its reset failed (reported by reset_all)
+            if environments[i] is None:  # broken before the episode (reported by play)
                 done[i], errors[i], rewards[i] = True, True, math.nan
-                messages.append(f"row {i}: no environment: its reset failed")
+                messages.append(f"row {i}: no environment: it failed to start")
                 continue
             out = envs_lib.safe_step(environments[i], text, cfg.env_timeout_s)
             if out.error is not None:
@@ -550,27 +550,34 @@ def reset_all(
     """Makes and resets ``num_samples`` environments per example.
 
     Returns (environments N, first observations B (None: the usual prompt),
-    error messages). The G episodes of an example must start from the same
-    observation (they share one prompt); a ``reset`` that fails gives that
-    example's prompt as usual and marks its environments broken (None).
+    error messages, one per broken episode). An environment whose constructor or
+    ``reset`` fails is broken (None): its episode ends at its first turn with
+    reward NaN. The G episodes of an example share one prompt, so their first
+    observations must be equal; where they differ, all G are broken. A group
+    without a working environment gets the example's usual prompt.
     """
     environments, first, messages = [], [], []
     for b, ex in enumerate(examples):
-        obs_g = []
+        envs_g, good = [], []  # good: the first observations of the working ones
         for _ in range(num_samples):
-            env = envs_lib.make(spec)
-            r = envs_lib.safe_reset(env, ex, timeout_s)
-            if r.error is not None:
-                messages.append(f"example {b}: {r.error}")
-                env = None
-            environments.append(env)
-            obs_g.append(r.observation)
-        good = [o for o, e in zip(obs_g, environments[-num_samples:]) if e is not None]
+            env, error = envs_lib.safe_make(spec, timeout_s)
+            if env is not None:
+                r = envs_lib.safe_reset(env, ex, timeout_s)
+                if r.error is None:
+                    good.append(r.observation)
+                else:
+                    env, error = None, r.error
+            if error is not None:
+                messages.append(f"example {b}: {error}")
+            envs_g.append(env)
         if any(o != good[0] for o in good[1:]):
-            raise ValueError(
-                f"environment {spec!r}: reset gave different first observations for the "
-                f"{num_samples} episodes of example {b}; they must share one prompt"
+            why = (
+                f"example {b}: reset: the {len(good)} episodes' first observations differ; "
+                "they must share one prompt"
             )
+            messages += [why] * len(good)
+            envs_g, good = [None] * num_samples, []
+        environments += envs_g
         first.append(good[0] if good else None)
     return environments, first, messages
 
