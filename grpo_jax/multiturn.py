@@ -34,7 +34,9 @@ Budgets: at most ``max_turns`` model turns and ``max_tokens`` transcript tokens 
 episode (an observation that would leave no room for a model token, or is longer than
 ``max_obs_tokens``, ends the episode instead), at most ``max_turn_tokens`` per turn.
 An episode that ends on a budget is marked truncated. An environment that raises or
-runs past ``env_timeout_s`` ends its episode with reward NaN (advantage 0), counted.
+runs past ``env_timeout_s`` ends its episode with reward NaN (advantage 0), counted;
+so does one that cannot start (its constructor or ``reset`` fails, its first
+observation fits no prompt bucket, or the G first observations of a group differ).
 
 Sharding: the jitted parts run without explicit shardings (rows on whatever devices
 the inputs sit on); the trainer places the finished batch like any other.
@@ -622,6 +624,22 @@ def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
         run.env.name, examples, num_samples, cfg.env_timeout_s
     )
     token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
+    # A first observation that no prompt bucket holds breaks its group, as a failed
+    # reset does: the example's usual prompt stands in.
+    longest = max(s.encoder.buckets)
+    too_long = [
+        b for b, ids in enumerate(token_lists) if first[b] is not None and len(ids) > longest
+    ]
+    for b in too_long:
+        why = (
+            f"example {b}: reset: a first prompt of {len(token_lists[b])} tokens, more than "
+            f"the largest prompt bucket ({longest}, sampling.prompt_buckets)"
+        )
+        reset_errors += [why] * num_samples
+        environments[b * num_samples : (b + 1) * num_samples] = [None] * num_samples
+        first[b] = None
+    if too_long:
+        token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
     tokens_BxP, mask_BxP = pad_prompts(
         token_lists, pad_id=s.encoder.pad_id, buckets=s.encoder.buckets
     )
@@ -669,6 +687,7 @@ def collect(s, params, examples: list[dict], key: jax.Array):
     from grpo_jax import advantages as adv_lib
     from grpo_jax import distributed
     from grpo_jax.metrics import duplicate_flags, rollout_metrics
+    from grpo_jax.rewards.scoring import limit_rewards
     from grpo_jax.rollout import HostRollout, RolloutBatch
 
     _check_single_process()
@@ -684,7 +703,8 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         tok.decode([int(x) for x in row[:n]], skip_special_tokens=False)
         for row, n in zip(ep.tokens_NxT, ep.lengths_N, strict=True)
     ]
-    total_N = ep.rewards_N.astype(np.float64)
+    total_N, n_infinite, n_clipped = limit_rewards("env", ep.rewards_N, 0)
+    total_N = total_N.astype(np.float64)
     advantages_N = np.asarray(
         adv_lib.compute_advantages(
             jnp.asarray(total_N.reshape(-1, G), jnp.float32),
@@ -694,11 +714,12 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         )
     ).reshape(-1)
     model_tokens_N = ep.mask_NxT.sum(axis=1)
-    n_errors = int(ep.errors_N.sum())
+    n_errors = int(ep.errors_N.sum()) + n_infinite
     metrics = rollout_metrics(
         total_N=total_N,
         per_reward={"env": total_N},
         errors={"env": n_errors},
+        clipped={"env": n_clipped},
         correct_N=ep.success_N,
         lengths_N=model_tokens_N,
         truncated_N=ep.truncated_N,
