@@ -983,9 +983,13 @@ class EnvSection:
                     except (ImportError, OSError) as e:
                         raise ConfigError(f"config key 'env.modules': {item!r}: {e}") from None
             try:
-                envs.make(self.name)
+                envs.get(self.name)
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"config key 'env.name' = {self.name!r}: {e}") from None
+            # One instance, its constructor's failures (sys.exit included) contained.
+            _, error = envs.safe_make(self.name, self.timeout_s)
+            if error is not None:
+                raise ConfigError(f"config key 'env.name' = {self.name!r}: {error}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -209,8 +209,8 @@ def _top_by_rank(score, eligible, mask, frac):
 
     At least one token whenever frac > 0, as in the paper's code: the default
     fraction 2e-4 would otherwise pick nothing below 5000 tokens and switch
-    the method off unnoticed. frac = 0 picks none. Deterministic stand-in for
-    the paper's random choice: by rank, not by draw.
+    the method off unnoticed. frac = 0 picks none. By rank, not by draw: the
+    paper's code takes this top-k for KL-Cov and draws at random for Clip-Cov.
     """
     n_valid = mask.sum()
     k = jnp.where(frac > 0, jnp.maximum(jnp.floor(frac * n_valid), 1.0), 0.0)
@@ -263,12 +263,16 @@ def policy_kl_cov(*, log_ratio, logps, adv, mask, cov_frac=2e-4, kl_cov_coef=1.0
         objective_t = rho_t A                   elsewhere.
 
     As in the paper, there is no ratio clip: the penalty on the high-covariance
-    tokens takes its place (epsilon_low/high are ignored).
+    tokens takes its place (epsilon_low/high are ignored). |log rho| is written
+    log rho * sg(sign(log rho)), whose derivative is sign(log rho): 0 at
+    log rho = 0, where the penalty is minimal (jnp.abs's derivative there is 1,
+    a spurious push down on every picked token of an on-policy minibatch).
     """
     rho = jnp.exp(log_ratio)
     cov = _cov_NxT(logps, adv, mask)
     picked = _top_by_rank(cov, mask > 0, mask, cov_frac)
-    return rho * adv - jnp.where(picked, kl_cov_coef * jnp.abs(log_ratio), 0.0)
+    abs_log_ratio = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
+    return rho * adv - jnp.where(picked, kl_cov_coef * abs_log_ratio, 0.0)
 
 
 def policy_gmpo(*, log_ratio, adv, mask, eps_low, eps_high, **_):
@@ -286,7 +290,7 @@ def policy_gmpo(*, log_ratio, adv, mask, eps_low, eps_high, **_):
     """
     lo = -jnp.inf if eps_low is None else -eps_low
     hi = jnp.inf if eps_high is None else eps_high
-    clipped = jnp.clip(log_ratio, lo, hi)
+    clipped = _clip_closed(log_ratio, lo, hi)
     l_t = jnp.where(adv > 0, jnp.minimum(log_ratio, clipped), jnp.maximum(log_ratio, clipped))
     n_tokens = mask.sum(1, keepdims=True)
     mean_l = (l_t * mask).sum(1, keepdims=True) / jnp.maximum(n_tokens, 1.0)
@@ -395,10 +399,21 @@ def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
+def _clip_closed(x, lo, hi):
+    """clip(x, lo, hi) with derivative 1 on the closed range [lo, hi], 0 outside.
+
+    jnp.clip's derivative is 1/2 at an edge. With an epsilon of 0 the on-policy
+    point rho = 1 is an edge, and min(rho A, clip(rho) A), which splits a tie
+    evenly, would have the gradient 3/4 A there (5/8 A with both epsilons 0);
+    with this clip it is A, the policy gradient, as with torch's clamp.
+    """
+    return jnp.where((x >= lo) & (x <= hi), x, jnp.clip(x, lo, hi))
+
+
 def _clip(rho, epsilon_low, epsilon_high):
     lo = -jnp.inf if epsilon_low is None else 1.0 - epsilon_low
     hi = jnp.inf if epsilon_high is None else 1.0 + epsilon_high
-    return jnp.clip(rho, lo, hi), lo, hi
+    return _clip_closed(rho, lo, hi), lo, hi
 
 
 def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):

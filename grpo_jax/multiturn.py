@@ -34,7 +34,9 @@ Budgets: at most ``max_turns`` model turns and ``max_tokens`` transcript tokens 
 episode (an observation that would leave no room for a model token, or is longer than
 ``max_obs_tokens``, ends the episode instead), at most ``max_turn_tokens`` per turn.
 An episode that ends on a budget is marked truncated. An environment that raises or
-runs past ``env_timeout_s`` ends its episode with reward NaN (advantage 0), counted.
+runs past ``env_timeout_s`` ends its episode with reward NaN (advantage 0), counted;
+so does one that cannot start (its constructor or ``reset`` fails, its first
+observation fits no prompt bucket, or the G first observations of a group differ).
 
 Sharding: the jitted parts run without explicit shardings (rows on whatever devices
 the inputs sit on); the trainer places the finished batch like any other.
@@ -477,9 +479,9 @@ def run_episodes(
             if reason[i] == BUDGET:
                 done[i] = truncated[i] = True
                 continue
-            if environments[i] is None:  # its reset failed (reported by reset_all)
+            if environments[i] is None:  # broken before the episode (reported by play)
                 done[i], errors[i], rewards[i] = True, True, math.nan
-                messages.append(f"row {i}: no environment: its reset failed")
+                messages.append(f"row {i}: no environment: it failed to start")
                 continue
             out = envs_lib.safe_step(environments[i], text, cfg.env_timeout_s)
             if out.error is not None:
@@ -550,27 +552,34 @@ def reset_all(
     """Makes and resets ``num_samples`` environments per example.
 
     Returns (environments N, first observations B (None: the usual prompt),
-    error messages). The G episodes of an example must start from the same
-    observation (they share one prompt); a ``reset`` that fails gives that
-    example's prompt as usual and marks its environments broken (None).
+    error messages, one per broken episode). An environment whose constructor or
+    ``reset`` fails is broken (None): its episode ends at its first turn with
+    reward NaN. The G episodes of an example share one prompt, so their first
+    observations must be equal; where they differ, all G are broken. A group
+    without a working environment gets the example's usual prompt.
     """
     environments, first, messages = [], [], []
     for b, ex in enumerate(examples):
-        obs_g = []
+        envs_g, good = [], []  # good: the first observations of the working ones
         for _ in range(num_samples):
-            env = envs_lib.make(spec)
-            r = envs_lib.safe_reset(env, ex, timeout_s)
-            if r.error is not None:
-                messages.append(f"example {b}: {r.error}")
-                env = None
-            environments.append(env)
-            obs_g.append(r.observation)
-        good = [o for o, e in zip(obs_g, environments[-num_samples:]) if e is not None]
+            env, error = envs_lib.safe_make(spec, timeout_s)
+            if env is not None:
+                r = envs_lib.safe_reset(env, ex, timeout_s)
+                if r.error is None:
+                    good.append(r.observation)
+                else:
+                    env, error = None, r.error
+            if error is not None:
+                messages.append(f"example {b}: {error}")
+            envs_g.append(env)
         if any(o != good[0] for o in good[1:]):
-            raise ValueError(
-                f"environment {spec!r}: reset gave different first observations for the "
-                f"{num_samples} episodes of example {b}; they must share one prompt"
+            why = (
+                f"example {b}: reset: the {len(good)} episodes' first observations differ; "
+                "they must share one prompt"
             )
+            messages += [why] * len(good)
+            envs_g, good = [None] * num_samples, []
+        environments += envs_g
         first.append(good[0] if good else None)
     return environments, first, messages
 
@@ -615,6 +624,22 @@ def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
         run.env.name, examples, num_samples, cfg.env_timeout_s
     )
     token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
+    # A first observation that no prompt bucket holds breaks its group, as a failed
+    # reset does: the example's usual prompt stands in.
+    longest = max(s.encoder.buckets)
+    too_long = [
+        b for b, ids in enumerate(token_lists) if first[b] is not None and len(ids) > longest
+    ]
+    for b in too_long:
+        why = (
+            f"example {b}: reset: a first prompt of {len(token_lists[b])} tokens, more than "
+            f"the largest prompt bucket ({longest}, sampling.prompt_buckets)"
+        )
+        reset_errors += [why] * num_samples
+        environments[b * num_samples : (b + 1) * num_samples] = [None] * num_samples
+        first[b] = None
+    if too_long:
+        token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
     tokens_BxP, mask_BxP = pad_prompts(
         token_lists, pad_id=s.encoder.pad_id, buckets=s.encoder.buckets
     )
@@ -662,6 +687,7 @@ def collect(s, params, examples: list[dict], key: jax.Array):
     from grpo_jax import advantages as adv_lib
     from grpo_jax import distributed
     from grpo_jax.metrics import duplicate_flags, rollout_metrics
+    from grpo_jax.rewards.scoring import limit_rewards
     from grpo_jax.rollout import HostRollout, RolloutBatch
 
     _check_single_process()
@@ -677,7 +703,8 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         tok.decode([int(x) for x in row[:n]], skip_special_tokens=False)
         for row, n in zip(ep.tokens_NxT, ep.lengths_N, strict=True)
     ]
-    total_N = ep.rewards_N.astype(np.float64)
+    total_N, n_infinite, n_clipped = limit_rewards("env", ep.rewards_N, 0)
+    total_N = total_N.astype(np.float64)
     advantages_N = np.asarray(
         adv_lib.compute_advantages(
             jnp.asarray(total_N.reshape(-1, G), jnp.float32),
@@ -687,11 +714,12 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         )
     ).reshape(-1)
     model_tokens_N = ep.mask_NxT.sum(axis=1)
-    n_errors = int(ep.errors_N.sum())
+    n_errors = int(ep.errors_N.sum()) + n_infinite
     metrics = rollout_metrics(
         total_N=total_N,
         per_reward={"env": total_N},
         errors={"env": n_errors},
+        clipped={"env": n_clipped},
         correct_N=ep.success_N,
         lengths_N=model_tokens_N,
         truncated_N=ep.truncated_N,

@@ -26,7 +26,8 @@ Row weights: the loss sees the token mask mask_NxT * weights_N[:, None], so a
 row of weight 0 (one that only pads the batch to its static shape) adds no
 gradient, no token to a token mean and nothing to the metrics. The "grpo" and
 "dr_grpo" reductions still divide by the static row count, as for a row with
-an empty completion.
+an empty completion. The step's token means weigh each update by its tokens,
+and are NaN when no row has weight (:func:`_combine`).
 """
 
 from __future__ import annotations
@@ -71,12 +72,36 @@ def _split_rows(x, num_parts: int, shards: int):
     return y.reshape(num_parts, shards * per, *x.shape[1:])
 
 
-def _metric_reduce(name: str):
-    if name.endswith("ratio_min"):
-        return jnp.min
-    if name.endswith("ratio_max"):
-        return jnp.max
-    return jnp.mean
+# grpo_loss's metrics that are means over the loss mask's tokens.
+_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "entropy")
+
+
+def _combine(metrics_K: dict, tokens_K: jax.Array) -> dict:
+    """One value per metric from its values over K parts (micro-batches or updates).
+
+    ``tokens_K``: each part's tokens under the loss mask. A token mean is
+
+        sum_k tokens_k v_k / sum_k tokens_k,
+
+    so a part without tokens (rows of weight 0 alone) counts for nothing, and
+    with no token at all the mean is NaN: no value this step (the writers, the
+    progress line and the health rules skip it), not 0. ``ratio_min`` /
+    ``ratio_max``: over the parts with tokens, 1.0 with none (no movement).
+    Anything else (loss, grad_norm): the mean over the parts.
+    """
+    has_K = tokens_K > 0
+    total = tokens_K.sum()
+    out = {}
+    for k, v_K in metrics_K.items():
+        if k in _TOKEN_MEANS:
+            mean = (jnp.where(has_K, v_K, 0.0) * tokens_K).sum() / jnp.where(total > 0, total, 1.0)
+            out[k] = jnp.where(total > 0, mean, jnp.nan)
+        elif k in ("ratio_min", "ratio_max"):
+            reduce, empty = (jnp.min, jnp.inf) if k == "ratio_min" else (jnp.max, -jnp.inf)
+            out[k] = jnp.where(has_K.any(), reduce(jnp.where(has_K, v_K, empty)), 1.0)
+        else:
+            out[k] = v_K.mean()
+    return out
 
 
 def _loss_mask(b: RolloutBatch):
@@ -254,11 +279,10 @@ def update(
             # Each micro-batch's share of the minibatch: its rows (1 / A) for the
             # per-sequence reductions, its tokens for "token_mean", whose loss is a
             # mean over all the minibatch's tokens. Token means in the metrics
-            # (KL, entropy, clip fractions) are weighted by tokens either way.
+            # (KL, entropy, clip fractions) are weighted by tokens either way (_combine).
             tokens_A = _loss_mask(micro[0]).astype(jnp.float32).sum(axis=(1, 2))
-            tok_w_A = tokens_A / jnp.maximum(tokens_A.sum(), 1.0)
             if grpo.reduction == "token_mean":
-                w_A = tok_w_A
+                w_A = tokens_A / jnp.maximum(tokens_A.sum(), 1.0)
             else:
                 w_A = jnp.full((grad_accum,), 1.0 / grad_accum)
 
@@ -272,15 +296,13 @@ def update(
             index_A = jnp.arange(grad_accum, dtype=jnp.int32)
             grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A, index_A))
             loss = (loss_A * w_A).sum()
-            aux = {
-                k: (v * tok_w_A).sum() if _metric_reduce(k) is jnp.mean else _metric_reduce(k)(v)
-                for k, v in aux_A.items()
-            }
+            aux = _combine(aux_A, tokens_A)
         lr = schedule(st.updates)
         st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, tx)
         if frozen is not None:
             st = st.replace(params=join(frozen, st.params))
-        metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr)
+        tokens = _loss_mask(mb[0]).astype(jnp.float32).sum()
+        metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens)
         return st, metrics
 
     parts = jax.tree.map(
@@ -292,16 +314,11 @@ def update(
         state, m_U = jax.lax.scan(one_update, state, parts)
         all_metrics.append(m_U)
     m_U = jax.tree.map(lambda *xs: jnp.concatenate([jnp.atleast_1d(x) for x in xs]), *all_metrics)
-    metrics = {}
-    for k, v in m_U.items():
-        if k in ("ratio_min", "ratio_max"):
-            metrics[f"train/{k}"] = _metric_reduce(k)(v)
-        elif k == "kl_mean":
-            metrics["train/kl"] = v.mean()
-        elif k == "lr":
-            metrics["train/lr"] = v[-1]
-        else:
-            metrics[f"train/{k}"] = v.mean()
+    lr_U, tokens_U = m_U.pop("lr"), m_U.pop("tokens")
+    metrics = {f"train/{k}": v for k, v in _combine(m_U, tokens_U).items()}
+    if "train/kl_mean" in metrics:
+        metrics["train/kl"] = metrics.pop("train/kl_mean")
+    metrics["train/lr"] = lr_U[-1]
     metrics["train/skipped_updates"] = state.skipped - skipped_before
     metrics["train/skipped_total"] = state.skipped
     metrics["train/skipped_in_row"] = state.skipped_in_row

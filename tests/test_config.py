@@ -99,6 +99,20 @@ def test_env_section_errors_name_the_key(env, sections, message):
         _parse(env, **sections)
 
 
+def test_an_environment_whose_constructor_fails_is_a_config_error():
+    import sys
+
+    from grpo_jax import envs
+
+    @envs.register("exits_when_made_test")
+    class _Exits:
+        def __init__(self):
+            sys.exit(0)
+
+    with pytest.raises(ConfigError, match=r"'env.name' = 'exits_when_made_test': make: SystemExit"):
+        _parse({"name": "exits_when_made_test"})
+
+
 def test_env_module_by_path_registers_the_environment(tmp_path):
     path = tmp_path / "config_env.py"
     path.write_text(

@@ -195,3 +195,20 @@ def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
     assert totals[-1] >= 1000 and all(t < 1000 for t in totals[:-1])
     assert summary["steps"] == len(records) < 50
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == len(records)
+
+
+@pytest.mark.slow
+def test_a_step_without_signal_raises_no_entropy_alarm(tmp_path):
+    # A constant reward and one round: every group is a weight-0 filler, the update sees no
+    # token, and its entropy is no value (null), not 0 (which set off entropy_collapse).
+    from grpo_jax.train import train
+
+    c = _config(**{"train.max_sampling_rounds": 1, "train.steps": 2})
+    c.rewards = "overlong(max_len=64,buffer=1):1.0"  # 0 for every completion of <= 16 tokens
+    c.checkpoint.every = 0
+    c.health.entropy_window = 1
+    train(c, tmp_path, stream=io.StringIO())
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert [r["dynamic/groups_kept"] for r in records] == [0.0, 0.0]
+    assert all(r["train/entropy"] is None for r in records)
+    assert not any("alarms/entropy_collapse" in r for r in records)

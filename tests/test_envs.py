@@ -1,6 +1,9 @@
 """The environment interface: registry, options, user modules, examples, error containment."""
 
 import math
+import os
+import signal
+import sys
 import time
 
 import pytest
@@ -72,11 +75,20 @@ class _Bad:
     def reset(self, example):
         if self.mode == "reset":
             raise RuntimeError("broken reset")
+        if self.mode == "exit":
+            sys.exit(0)
         return "go"
 
     def step(self, text):
         if self.mode == "raise":
             raise RuntimeError("broken step")
+        if self.mode == "exit":
+            sys.exit(0)
+        if self.mode == "interrupt":
+            raise KeyboardInterrupt
+        if self.mode == "sigint":  # a real Ctrl-C while the environment runs
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
         if self.mode == "hang":
             while True:
                 pass
@@ -89,17 +101,30 @@ class _Bad:
         return "fine", 0.5, False, {}
 
 
-@pytest.mark.parametrize("mode", ["raise", "hang", "shape", "inf", "obs"])
+@pytest.mark.parametrize("mode", ["raise", "hang", "shape", "inf", "obs", "exit", "interrupt"])
 def test_step_errors_and_timeouts_end_the_episode_with_nan(mode):
     t0 = time.monotonic()
     r = envs.safe_step(_Bad(mode), "text", 0.3)
     assert r.done and math.isnan(r.reward) and r.error.startswith("step:")
     assert time.monotonic() - t0 < 3
+    # sys.exit and a KeyboardInterrupt raised by the environment itself: its episode ends.
+    want = {"exit": "step: SystemExit: 0", "interrupt": "step: KeyboardInterrupt: "}
+    assert r.error == want.get(mode, r.error)
+
+
+def test_a_real_interrupt_while_an_environment_runs_still_stops_the_run():
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        envs.safe_step(_Bad("sigint"), "text", 10.0)
+    assert time.monotonic() - t0 < 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_reset_error_and_good_step():
     r = envs.safe_reset(_Bad("reset"), {}, 1.0)
     assert r.done and math.isnan(r.reward) and "broken reset" in r.error
+    r = envs.safe_reset(_Bad("exit"), {}, 1.0)
+    assert r.done and math.isnan(r.reward) and r.error == "reset: SystemExit: 0"
     r = envs.safe_step(_Bad("ok"), "t", 1.0)
     assert (r.observation, r.reward, r.done, r.error) == ("fine", 0.5, False, None)
 
@@ -146,11 +171,50 @@ def test_reset_all_contains_failing_resets():
     assert r.done and math.isnan(r.reward) and r.error is not None
 
 
-def test_reset_all_refuses_different_first_observations_in_a_group():
+def test_reset_all_contains_different_first_observations_in_a_group():
     from grpo_jax import multiturn
 
-    with pytest.raises(ValueError, match="different first observations for the 2 episodes"):
-        multiturn.reset_all("reset_all_test", [{"answer": "differ"}], 2, 1.0)
+    examples = [{"answer": "differ"}, {"answer": "1"}]
+    environments, first, messages = multiturn.reset_all("reset_all_test", examples, 2, 1.0)
+    # The group's episodes end at once (reward NaN, counted); the next group plays.
+    assert [e is None for e in environments] == [True, True, False, False]
+    assert first == [None, "go 1"]
+    assert messages == 2 * [
+        "example 0: reset: the 2 episodes' first observations differ; they must share one prompt"
+    ]
     # One episode per example: nothing to compare.
     _, first, _ = multiturn.reset_all("reset_all_test", [{"answer": "differ"}], 1, 1.0)
     assert first[0].startswith("go ")
+
+
+_MADE = iter(range(10**6))
+
+
+@envs.register("made_once_test")
+class _MadeOnce:
+    """The constructor works once (the config's check) and raises or exits from then on."""
+
+    def __init__(self):
+        k = next(_MADE)
+        if k == 1:
+            sys.exit(3)
+        if k > 1:
+            raise RuntimeError("only one instance")
+
+    def reset(self, example):
+        return None
+
+    def step(self, text):
+        return None, 1.0, True, {}
+
+
+def test_reset_all_contains_a_failing_constructor():
+    from grpo_jax import multiturn
+
+    envs.make("made_once_test")
+    environments, first, messages = multiturn.reset_all("made_once_test", [{"answer": "1"}], 2, 1.0)
+    assert environments == [None, None] and first == [None]
+    assert messages == [
+        "example 0: make: SystemExit: 3",
+        "example 0: make: RuntimeError: only one instance",
+    ]

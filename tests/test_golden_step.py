@@ -8,7 +8,9 @@ below were produced by the trainer before it was split into setup / collect /
 update / report, and the split reproduced them bit for bit; they change only
 when a change means to change what one step computes (then update them and say
 why in the commit). Since then: the correctness reward is logged under its own
-name, and every step logs the unscored and clipped counts of each reward.
+name, and every step logs the unscored and clipped counts of each reward; the token
+means (clip fractions, entropy, KL, ratio mean) weigh the four updates by their tokens
+instead of equally (the clip fractions are now exact counts over the 2 x 219 tokens).
 """
 
 import json
@@ -51,16 +53,16 @@ GOLDEN = {
     "rollout/sampled_tokens_total": 219.0,  # 16 rows x length_mean 13.6875
     "rollout/truncated_frac": 0.75,
     "step": 1,
-    "train/clip_frac_high": 0.05479107052087784,
-    "train/clip_frac_low": 0.21136096119880676,
-    "train/entropy": 4.590292930603027,
+    "train/clip_frac_high": 0.052511416375637054,  # 23 of 2 x 219 tokens
+    "train/clip_frac_low": 0.2054794579744339,  # 90 of 2 x 219 tokens
+    "train/entropy": 4.590114593505859,
     "train/epoch": 0.0,
     "train/grad_norm": 0.6650742292404175,
-    "train/kl": 0.02461993880569935,
+    "train/kl": 0.02424202859401703,
     "train/loss": -0.059593115001916885,
     "train/lr": 0.009999999776482582,
     "train/ratio_max": 2.336198568344116,
-    "train/ratio_mean": 0.9569739103317261,
+    "train/ratio_mean": 0.957433819770813,
     "train/ratio_min": 0.555741548538208,
     "train/skipped_in_row": 0.0,
     "train/skipped_total": 0.0,

@@ -269,29 +269,36 @@ class _ResetFailsOnBad:
         return None, self.reward, True, {"success": self.reward == 1.0}
 
 
-def test_collect_contains_a_failing_reset(one_device_mesh):
-    """The trainer's collect: a reset that raises gives NaN episodes, counted; the rest play."""
+def _collect_state(env, mesh, said):
+    """What ``multiturn.collect`` reads of the trainer's state: configs/multiturn.py at G = 2,
+    B = 3 (prompt bucket 16), a model whose every turn is one EOS; messages go to ``said``."""
     from test_multiturn_train import _config
 
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib
 
     cfg = _config()
-    cfg.env.name = "reset_fails_on_bad_test"
+    cfg.env.name = env
     cfg.grpo.G, cfg.train.batch_size = 2, 3
     run = config_lib.parse_config(cfg)
     tok = build_tokenizer()
     graphdef, params = nnx.split(MemorizedLM((), default=EOS_ID))  # turns of one EOS
-    said = []
     s = types.SimpleNamespace(
         run=run,
         encoder=setup_lib.build_encoder(run, tok),
         sampling=setup_lib.tokenizer_sampling(run, tok),
         tokenizer=tok,
         graphdef=graphdef,
-        mesh=one_device_mesh,
+        mesh=mesh,
         progress=types.SimpleNamespace(message=said.append),
     )
+    return s, params
+
+
+def test_collect_contains_a_failing_reset(one_device_mesh):
+    """The trainer's collect: a reset that raises gives NaN episodes, counted; the rest play."""
+    said = []
+    s, params = _collect_state("reset_fails_on_bad_test", one_device_mesh, said)
     examples = [{"prompt": "1+2=", "answer": a} for a in ("3", "bad", "5")]
     batch, host = multiturn.collect(s, params, examples, jax.random.key(0))
     rewards, adv = np.asarray(batch.rewards_N), np.asarray(batch.advantages_N)
@@ -308,3 +315,41 @@ def test_collect_contains_a_failing_reset(one_device_mesh):
     )
     # The broken rows end without stepping a missing environment.
     assert not any("NoneType" in line for line in said), said
+
+
+@envs.register("long_or_huge_test")
+class _LongOrHuge:
+    """reset: answer "long" gives a first prompt of 40 tokens (the bucket holds 16).
+    step: answer "huge" rewards 1e300 on every other instance, else 0 and 1 in turn."""
+
+    def __init__(self):
+        self.k = next(_INSTANCES)
+
+    def reset(self, example):
+        self.answer = example["answer"]
+        return "x" * 40 if self.answer == "long" else None
+
+    def step(self, text):
+        reward = float(self.k % 2) * (1e300 if self.answer == "huge" else 1.0)
+        return None, reward, True, {}
+
+
+def test_collect_contains_a_long_first_prompt_and_clips_a_huge_reward(one_device_mesh):
+    """A first observation longer than the largest prompt bucket breaks its group's episodes
+    (the example's usual prompt stands in; reward NaN, counted); an episode reward beyond
+    +-1e6 is clipped to it and counted, as single-turn rewards are, so that its group learns."""
+    said = []
+    s, params = _collect_state("long_or_huge_test", one_device_mesh, said)
+    examples = [{"prompt": "1+2=", "answer": a} for a in ("3", "long", "huge")]
+    batch, host = multiturn.collect(s, params, examples, jax.random.key(0))
+    rewards, adv = np.asarray(batch.rewards_N), np.asarray(batch.advantages_N)
+    assert np.isnan(rewards[2:4]).all() and (adv[2:4] == 0).all()
+    assert sorted(rewards[4:]) == [0.0, 1e6] and np.isfinite(adv).all()
+    assert (np.abs(adv[[0, 1, 4, 5]]) > 0.5).all()
+    m = host.metrics
+    assert m["env/reset_errors"] == 2 and m["env/errors"] == 2
+    assert m["rewards/env/clipped"] == 1
+    assert said[0] == (
+        "environment error (episode ends, reward NaN): example 1: reset: a first prompt of "
+        "41 tokens, more than the largest prompt bucket (16, sampling.prompt_buckets)"
+    )

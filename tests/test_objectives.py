@@ -141,6 +141,45 @@ def test_kl_cov_golden():
     np.testing.assert_allclose(loss, -((1.1 + 0.5) / 2 - 2) / 2, rtol=1e-6)
 
 
+def test_kl_cov_penalty_has_no_gradient_where_the_policy_has_not_moved():
+    # logp = old, A = (+1, -1), token mean over 3 tokens; cov picks token (1, 0) (cov 1.11).
+    # |log rho| is minimal at log rho = 0: its gradient there is 0 (sign(0)), so the picked
+    # token's gradient is -rho A / 3 = 1/3, not (1 + k) / 3.
+    logps = jnp.array([[-0.5, -1.0], [-2.0, 0.0]])
+    mask = jnp.array([[1.0, 1.0], [1.0, 0.0]])
+    adv = jnp.array([1.0, -1.0])
+    kw = dict(policy_loss="kl_cov", cov_frac=0.34, kl_cov_coef=1.0, reduction="token_mean")
+    f = lambda lp: losses.grpo_loss(lp, logps, adv, mask, **kw)[0]
+    loss, grad = jax.value_and_grad(f)(logps)
+    np.testing.assert_allclose(loss, -1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[-1 / 3, -1 / 3], [1 / 3, 0.0]], rtol=1e-6)
+
+
+ON_POLICY_CASES = [
+    (policy_loss, reduction)
+    for policy_loss in losses.POLICY_LOSSES
+    for reduction in (("grpo", "gspo") if policy_loss == "clip" else ("grpo",))
+]
+
+
+@pytest.mark.parametrize("eps", [0.2, 0.0])
+@pytest.mark.parametrize("policy_loss, reduction", ON_POLICY_CASES)
+def test_on_policy_gradient_is_the_policy_gradient(policy_loss, reduction, eps):
+    # At rho = 1 every objective's gradient is that of A log pi_theta, -A_i / (|o_i| N) per
+    # real token, even where rho = 1 sits on a kink: the clip's edge at eps = 0, or KL-Cov's
+    # |log rho| (picked tokens, cov_frac 0.34). Clip-Cov's picks detach by design (frac 0).
+    logps, _, adv, mask = tiny()
+    kw = dict(epsilon_low=eps, epsilon_high=eps, cov_frac=0.0)
+    if policy_loss == "kl_cov":
+        kw = dict(cov_frac=0.34, kl_cov_coef=1.0)
+    f = lambda lp: losses.grpo_loss(
+        lp, logps, adv, mask, policy_loss=policy_loss, reduction=reduction, **kw
+    )[0]
+    grad = jax.grad(f)(logps)
+    want = -adv[:, None] * mask / mask.sum(1, keepdims=True) / 2
+    np.testing.assert_allclose(grad, want, rtol=1e-6)
+
+
 def random_batch(seed=0, n=6, t=5):
     rng = np.random.default_rng(seed)
     logps = rng.normal(-1.5, 0.5, (n, t))

@@ -42,7 +42,7 @@ Policy terms:
   * clip_cov and gspo have no dual clip in verl; grpo_jax applies ``dual_clip_c`` to both
     when it is set. They are compared with it off.
   * kl_cov: defaults differ (verl ppo_kl_coef 0.1, grpo_jax kl_cov_coef 1.0). Otherwise
-    equal, including at least one pick.
+    equal, including at least one pick and the gradient at log rho = 0 (0 from the penalty).
 
 Advantage estimators:
   * grpo: verl divides by the sample std (Bessel, G - 1) + eps with eps = 1e-6; grpo_jax by
@@ -528,6 +528,30 @@ def test_kl_cov(seed, frac):
     assert frac * n_valid % 1 > 0.05
     plain = jax_loss_grad(*batch, policy_loss="kl_cov", cov_frac=0.0, reduction="token_mean")
     assert abs(plain[0] - got[0]) > 1e-6
+
+
+# On-policy (log rho = 0 on every token, as in a run's first minibatch) the objectives sit on
+# their kinks: KL-Cov's |log rho| (torch's abs has derivative 0 there) and, with epsilon 0,
+# the clip's edges (torch's clamp passes the gradient on its closed range, and its min/max
+# split a tie evenly). Random batches never hit them; these compare the gradient there.
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_on_policy_kinks(seed):
+    logps, _, adv, mask = random_batch(seed, empty_row=True)
+    batch = (logps, logps.copy(), adv, mask)
+    config = actor_config(kl_cov_ratio=0.3, ppo_kl_coef=0.7)
+    want = verl_loss_grad("kl_cov", *batch, config, agg="token-mean")
+    kw = dict(policy_loss="kl_cov", cov_frac=0.3, kl_cov_coef=0.7, reduction="token_mean")
+    assert_same(jax_loss_grad(*batch, **kw), want)
+    config = actor_config(clip_ratio_low=0.0, clip_ratio_high=0.0, clip_ratio_c=DUAL_C)
+    want = verl_loss_grad("vanilla", *batch, config, agg="token-mean")
+    kw = dict(epsilon_low=0.0, epsilon_high=0.0, dual_clip_c=DUAL_C, reduction="token_mean")
+    assert_same(jax_loss_grad(*batch, **kw), want)
+    want = verl_loss_grad("geo_mean", *batch, config)
+    kw = dict(policy_loss="gmpo", reduction="grpo", epsilon_low=0.0, epsilon_high=0.0)
+    mean_n = np.full(len(adv), 1 / len(adv))
+    assert_same(rows_loss_grad(*batch, mean_n, gmpo_as_verl=True, **kw), want)
 
 
 # ---------------------------------------------------------------------------

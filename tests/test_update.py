@@ -246,6 +246,46 @@ def test_weight_zero_rows_add_nothing(setup, reduction):
     assert not _leaves_equal(s_w.params, s_a.params)
 
 
+def test_combine_weighs_token_means_by_tokens_and_skips_parts_without():
+    m = {
+        "entropy": jnp.array([4.0, 0.0, 2.0]),
+        "ratio_min": jnp.array([0.9, 1.0, 0.95]),
+        "ratio_max": jnp.array([1.1, 1.0, 1.05]),
+        "loss": jnp.array([0.3, 0.0, 0.6]),
+    }
+    out = jax.device_get(upd._combine(m, jnp.array([30.0, 0.0, 10.0])))
+    # (30 * 4 + 10 * 2) / 40; the part without tokens (its 0 and 1.0 are no values) is left out.
+    assert out["entropy"] == 3.5 and out["ratio_min"] == 0.9 and out["ratio_max"] == 1.1
+    np.testing.assert_allclose(out["loss"], 0.3)  # per part, not per token
+    out = jax.device_get(upd._combine(m, jnp.zeros(3)))
+    assert np.isnan(out["entropy"]) and out["ratio_min"] == out["ratio_max"] == 1.0
+
+
+@pytest.mark.slow
+def test_token_means_count_only_the_weighted_tokens(setup):
+    """Dynamic sampling pads a batch with weight-0 groups: a minibatch of them holds no
+    token, and the step's token means (entropy, clip fractions, ratio mean) are those of
+    the tokens the update saw; with none at all they are NaN, not 0 (no value this step)."""
+    graphdef, params, _, batch = setup
+    w = np.repeat(np.array([1.0, 0.0], np.float32), N // 2)  # minibatch 2: padding alone
+    padded = batch.replace(weights_N=w)
+    state, whole = _step(setup)
+    _, m_whole = jax.device_get(whole(state, padded, jax.random.key(0), None))
+    state, halves = _step(setup, minibatch_size=N // 2)
+    _, m_halves = jax.device_get(halves(state, padded, jax.random.key(0), None))
+    # Both see rows 0-3 at the starting parameters: the same entropy, not half of it.
+    assert m_whole["train/entropy"] > 4.0
+    np.testing.assert_allclose(m_halves["train/entropy"], m_whole["train/entropy"], rtol=1e-5)
+    np.testing.assert_allclose(m_halves["train/ratio_mean"], 1.0, atol=1e-5)
+    state, whole = _step(setup)
+    _, m_none = jax.device_get(
+        whole(state, batch.replace(weights_N=0 * w), jax.random.key(0), None)
+    )
+    for k in ("entropy", "clip_frac_low", "clip_frac_high", "ratio_mean"):
+        assert np.isnan(m_none[f"train/{k}"]), k
+    assert m_none["train/ratio_min"] == m_none["train/ratio_max"] == 1.0
+
+
 def test_split_rows_takes_every_shard():
     x = jnp.arange(8)
     parts = upd._split_rows(x, 2, 2)  # 2 shards of rows [0..3], [4..7]; 2 parts

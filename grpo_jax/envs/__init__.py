@@ -25,6 +25,7 @@ from grpo_jax.envs.base import (
     make,
     parse_spec,
     register,
+    safe_make,
     safe_reset,
     safe_step,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "make",
     "parse_spec",
     "register",
+    "safe_make",
     "safe_reset",
     "safe_step",
 ]

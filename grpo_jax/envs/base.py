@@ -18,9 +18,10 @@ name with :func:`register`; the run config's ``env.name`` selects it, with optio
 imports user modules (dotted names or ``.py`` paths) that register more.
 
 Errors are contained as reward errors are (docs/multiturn.md): an environment whose
-``reset`` or ``step`` raises, returns something malformed, or runs past its time budget
-ends that episode with reward NaN (advantage 0, no gradient), is counted, and the run
-goes on.
+constructor, ``reset`` or ``step`` raises (``SystemExit`` and ``KeyboardInterrupt``
+included), returns something malformed, or runs past its time budget ends that episode
+with reward NaN (advantage 0, no gradient), is counted, and the run goes on. A real
+Ctrl-C (SIGINT) that arrives while the environment runs still stops the run.
 """
 
 from __future__ import annotations
@@ -160,6 +161,46 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def _interrupts_seen(seen: list):
+    """Records each SIGINT that arrives meanwhile in ``seen``, then handles it as before.
+
+    Tells a real Ctrl-C apart from a KeyboardInterrupt that user code raises itself
+    (main thread only, where Python delivers signals; elsewhere nothing to tell apart).
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+
+    def on_interrupt(signum, frame):
+        seen.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _contained(fn, timeout_s: float):
+    """-> (fn(), None), or (None, "Type: message") if it raised or ran past ``timeout_s``.
+
+    Every exception of user code is contained, ``SystemExit`` (``sys.exit``) and a
+    ``KeyboardInterrupt`` it raises itself included: one episode must not end the run.
+    A real SIGINT received meanwhile is not: it propagates.
+    """
+    interrupts: list = []
+    try:
+        with _interrupts_seen(interrupts), deadline(timeout_s):
+            return fn(), None
+    except BaseException as e:  # noqa: BLE001 - user code: any failure ends the episode
+        if interrupts:
+            raise
+        return None, f"{type(e).__name__}: {e}"
+
+
 @dataclasses.dataclass
 class StepResult:
     observation: Observation
@@ -181,21 +222,27 @@ def _check_observation(obs) -> Observation:
     )
 
 
+def safe_make(spec: str, timeout_s: float) -> tuple[Environment | None, str | None]:
+    """``make(spec)`` with errors and the time budget contained -> (env, None) or (None, error)."""
+    env, error = _contained(lambda: make(spec), timeout_s)
+    return env, None if error is None else f"make: {error}"
+
+
 def safe_reset(env: Environment, example: Mapping, timeout_s: float) -> StepResult:
     """``env.reset(example)`` with errors and the time budget contained."""
-    try:
-        with deadline(timeout_s):
-            obs = env.reset(example)
-        return StepResult(_check_observation(obs), 0.0, False, {})
-    except Exception as e:  # noqa: BLE001 - user code: any failure ends the episode
-        return StepResult(None, math.nan, True, {}, f"reset: {type(e).__name__}: {e}")
+
+    def reset():
+        return StepResult(_check_observation(env.reset(example)), 0.0, False, {})
+
+    result, error = _contained(reset, timeout_s)
+    return result or StepResult(None, math.nan, True, {}, f"reset: {error}")
 
 
 def safe_step(env: Environment, text: str, timeout_s: float) -> StepResult:
     """``env.step(text)`` with errors, malformed returns and the time budget contained."""
-    try:
-        with deadline(timeout_s):
-            out = env.step(text)
+
+    def step():
+        out = env.step(text)
         if not isinstance(out, tuple) or len(out) != 4:
             raise TypeError("step must return (observation, reward, done, info)")
         obs, reward, done, info = out
@@ -204,5 +251,6 @@ def safe_step(env: Environment, text: str, timeout_s: float) -> StepResult:
             raise ValueError(f"reward {reward!r} is not finite")
         info = dict(info or {})
         return StepResult(_check_observation(obs), reward, bool(done) or obs is None, info)
-    except Exception as e:  # noqa: BLE001
-        return StepResult(None, math.nan, True, {}, f"step: {type(e).__name__}: {e}")
+
+    result, error = _contained(step, timeout_s)
+    return result or StepResult(None, math.nan, True, {}, f"step: {error}")

@@ -314,8 +314,12 @@ def _run_in_worker(name, prompts, completions, fields, timeout_s) -> tuple[np.nd
     return out, errors
 
 
-def _finish(name: str, values: np.ndarray, errors: int) -> tuple[np.ndarray, int, int]:
-    """-> (float32 values, errors, clipped): infinite -> NaN and an error, huge -> clipped."""
+def limit_rewards(name: str, values: np.ndarray, errors: int) -> tuple[np.ndarray, int, int]:
+    """-> (float32 values, errors, clipped): infinite -> NaN and an error, huge -> clipped.
+
+    Every reward of a rollout passes here, a reward function's and an episode's
+    (``grpo_jax.multiturn``) alike, so that none is infinite in float32.
+    """
     values = np.array(values, np.float64)
     inf = np.isinf(values)
     if inf.any():
@@ -366,7 +370,7 @@ def run_reward(
     processes instead.
     """
     values, errors = _run_in_process(name, fn, prompts, completions, fields, timeout_s)
-    values, errors, _ = _finish(name, values, errors)
+    values, errors, _ = limit_rewards(name, values, errors)
     return values, errors
 
 
@@ -420,7 +424,7 @@ def score(
     per_reward, errors, clipped = {}, {}, {}
     for spec, fn in zip(specs, fns):
         values, n_err = _run(spec.name, fn, prompts, completions, fields, timeout_s)
-        values, n_err, n_clip = _finish(spec.name, values, n_err)
+        values, n_err, n_clip = limit_rewards(spec.name, values, n_err)
         per_reward[spec.name] = values
         errors[spec.name] = n_err
         clipped[spec.name] = n_clip
