@@ -136,6 +136,36 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert not (tmp_path / "wd" / "checkpoints").exists()
 
 
+def test_main_names_an_unknown_key_in_one_line_and_refuses_a_key_given_twice(tmp_path):
+    out = _main("--config.grpo.GG=3", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "config error: --config.grpo.GG names no config key: grpo has no key GG "
+        "(its keys: G, advantage_eps, " + out.stderr.split("advantage_eps, ", 1)[1].rstrip("\n")
+    ]
+    assert "['" not in out.stderr and "\"'" not in out.stderr  # no Python repr
+    out = _main("--config.grpox.beta=1", tmp_path=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "the config has no key grpox (its keys: checkpoint," in out.stderr
+    out = _main("--config.grpo.beta.x=1", tmp_path=tmp_path)
+    assert "grpo.beta is a value (0.0), not a section" in out.stderr
+    for twice in (
+        ("--config.grpo.beta=0.1", "--config.grpo.beta=0.0"),
+        ("--config.eval.at_start", "--noconfig.eval.at_start"),
+    ):
+        out = _main(*twice, "--config.train.steps=0", tmp_path=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().endswith("more than once on the command line; give each key once")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_override_keys_reads_every_spelling_absl_accepts():
+    from grpo_jax.cli import override_keys
+
+    argv = ["--config=c.py", "--config.a.b=1", "-config.c", "--noconfig.d", "--workdir=x"]
+    assert override_keys(argv + ["--", "--config.e=1"]) == ["a.b", "c", "d"]
+
+
 def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
     run = config_lib.parse_config(get_config())
     splits = setup_lib.build_datasets(run)
