@@ -166,6 +166,22 @@ def test_override_keys_reads_every_spelling_absl_accepts():
     assert override_keys(argv + ["--", "--config.e=1"]) == ["a.b", "c", "d"]
 
 
+def test_model_precision_keys_the_docs_name_are_settable_on_the_default_config():
+    """README and docs/lora.md name model.param_dtype (and dtype, remat) for the tiny model."""
+    from grpo_jax.models.builtin_tokenizer import build_tokenizer
+
+    c = get_config()
+    c.lock()
+    run = config_lib.parse_config(c)
+    assert run.model.loader_kwargs() == {"attention": "einsum", "scan_layers": False}
+    c.model.param_dtype = "bfloat16"
+    c.model.dtype = "float32"
+    c.model.remat = True
+    run = config_lib.parse_config(c)
+    cfg = setup_lib.model_config(run, build_tokenizer())
+    assert (cfg.param_dtype, cfg.dtype, cfg.remat) == ("bfloat16", "float32", True)
+
+
 def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
     run = config_lib.parse_config(get_config())
     splits = setup_lib.build_datasets(run)
@@ -219,3 +235,21 @@ def test_each_clip_side_is_settable_on_a_shipped_config():
         assert (run.grpo.epsilon_low, run.grpo.epsilon_high) == (0.2, 0.28)
         c.grpo.epsilon_low = 0.1
         assert config_lib.parse_config(c).grpo.epsilon_low == 0.1
+
+
+def test_evaluate_accepts_the_config_of_a_run_saved_before_the_precision_keys(tmp_path):
+    """A run's config.json from before model.dtype/param_dtype/remat existed still matches."""
+    import json
+
+    from grpo_jax.evaluate import run_config_for
+
+    saved = get_config("smoke").to_dict()
+    for key in ("dtype", "param_dtype", "remat"):
+        saved["model"].pop(key)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert run_config_for(tmp_path, get_config("smoke")).model.param_dtype is None
+    c = get_config("smoke")
+    c.model.param_dtype = "bfloat16"
+    with pytest.raises(ConfigError, match="does not match the run"):
+        run_config_for(tmp_path, c)
