@@ -46,8 +46,9 @@ def check_known_keys(section: str, given: Iterable[str], known: Iterable[str]) -
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {[f'{section}.{k}' for k in unknown]}; "
-            f"known keys of '{section}' are {sorted(known)}"
+            f"unknown config key{'s' * (len(unknown) > 1)} "
+            f"{', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"the keys of {section} are {', '.join(sorted(known))}"
         )
 
 

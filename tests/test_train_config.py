@@ -43,8 +43,8 @@ def test_default_and_smoke_parse():
 @pytest.mark.parametrize(
     "updates, message",
     [
-        ({"bogus": 1}, r"unknown config key\(s\) \['config.bogus'\]"),
-        ({"train.stepz": 3}, r"unknown config key\(s\) \['train.stepz'\]"),
+        ({"bogus": 1}, r"unknown config key config.bogus;"),
+        ({"train.stepz": 3}, r"unknown config key train.stepz;"),
         ({"optim.schedule": "exp"}, r"'optim.schedule' = 'exp' is not one of \['constant', "),
         ({"optim.learning_rate": -1.0}, r"'optim.learning_rate' = -1.0 must be > 0"),
         ({"grpo.G": 1}, r"'grpo.G' = 1 must be >= 2"),
@@ -62,7 +62,7 @@ def test_default_and_smoke_parse():
         ({"correct_reward": "nope"}, r"unknown reward 'nope'"),
         ({"sampling.temperature": 0.7}, r"'sampling.temperature' is not allowed.*grpo.temperature"),
         ({"sampling.top_p": 0.0}, r"'sampling.top_p' = 0.0 must be > 0"),
-        ({"model.hidden_sise": 8}, r"unknown config key\(s\) \['model.hidden_sise'\]"),
+        ({"model.hidden_sise": 8}, r"unknown config key model.hidden_sise;"),
         ({"prompt.template": "no fields"}, r"'prompt.template' = 'no fields' must be a format"),
         ({"seed": -1}, r"'seed' = -1 must be a non-negative integer"),
     ],
