@@ -130,7 +130,8 @@ def parse_flags(argv):
     try:
         rest = FLAGS(argv)
     except flags.Error as e:
-        print(f"error: {e} (--help lists the flags)", file=sys.stderr)
+        message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
+        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
         sys.exit(USER_ERROR)
     except (AttributeError, KeyError):  # a config override naming no key
         config = _load_config(argv[1:])

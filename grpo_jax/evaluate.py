@@ -288,5 +288,7 @@ def _define_flags():
 if __name__ == "__main__":
     from absl import app
 
+    from grpo_jax import cli
+
     _define_flags()
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

@@ -106,6 +106,8 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
+    from grpo_jax import cli
+
     flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
     flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -113,4 +115,4 @@ if __name__ == "__main__":
         "format", "merged", ["merged", "peft"], "LoRA runs: merged weights or PEFT adapters."
     )
     flags.mark_flags_as_required(["workdir", "out"])
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

@@ -253,3 +253,29 @@ def test_evaluate_accepts_the_config_of_a_run_saved_before_the_precision_keys(tm
     c.model.param_dtype = "bfloat16"
     with pytest.raises(ConfigError, match="does not match the run"):
         run_config_for(tmp_path, c)
+
+
+@pytest.mark.parametrize(
+    "module, args, message",
+    [
+        (
+            "grpo_jax.export",
+            ["--out=/tmp/x", "--format=gguf"],
+            "value should be one of <merged|peft>",
+        ),
+        (
+            "grpo_jax.export",
+            ["--format=peft"],
+            "Flag --workdir must have a value other than None; flag --out",
+        ),
+        ("grpo_jax.evaluate", ["--checkpoint=/x", "--num_problemz=3"], "Unknown command line flag"),
+    ],
+)
+def test_export_and_evaluate_flag_errors_are_one_line_with_exit_status_2(module, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "FATAL" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
