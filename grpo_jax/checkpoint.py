@@ -347,6 +347,16 @@ RESUME_MAY_CHANGE = (
 )
 
 
+# Model keys a resumed run may change under checkpoint.allow_changed_config: every other
+# model key (LoRA rank and targets, scan_layers, the tiny model's sizes) gives the saved
+# parameters other shapes, so no checkpoint of the run could be restored.
+SAME_SHAPES = ("path", "dtype", "param_dtype", "remat", "attention", "lora.alpha", "lora.dropout")
+
+
+def _changes_shapes(key: str) -> bool:
+    return key.startswith("model.") and key[len("model.") :] not in SAME_SHAPES
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -379,11 +389,20 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     old, new = _flat(saved), _flat(dict(run.raw))
     # Only keys both configs have: a key one lacks is a setting another version of
     # grpo_jax did not have (its default is what that version did).
-    changed = [
-        f"{k}: {old[k]!r} -> {new[k]!r}"
+    keys = [
+        k
         for k in sorted(set(old) & set(new))
         if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)
     ]
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys]
+    shapes = [c for k, c in zip(keys, changed, strict=True) if _changes_shapes(k)]
+    if shapes:
+        raise ConfigError(
+            f"the checkpoints in {ck.directory} hold parameters of other shapes than this "
+            f"config makes ({'; '.join(shapes)}); not even "
+            "checkpoint.allow_changed_config can resume them. Set these back, or use another "
+            "--workdir"
+        )
     if changed and run.checkpoint.allow_changed_config:
         return changed
     if changed:

@@ -400,6 +400,8 @@ class CheckpointConfig:
       allow_changed_config: resume even though the config changes keys that
         make the resumed run another run (a lower learning rate after a
         blow-up, say); the changes are reported. False: such a resume is refused.
+        A change of the saved parameters' shapes (``model.lora.rank``, ...) is
+        refused either way.
     """
 
     every: int = 50
