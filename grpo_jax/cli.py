@@ -23,6 +23,10 @@ def quiet() -> None:
 # Exit status of a user error (bad config, input file, workdir, checkpoint): one line on
 # stderr, the traceback only under --verbose.
 USER_ERROR = 2
+# Exit status of a run a health alarm stopped (health.stop_on_alarm; its checkpoint saved),
+# and of its rerun, which refuses to resume past the stop without
+# health.resume_after_stop. (3: a run stopped by non-finite updates.)
+ALARM_STOP = 4
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

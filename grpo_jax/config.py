@@ -999,8 +999,10 @@ class HealthConfig:
 
     Attributes:
       enabled: check the run's metrics after every step.
-      stop_on_alarm: end the run like SIGTERM (a checkpoint of the step, then
-        return) when an alarm fires.
+      stop_on_alarm: when an alarm fires, save a checkpoint of the step and end
+        the run with ``AlarmStop`` (the command: exit status 4).
+      resume_after_stop: resume from a checkpoint that such a stop saved (a rerun
+        refuses to otherwise).
       rearm_steps: an alarm that fired fires again only after it has been
         quiet for more than this many steps.
       entropy_window: steps averaged for the early and current entropy.
@@ -1030,6 +1032,7 @@ class HealthConfig:
 
     enabled: bool = True
     stop_on_alarm: bool = False
+    resume_after_stop: bool = False
     rearm_steps: int = 20
     entropy_window: int = 5
     entropy_frac: float = 0.2
@@ -1058,6 +1061,7 @@ class HealthConfig:
     def __post_init__(self):
         check_bool("health.enabled", self.enabled)
         check_bool("health.stop_on_alarm", self.stop_on_alarm)
+        check_bool("health.resume_after_stop", self.resume_after_stop)
         for key in ("rearm_steps", "length_baseline", "kl_window", "mismatch_baseline"):
             check_range(f"health.{key}", getattr(self, key), lo=0, integer=True)
         for key in (
