@@ -323,3 +323,23 @@ def test_reporter_alarm_state_survives_a_checkpoint():
     assert {s: [a.name for a in resumed._health(s, record(s))] for s in range(5, 15)} == {
         s: fired[s] for s in range(5, 15)
     }
+
+
+@pytest.mark.slow
+def test_the_smoke_config_runs_clean(tmp_path, caplog):
+    """configs/default.py:smoke as shipped, run past the alarms' shortest windows: its warm
+    start does what it sets out to do and no alarm or warning is raised."""
+    import io
+    import logging
+
+    from configs.default import get_config
+    from grpo_jax.train import train
+
+    c = get_config("smoke")
+    c.train.steps = 6  # > health.truncation_window and entropy_window
+    stream = io.StringIO()
+    with caplog.at_level(logging.WARNING):
+        summary = train(c, tmp_path, stream=stream)
+    assert summary["warm_start"]["reached_target"]
+    assert "WARNING" not in stream.getvalue(), stream.getvalue()
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("grpo_jax")]
