@@ -444,6 +444,7 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
                 step_callback(step)
 
         final_step = int(jax.device_get(state.step))
+        ended_by = report.ended_by(final_step)
         finalize(final_step)
         after = report.flush(
             state,
@@ -467,4 +468,6 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         s.progress,
         s.is_main,
         data_stats=s.data_stats,
+        sampled_tokens=report.sampled_tokens,
+        ended_by=ended_by,
     )

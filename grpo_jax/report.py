@@ -104,6 +104,18 @@ class Reporter:
         budget = self.cfg.sampled_tokens_budget
         return bool(budget) and self.sampled_tokens >= budget
 
+    def ended_by(self, step: int) -> str:
+        """What ended the run at ``step``: "train.sampled_tokens_budget" (said in one line
+        with the figures) or "train.steps"."""
+        steps, budget = self.s.run.train.steps, self.cfg.sampled_tokens_budget
+        if step >= steps or not self.budget_spent():
+            return "train.steps"
+        self.message(
+            f"stopping after step {step} of {steps}: train.sampled_tokens_budget is spent "
+            f"({self.sampled_tokens} completion tokens sampled, budget {budget})"
+        )
+        return "train.sampled_tokens_budget"
+
     def due(self, step: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
         run = self.s.run

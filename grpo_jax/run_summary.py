@@ -8,7 +8,7 @@ import time
 
 def summarize(
     run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main,
-    data_stats=None,
+    data_stats=None, sampled_tokens=0, ended_by="train.steps",
 ):  # fmt: skip
     wall = prior_seconds + time.time() - t_start
     pick = lambda ev: (
@@ -34,6 +34,8 @@ def summarize(
             for k in ("steps", "val_pass_at_1", "reached_target", "seconds", "cached")
         },
         "data": dict(data_stats or {}),  # "skipped/<split>": malformed rows skipped
+        "sampled_tokens": sampled_tokens,  # completion tokens sampled by GRPO
+        "ended_by": ended_by,  # "train.steps" or "train.sampled_tokens_budget"
     }
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -21,8 +21,9 @@ SIGTERM saves a checkpoint at the end of the current step and returns; a
 health alarm with ``health.stop_on_alarm`` saves one and raises ``AlarmStop``. The
 run ends with a final evaluation ("after"), a final checkpoint and
 <workdir>/summary.json (``grpo_jax.run_summary``): the "before" and "after"
-evaluations, wall seconds, steps, seed, number of problems and what the warm
-start did.
+evaluations, wall seconds, steps, seed, number of problems, what the warm
+start did, the completion tokens sampled and what ended the run (``train.steps``,
+or ``train.sampled_tokens_budget``, which also says so in one line).
 
 Workdir layout: metrics.jsonl, tensorboard/, samples/, checkpoints/,
 warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.
@@ -235,6 +236,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
             step_callback(step)
 
     final_step = int(jax.device_get(state.step))
+    ended_by = report.ended_by(final_step)
     # A rerun of a finished run re-evaluates (deterministically) for its summary but
     # leaves metrics.jsonl and the checkpoints as they are.
     after = report.flush(
@@ -257,4 +259,6 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         s.progress,
         s.is_main,
         data_stats=s.data_stats,
+        sampled_tokens=report.sampled_tokens,
+        ended_by=ended_by,
     )
