@@ -58,6 +58,12 @@ def base() -> ConfigDict:
 
     c.model = ConfigDict()
     c.model.path = ""  # "" is the built-in tiny model.
+    # None: the checkpoint's (float32 for the tiny model); param_dtype is the storage dtype
+    # (a LoRA run's frozen base may be "bfloat16"), None: dtype's. remat recomputes each
+    # layer in the backward pass (None: off).
+    c.model.dtype = config_dict.placeholder(str)
+    c.model.param_dtype = config_dict.placeholder(str)
+    c.model.remat = config_dict.placeholder(bool)
     # "einsum" (reference), "blockwise" (memory linear in the context) or "dot_product".
     c.model.attention = "einsum"
     c.model.scan_layers = False  # True: the layers run as one scan (compile time flat in depth).

@@ -22,6 +22,28 @@ if TYPE_CHECKING:
     from grpo_jax.setup import Setup
 
 
+def warm_start_fingerprints(run) -> tuple[str, str]:
+    """(fingerprint of what the warm start depends on, the one earlier versions wrote).
+
+    ``model.lora`` is left out: the warm start trains the base alone, so a LoRA
+    run resumed with another alpha or dropout reuses its cache rather than training
+    it again over ``warm_start/``. Caches written with the LoRA keys still load.
+    """
+    parts = {
+        "model": run.section("model"),
+        "tokenizer": run.tokenizer,
+        "data": run.section("data"),
+        "prompt": run.section("prompt"),
+        "warm_start": run.section("warm_start"),
+        "seed": run.seed,
+        "max_new_tokens": run.sampling.max_new_tokens,
+        "eval": run.section("eval"),
+        "correct_reward": run.rewards.correct,
+    }
+    base = {k: v for k, v in parts["model"].items() if k != "lora"}
+    return sft.fingerprint({**parts, "model": base}), sft.fingerprint(parts)
+
+
 def base_policy(s: Setup, init_params, *, evaluate, preempt):
     """(params, warm-start info or None): the initial model, warm-started when configured.
 
@@ -33,20 +55,8 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     ws = run.warm_start
     if not ws.enabled:
         return init_params, None
-    fp = sft.fingerprint(
-        {
-            "model": run.section("model"),
-            "tokenizer": run.tokenizer,
-            "data": run.section("data"),
-            "prompt": run.section("prompt"),
-            "warm_start": run.section("warm_start"),
-            "seed": run.seed,
-            "max_new_tokens": run.sampling.max_new_tokens,
-            "eval": run.section("eval"),
-            "correct_reward": run.rewards.correct,
-        }
-    )
-    cached = sft.load_cached(workdir, init_params, fp) if ws.cache else None
+    fp, legacy_fp = warm_start_fingerprints(run)
+    cached = sft.load_cached(workdir, init_params, (fp, legacy_fp)) if ws.cache else None
     if cached is not None:
         params, info = cached
         progress.message(
@@ -90,7 +100,9 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         )
 
     progress.message(
-        f"warm start: supervised training until {ws.metric} validation pass@1 >= "
+        f"warm start: {ws.max_steps} steps of supervised training"
+        if ws.min_steps == ws.max_steps
+        else f"warm start: supervised training until {ws.metric} validation pass@1 >= "
         f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
     )
     params, info = sft.warm_start(

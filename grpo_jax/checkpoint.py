@@ -5,7 +5,9 @@ A checkpoint at step s holds three items (four with ``train.max_staleness`` >= 1
   params     the policy parameter pytree (sharded arrays, restored in place)
   opt_state  the optax state
   meta       JSON: step, PRNG key data, data-iterator state, the run config,
-             counters (skipped updates, ...) needed for an exact resume.
+             counters (skipped updates, ...) and the health alarms' history
+             (``Reporter.health_state``: with the alarms that stopped the run,
+             if one did) needed for an exact resume.
   inflight   the batches of steps s + 1 .. s + k, sampled before the save
              (``grpo_jax.pipeline``); meta["inflight"] gives their steps,
              parameter versions, shapes and host-side rollouts.
@@ -223,6 +225,7 @@ class RunStart:
       no_signal_run: steps in a row without reward variance so far.
       sampled_tokens: completion tokens sampled so far (train.sampled_tokens_budget).
       lora_base: with LoRA, the frozen base's identity (``grpo_jax.models.lora``).
+      health_state: the health alarms' history (``Reporter.health_state``), None when fresh.
     """
 
     state: Any
@@ -235,6 +238,7 @@ class RunStart:
     no_signal_run: int
     sampled_tokens: int = 0
     lora_base: dict | None = None
+    health_state: dict | None = None
 
 
 def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
@@ -281,7 +285,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     ref_params = jax.tree.map(jnp.copy, base_params) if separate_ref else None
     if base_params is not state.params:
         state = optim_lib.init_state(base_params, s.tx, s.mesh)
-    before, prior_seconds, no_signal_run, sampled_tokens = None, 0.0, 0, 0
+    before, prior_seconds, no_signal_run, sampled_tokens, health_state = None, 0.0, 0, 0, None
     if resumed:
         latest, params, opt_state, meta = restore_newest(s, state, lora_base=lora_base)
         rep = replicated(s.mesh)
@@ -300,6 +304,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         warm_info = meta.get("warm_start", warm_info)
         no_signal_run = int(meta.get("no_signal_run", 0))
         sampled_tokens = int(meta.get("sampled_tokens", 0))
+        health_state = meta.get("health")
         if s.is_main:
             s.writer.truncate(latest)
         s.progress.message(f"resuming from the checkpoint at step {latest} in {ck.directory}")
@@ -321,6 +326,7 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         no_signal_run=no_signal_run,
         sampled_tokens=sampled_tokens,
         lora_base=lora_base,
+        health_state=health_state,
     )
 
 
@@ -347,6 +353,16 @@ RESUME_MAY_CHANGE = (
 )
 
 
+# Model keys a resumed run may change under checkpoint.allow_changed_config: every other
+# model key (LoRA rank and targets, scan_layers, the tiny model's sizes) gives the saved
+# parameters other shapes, so no checkpoint of the run could be restored.
+SAME_SHAPES = ("path", "dtype", "param_dtype", "remat", "attention", "lora.alpha", "lora.dropout")
+
+
+def _changes_shapes(key: str) -> bool:
+    return key.startswith("model.") and key[len("model.") :] not in SAME_SHAPES
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -367,23 +383,26 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     """
     from grpo_jax.config import ConfigError
 
-    saved = None
-    for step in sorted(ck.all_steps(), reverse=True):
-        try:
-            saved = ck.restore_meta(step).get("config")
-            break
-        except Exception:  # An unreadable step: restore_newest reports it.
-            continue
+    saved = _newest_meta(ck).get("config")
     if saved is None:
         return None
     old, new = _flat(saved), _flat(dict(run.raw))
     # Only keys both configs have: a key one lacks is a setting another version of
     # grpo_jax did not have (its default is what that version did).
-    changed = [
-        f"{k}: {old[k]!r} -> {new[k]!r}"
+    keys = [
+        k
         for k in sorted(set(old) & set(new))
         if old[k] != new[k] and not k.startswith(RESUME_MAY_CHANGE)
     ]
+    changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys]
+    shapes = [c for k, c in zip(keys, changed, strict=True) if _changes_shapes(k)]
+    if shapes:
+        raise ConfigError(
+            f"the checkpoints in {ck.directory} hold parameters of other shapes than this "
+            f"config makes ({'; '.join(shapes)}); not even "
+            "checkpoint.allow_changed_config can resume them. Set these back, or use another "
+            "--workdir"
+        )
     if changed and run.checkpoint.allow_changed_config:
         return changed
     if changed:
@@ -395,6 +414,43 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
             "--config.checkpoint.allow_changed_config=True"
         )
     return None
+
+
+def _newest_meta(ck: Checkpointer) -> dict:
+    """The meta of the newest step whose meta reads ({} when none does)."""
+    for step in sorted(ck.all_steps(), reverse=True):
+        try:
+            return ck.restore_meta(step)
+        except Exception:  # An unreadable step: restore_newest reports it.
+            continue
+    return {}
+
+
+def check_alarm_stop(run, ck: Checkpointer) -> str | None:
+    """Refuses to resume from a checkpoint that a stop on a health alarm saved.
+
+    The step resumed from (``checkpoint.resume_from``, else the newest) is checked:
+    when health alarms stopped the run there, raises ``AlarmStop`` naming them and
+    ``health.resume_after_stop``, unless that key is set: then returns what stopped it.
+    """
+    from grpo_jax.report import AlarmStop, describe_stop
+
+    want = run.checkpoint.resume_from
+    if want and want not in ck.all_steps():
+        return None  # restore_newest names the missing step
+    meta = ck.restore_meta(want) if want else _newest_meta(ck)
+    stopped = (meta.get("health") or {}).get("stopped_by")
+    if not stopped:
+        return None
+    what = describe_stop(stopped)
+    if run.health.resume_after_stop:
+        return what
+    raise AlarmStop(
+        f"the run in {ck.directory.parent} was stopped by {what} (health.stop_on_alarm; "
+        f"checkpoint of step {meta['step']}) and resuming would train past it. Look at "
+        "samples/alarm_*.txt, then rerun with --config.health.resume_after_stop=True to "
+        "continue anyway"
+    )
 
 
 class CheckpointError(RuntimeError):
@@ -464,10 +520,12 @@ def save_run(
     no_signal_run: int,
     wall_seconds,
     sampled_tokens: int = 0,
+    health: dict | None = None,
     inflight=None,
 ):
     """Starts saving ``state`` as step ``step``, with what an exact resume needs.
 
+    ``health``: the alarms' history (``Reporter.health_state``).
     ``inflight``: (arrays, JSON description) of the batches sampled ahead of
     their steps with ``train.max_staleness`` >= 1 (``grpo_jax.pipeline``).
     """
@@ -483,6 +541,7 @@ def save_run(
         "wall_seconds": wall_seconds,
         "no_signal_run": no_signal_run,
         "sampled_tokens": sampled_tokens,
+        "health": health,
     }
     arrays = None
     if inflight is not None:

@@ -46,8 +46,9 @@ def check_known_keys(section: str, given: Iterable[str], known: Iterable[str]) -
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {[f'{section}.{k}' for k in unknown]}; "
-            f"known keys of '{section}' are {sorted(known)}"
+            f"unknown config key{'s' * (len(unknown) > 1)} "
+            f"{', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"the keys of {section} are {', '.join(sorted(known))}"
         )
 
 
@@ -399,6 +400,8 @@ class CheckpointConfig:
       allow_changed_config: resume even though the config changes keys that
         make the resumed run another run (a lower learning rate after a
         blow-up, say); the changes are reported. False: such a resume is refused.
+        A change of the saved parameters' shapes (``model.lora.rank``, ...) is
+        refused either way.
     """
 
     every: int = 50
@@ -1000,8 +1003,10 @@ class HealthConfig:
 
     Attributes:
       enabled: check the run's metrics after every step.
-      stop_on_alarm: end the run like SIGTERM (a checkpoint of the step, then
-        return) when an alarm fires.
+      stop_on_alarm: when an alarm fires, save a checkpoint of the step and end
+        the run with ``AlarmStop`` (the command: exit status 4).
+      resume_after_stop: resume from a checkpoint that such a stop saved (a rerun
+        refuses to otherwise).
       rearm_steps: an alarm that fired fires again only after it has been
         quiet for more than this many steps.
       entropy_window: steps averaged for the early and current entropy.
@@ -1031,6 +1036,7 @@ class HealthConfig:
 
     enabled: bool = True
     stop_on_alarm: bool = False
+    resume_after_stop: bool = False
     rearm_steps: int = 20
     entropy_window: int = 5
     entropy_frac: float = 0.2
@@ -1059,6 +1065,7 @@ class HealthConfig:
     def __post_init__(self):
         check_bool("health.enabled", self.enabled)
         check_bool("health.stop_on_alarm", self.stop_on_alarm)
+        check_bool("health.resume_after_stop", self.resume_after_stop)
         for key in ("rearm_steps", "length_baseline", "kl_window", "mismatch_baseline"):
             check_range(f"health.{key}", getattr(self, key), lo=0, integer=True)
         for key in (

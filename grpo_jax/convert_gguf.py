@@ -8,7 +8,8 @@ tokenizer.json, tokenizer_config.json) is what ``--config.model.path`` and
 transformers' ``AutoModelForCausalLM.from_pretrained`` read. Weights are
 dequantised with numpy (no torch); float32 keeps every dequantised value
 exactly. Supported: Gemma 3, Llama, Qwen2 and Qwen3 text models
-(docs/gguf.md).
+(docs/gguf.md). A conversion that fails changes nothing in the directory;
+a bad file or destination is one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         out = convert_gguf(
             args.gguf, args.out_dir, dtype=args.dtype, tokenizer=not args.no_tokenizer
         )
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:  # the input file or the destination
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(out)
     return 0
 

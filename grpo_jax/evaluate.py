@@ -184,6 +184,13 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     return graphdef, params, tokenizer
 
 
+def _set(value):
+    """``value`` without the None-valued keys of its mappings, at every depth."""
+    if isinstance(value, dict):
+        return {k: _set(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def _workdir_of(path: pathlib.Path) -> pathlib.Path | None:
     """The training workdir that ``path`` (workdir, checkpoints dir or step) belongs to."""
     for d in (path, path.parent, path.parent.parent):
@@ -211,7 +218,8 @@ def run_config_for(checkpoint, config=None):
         return parse_config(saved)
     run = parse_config(config)
     if saved is not None:
-        differ = [k for k in ("model", "tokenizer") if saved.get(k) != run.raw.get(k)]
+        # A key set to None is the default an older run's config.json had no key for.
+        differ = [k for k in ("model", "tokenizer") if _set(saved.get(k)) != _set(run.raw.get(k))]
         if differ:
             raise ConfigError(
                 f"--config does not match the run in {workdir}: its {differ} differ from "
@@ -280,5 +288,7 @@ def _define_flags():
 if __name__ == "__main__":
     from absl import app
 
+    from grpo_jax import cli
+
     _define_flags()
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

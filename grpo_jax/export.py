@@ -12,7 +12,14 @@ folded into the base's weights (``--format=merged``, the default) or as
 Hugging Face PEFT adapters (``--format=peft``: ``adapter_config.json`` and
 ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(base, out)``).
 ``out`` may not lie inside a training workdir or hold a run: an export there
-would replace the run's config.json.
+would replace the run's config.json. Nor may it hold other files of its own
+(a model, the user's config.json): only a new or empty directory, or an
+earlier export (marked by ``export.json``), is written into.
+
+A PEFT export names its base in ``base_model_name_or_path``: the run's
+``model.path`` when the adapters were trained on that checkpoint as it is,
+otherwise (a warm-started base, the built-in tiny model, a GGUF file) the base
+is written beside the adapters in ``out/base`` and named there.
 """
 
 from __future__ import annotations
@@ -42,6 +49,14 @@ def check_destination(workdir, out) -> None:
                 f"--out={out} is inside the training workdir {parent}; an export there would "
                 "replace the run's config.json. Choose a directory outside any workdir"
             )
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ExportError(
+            f"--out={out} holds files that are not an earlier export (no {MARKER}); an export "
+            "would overwrite them. Choose a new or empty directory"
+        )
+
+
+MARKER = "export.json"  # what an export wrote, and from where
 
 
 FORMATS = ("merged", "peft")
@@ -75,14 +90,25 @@ def export_hf(
     graphdef, params, lora_run = restore_policy(run, tokenizer, mesh, workdir / "checkpoints", step)
     if lora_run is None and format == "peft":
         raise ExportError(f"--format=peft: the run in {workdir} has no LoRA adapters (model.lora)")
+    out = pathlib.Path(out)
     if format == "peft":
+        base_model = lora_run.base_path
+        if run.warm_start.enabled or not base_model or base_model.endswith(".gguf"):
+            # The adapters need the base they were trained on, which is on no disk as
+            # a Hugging Face checkpoint: write it beside them.
+            base = nnx.merge(lora_run.base_graphdef, lora.split(params)[0])
+            base_model = models.save_pretrained(base, out / "base", tokenizer=tokenizer)
         model_cfg = nnx.merge(graphdef, params).config
-        return lora.save_peft(params, model_cfg, lora_run.cfg, out, base_model=lora_run.base_path)
-    if lora_run is not None:  # W + s A B: a plain model of the base's architecture
-        graphdef, params = lora_run.base_graphdef, lora.merged(params, lora_run.cfg.scale)
-    return models.save_pretrained(
-        nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer
-    )
+        lora.save_peft(
+            params, model_cfg, lora_run.cfg, out, base_model=str(pathlib.Path(base_model).resolve())
+        )
+    else:
+        if lora_run is not None:  # W + s A B: a plain model of the base's architecture
+            graphdef, params = lora_run.base_graphdef, lora.merged(params, lora_run.cfg.scale)
+        models.save_pretrained(nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer)
+    source = {"workdir": str(workdir.resolve()), "step": step, "format": format}
+    (out / MARKER).write_text(json.dumps(source, indent=2) + "\n")
+    return out
 
 
 def main(argv):
@@ -106,6 +132,8 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
+    from grpo_jax import cli
+
     flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
     flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -113,4 +141,4 @@ if __name__ == "__main__":
         "format", "merged", ["merged", "peft"], "LoRA runs: merged weights or PEFT adapters."
     )
     flags.mark_flags_as_required(["workdir", "out"])
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

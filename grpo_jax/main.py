@@ -6,6 +6,11 @@ Override config values on the command line (``--config.seed=1``,
 ``--config.grpo.beta=0.04``, ``--config.train.steps=50``); a misspelled key
 fails at start-up naming it. Running the same command again resumes from the
 workdir's latest checkpoint; SIGTERM saves a checkpoint and exits with status 0.
+
+Exit status: 0 done (or preempted by SIGTERM), 2 a user error (one line on
+stderr), 3 stopped by non-finite updates, 4 stopped by a health alarm
+(``health.stop_on_alarm``: a checkpoint is saved; rerunning refuses, also with
+4, until ``--config.health.resume_after_stop=True``).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def main(argv):
     except distributed.DistributedError as e:
         print(f"multi-process settings error: {e}", file=sys.stderr)
         return 2
-    from grpo_jax.train import NonFiniteError, train
+    from grpo_jax.train import AlarmStop, NonFiniteError, train
 
     try:
         summary = train(FLAGS.config, FLAGS.workdir, start_time=_T0)
@@ -51,6 +56,9 @@ def main(argv):
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except AlarmStop as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return cli.ALARM_STOP
     return 0 if summary else 1
 
 

@@ -286,7 +286,7 @@ class ProgressLine:
         ("train/kl", "kl", "{:.4f}"),
         ("rollout/length_mean", "len", "{:.1f}"),
         ("train/entropy", "ent", "{:.3f}"),
-        ("perf/sample_tokens_per_s", "samp tok/s", "{:.0f}"),
+        ("perf/sample_tokens_per_s", "sample tok/s", "{:.0f}"),
         ("perf/train_tokens_per_s", "train tok/s", "{:.0f}"),
         ("eval/pass_at_1", "eval pass@1", "{:.3f}"),
     )
@@ -298,20 +298,27 @@ class ProgressLine:
         self.every = max(1, every)
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.perf_counter()
+        self.first = True  # the next update is this process's first step
 
-    def format(self, step: int, metrics: Mapping[str, float]) -> str:
+    def format(self, step: int, metrics: Mapping[str, float], *, timed: bool = True) -> str:
+        """The line for ``step``; without ``timed`` no tokens/s (a step that compiled)."""
         parts = [f"step {step}/{self.total}"]
         for key, label, fmt in self.KEYS:
             v = metrics.get(key)
+            if key.startswith("perf/") and not timed:
+                continue
             if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
                 parts.append(f"{label} {fmt.format(v)}")
-        parts.append(f"{time.perf_counter() - self.start:.0f}s")
+        parts.append(f"elapsed {time.perf_counter() - self.start:.0f}s")
         return " | ".join(parts)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        # The first step's times include compiling the sampler and the update: its
+        # tokens/s (a few, on a CPU) would read as the run's speed. metrics.jsonl has them.
+        timed, self.first = not self.first, False
         if not self.enabled or (step % self.every and step != self.total):
             return
-        line = self.format(step, metrics)
+        line = self.format(step, metrics, timed=timed)
         if self.tty:
             self.stream.write("\r\033[K" + line)
         else:

@@ -335,6 +335,7 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         no_signal_run=start.no_signal_run,
         start_step=start.start_step,
         sampled_tokens=start.sampled_tokens,
+        health_state=start.health_state,
     )
     sampler = _Sampler(s)
     queue = _restore_inflight(s, start.start_step) if start.resumed else []
@@ -438,16 +439,12 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
                 if do_ckpt or preempt.requested:
                     save(step)
                 if preempt.requested:
-                    s.checkpointer.wait()
-                    report.message(
-                        f"preempted: saved the checkpoint of step {step}; rerun the same "
-                        "command to resume"
-                    )
-                    return {"preempted": True, "step": step}
+                    return train_lib._stop(s, report, step)
             if step_callback is not None:
                 step_callback(step)
 
         final_step = int(jax.device_get(state.step))
+        ended_by = report.ended_by(final_step)
         finalize(final_step)
         after = report.flush(
             state,
@@ -471,4 +468,6 @@ def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         s.progress,
         s.is_main,
         data_stats=s.data_stats,
+        sampled_tokens=report.sampled_tokens,
+        ended_by=ended_by,
     )

@@ -15,7 +15,10 @@ anyway, so the host never stalls the device to read a number. It owns:
     ``health.rearm_steps`` steps; firing adds ``alarms/<name>: 1.0`` to that
     step's record, prints a loud line, writes the step's samples to
     ``samples/alarm_<name>_step_XXXXXXX.txt`` and, with ``health.stop_on_alarm``,
-    sets ``stop_requested`` (the loop then saves and returns as on SIGTERM),
+    sets ``stop_requested`` (the loop then saves a checkpoint and raises
+    :class:`AlarmStop`). The history and the rearm steps (``health_state()``)
+    go into every checkpoint, so a resumed run raises the alarms an
+    uninterrupted one would,
   * the non-finite stop (:class:`NonFiniteError`),
   * sample completions as text,
   * which steps evaluate and checkpoint.
@@ -24,6 +27,7 @@ anyway, so the host never stalls the device to read a number. It owns:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -44,11 +48,26 @@ class NonFiniteError(FloatingPointError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
+class AlarmStop(RuntimeError):
+    """A health alarm stopped the run (``health.stop_on_alarm``), or a rerun would resume
+    past such a stop without ``health.resume_after_stop``; the message is one line."""
+
+
+def _finite_or_none(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
 class Reporter:
     """Writes each step's record one step late and raises the run's alarms (module doc)."""
 
     def __init__(
-        self, s: Setup, *, no_signal_run: int = 0, start_step: int = 0, sampled_tokens: int = 0
+        self,
+        s: Setup,
+        *,
+        no_signal_run: int = 0,
+        start_step: int = 0,
+        sampled_tokens: int = 0,
+        health_state: dict | None = None,
     ):
         self.s = s
         self.cfg = s.run.train
@@ -59,11 +78,13 @@ class Reporter:
         self.last_healthy = start_step
         self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
         self.health = s.run.health
-        self.stop_requested = False  # an alarm asked the run to stop (health.stop_on_alarm)
-        self._recent = collections.deque(maxlen=health.history_needed(self.health))
-        self._early: list[dict] = []  # the first records (early entropy level)
-        self._evals: list[dict] = []  # the last two records with an evaluation
-        self._alarm_seen: dict[str, int] = {}  # alarm name -> last step it was raised
+        self.stop_alarms: list[health.Alarm] = []  # fired with health.stop_on_alarm
+        h = health_state or {}  # from the checkpoint the run resumes from
+        self._recent = collections.deque(h.get("recent", []), health.history_needed(self.health))
+        self._early: list[dict] = h.get("early", [])  # the first records (early entropy level)
+        self._evals: list[dict] = h.get("evals", [])  # the last two records with an evaluation
+        # alarm name -> last step it was raised
+        self._alarm_seen: dict[str, int] = dict(h.get("seen", {}))
         # step -> metrics known only once its update has ended (grpo_jax.pipeline's
         # timings): they join the step's record when it is written.
         self.late: dict[int, dict] = {}
@@ -82,6 +103,18 @@ class Reporter:
         """Whether train.sampled_tokens_budget (when set) has been reached."""
         budget = self.cfg.sampled_tokens_budget
         return bool(budget) and self.sampled_tokens >= budget
+
+    def ended_by(self, step: int) -> str:
+        """What ended the run at ``step``: "train.sampled_tokens_budget" (said in one line
+        with the figures) or "train.steps"."""
+        steps, budget = self.s.run.train.steps, self.cfg.sampled_tokens_budget
+        if step >= steps or not self.budget_spent():
+            return "train.steps"
+        self.message(
+            f"stopping after step {step} of {steps}: train.sampled_tokens_budget is spent "
+            f"({self.sampled_tokens} completion tokens sampled, budget {budget})"
+        )
+        return "train.sampled_tokens_budget"
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
@@ -149,6 +182,33 @@ class Reporter:
 
     # -- alarms ------------------------------------------------------------------
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether an alarm asked the run to stop (``health.stop_on_alarm``)."""
+        return bool(self.stop_alarms)
+
+    def health_state(self) -> dict:
+        """The alarms' history and rearm steps as JSON (a checkpoint's ``meta["health"]``),
+        with the alarms that stopped the run under "stopped_by"."""
+        records = lambda rs: [{k: _finite_or_none(v) for k, v in r.items()} for r in rs]
+        state = {
+            "recent": records(self._recent),
+            "early": records(self._early),
+            "evals": records(self._evals),
+            "seen": dict(self._alarm_seen),
+        }
+        if self.stop_alarms:
+            state["stopped_by"] = [dataclasses.asdict(a) for a in self.stop_alarms]
+        return state
+
+    def alarm_stop(self, step: int) -> AlarmStop:
+        """The error that ends a run stopped by an alarm, its checkpoint of ``step`` saved."""
+        return AlarmStop(
+            f"{describe_stop(self.stop_alarms)} (health.stop_on_alarm); saved the checkpoint of "
+            f"step {step}. A rerun refuses to resume past it: look at samples/alarm_*.txt, "
+            "then rerun with --config.health.resume_after_stop=True to continue anyway"
+        )
+
     def _update_alarms(self, step: int, m: dict) -> None:
         cfg = self.cfg
         kl = m.get("policy/kl_old_new", 0.0)
@@ -208,7 +268,8 @@ class Reporter:
             f"health alarm {alarm.name}: {alarm.message}"
             + (" (health.stop_on_alarm: saving a checkpoint and stopping)" if stop else "")
         )
-        self.stop_requested = self.stop_requested or stop
+        if stop:
+            self.stop_alarms.append(alarm)
         if host is not None:
             self.s.writer.write_samples(
                 alarm.step,
@@ -260,3 +321,10 @@ class Reporter:
             }
             for i in range(min(n, len(host.completions)))
         ]
+
+
+def describe_stop(alarms) -> str:
+    """ "health alarm <name> at step <s>: <metric> <value> <op> <threshold>" for each alarm
+    (a ``health.Alarm`` or its dict) that stopped a run, joined by "; "."""
+    as_dict = lambda a: a if isinstance(a, dict) else dataclasses.asdict(a)
+    return "; ".join(f"health alarm {a['name']} at {a['message']}" for a in map(as_dict, alarms))

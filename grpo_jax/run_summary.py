@@ -8,7 +8,7 @@ import time
 
 def summarize(
     run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main,
-    data_stats=None,
+    data_stats=None, sampled_tokens=0, ended_by="train.steps",
 ):  # fmt: skip
     wall = prior_seconds + time.time() - t_start
     pick = lambda ev: (
@@ -34,25 +34,32 @@ def summarize(
             for k in ("steps", "val_pass_at_1", "reached_target", "seconds", "cached")
         },
         "data": dict(data_stats or {}),  # "skipped/<split>": malformed rows skipped
+        "sampled_tokens": sampled_tokens,  # completion tokens sampled by GRPO
+        "ended_by": ended_by,  # "train.steps" or "train.sampled_tokens_budget"
     }
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    b = summary["before"]["pass_at_1"] if summary["before"] else float("nan")
-    a = summary["after"]["pass_at_1"]
+    b, a = summary["before"] or {}, summary["after"]
     table = [
         "",
         f"{'held-out (' + str(summary['num_problems']) + ' problems)':<32}{'before':>10}"
         f"{'after':>10}{'change':>10}",
-        f"{'greedy pass@1':<32}{b:>10.3f}{a:>10.3f}{a - b:>+10.3f}",
+        _row("greedy pass@1", b.get("pass_at_1"), a["pass_at_1"]),
     ]
-    if summary["after"] and "pass_at_k" in summary["after"] and summary["before"]:
-        kb, ka = summary["before"].get("pass_at_k", float("nan")), summary["after"]["pass_at_k"]
-        table.append(
-            f"{f'pass@{run.eval.k} (n={run.eval.num_samples})':<32}{kb:>10.3f}"
-            f"{ka:>10.3f}{ka - kb:>+10.3f}"
-        )
+    if "pass_at_k" in a:
+        label = f"pass@{run.eval.k} (n={run.eval.num_samples})"
+        table.append(_row(label, b.get("pass_at_k"), a["pass_at_k"]))
+    if not b:
+        table.append("no before figures: the run did not evaluate before GRPO (eval.at_start)")
     table.append(
         f"wall time {wall:.0f}s, {final_step} GRPO steps; summary in {workdir / 'summary.json'}"
     )
     progress.message("\n".join(table))
     return summary
+
+
+def _row(label: str, before: float | None, after: float) -> str:
+    """One line of the table; "-" where there is no "before" figure."""
+    if before is None:
+        return f"{label:<32}{'-':>10}{after:>10.3f}{'-':>10}"
+    return f"{label:<32}{before:>10.3f}{after:>10.3f}{after - before:>+10.3f}"

@@ -27,7 +27,7 @@ from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import update as update_lib
 from grpo_jax import workdir as workdir_lib
-from grpo_jax.checkpoint import Checkpointer, check_resume_config
+from grpo_jax.checkpoint import Checkpointer, check_alarm_stop, check_resume_config
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_batch_layout
 from grpo_jax.rollout import PromptEncoder, Scorer
 from grpo_jax.sampling import SamplingConfig
@@ -368,6 +368,13 @@ def setup(run: RunConfig, workdir, *, stream=None):
         if changed and is_main:
             print(
                 f"resuming with a changed config: {'; '.join(changed)}", file=stream or sys.stdout
+            )
+        # ... and not resume past a stop on a health alarm unasked.
+        stopped = check_alarm_stop(run, checkpointer)
+        if stopped and is_main:
+            print(
+                f"resuming past the stop by {stopped} (health.resume_after_stop)",
+                file=stream or sys.stdout,
             )
         if is_main:
             text = json.dumps(run.raw, indent=2, sort_keys=True) + "\n"

@@ -140,8 +140,8 @@ def _cache_paths(workdir) -> tuple[pathlib.Path, pathlib.Path]:
     return d / "params", d / "info.json"
 
 
-def load_cached(workdir, params_like, fp: str):
-    """(params, info) from the cache when its fingerprint matches, else None."""
+def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
+    """(params, info) from the cache when its fingerprint is ``fp`` (or one of them), else None."""
     import orbax.checkpoint as ocp
 
     from grpo_jax.checkpoint import _abstract
@@ -150,13 +150,14 @@ def load_cached(workdir, params_like, fp: str):
     if not info_path.exists() or not params_dir.exists():
         return None
     info = json.loads(info_path.read_text())
-    if info.get("fingerprint") != fp:
+    fps = (fp,) if isinstance(fp, str) else tuple(fp)
+    if info.get("fingerprint") not in fps:
         log.warning(
             "warm start cache in %s was made with a different config (fingerprint %s, now %s); "
             "training the warm start again",
             info_path.parent,
             info.get("fingerprint"),
-            fp,
+            fps[0],
         )
         return None
     with ocp.StandardCheckpointer() as ck:

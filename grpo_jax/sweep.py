@@ -15,7 +15,8 @@ where <name> joins the last part of each key with its value
 printed, one per line, to hand to a cluster scheduler or a shell loop; with
 it they run one after another (a rerun resumes each finished or interrupted
 point from its workdir). Every key is checked against the config first, so a
-misspelled sweep fails before anything runs.
+misspelled sweep fails before anything runs, and an argument after ``--`` may
+not override a swept key (every point would run with its value).
 """
 
 from __future__ import annotations
@@ -55,16 +56,11 @@ def point_name(overrides: dict) -> str:
 
 
 def _check_key(config, key: str, config_spec: str) -> None:
-    node = config
-    for i, part in enumerate(key.split(".")):
-        if not hasattr(node, "keys") or part not in node.keys():
-            where = ".".join(key.split(".")[:i]) or "the top level"
-            known = sorted(node.keys()) if hasattr(node, "keys") else []
-            raise SweepError(
-                f"sweep of {config_spec} overrides {key!r}, but {where} has no key {part!r} "
-                f"(keys: {known})"
-            )
-        node = node[part]
+    from grpo_jax.cli import unknown_key
+
+    why = unknown_key(config, key)
+    if why:
+        raise SweepError(f"sweep of {config_spec} overrides {key!r}, but {why}")
 
 
 def commands(
@@ -85,6 +81,15 @@ def commands(
     names = [point_name(p) for p in points]
     if len(set(names)) != len(names):
         raise SweepError(f"sweep of {config_spec} repeats a point: {names}")
+    from grpo_jax.cli import override_keys
+
+    swept = {k for p in points for k in p}
+    clash = sorted(swept & set(override_keys(extra)))
+    if clash:
+        raise SweepError(
+            f"the arguments after -- override {', '.join(clash)}, which the sweep of "
+            f"{config_spec} sets per point; drop them there (or change the sweep)"
+        )
     out = []
     for overrides, name in zip(points, names, strict=True):
         for key in overrides:

@@ -17,11 +17,13 @@ Hugging Face checkpoint), optionally warm-started by supervised training on
 worked solutions (``grpo_jax.sft``, cached in <workdir>/warm_start), and
 evaluates it ("before"). Rerunning the same command resumes from the latest
 checkpoint in <workdir>/checkpoints, truncating metrics.jsonl to that step.
-SIGTERM saves a checkpoint at the end of the current step and returns. The
+SIGTERM saves a checkpoint at the end of the current step and returns; a
+health alarm with ``health.stop_on_alarm`` saves one and raises ``AlarmStop``. The
 run ends with a final evaluation ("after"), a final checkpoint and
 <workdir>/summary.json (``grpo_jax.run_summary``): the "before" and "after"
-evaluations, wall seconds, steps, seed, number of problems and what the warm
-start did.
+evaluations, wall seconds, steps, seed, number of problems, what the warm
+start did, the completion tokens sampled and what ended the run (``train.steps``,
+or ``train.sampled_tokens_budget``, which also says so in one line).
 
 Workdir layout: metrics.jsonl, tensorboard/, samples/, checkpoints/,
 warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.
@@ -42,7 +44,7 @@ import jax
 from grpo_jax import checkpoint, distributed, multiturn, rollout
 from grpo_jax.config import parse_config
 from grpo_jax.evaluate import evaluate
-from grpo_jax.report import NonFiniteError, Reporter
+from grpo_jax.report import AlarmStop, NonFiniteError, Reporter
 from grpo_jax.run_summary import summarize
 from grpo_jax.setup import Setup, setup
 from grpo_jax.sharding import replicated
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 # Keys that measure the machine, not the run: excluded from exact-resume comparisons.
 TIMING_PREFIXES = ("perf/", "sft/seconds")
 
-__all__ = ["TIMING_PREFIXES", "NonFiniteError", "train"]
+__all__ = ["TIMING_PREFIXES", "AlarmStop", "NonFiniteError", "train"]
 
 
 class _Preemption:
@@ -124,6 +126,8 @@ def train(
     Raises:
       ConfigError: a bad config key or value (before any work is done).
       NonFiniteError: train.max_nonfinite_in_row updates in a row were skipped.
+      AlarmStop: a health alarm stopped the run (health.stop_on_alarm; its checkpoint
+        saved), or the workdir's run was stopped so and health.resume_after_stop is not set.
     """
     t_start = time.time() if start_time is None else start_time
     s, state = setup(parse_config(config), workdir, stream=stream)
@@ -146,8 +150,21 @@ def _save(
         no_signal_run=report.no_signal_run,
         wall_seconds=wall,
         sampled_tokens=report.sampled_tokens,
+        health=report.health_state(),
         inflight=inflight,
     )
+
+
+def _stop(s: Setup, report: Reporter, step: int) -> dict:
+    """The end of a run stopped by SIGTERM or a health alarm, its checkpoint of ``step``
+    saved: an alarm raises ``AlarmStop`` (nothing resumes past it unasked)."""
+    s.checkpointer.wait()
+    if report.stop_requested:
+        raise report.alarm_stop(step)
+    report.message(
+        f"preempted: saved the checkpoint of step {step}; rerun the same command to resume"
+    )
+    return {"preempted": True, "step": step}
 
 
 def _update_compiled_ahead(s: Setup, state, examples, key, ref_params):
@@ -181,6 +198,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         no_signal_run=start.no_signal_run,
         start_step=start.start_step,
         sampled_tokens=start.sampled_tokens,
+        health_state=start.health_state,
     )
     save = functools.partial(_save, s, start=start, report=report, t_start=t_start)
     update = s.update
@@ -213,16 +231,12 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
             if do_ckpt or preempt.requested:
                 save(state, step)
             if preempt.requested:
-                s.checkpointer.wait()
-                report.message(
-                    f"preempted: saved the checkpoint of step {step}; rerun the same command "
-                    "to resume"
-                )
-                return {"preempted": True, "step": step}
+                return _stop(s, report, step)
         if step_callback is not None:
             step_callback(step)
 
     final_step = int(jax.device_get(state.step))
+    ended_by = report.ended_by(final_step)
     # A rerun of a finished run re-evaluates (deterministically) for its summary but
     # leaves metrics.jsonl and the checkpoints as they are.
     after = report.flush(
@@ -245,4 +259,6 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
         s.progress,
         s.is_main,
         data_stats=s.data_stats,
+        sampled_tokens=report.sampled_tokens,
+        ended_by=ended_by,
     )

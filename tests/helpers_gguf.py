@@ -63,8 +63,12 @@ def _gguf_name(hf: str, arch: str) -> str:
     return f"blk.{i}.{names[module]}.{kind}"
 
 
-def write_tiny_gguf(hf_dir, out_file, *, qtype: str = "F32") -> pathlib.Path:
-    """Writes the tiny checkpoint ``hf_dir`` as a GGUF file (weights in ``qtype``)."""
+def write_tiny_gguf(hf_dir, out_file, *, qtype: str = "F32", raw=None) -> pathlib.Path:
+    """Writes the tiny checkpoint ``hf_dir`` as a GGUF file (weights in ``qtype``).
+
+    ``raw`` maps Hugging Face tensor names to a numpy dtype stored as is (``np.int8``
+    makes a tensor of GGUF type I8, which the import cannot dequantise).
+    """
     import gguf
     from safetensors.numpy import load_file
 
@@ -116,7 +120,9 @@ def write_tiny_gguf(hf_dir, out_file, *, qtype: str = "F32") -> pathlib.Path:
             x = _llama_cpp_permute(x, H)
         if arch == "llama" and ".self_attn.k_proj." in name:
             x = _llama_cpp_permute(x, K)
-        if x.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+        if raw and name in raw:
+            w.add_tensor(gname, x.astype(raw[name]))
+        elif x.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, x)
         else:
             w.add_tensor(gname, gguf.quants.quantize(x, qt), raw_dtype=qt)

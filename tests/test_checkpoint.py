@@ -56,3 +56,51 @@ def test_restore_empty_dir_errors(tmp_path):
     ck.close()
     with pytest.raises(ValueError, match="checkpoint.keep = 0"):
         Checkpointer(tmp_path / "k", keep=0)
+
+
+def _resume_check(saved_updates, now_updates, allow=True):
+    from types import SimpleNamespace
+
+    from configs.default import get_config
+    from grpo_jax.checkpoint import check_resume_config
+    from grpo_jax.config import parse_config
+
+    def config(updates):
+        c = get_config("smoke")
+        c.checkpoint.allow_changed_config = allow
+        for key, value in updates.items():
+            section, field = key.rsplit(".", 1)
+            node = c
+            for part in section.split("."):
+                node = node[part]
+            node[field] = value
+        return c
+
+    saved = parse_config(config(saved_updates)).raw
+    ck = SimpleNamespace(
+        all_steps=lambda: [1], restore_meta=lambda step: {"config": saved}, directory="/w/ck"
+    )
+    return check_resume_config(parse_config(config(now_updates)), ck)
+
+
+def test_allow_changed_config_still_refuses_a_change_of_the_saved_parameters_shapes():
+    """A LoRA rank change used to warm-start again over warm_start/ and end in Orbax's
+    shape error with a page of traceback; now it is one ConfigError before anything runs."""
+    from grpo_jax.config import ConfigError
+
+    lora = {"model.lora.rank": 2}
+    assert _resume_check(lora, {**lora, "model.lora.alpha": 8.0}) == [
+        "model.lora.alpha: 16.0 -> 8.0"
+    ]
+    for change in (
+        {"model.lora.rank": 4},
+        {"model.lora.targets": "q,v"},
+        {"model.hidden_size": 64},
+        {"model.scan_layers": True},
+    ):
+        key = next(iter(change))
+        with pytest.raises(ConfigError) as e:
+            _resume_check(lora, {**lora, **change})
+        message = str(e.value)
+        assert "\n" not in message and f"{key}: " in message, message
+        assert "shapes" in message and "checkpoint.allow_changed_config" in message

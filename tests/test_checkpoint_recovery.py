@@ -134,3 +134,50 @@ def test_a_save_that_fails_is_one_clear_error_and_frees_the_workdir(tmp_path, mo
     assert "no earlier one" in message  # checkpoint.every = 2: step 2 is the first
     assert "rerun the same command to resume" in message
     WorkdirLock(tmp_path).release()  # the failed run let go of the workdir
+
+
+def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp_path, monkeypatch):
+    """The alarms' state is in the checkpoint: after a kill while saving step 4 the rerun
+    (from step 2) raises no alarm again that is still active (entropy, fired at step 1) and
+    the one whose window spans the resume (truncation, steps 1-3) at the same step."""
+    from grpo_jax.checkpoint import Checkpointer
+    from grpo_jax.metrics import read_metrics
+    from grpo_jax.train import TIMING_PREFIXES, train
+
+    c = _config(4)
+    c.train.max_staleness = 1
+    c.health.entropy_window = 1
+    c.health.entropy_floor = 100.0  # fires at step 1 and stays active
+    c.health.truncation_window = 3  # the untrained model's completions are mostly truncated
+    train(c, tmp_path / "whole", stream=io.StringIO())
+
+    class Kill(Exception):
+        pass
+
+    save = Checkpointer.save
+
+    def killed_at_4(self, step, **kwargs):
+        if step == 4:
+            raise Kill
+        return save(self, step, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(Checkpointer, "save", killed_at_4)
+        with pytest.raises(Kill):
+            train(c, tmp_path / "killed", stream=io.StringIO())
+    train(c, tmp_path / "killed", stream=io.StringIO())
+
+    def records(workdir):
+        return [
+            {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
+            for r in read_metrics(workdir / "metrics.jsonl")
+        ]
+
+    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "killed")
+    alarms = {r["step"]: sorted(k for k in r if k.startswith("alarms/")) for r in whole}
+    assert {s: a for s, a in alarms.items() if a} == {
+        1: ["alarms/entropy_collapse"],
+        3: ["alarms/truncation"],
+    }
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == whole

@@ -84,7 +84,7 @@ def test_training_console_has_no_library_chatter(tmp_path):
     "args, first_words",
     [
         (["--worldir=/tmp/x"], "error: Unknown command line flag 'worldir'"),
-        (["--config.grpo.GG=3"], "config error: an override names a key the config does not"),
+        (["--config.grpo.GG=3"], "config error: --config.grpo.GG names no config key: grpo has"),
         (["--config.data.train_path=/no/such.jsonl", "--config.data.source=jsonl"], None),
         (
             ["--config=configs/gsm8k.py:model=qwen2.5-0.5b", "--config.model.path=/no/such/dir"],

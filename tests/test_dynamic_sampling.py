@@ -184,17 +184,27 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
 def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
     from grpo_jax.train import train
 
+    out = io.StringIO()
     summary = train(
         _config(**{"train.sampled_tokens_budget": 1000, "train.steps": 50}),
         tmp_path,
-        stream=io.StringIO(),
+        stream=out,
     )
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "dynamic/rounds" in r]
     totals = [r["rollout/sampled_tokens_total"] for r in records]
     # It stops after the first step that reaches the budget, and not before.
     assert totals[-1] >= 1000 and all(t < 1000 for t in totals[:-1])
     assert summary["steps"] == len(records) < 50
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == len(records)
+    # ... and says so, with the figures, on the console and in summary.json.
+    said = [line for line in out.getvalue().splitlines() if line.startswith("stopping")]
+    assert said == [
+        f"stopping after step {len(records)} of 50: train.sampled_tokens_budget is spent "
+        f"({int(totals[-1])} completion tokens sampled, budget 1000)"
+    ]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["steps"] == len(records)
+    assert on_disk["ended_by"] == "train.sampled_tokens_budget"
+    assert on_disk["sampled_tokens"] == totals[-1]
 
 
 @pytest.mark.slow

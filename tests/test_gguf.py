@@ -188,6 +188,38 @@ def test_bad_files_give_clear_errors(tmp_path, tiny_ggufs):
         hf_config(g)
 
 
+def test_a_failed_conversion_leaves_the_destination_as_it_was(tmp_path, tiny_ggufs, capsys):
+    """An unsupported tensor type (the last tensor written) or a tokenizer that fails."""
+    from grpo_jax.convert_gguf import main
+
+    hf_dir, good = tiny_ggufs["qwen2"]
+    bad = write_tiny_gguf(hf_dir, tmp_path / "i8.gguf", raw={"model.norm.weight": np.int8})
+    assert main([str(bad), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor 'output_norm.weight'" in err[0], err
+    assert "cannot be dequantised" in err[0]
+    assert not (tmp_path / "new").exists()  # nothing half-written, no .tmp file
+    old = tmp_path / "old"
+    assert main([str(good), str(old), "--no-tokenizer"]) == 0
+    (old / "notes.txt").write_text("mine")
+    before = {f.name: f.read_bytes() for f in old.iterdir()}
+    assert main([str(bad), str(old)]) == 2
+    assert {f.name: f.read_bytes() for f in old.iterdir()} == before
+    # The weights convert but the tokenizer fails: no weights without their tokenizer.
+    import grpo_jax.models.gguf_tokenizer as tok
+
+    def fail(g):
+        raise CheckpointError(f"{g.path}: no vocabulary")
+
+    orig, tok.tokenizer_from_gguf = tok.tokenizer_from_gguf, fail
+    try:
+        assert main([str(good), str(tmp_path / "notok")]) == 2
+    finally:
+        tok.tokenizer_from_gguf = orig
+    assert not (tmp_path / "notok").exists()
+    assert main([str(tmp_path / "missing.gguf"), str(tmp_path / "m")]) == 2
+
+
 # ---------------------------------------------------------------------------
 # The real checkpoint: Gemma 3 270M, Q4_K_M.
 

@@ -172,12 +172,14 @@ def test_healthy_default_run_is_quiet_on_every_prefix():
 
 @pytest.mark.slow
 def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
-    """An entropy floor above the real entropy fires at step 1; the run stops after step 2."""
+    """An entropy floor above the real entropy fires at step 1; the run stops after step 2,
+    says what fired, and a rerun refuses to train past it until told to."""
     import io
 
     from configs.default import get_config
     from grpo_jax.checkpoint import Checkpointer
     from grpo_jax.metrics import read_metrics
+    from grpo_jax.report import AlarmStop
     from grpo_jax.train import train
 
     c = get_config("smoke")
@@ -190,8 +192,14 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     c.health.entropy_window = 1
     c.health.entropy_floor = 100.0
     stream = io.StringIO()
-    out = train(c, tmp_path, stream=stream)
-    assert out == {"preempted": True, "step": 2}
+    with pytest.raises(AlarmStop) as e:
+        train(c, tmp_path, stream=stream)
+    stop = str(e.value)
+    assert "\n" not in stop and "preempted" not in stream.getvalue()
+    assert stop.startswith("health alarm entropy_collapse at step 1: train/entropy ")
+    assert "< health.entropy_floor 100.0 (health.stop_on_alarm)" in stop
+    assert "checkpoint of step 2" in stop
+    assert "--config.health.resume_after_stop=True" in stop
     # The loud line on the progress output: the bar, the rule, the step's numbers.
     shown = stream.getvalue()
     assert "!" * 78 + "\nWARNING: health alarm entropy_collapse: step 1: train/entropy " in shown
@@ -211,15 +219,60 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
     assert "entropy_floor 100.0" in text and "[completion]" in text
 
+    # The same command again: one line, nothing trained or written.
+    written = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(AlarmStop) as e:
+        train(c, tmp_path, stream=io.StringIO())
+    again = str(e.value)
+    assert "\n" not in again and "entropy_collapse" in again and "step 1" in again
+    assert "--config.health.resume_after_stop=True" in again
+    assert (tmp_path / "metrics.jsonl").read_text() == written
 
-def _reporter(**health):
+    # The override continues; the alarm still active at step 3 is not raised again.
+    c.health.resume_after_stop = True
+    c.train.steps = 4
+    out = io.StringIO()
+    assert train(c, tmp_path, stream=out)["steps"] == 4
+    assert "resuming past the stop by health alarm entropy_collapse" in out.getvalue()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if any(k.startswith("alarms/") for k in r)] == [1]
+
+
+@pytest.mark.slow
+def test_the_command_exits_4_on_an_alarm_stop_and_on_its_rerun(tmp_path):
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_jax.main",
+        "--config=configs/default.py:smoke",
+        f"--workdir={tmp_path}",
+        "--config.warm_start.enabled=False",
+        "--config.eval.at_start=False",
+        "--config.eval.every=0",
+        "--config.health.stop_on_alarm=True",
+        "--config.health.entropy_window=1",
+        "--config.health.entropy_floor=100",
+    ]
+    for first_words in ("stopped: health alarm entropy_collapse", "stopped: the run in"):
+        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 4, p.stderr[-2000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith(first_words), p.stderr[-2000:]
+        assert "--config.health.resume_after_stop=True" in last
+
+
+def _reporter(health_state=None, **health):
     from types import SimpleNamespace
 
     from grpo_jax.config import TrainConfig
     from grpo_jax.report import Reporter
 
     run = SimpleNamespace(train=TrainConfig(), health=HealthConfig(**health))
-    return Reporter(SimpleNamespace(run=run))
+    return Reporter(SimpleNamespace(run=run), health_state=health_state)
 
 
 def test_reporter_fires_an_alarm_when_it_starts_and_after_a_quiet_spell():
@@ -240,3 +293,53 @@ def test_reporter_history_keeps_the_early_entropy_level():
         fired += rep._health(s, {"train/entropy": 0.6 * (1 - 0.9 * s / 300)})
     assert [a.name for a in fired] == ["entropy_collapse"]
     assert len(rep._recent) < 100
+
+
+def test_reporter_alarm_state_survives_a_checkpoint():
+    """A reporter made from another's ``health_state()`` (JSON, as a checkpoint holds it)
+    fires what the uninterrupted one fires: the windows, the early entropy level and the
+    rearm rule carry over."""
+
+    def record(s):
+        return {
+            "train/entropy": 1.0 if s <= 4 else 0.3 if s <= 8 else 0.15,
+            "rollout/truncated_frac": 0.5 if s >= 3 else float("nan") if s == 1 else 0.0,
+            "train/ratio_max": 50.0 if s in (2, 3, 4, 7) else 1.0,
+        }
+
+    cfg = {"rearm_steps": 3, "truncation_window": 3}
+    whole = _reporter(**cfg)
+    fired = {s: [a.name for a in whole._health(s, record(s))] for s in range(1, 15)}
+    assert {s: n for s, n in fired.items() if n} == {
+        2: ["ratio_spike"],
+        4: ["truncation"],
+        13: ["entropy_collapse"],
+    }
+    first = _reporter(**cfg)
+    for s in range(1, 5):
+        first._health(s, record(s))
+    state = json.loads(json.dumps(first.health_state(), allow_nan=False))
+    resumed = _reporter(state, **cfg)
+    assert {s: [a.name for a in resumed._health(s, record(s))] for s in range(5, 15)} == {
+        s: fired[s] for s in range(5, 15)
+    }
+
+
+@pytest.mark.slow
+def test_the_smoke_config_runs_clean(tmp_path, caplog):
+    """configs/default.py:smoke as shipped, run past the alarms' shortest windows: its warm
+    start does what it sets out to do and no alarm or warning is raised."""
+    import io
+    import logging
+
+    from configs.default import get_config
+    from grpo_jax.train import train
+
+    c = get_config("smoke")
+    c.train.steps = 6  # > health.truncation_window and entropy_window
+    stream = io.StringIO()
+    with caplog.at_level(logging.WARNING):
+        summary = train(c, tmp_path, stream=stream)
+    assert summary["warm_start"]["reached_target"]
+    assert "WARNING" not in stream.getvalue(), stream.getvalue()
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("grpo_jax")]

@@ -140,3 +140,43 @@ def test_adapters_of_another_base_are_refused(tmp_path, builtin_tokenizer):
         setup_lib.restore_policy(other, builtin_tokenizer, mesh, tmp_path / "checkpoints")
     gd, params, _ = setup_lib.restore_policy(run, builtin_tokenizer, mesh, tmp_path / "checkpoints")
     assert gd is not None and params is not None
+
+
+def test_export_keeps_a_users_config_and_peft_names_the_warm_started_base(tmp_path):
+    """A PEFT export of a warm-started run writes the base beside the adapters and names it
+    (it said null); an --out holding the user's own config.json is refused, not overwritten."""
+    import os
+
+    from grpo_jax.export import ExportError, export_hf
+    from grpo_jax.models import from_pretrained
+
+    cfg = _config(**{"warm_start.enabled": True, "train.steps": 1, "checkpoint.every": 1})
+    train(cfg, tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}\n')
+    for format in ("merged", "peft"):
+        with pytest.raises(ExportError, match="not an earlier export"):
+            export_hf(tmp_path / "run", mine, format=format)
+    assert [p.name for p in mine.iterdir()] == ["config.json"]
+    assert (mine / "config.json").read_text() == '{"mine": 1}\n'
+
+    out = export_hf(tmp_path / "run", tmp_path / "peft", format="peft")
+    assert export_hf(tmp_path / "run", out, format="peft") == out  # an export may be redone
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str((out / "base").resolve())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "adapter_model.safetensors").st_mode & 0o777 == 0o666 & ~umask
+    # The base written beside the adapters is the warm-started one the adapters were trained on.
+    run = config_lib.parse_config(cfg)
+    mesh = setup_lib.build_mesh(run)
+    tok = setup_lib.build_tokenizer(run, tmp_path / "run")
+    _, policy, lora_run = setup_lib.restore_policy(run, tok, mesh, tmp_path / "run" / "checkpoints")
+    base = nnx.merge(lora_run.base_graphdef, lora.split(policy)[0])
+    tokens = np.random.default_rng(0).integers(4, 30, (2, 6)).astype(np.int32)
+    np.testing.assert_allclose(
+        np.asarray(from_pretrained(written["base_model_name_or_path"])(tokens)),
+        np.asarray(base(tokens)),
+        atol=1e-6,
+    )

@@ -1,7 +1,9 @@
 """pass@k, rollout statistics and the metric writers."""
 
+import io
 import json
 import math
+import re
 from itertools import combinations
 
 import numpy as np
@@ -124,3 +126,44 @@ def test_progress_line_format():
     line = p.format(3, {"rewards/mean": 0.5, "rollout/pass_rate": 0.25, "train/kl": math.nan})
     assert line.startswith("step 3/10 | reward 0.500 | pass 0.25")
     assert "kl" not in line
+
+
+def test_progress_line_labels_every_figure_and_leaves_out_the_compiling_steps_speed():
+    out = io.StringIO()
+    p = metrics.ProgressLine(10, stream=out)
+    m = {"rewards/mean": 0.5, "perf/sample_tokens_per_s": 5.0, "perf/train_tokens_per_s": 9.0}
+    p.update(1, m)
+    p.update(2, dict(m, **{"perf/sample_tokens_per_s": 900.0}))
+    first, second = out.getvalue().splitlines()
+    assert re.fullmatch(r"step 1/10 \| reward 0.500 \| elapsed \d+s", first), first
+    assert re.fullmatch(
+        r"step 2/10 \| reward 0.500 \| sample tok/s 900 \| train tok/s 9 \| elapsed \d+s", second
+    ), second
+
+
+@pytest.mark.parametrize("before", [None, {"eval/pass_at_1": 0.25, "eval/pass_at_k": 0.5}])
+def test_run_summary_table_without_a_before_evaluation_has_no_nan(tmp_path, before):
+    from types import SimpleNamespace
+
+    from grpo_jax.run_summary import summarize
+
+    out = io.StringIO()
+    run = SimpleNamespace(seed=0, eval=SimpleNamespace(k=2, num_samples=4))
+    after = {"eval/pass_at_1": 0.5, "eval/pass_at_k": 0.75, "eval/num_problems": 16}
+    progress = metrics.ProgressLine(1, stream=out)
+    summary = summarize(run, tmp_path, before, after, None, 0.0, 0.0, 1, progress, True)
+    text = out.getvalue()
+    assert "nan" not in text
+    rows = [line.split() for line in text.splitlines() if line.startswith(("greedy", "pass@"))]
+    if before is None:
+        assert summary["before"] is None
+        assert rows == [
+            ["greedy", "pass@1", "-", "0.500", "-"],
+            ["pass@2", "(n=4)", "-", "0.750", "-"],
+        ]
+        assert "did not evaluate before GRPO (eval.at_start)" in text
+    else:
+        assert rows == [
+            ["greedy", "pass@1", "0.250", "0.500", "+0.250"],
+            ["pass@2", "(n=4)", "0.500", "0.750", "+0.250"],
+        ]

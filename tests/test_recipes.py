@@ -303,6 +303,22 @@ def test_sweep_prints_commands(capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # Print mode runs nothing.
 
 
+def test_sweep_refuses_an_override_of_a_swept_key(capsys, tmp_path):
+    """Every point would run with the override's value while named by its own."""
+    from grpo_jax import sweep
+
+    spec = f"{ROOT / 'configs' / 'gsm8k.py'}:model=qwen3-0.6b"
+    for extra in (["--config.grpo.beta=0.1"], ["--config.model.path=/m", "-config.grpo.beta", "1"]):
+        rc = sweep.main([f"--config={spec}", f"--workdir_root={tmp_path}", "--", *extra])
+        assert rc == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err.splitlines() == [
+            "sweep error: the arguments after -- override grpo.beta, which the sweep of "
+            f"{spec} sets per point; drop them there (or change the sweep)"
+        ]
+
+
 def test_sweep_errors(tmp_path, capsys):
     from grpo_jax import sweep
 
@@ -315,7 +331,7 @@ def test_sweep_errors(tmp_path, capsys):
         "    return [{'optim.learnig_rate': 1e-6}]\n"
     )
     with pytest.raises(
-        sweep.SweepError, match=r"but optim has no key 'learnig_rate' \(keys: \['learning_rate'\]\)"
+        sweep.SweepError, match=r"but optim has no key learnig_rate \(its keys: learning_rate\)$"
     ):
         sweep.commands(str(bad), str(tmp_path))
     nosweep = tmp_path / "nosweep.py"

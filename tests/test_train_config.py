@@ -43,8 +43,8 @@ def test_default_and_smoke_parse():
 @pytest.mark.parametrize(
     "updates, message",
     [
-        ({"bogus": 1}, r"unknown config key\(s\) \['config.bogus'\]"),
-        ({"train.stepz": 3}, r"unknown config key\(s\) \['train.stepz'\]"),
+        ({"bogus": 1}, r"unknown config key config.bogus;"),
+        ({"train.stepz": 3}, r"unknown config key train.stepz;"),
         ({"optim.schedule": "exp"}, r"'optim.schedule' = 'exp' is not one of \['constant', "),
         ({"optim.learning_rate": -1.0}, r"'optim.learning_rate' = -1.0 must be > 0"),
         ({"grpo.G": 1}, r"'grpo.G' = 1 must be >= 2"),
@@ -62,7 +62,7 @@ def test_default_and_smoke_parse():
         ({"correct_reward": "nope"}, r"unknown reward 'nope'"),
         ({"sampling.temperature": 0.7}, r"'sampling.temperature' is not allowed.*grpo.temperature"),
         ({"sampling.top_p": 0.0}, r"'sampling.top_p' = 0.0 must be > 0"),
-        ({"model.hidden_sise": 8}, r"unknown config key\(s\) \['model.hidden_sise'\]"),
+        ({"model.hidden_sise": 8}, r"unknown config key model.hidden_sise;"),
         ({"prompt.template": "no fields"}, r"'prompt.template' = 'no fields' must be a format"),
         ({"seed": -1}, r"'seed' = -1 must be a non-negative integer"),
     ],
@@ -136,6 +136,52 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert not (tmp_path / "wd" / "checkpoints").exists()
 
 
+def test_main_names_an_unknown_key_in_one_line_and_refuses_a_key_given_twice(tmp_path):
+    out = _main("--config.grpo.GG=3", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "config error: --config.grpo.GG names no config key: grpo has no key GG "
+        "(its keys: G, advantage_eps, " + out.stderr.split("advantage_eps, ", 1)[1].rstrip("\n")
+    ]
+    assert "['" not in out.stderr and "\"'" not in out.stderr  # no Python repr
+    out = _main("--config.grpox.beta=1", tmp_path=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "the config has no key grpox (its keys: checkpoint," in out.stderr
+    out = _main("--config.grpo.beta.x=1", tmp_path=tmp_path)
+    assert "grpo.beta is a value (0.0), not a section" in out.stderr
+    for twice in (
+        ("--config.grpo.beta=0.1", "--config.grpo.beta=0.0"),
+        ("--config.eval.at_start", "--noconfig.eval.at_start"),
+    ):
+        out = _main(*twice, "--config.train.steps=0", tmp_path=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().endswith("more than once on the command line; give each key once")
+    assert not (tmp_path / "wd").exists()
+
+
+def test_override_keys_reads_every_spelling_absl_accepts():
+    from grpo_jax.cli import override_keys
+
+    argv = ["--config=c.py", "--config.a.b=1", "-config.c", "--noconfig.d", "--workdir=x"]
+    assert override_keys(argv + ["--", "--config.e=1"]) == ["a.b", "c", "d"]
+
+
+def test_model_precision_keys_the_docs_name_are_settable_on_the_default_config():
+    """README and docs/lora.md name model.param_dtype (and dtype, remat) for the tiny model."""
+    from grpo_jax.models.builtin_tokenizer import build_tokenizer
+
+    c = get_config()
+    c.lock()
+    run = config_lib.parse_config(c)
+    assert run.model.loader_kwargs() == {"attention": "einsum", "scan_layers": False}
+    c.model.param_dtype = "bfloat16"
+    c.model.dtype = "float32"
+    c.model.remat = True
+    run = config_lib.parse_config(c)
+    cfg = setup_lib.model_config(run, build_tokenizer())
+    assert (cfg.param_dtype, cfg.dtype, cfg.remat) == ("bfloat16", "float32", True)
+
+
 def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
     run = config_lib.parse_config(get_config())
     splits = setup_lib.build_datasets(run)
@@ -189,3 +235,47 @@ def test_each_clip_side_is_settable_on_a_shipped_config():
         assert (run.grpo.epsilon_low, run.grpo.epsilon_high) == (0.2, 0.28)
         c.grpo.epsilon_low = 0.1
         assert config_lib.parse_config(c).grpo.epsilon_low == 0.1
+
+
+def test_evaluate_accepts_the_config_of_a_run_saved_before_the_precision_keys(tmp_path):
+    """A run's config.json from before model.dtype/param_dtype/remat existed still matches."""
+    import json
+
+    from grpo_jax.evaluate import run_config_for
+
+    saved = get_config("smoke").to_dict()
+    for key in ("dtype", "param_dtype", "remat"):
+        saved["model"].pop(key)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert run_config_for(tmp_path, get_config("smoke")).model.param_dtype is None
+    c = get_config("smoke")
+    c.model.param_dtype = "bfloat16"
+    with pytest.raises(ConfigError, match="does not match the run"):
+        run_config_for(tmp_path, c)
+
+
+@pytest.mark.parametrize(
+    "module, args, message",
+    [
+        (
+            "grpo_jax.export",
+            ["--out=/tmp/x", "--format=gguf"],
+            "value should be one of <merged|peft>",
+        ),
+        (
+            "grpo_jax.export",
+            ["--format=peft"],
+            "Flag --workdir must have a value other than None; flag --out",
+        ),
+        ("grpo_jax.evaluate", ["--checkpoint=/x", "--num_problemz=3"], "Unknown command line flag"),
+    ],
+)
+def test_export_and_evaluate_flag_errors_are_one_line_with_exit_status_2(module, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "FATAL" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

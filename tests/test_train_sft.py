@@ -147,3 +147,33 @@ def test_config_errors():
         sft.WarmStartConfig(metric="loss")
     with pytest.raises(ConfigError, match="'warm_start.min_steps' = 5 must be <= 2"):
         sft.WarmStartConfig(max_steps=2, min_steps=5)
+
+
+def test_the_warm_start_cache_does_not_depend_on_the_lora_keys():
+    """The warm start trains the base alone: a LoRA run resumed with another alpha reuses
+    warm_start/ (it used to train it again over the cache); old caches still load."""
+    import json
+
+    from grpo_jax.base_policy import warm_start_fingerprints
+
+    def fps(**lora):
+        c = get_config("smoke")
+        c.model.lora.update(lora)
+        return warm_start_fingerprints(parse_config(c))
+
+    (fp, legacy), (fp8, legacy8) = fps(rank=2), fps(rank=4, alpha=8.0, dropout=0.1)
+    assert fp == fp8 and legacy != legacy8
+    assert fps()[0] == fp  # rank 0 (no LoRA) too
+    run = parse_config(get_config("smoke"))
+    parts = {  # what earlier versions hashed
+        "model": run.section("model"),
+        "tokenizer": run.tokenizer,
+        "data": run.section("data"),
+        "prompt": run.section("prompt"),
+        "warm_start": run.section("warm_start"),
+        "seed": run.seed,
+        "max_new_tokens": run.sampling.max_new_tokens,
+        "eval": run.section("eval"),
+        "correct_reward": run.rewards.correct,
+    }
+    assert fps()[1] == sft.fingerprint(json.loads(json.dumps(parts)))

@@ -48,7 +48,7 @@ from grpo_jax.models.gguf_quants import dequantize
 from grpo_jax.models.hf_config import config_from_hf
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.hf_weights import weight_table
-from grpo_jax.models.safetensors_io import CheckpointError, write_checkpoint
+from grpo_jax.models.safetensors_io import CheckpointError, weight_files, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -302,15 +302,33 @@ def convert_gguf(
     from the file's vocabulary (tokenizer.json, tokenizer_config.json).
     transformers' ``AutoModelForCausalLM.from_pretrained`` and
     :func:`grpo_jax.models.from_pretrained` load the directory.
+
+    The files are written beside ``out_dir``'s others in a temporary directory
+    and moved in once all are written: a conversion that fails (a tensor type
+    that cannot be dequantised, a vocabulary that is not a tokenizer) leaves
+    ``out_dir`` as it was.
     """
     g = GGUFFile(path)
     directory = pathlib.Path(out_dir)
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = _write_weights(g, directory, dtype)
-    if tokenizer:
-        from grpo_jax.models.gguf_tokenizer import tokenizer_from_gguf
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".convert_gguf.", dir=directory))
+    try:
+        cfg = _write_weights(g, tmp, dtype)
+        if tokenizer:
+            from grpo_jax.models.gguf_tokenizer import tokenizer_from_gguf
 
-        tokenizer_from_gguf(g).save_pretrained(str(directory))
+            tokenizer_from_gguf(g).save_pretrained(str(tmp))
+        for stale in weight_files(directory):  # an earlier conversion's other shards
+            stale.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, directory / f.name)
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s (%s, %d layers) into %s", g.path, cfg.family, cfg.num_layers, directory)
     return directory
 

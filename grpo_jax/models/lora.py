@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import pathlib
+import stat
 from typing import Any
 
 import jax
@@ -360,11 +361,6 @@ def save_peft(
     tensors = peft_tensors(params, model_cfg, prefix)
     if not tensors:
         raise ValueError("lora.save_peft: the parameters hold no adapters")
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-        str(out / "adapter_model.safetensors"),
-        metadata={"format": "pt"},
-    )
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -382,6 +378,14 @@ def save_peft(
         "inference_mode": True,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    path = out / "adapter_model.safetensors"
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+    # safetensors writes 0600; give it the mode of the files written as usual (the umask's).
+    path.chmod(stat.S_IMODE((out / "adapter_config.json").stat().st_mode))
     return out
 
 

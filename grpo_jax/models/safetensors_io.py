@@ -207,6 +207,13 @@ class SafetensorsCheckpoint:
         return self.where[name].path
 
 
+def weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The files of a checkpoint written by :func:`write_checkpoint` in ``directory``."""
+    files = [directory / SINGLE_FILE, directory / INDEX_FILE]
+    files += sorted(directory.glob("model-*-of-*.safetensors"))
+    return [f for f in files if f.exists()]
+
+
 def write_checkpoint(
     directory: str | os.PathLike,
     tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
@@ -238,12 +245,8 @@ def write_checkpoint(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    for stale in [
-        directory / SINGLE_FILE,
-        directory / INDEX_FILE,
-        *directory.glob("model-*-of-*.safetensors"),
-    ]:
-        stale.unlink(missing_ok=True)  # A save replaces any earlier checkpoint in the directory.
+    for stale in weight_files(directory):
+        stale.unlink()  # A save replaces any earlier checkpoint in the directory.
     weight_map, total = {}, 0
     for file_name, shard in zip(names, shards):
         header, offset = {}, 0
