@@ -31,6 +31,7 @@ warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pathlib
@@ -132,8 +133,8 @@ def train(
     t_start = time.time() if start_time is None else start_time
     s, state = setup(parse_config(config), workdir, stream=stream)
     try:
-        with _Preemption() as preempt:
-            return _loop(s, state, preempt, t_start, step_callback)
+        with _Preemption() as preempt, contextlib.ExitStack() as run_scoped:
+            return _loop(s, state, preempt, t_start, step_callback, run_scoped)
     finally:
         s.close()
 
@@ -182,7 +183,7 @@ def _update_compiled_ahead(s: Setup, state, examples, key, ref_params):
     return update_lib.CompiledAhead(s.update, state, spec, key, ref_params)
 
 
-def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
+def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -> dict:
     run = s.run
     if run.train.max_staleness:  # off-policy, pipelined (docs/pipeline.md)
         from grpo_jax import pipeline
@@ -213,7 +214,8 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
             examples = s.iterator.next()  # this host's rows of the global batch
             if update is s.update and not run.env.name:
                 # The update compiles while the sampler compiles and samples.
-                update = _update_compiled_ahead(s, state, examples, k_train, ref_params)
+                ahead = _update_compiled_ahead(s, state, examples, k_train, ref_params)
+                update = run_scoped.enter_context(ahead)  # its thread ends with the run
             collect = multiturn.collect if run.env.name else rollout.collect
             batch, host = collect(s, state.params, examples, k_sample)
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call

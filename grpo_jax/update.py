@@ -435,6 +435,11 @@ class CompiledAhead:
     that signature (shapes, dtypes, shardings) runs the compiled executable;
     any other call, or a failed compilation, goes to the jitted function
     itself, which then compiles (or raises) as usual.
+
+    It is a context manager: leaving it waits for the compilation and its
+    thread, so no tracing of a run's update goes on after the run has ended
+    (a run that stops before its first update would otherwise leave a thread
+    tracing while the caller starts the next run, or changes what it traces).
     """
 
     def __init__(self, jitted, *args):
@@ -442,9 +447,18 @@ class CompiledAhead:
 
         self._jitted = jitted
         self._signature = _signature(args)
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
-        self._future = pool.submit(lambda: jitted.lower(*args).compile())
-        pool.shutdown(wait=False)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
+        self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the compilation (its error, if any, is the jitted call's to raise)."""
+        self._pool.shutdown(wait=True)
 
     def __call__(self, *args):
         if _signature(args) == self._signature:

@@ -276,3 +276,24 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
     assert _deterministic(ahead) == _deterministic(plain)
+
+
+def test_no_compilation_of_the_update_outlives_its_run(tmp_path, monkeypatch):
+    """A run that ends before its first update (here its sampler raises) waits for the
+    update it was compiling ahead: no thread of it is left tracing while the caller goes on
+    (into the next run, or into undoing what the run's code was patched with)."""
+    import threading
+
+    from grpo_jax import rollout
+
+    class Stop(Exception):
+        pass
+
+    def failing_collect(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(rollout, "collect", failing_collect)
+    with pytest.raises(Stop):
+        train(_quick(**{"eval.at_start": False}), tmp_path, stream=io.StringIO())
+    left = [t.name for t in threading.enumerate() if t.name.startswith("compile-update")]
+    assert left == []
