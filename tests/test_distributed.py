@@ -285,7 +285,9 @@ def test_flags_are_defined_on_request_only():
 def test_two_processes_match_one_process_on_four_devices(tmp_path):
     """2 processes x 2 CPU devices over loopback == 1 process x 4 devices, to float32 rounding."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
-    env.update(XLA_FLAGS="", PYTHONPATH=str(ROOT))
+    # This process's XLA flags less its device count, which the launcher sets per process.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), PYTHONPATH=str(ROOT))
     cmd = [
         "bash",
         str(ROOT / "launch" / "local_multiprocess.sh"),

@@ -46,7 +46,9 @@ RUN_ARGS = [
 def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> pathlib.Path:
     workdir, logs = tmp_path / name, tmp_path / f"{name}_logs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
-    env.update(XLA_FLAGS="", PYTHONPATH=str(ROOT))
+    # This process's XLA flags less its device count, which the launcher sets per process.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), PYTHONPATH=str(ROOT))
     cmd = [
         "bash",
         str(ROOT / "launch" / "local_multiprocess.sh"),
