@@ -134,7 +134,7 @@ def test_blockwise_kernel_value_and_gradient(window, softcap, block):
         out = attn_lib.blockwise_attention(q, kt, vt, m, 0.5, softcap, block)
         return jnp.sum(jnp.where(real, out * w, 0.0)), out
 
-    (l0, o0), g0 = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (l0, o0), g0 = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     (l1, o1), g1 = jax.jit(jax.value_and_grad(blk, argnums=(0, 1, 2), has_aux=True))(
         q, k, v, None if window is None else jnp.int32(window)
     )
@@ -251,7 +251,7 @@ def test_splash_kernel_value_and_gradient(offset, window):
             return jnp.sum(jnp.where(q_real, out * w, 0.0)), out
 
         w_arg = jnp.int32(w_in) if window == "traced" else w_in
-        (l0, o0), g0 = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (l0, o0), g0 = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         (l1, o1), g1 = jax.jit(jax.value_and_grad(spl, argnums=(0, 1, 2), has_aux=True))(
             q, k, v, w_arg
         )

@@ -165,16 +165,12 @@ def _toy_reward(seqs_MxT, support_M):
 
 def _estimates(theta, t, filters, correction, level, n=200_000):
     """Per-sample gradients of -loss (one row each) and the batch loss's gradient."""
-    all_seqs = jnp.asarray(list(itertools.product(range(V_TOY), repeat=t)))
-    reward_of = dict(
-        zip(
-            map(tuple, np.asarray(all_seqs)),
-            np.asarray(_toy_reward(all_seqs, _support(theta, all_seqs, **filters))),
-            strict=True,
-        )
-    )
-    seqs, full, beh = _sample(theta, n, t, jax.random.key(11), **filters)
-    rewards = jnp.asarray([reward_of[tuple(s)] for s in np.asarray(seqs)], theta.dtype)
+    # Each program compiled once (jitted), not op by op: the rows are many, the shapes few.
+    sample = jax.jit(lambda th, key: _sample(th, n, t, key, **filters))
+    seqs, full, beh = sample(theta, jax.random.key(11))
+    # The same reward as _exact's enumeration gives each sequence (a table over sequences).
+    reward_fn = jax.jit(lambda th, s: _toy_reward(s, _support(th, s, **filters)))
+    rewards = reward_fn(theta, seqs).astype(theta.dtype)
     mask = jnp.ones(seqs.shape, theta.dtype)
     full, beh = full.astype(theta.dtype), beh.astype(theta.dtype)
     w, _ = losses.behavior_weights(full, beh, mask, correction=correction, level=level, cap=1e6)
@@ -191,13 +187,17 @@ def _estimates(theta, t, filters, correction, level, n=200_000):
         )
         return -loss
 
-    batch_grad = jax.grad(neg_loss)(theta, seqs, full, rewards, mask, w)
+    batch_grad = jax.jit(jax.grad(neg_loss))(theta, seqs, full, rewards, mask, w)
     # Per-sample gradients (a batch of one row each) for the standard error.
-    one = jax.vmap(
-        jax.grad(
-            lambda th, s, o, a, m, ww: neg_loss(th, s[None], o[None], a[None], m[None], ww[None])
-        ),
-        in_axes=(None, 0, 0, 0, 0, 0),
+    one = jax.jit(
+        jax.vmap(
+            jax.grad(
+                lambda th, s, o, a, m, ww: neg_loss(
+                    th, s[None], o[None], a[None], m[None], ww[None]
+                )
+            ),
+            in_axes=(None, 0, 0, 0, 0, 0),
+        )
     )
     per = jnp.concatenate(
         [

@@ -158,7 +158,9 @@ def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
         return (logps * w_NxT).sum()
 
     graphdef1, params1 = nnx.split(model)
-    want, want_g = jax.value_and_grad(score)(params1, graphdef1, grouped, 1)
+    want, want_g = jax.jit(jax.value_and_grad(score), static_argnums=(1, 3))(
+        params1, graphdef1, grouped, 1
+    )
 
     mesh = make_mesh(axes)
     graphdef = nnx.graphdef(

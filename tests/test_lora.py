@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_jit import completion_logps
 
-from grpo_jax import memory, optimizer, scoring, sharding
+from grpo_jax import memory, optimizer, sharding
 from grpo_jax import update as upd
 from grpo_jax.config import ConfigError, GRPOConfig, LoRAConfig, OptimConfig, parse_config
 from grpo_jax.models import create_model, lora, stack_layers, tiny_config
@@ -137,9 +138,11 @@ def test_adapter_gradient_is_the_chain_rule_of_the_weight_gradient():
         logits = nnx.merge(gdef, p)(TOKENS, mask_BxT=MASK)
         return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
 
-    g_base = dict(nnx.to_flat_state(jax.grad(lambda p: loss_of(gd, p))(params)))
+    g_base = dict(nnx.to_flat_state(jax.jit(jax.grad(lambda p: loss_of(gd, p)))(params)))
     frozen = p2
-    g = jax.grad(lambda t: loss_of(gd2, lora.with_trainable(frozen, t)))(lora.trainable(p2))
+    g = jax.jit(jax.grad(lambda t: loss_of(gd2, lora.with_trainable(frozen, t))))(
+        lora.trainable(p2)
+    )
     g = dict(nnx.to_flat_state(g))
     flat = dict(nnx.to_flat_state(p2))
     checked = 0
@@ -222,8 +225,8 @@ def test_update_trains_adapters_only_with_the_base_as_reference(one_device_mesh)
     assert all(moved)
     # The KL metric of the (only) update, by hand: k3 of the base against the policy.
     args = (rows["prompt_tokens"], rows["prompt_mask"], rows["tokens"], rows["mask"], 1.0)
-    pol = np.asarray(scoring.completion_logps(gd2, before, *args), np.float64)
-    ref = np.asarray(scoring.completion_logps(base_gd, base_before, *args), np.float64)
+    pol = np.asarray(completion_logps(gd2, before, *args), np.float64)
+    ref = np.asarray(completion_logps(base_gd, base_before, *args), np.float64)
     m = rows["mask"]
     d = ref - pol
     kl = ((np.exp(d) - d - 1) * m).sum() / m.sum()  # k3, token mean (the metric's)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_jit import completion_logps
 
-from grpo_jax import losses, multiturn, scoring
+from grpo_jax import losses, multiturn
 from grpo_jax.models import FAMILIES, create_model, tiny_config
 from grpo_jax.sampling import SamplingConfig, pad_prompts
 
@@ -132,7 +133,7 @@ def _check_exact(graphdef, params, ep, temperature=1.0, atol=2e-5, group_size=2,
     if not update:
         return
     # The update's own scoring path (shared prompt, loss mask = model tokens) agrees too.
-    got = scoring.completion_logps(
+    got = completion_logps(
         graphdef,
         params,
         jnp.asarray(ep.prompt_tokens_NxP),

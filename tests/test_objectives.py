@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_jit import central_differences
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -269,12 +270,7 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
             )(x)
             picked_pg = np.where(picked, np.asarray(kl_only), 0.0)
             f = f_clip
-        h = 1e-6
-        fd = np.zeros_like(logps)
-        for idx in np.ndindex(*logps.shape):
-            e = np.zeros_like(logps)
-            e[idx] = h
-            fd[idx] = (float(f(x + e)) - float(f(x - e))) / (2 * h)
+        fd = central_differences(f, x)
     if policy_loss == "clip_cov":
         # On a picked token only the KL term's gradient is left.
         fd = np.where(picked, picked_pg, fd)

@@ -270,11 +270,17 @@ def test_greedy_step_is_argmax_with_logps_at_temperature():
 def test_greedy_equals_stepwise_full_forward_argmax():
     model, graphdef, params, cfg, toks, mask = _setup(greedy=True)
     out = sampling.generate(graphdef, params, toks, mask, jax.random.key(0), cfg)
+    # Each step's full forward pass at one shape (one program): the sequence so far,
+    # right-padded and masked; the model is causal, so the padding after it changes nothing.
+    forward = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, mask_BxT=m))
+    width = max(map(len, PROMPTS)) + cfg.max_new_tokens
     for i, prompt in enumerate(PROMPTS):
         seq = list(prompt)
         for _ in range(cfg.max_new_tokens):
-            logits = model(jnp.asarray([seq]))
-            seq.append(int(jnp.argmax(logits[0, -1])))
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : len(seq)] = seq
+            logits = forward(params, tokens, np.arange(width)[None] < len(seq))
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
         assert np.asarray(out.tokens[i]).tolist() == seq[len(prompt) :], i
     assert np.asarray(out.mask).all() and np.asarray(out.truncated).all()  # No EOS ids.
 

@@ -1,10 +1,13 @@
 """Scoring completions: completion positions only, chunked scoring, the prompt once per group."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_jit import completion_logps
 
 from grpo_jax import models, scoring
 
@@ -36,11 +39,11 @@ def setup(tiny_policy, tiny_model_config):
 
 def test_completion_logits_score_only_the_completion_positions(setup):
     graphdef, params, batch = setup
-    model = nnx.merge(graphdef, params)
     full = np.concatenate([batch["prompt_tokens"], batch["tokens"]], axis=1)
     full_mask = np.concatenate([batch["prompt_mask"], batch["mask"]], axis=1)
-    want = model(jnp.asarray(full), mask_BxT=jnp.asarray(full_mask))[:, P - 1 : P + T - 1]
-    got = scoring.completion_logits(graphdef, params, *_rows(batch))
+    forward = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, mask_BxT=m))
+    want = forward(params, full, full_mask)[:, P - 1 : P + T - 1]
+    got = jax.jit(functools.partial(scoring.completion_logits, graphdef))(params, *_rows(batch))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -50,6 +53,7 @@ def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
     rng = np.random.default_rng(1)
     b6 = dict(batch, tokens=rng.integers(4, V, (N, 6)).astype(np.int32), mask=np.ones((N, 6), bool))
 
+    @functools.partial(jax.jit, static_argnums=1)  # one program per chunk size, not op by op
     def scores(p, chunk):
         return scoring.completion_scores(
             graphdef, p, *_rows(b6), 0.7, chunk_size=chunk, with_entropy=True
@@ -69,14 +73,12 @@ def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
     for x, y in zip(jax.tree.leaves(g2), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
     # The entropy term carries no gradient: the same loss without it has the same gradient.
-    g_lp = jax.grad(lambda p: (scores(p, 0)[0] * jnp.arange(1.0, 7.0)).sum())(params)
+    g_lp = jax.jit(jax.grad(lambda p: (scores(p, 0)[0] * jnp.arange(1.0, 7.0)).sum()))(params)
     for x, y in zip(jax.tree.leaves(g_lp), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
     # completion_logps is the log-prob half of completion_scores.
-    np.testing.assert_array_equal(
-        np.asarray(scoring.completion_logps(graphdef, params, *_rows(b6), 0.7, chunk_size=3)),
-        np.asarray(lp2),
-    )
+    logps = jax.jit(lambda p: scoring.completion_logps(graphdef, p, *_rows(b6), 0.7, chunk_size=3))
+    np.testing.assert_array_equal(np.asarray(logps(params)), np.asarray(lp2))
     with pytest.raises(ValueError, match="chunk_size = 4 must divide the completion length T = 6"):
         scores(params, 4)
 
@@ -153,6 +155,6 @@ def test_prompt_once_per_group_with_one_completion_token(setup):
     graphdef, params, _ = setup
     b = grouped_batch(np.random.default_rng(5), 2, 4, 5, 1, V)
     b["mask"][:] = True
-    one = scoring.completion_logps(graphdef, params, *_rows(b), 1.0, group_size=4)
-    per_row = scoring.completion_logps(graphdef, params, *_rows(b), 1.0)
+    one = completion_logps(graphdef, params, *_rows(b), 1.0, group_size=4)
+    per_row = completion_logps(graphdef, params, *_rows(b), 1.0)
     np.testing.assert_allclose(np.asarray(one), np.asarray(per_row), atol=2e-6)

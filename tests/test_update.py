@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_jit import completion_logps
 from test_scoring import grouped_batch
 
-from grpo_jax import optimizer, scoring, sharding
+from grpo_jax import optimizer, sharding
 from grpo_jax import update as upd
 from grpo_jax.config import GRPOConfig, OptimConfig
 from grpo_jax.rollout import RolloutBatch
@@ -19,7 +20,7 @@ N, P, T, V = 8, 6, 5, 100
 def rollout_batch(graphdef, params, rows, advantages_N, weights_N=None, G=4):
     """A RolloutBatch of these rows, pi_old's log-probs scored with ``params``."""
     n = rows["tokens"].shape[0]
-    old_NxT = scoring.completion_logps(
+    old_NxT = completion_logps(
         graphdef,
         params,
         rows["prompt_tokens"],

@@ -1,0 +1,26 @@
+"""Test references as compiled programs: run eagerly, JAX compiles each operation of a model
+or loss on its own, on first sight of each shape, which made up most of some tests' time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import scoring
+
+# scoring.completion_logps(graphdef, params, prompt_tokens, prompt_mask, tokens, mask,
+# temperature, *, chunk_size=0, group_size=1), one program per graphdef, shape and option.
+completion_logps = jax.jit(
+    scoring.completion_logps, static_argnums=(0, 6), static_argnames=("chunk_size", "group_size")
+)
+
+
+def central_differences(f, x, h: float = 1e-6) -> np.ndarray:
+    """(f(x + h e_i) - f(x - h e_i)) / 2h for every element i of ``x``.
+
+    The 2 x size evaluations are one jitted, vmapped program instead of as many eager
+    calls (each of which dispatches, and on first sight compiles, op by op).
+    """
+    n = x.size
+    steps = h * jnp.eye(n, dtype=x.dtype).reshape(n, *x.shape)
+    fv = jax.jit(jax.vmap(f))
+    return np.asarray((fv(x + steps) - fv(x - steps)) / (2 * h)).reshape(x.shape)
