@@ -169,7 +169,8 @@ def _stop(s: Setup, report: Reporter, step: int) -> dict:
 
 
 def _update_compiled_ahead(s: Setup, state, examples, key, ref_params):
-    """``s.update`` compiled, in a background thread, for the batch these examples make."""
+    """``s.update`` compiled, in a background thread, for the batch these examples make: a
+    context manager (:class:`grpo_jax.update.CompiledAhead`) whose value is the update."""
     from grpo_jax import update as update_lib
 
     run = s.run

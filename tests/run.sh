@@ -17,8 +17,10 @@ fi
 # Test files in parallel, one worker per core (GRPO_JAX_TEST_WORKERS, default 2; 0 runs
 # them in this process). A file's tests stay on one worker (--dist loadfile), so its
 # module fixtures and compiled programs are shared as before.
+# The log ends with the 25 slowest tests, then one line per failed test and why (-ra, in
+# pyproject.toml), then the totals.
 workers=${GRPO_JAX_TEST_WORKERS:-2}
 if [[ $workers == 0 ]]; then
-  exec .venv/bin/python -m pytest -q "$@"
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q --durations=25 -n "$workers" --dist loadfile "$@"

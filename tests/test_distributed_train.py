@@ -43,6 +43,12 @@ RUN_ARGS = [
 ]
 
 
+def _without_keys_of(args, overrides):
+    """``args`` less the flags whose key one of ``overrides`` sets."""
+    keys = {a.split("=", 1)[0] for a in overrides}
+    return [a for a in args if a.split("=", 1)[0] not in keys]
+
+
 def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> pathlib.Path:
     workdir, logs = tmp_path / name, tmp_path / f"{name}_logs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
@@ -61,7 +67,7 @@ def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> path
         "--devices-per-process",
         str(devices),
         str(processes),
-        *RUN_ARGS,
+        *_without_keys_of(RUN_ARGS, extra),  # a key given twice is refused
         *extra,
         f"--workdir={workdir}",
     ]

@@ -113,11 +113,17 @@ def test_step_errors_and_timeouts_end_the_episode_with_nan(mode):
 
 
 def test_a_real_interrupt_while_an_environment_runs_still_stops_the_run():
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        envs.safe_step(_Bad("sigint"), "text", 10.0)
-    assert time.monotonic() - t0 < 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own SIGINT handler, as an interactive run has it (a pytest-xdist worker
+    # ignores SIGINT, and an ignored signal interrupts nothing).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            envs.safe_step(_Bad("sigint"), "text", 10.0)
+        assert time.monotonic() - t0 < 3
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_reset_error_and_good_step():

@@ -5,6 +5,7 @@ a few steps) on one CPU device. Compiled programs are shared between the runs
 of this module through JAX's persistent compilation cache.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -269,9 +270,9 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     assert len(made) == 1 and calls == [True, True, True]
     assert made[0][1]._cache_size() == 0  # the jitted update was never compiled
 
-    monkeypatch.setattr(
-        train_lib, "_update_compiled_ahead", lambda s, *a: s.update
-    )  # the plain jitted update
+    monkeypatch.setattr(  # the plain jitted update (a context manager's value, as the real)
+        train_lib, "_update_compiled_ahead", lambda s, *a: contextlib.nullcontext(s.update)
+    )
     train(cfg, tmp_path / "plain", stream=io.StringIO())
     ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")

@@ -134,6 +134,8 @@ def test_a_warm_start_trained_anew_begins_its_log_anew(tmp_path):
     c = get_config("smoke")
     c.train.steps = 0
     c.eval.at_start = False
+    c.warm_start.min_steps = c.warm_start.max_steps = 4
+    c.warm_start.eval_every = 2
     train(c, tmp_path, stream=io.StringIO())
     assert _steps(log) == [2, 4]  # this warm start's validations only
     assert _steps(log.with_name("metrics.jsonl.old-1")) == [2]
