@@ -190,7 +190,9 @@ def _expected(temperature, top_k, top_p, min_p=0.0):
 
 def _counts(temperature, top_k, top_p, min_p=0.0, n=40_000, seed=0):
     logits_NxV = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
-    tokens_N, logps_N, behavior_N = sampling.sample_step(
+    # One compiled program per filter setting (the sampler runs it inside its jitted loop).
+    step = jax.jit(sampling.sample_step, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+    tokens_N, logps_N, behavior_N = step(
         logits_NxV,
         jax.random.key(seed),
         temperature=temperature,
