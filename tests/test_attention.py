@@ -113,6 +113,7 @@ def _random_qkv(seed, B=2, T=10, K=2, G=2, Dh=8):
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("block", [1, 3, 10, 64])
+@pytest.mark.slow
 def test_blockwise_kernel_value_and_gradient(window, softcap, block):
     """The kernel alone against the einsum reference, every block size (1 key, a ragged last
     block, one block, a block wider than S); a per-layer (traced) window as well."""
@@ -218,7 +219,8 @@ def _cached_layout(k, v):
 
 @pytest.mark.parametrize(
     "offset,window",
-    [(5, "traced")]  # the fast tier's case: both kernels and an offset
+    # All in the slow tier with the other Pallas-interpreter tests (seconds each on a CPU).
+    [pytest.param(5, "traced", marks=pytest.mark.slow)]
     + [pytest.param(o, w, marks=pytest.mark.slow) for o in (0, 5) for w in (None, 3)]
     + [pytest.param(0, "traced", marks=pytest.mark.slow)],
 )

@@ -70,6 +70,7 @@ def test_behavior_weights_survive_huge_sequence_log_ratios():
     assert np.all(np.isfinite(w)) and np.all(w >= 0)
 
 
+@pytest.mark.slow
 def test_weights_multiply_the_policy_term_only():
     rng = np.random.default_rng(0)
     n, t = 6, 5

@@ -19,6 +19,7 @@ def _state(seed):
     return params, opt_state
 
 
+@pytest.mark.slow
 def test_save_restore_roundtrip_and_keep(tmp_path):
     ck = Checkpointer(tmp_path / "ckpt", keep=2, async_save=True)
     assert ck.latest_step() is None

@@ -264,6 +264,7 @@ def test_initialize_after_jax_started_is_a_clear_error(clean_env):
         distributed.maybe_initialize("127.0.0.1:1", 2, 0)
 
 
+@pytest.mark.slow
 def test_flags_are_defined_on_request_only():
     """Importing the module defines no flags (library users may have their own)."""
     code = (

@@ -92,6 +92,7 @@ def _tokens(vocab, shape=(2, 13), seed=0):
 
 
 @pytest.mark.parametrize("family", list(_GGUF_OVERRIDES))
+@pytest.mark.slow
 def test_tiny_gguf_matches_original_checkpoint(family, tiny_ggufs):
     """Names mapped, Gemma's 1 + w norms and Llama's q/k interleaving undone: same logits."""
     hf_dir, file = tiny_ggufs[family]

@@ -100,6 +100,7 @@ def test_reference_with_adapters_off_is_the_frozen_base_and_merged_equals_unmerg
     np.testing.assert_allclose(merged, policy, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_projection_adds_the_low_rank_term_by_hand():
     """MLP up_proj: y = x W + (alpha / r) (x A) B, checked against numpy in float64."""
     gd, params, gd2, p2, _, lcfg = _model(targets=("up",))

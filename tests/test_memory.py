@@ -339,6 +339,7 @@ def test_plan_sampler_is_a_whole_copy_of_the_parameters_and_the_kv_cache_of_its_
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.slow
 def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     """The activation term against the tensors JAX keeps for the gradient.
 

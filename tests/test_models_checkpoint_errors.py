@@ -351,6 +351,7 @@ def test_save_refuses_a_config_its_family_cannot_express(tmp_path):
     assert not (tmp_path / "out").exists()  # Nothing half-written.
 
 
+@pytest.mark.slow
 def test_save_replaces_an_earlier_checkpoint(tmp_path):
     cfg = tiny_config(64, hidden_size=32, num_layers=1, head_dim=8, mlp_dim=32)
     save_pretrained(create_model(cfg, seed=0), tmp_path / "out", max_shard_size=2000)

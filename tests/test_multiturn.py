@@ -170,6 +170,7 @@ def test_binding_sliding_window_and_temperature():
     assert np.abs(wide - ep.logps_NxT)[ep.mask_NxT.astype(bool)].max() > 1e-3
 
 
+@pytest.mark.slow
 def test_transcript_layout_rewards_and_turns():
     graphdef, params = _model("qwen2")
     ep = _run(graphdef, params, max_turn_tokens=5)
@@ -278,6 +279,7 @@ def _run_fixed(graphdef, params, prompts, environments):
 
 
 @pytest.mark.parametrize("failure", ["raise", "hang"])
+@pytest.mark.slow
 def test_environment_error_ends_the_episode_with_nan(failure):
     class Boom(ScriptedEnv):
         def step(self, text):
@@ -298,6 +300,7 @@ def test_environment_error_ends_the_episode_with_nan(failure):
     assert not ep.errors_N[0] and ep.turns_N[0] == 2 and ep.rewards_N[0] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_cache_filled_inside_an_observation_writes_the_rest_next_phase():
     """A row whose observation the cache cannot hold this phase finishes it in the next.
 

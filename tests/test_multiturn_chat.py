@@ -184,6 +184,7 @@ def _check_episodes(ep, transcript, model_mask):
     assert ep.error_messages == []
 
 
+@pytest.mark.slow
 def test_tool_use_chat_episode_is_the_whole_conversation_templated(chat_tok):
     """Calculator, then Python, then the answer: the transcript is the template's."""
     tok, end = chat_tok, _im_end(chat_tok)
@@ -295,6 +296,7 @@ def _collect_state(env, mesh, said):
     return s, params
 
 
+@pytest.mark.slow
 def test_collect_contains_a_failing_reset(one_device_mesh):
     """The trainer's collect: a reset that raises gives NaN episodes, counted; the rest play."""
     said = []

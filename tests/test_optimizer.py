@@ -76,6 +76,7 @@ def test_warm_start_optimizer_is_adamw_with_b2_0999_and_a_constant_rate():
     assert _leaves_equal(p_a, p_b) and _leaves_equal(s_a, s_b)
 
 
+@pytest.mark.slow
 def test_apply_guarded_applies_a_finite_update_and_skips_a_nonfinite_one():
     tx, _ = optimizer.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
     state = optimizer.init_state(_params(), tx)

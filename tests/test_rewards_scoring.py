@@ -88,6 +88,7 @@ def test_weighted_total_and_per_reward():
     assert m["rewards/format/errors"] == 0.0
 
 
+@pytest.mark.slow
 def test_raising_reward_costs_only_its_completions(caplog):
     completions = ["ok", "boom", "fine", "boom!"]
     with caplog.at_level(logging.WARNING):
@@ -112,6 +113,7 @@ def test_always_raising_reward():
     assert math.isnan(res.metrics()["rewards/test_always_raises/mean"])
 
 
+@pytest.mark.slow
 def test_hanging_reward_times_out_per_completion():
     completions = ["a", "hang", "b", "c"]
     res = score(
@@ -201,6 +203,7 @@ def test_math_verify_equivalences():
     assert res.errors == {"math_verify": 0}
 
 
+@pytest.mark.slow
 def test_math_verify_hang_kills_worker_and_recovers():
     worker = symbolic.MathVerifyProcess()
     try:

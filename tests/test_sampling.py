@@ -383,6 +383,7 @@ def test_generate_input_errors():
 
 
 @pytest.mark.parametrize("block", [7, 64, 512])
+@pytest.mark.slow
 def test_draw_matches_softmax_across_blocks_and_never_draws_minus_inf(block):
     # 300 entries: ragged last block for 7 and 64, one block for 512. Every third
     # entry is -inf (probability 0), the rest spread over several orders of magnitude.
@@ -404,6 +405,7 @@ def test_draw_matches_softmax_across_blocks_and_never_draws_minus_inf(block):
     assert stats.chisquare(obs, exp).pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_draw_edge_cases():
     key = jax.random.key(0)
     one = jnp.full((1000, 50), -jnp.inf).at[:, 37].set(0.0)

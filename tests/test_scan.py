@@ -107,6 +107,7 @@ def test_scan_cache_decoding_equals_the_unrolled_full_pass(family, attention):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_create_model_scanned_has_the_unrolled_weights_stacked():
     cfg = small_config("qwen3")
     unrolled = nnx.state(create_model(cfg, seed=3))

@@ -80,6 +80,7 @@ def _picks(ref, length):
 
 
 @pytest.mark.parametrize("length", [1, 2, 3])
+@pytest.mark.slow
 def test_rows_end_at_the_first_stop(reference, length):
     stops = _picks(reference, length)
     out = _generate(stop_sequences=stops)
@@ -156,6 +157,7 @@ def test_no_stop_logic_is_traced_without_stops():
     assert "gather" not in plain and "gather" in stopped
 
 
+@pytest.mark.slow
 def test_stop_hits_alignment():
     # Right-aligned suffix match with an availability limit per row.
     recent = np.asarray([[1, 2, 3], [9, 2, 3], [1, 2, 3], [0, 0, 3]], np.int32)
@@ -277,6 +279,7 @@ def _turns(ep, i):
     return turns + ([cur] if cur else [])
 
 
+@pytest.mark.slow
 def test_multiturn_write_token_matches_within_the_turn_only():
     # One step of the multi-turn loop's bookkeeping, no model: each row has a
     # transcript so far (model tokens m, observation tokens o) and writes token w.

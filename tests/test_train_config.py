@@ -126,6 +126,7 @@ def _main(*args, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_main_rejects_a_misspelled_override(tmp_path):
     out = _main("--config.train.stepz=3", tmp_path=tmp_path)
     assert out.returncode != 0
@@ -271,6 +272,7 @@ def test_evaluate_accepts_the_config_of_a_run_saved_before_the_precision_keys(tm
         ("grpo_jax.evaluate", ["--checkpoint=/x", "--num_problemz=3"], "Unknown command line flag"),
     ],
 )
+@pytest.mark.slow
 def test_export_and_evaluate_flag_errors_are_one_line_with_exit_status_2(module, args, message):
     proc = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=60

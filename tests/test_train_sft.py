@@ -115,6 +115,7 @@ def test_stops_on_the_validation_criterion_and_caches(parts, tmp_path):
     assert sft.fingerprint({"a": 1, "b": [2]}) == sft.fingerprint({"b": [2], "a": 1})
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_with_params_and_moments_unchanged(parts):
     _, _, mesh, graphdef, params, enc = parts
     cfg = sft.WarmStartConfig(learning_rate=1e-2, warmup_steps=0)
