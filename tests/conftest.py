@@ -37,6 +37,21 @@ SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
 
 
 @pytest.fixture
+def outside():
+    """A fresh path in the shared temporary directory, which every user may write to (the
+    sandbox tests check that code run there cannot); removed afterwards."""
+    import tempfile
+    import uuid
+
+    path = pathlib.Path(tempfile.gettempdir()) / f"grpo_outside_{uuid.uuid4().hex}"
+    yield path
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@pytest.fixture
 def gsm8k_dir():
     """The real GSM8K JSONL files beside the checkout; the test skips where absent."""
     d = SHARED / "data" / "gsm8k"

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 import pytest
 
@@ -169,17 +168,6 @@ def test_files_outside_the_directory(unharmed, tmp_path):
         assert "do not read" not in r.stdout
     assert victim.read_text() == "keep me" and secret.exists()
     assert not (pathlib.Path(tempfile.gettempdir()) / "escape.txt").exists()
-
-
-@pytest.fixture
-def outside():
-    """A fresh path in the shared temporary directory, which every user may write to."""
-    path = pathlib.Path(tempfile.gettempdir()) / f"grpo_outside_{uuid.uuid4().hex}"
-    yield path
-    if path.is_dir() and not path.is_symlink():
-        path.rmdir()
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def test_fifos_and_device_nodes_cannot_be_made(unharmed, outside):

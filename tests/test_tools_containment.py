@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
@@ -55,17 +54,6 @@ def _sandboxed(code: str, *, outer: float = 30.0, boot: str | None = None, **kwa
         "print(json.dumps({**dataclasses.asdict(r), 'elapsed': time.monotonic() - t0}))"
     )
     return _isolated(body, outer)
-
-
-@pytest.fixture
-def outside():
-    """A fresh path in the shared temporary directory, which every user may write to."""
-    path = pathlib.Path(tempfile.gettempdir()) / f"grpo_outside_{uuid.uuid4().hex}"
-    yield path
-    if path.is_dir() and not path.is_symlink():
-        path.rmdir()
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def _processes_with(token: str) -> list[int]:
