@@ -39,15 +39,25 @@ log = logging.getLogger(__name__)
 # Builders.
 
 
-def build_mesh(run: RunConfig):
+def _devices(run: RunConfig) -> list:
+    """The devices the run uses (``mesh.num_devices``, 0: all); a ConfigError if too few."""
     devices = jax.devices()
-    if run.mesh.num_devices:
-        if run.mesh.num_devices > len(devices):
-            raise ConfigError(
-                f"config key 'mesh.num_devices' = {run.mesh.num_devices}, but only "
-                f"{len(devices)} devices are available"
-            )
-        devices = devices[: run.mesh.num_devices]
+    n = run.mesh.num_devices
+    if n > len(devices):
+        hint = (
+            f" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} gives {n})"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ConfigError(
+            f"config key 'mesh.num_devices' = {n}, but only {len(devices)} devices are "
+            f"available{hint}"
+        )
+    return devices[: n or None]
+
+
+def build_mesh(run: RunConfig):
+    devices = _devices(run)
     if run.mesh.sampler_devices:  # the learner's mesh: the devices the sampler leaves
         from grpo_jax.pipeline import learner_and_sampler_devices
 
@@ -357,6 +367,7 @@ def setup(run: RunConfig, workdir, *, stream=None):
     workdir = pathlib.Path(workdir).absolute()
     is_main = jax.process_index() == 0
     # One run per workdir: a second one stops here, before it touches anything.
+    _devices(run)  # too few devices: one line, before anything is opened
     lock = workdir_lib.WorkdirLock(workdir) if is_main else None
     checkpointer = None
     try:

@@ -342,3 +342,25 @@ def test_skipped_rows_reach_the_run_summary(tmp_path):
     summary = train(c, tmp_path / "w", stream=out)
     assert summary["data"] == {"skipped/train": 1, "skipped/test": 0}
     assert "malformed data rows skipped" in out.getvalue()
+
+
+def test_more_devices_than_there_are_stops_in_one_line_before_the_workdir_is_touched(tmp_path):
+    """mesh.num_devices over the devices there are: one ConfigError that says how a CPU gets
+    more, raised before the checkpointer or the workdir's lock exist (an Orbax checkpointer
+    opened first printed a page of traceback at exit)."""
+    import jax
+
+    from configs.default import get_config
+    from grpo_jax.config import parse_config
+    from grpo_jax.setup import setup
+
+    c = get_config("smoke")
+    c.mesh.num_devices = jax.device_count() + 8
+    with pytest.raises(ConfigError) as e:
+        setup(parse_config(c), tmp_path / "run")
+    n = c.mesh.num_devices
+    assert str(e.value) == (
+        f"config key 'mesh.num_devices' = {n}, but only {jax.device_count()} devices are "
+        f"available (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} gives {n})"
+    )
+    assert not (tmp_path / "run").exists()
