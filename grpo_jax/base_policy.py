@@ -100,10 +100,13 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         )
 
     progress.message(
-        f"warm start: {ws.max_steps} steps of supervised training"
-        if ws.min_steps == ws.max_steps
-        else f"warm start: supervised training until {ws.metric} validation pass@1 >= "
-        f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
+        (
+            f"warm start: {ws.max_steps} steps of supervised training"
+            if ws.min_steps == ws.max_steps
+            else f"warm start: supervised training until {ws.metric} validation pass@1 >= "
+            f"{ws.target_pass_at_1} (at most {ws.max_steps} steps)"
+        )
+        + f"; a line every {ws.eval_every} steps, the first after compiling"
     )
     params, info = sft.warm_start(
         s.graphdef,

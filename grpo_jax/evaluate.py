@@ -24,7 +24,8 @@ import dataclasses
 import json
 import pathlib
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -47,11 +48,13 @@ def generate_texts(
     prompts_per_call: int,
     key: jax.Array,
     mesh=None,
+    progress: Callable[[int], None] | None = None,
 ):
     """Completions for every example, ``num_samples`` each, in fixed-size calls.
 
     Returns (texts [len(examples) * num_samples], lengths, truncated), row
-    i * num_samples + s being sample s of example i.
+    i * num_samples + s being sample s of example i. ``progress`` is called with
+    the number of examples done after each call.
     """
     texts, lengths, truncated = [], [], []
     for c, start in enumerate(range(0, len(examples), prompts_per_call)):
@@ -74,6 +77,8 @@ def generate_texts(
         texts += decode(encoder.tokenizer, tokens_NxT[:keep], lengths_N[:keep])
         lengths.append(lengths_N[:keep])
         truncated.append(trunc_N[:keep])
+        if progress is not None:
+            progress(start + real)
     return texts, np.concatenate(lengths), np.concatenate(truncated)
 
 
@@ -89,15 +94,26 @@ def evaluate(
     key: jax.Array,
     mesh=None,
     prefix: str = "eval",
+    message: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Greedy pass@1 (and pass@k when ``cfg.num_samples``) of the policy on ``examples``.
 
     Returns ``{prefix}/pass_at_1``, ``{prefix}/length_mean``,
     ``{prefix}/truncated_frac``, ``{prefix}/num_problems`` and, with sampling,
     ``{prefix}/pass_at_k``, ``{prefix}/pass_at_{k}``, ``{prefix}/sampled_pass_at_1``.
+    ``message``, when given, receives a progress line after each batch of problems.
     """
     if not examples:
         raise ValueError("evaluate got no examples")
+    t0 = time.perf_counter()
+
+    def progress(what):
+        if message is None:
+            return None
+        return lambda done: message(
+            f"{what}: {done}/{len(examples)} problems ({time.perf_counter() - t0:.0f}s)"
+        )
+
     greedy = dataclasses.replace(sampling, greedy=True)
     texts, lengths, trunc = generate_texts(
         graphdef,
@@ -109,6 +125,7 @@ def evaluate(
         prompts_per_call=cfg.batch_size,
         key=key,
         mesh=mesh,
+        progress=progress("greedy"),
     )
     correct = scorer.correct(texts, examples, lengths_N=lengths)
     out = {
@@ -130,6 +147,7 @@ def evaluate(
             prompts_per_call=cfg.batch_size // n,
             key=jax.random.fold_in(key, 1),
             mesh=mesh,
+            progress=progress(f"sampled, {n} each"),
         )
         correct_PxS = scorer.correct(texts, examples, repeat=n, lengths_N=lengths_s)
         correct_PxS = correct_PxS.reshape(len(examples), n)
@@ -247,14 +265,24 @@ def main(argv):
     del argv
     cli.quiet()
     FLAGS = flags.FLAGS
+    t0 = time.perf_counter()
+
+    def message(text):  # progress on stderr: stdout holds the results alone
+        print(f"evaluate: {text}", file=sys.stderr, flush=True)
+
     try:
         run = runlocal.resolve(run_config_for(FLAGS.checkpoint, FLAGS.config))
         mesh = build_mesh(run)
+        message(f"loading {FLAGS.checkpoint}")
         graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
         examples = eval_examples(run, build_datasets(run))
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    message(
+        f"{len(examples)} problems, loaded in {time.perf_counter() - t0:.0f}s; the first "
+        "batch also compiles the sampler"
+    )
     out = evaluate(
         graphdef,
         params,
@@ -265,6 +293,7 @@ def main(argv):
         cfg=run.eval,
         key=jax.random.key(run.seed),
         mesh=mesh,
+        message=message,
     )
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)

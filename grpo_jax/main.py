@@ -45,6 +45,10 @@ def main(argv):
     except distributed.DistributedError as e:
         print(f"multi-process settings error: {e}", file=sys.stderr)
         return 2
+    import jax
+
+    if jax.process_index() == 0:  # the imports and the setup below take seconds, say so
+        print(f"setting up the run in {FLAGS.workdir}", flush=True)
     from grpo_jax.train import AlarmStop, NonFiniteError, train
 
     try:

@@ -78,6 +78,8 @@ def test_training_console_has_no_library_chatter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not LIBRARY_INFO.search(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[:2000]
     assert "step 1/1" in proc.stdout
+    # The first line comes before the imports and the setup, which take seconds.
+    assert proc.stdout.splitlines()[0] == f"setting up the run in {tmp_path}"
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,13 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
         sampling=setup_lib.tokenizer_sampling(run, tok),
         key=jax.random.key(0),
     )
-    out = evaluate(cfg=EvalConfig(batch_size=8, num_samples=4, k=2))
+    said = []
+    out = evaluate(cfg=EvalConfig(batch_size=8, num_samples=4, k=2), message=said.append)
     assert out["eval/pass_at_1"] == pytest.approx(4 / 7)  # a = 0, 2, 4, 6
+    # A progress line after each batch: 7 problems greedy in one call, then 2 at a time.
+    assert [line.split(" (")[0] for line in said] == ["greedy: 7/7 problems"] + [
+        f"sampled, 4 each: {done}/7 problems" for done in (2, 4, 6, 7)
+    ]
     c = np.array([a % 3 for a in range(7)])
     # pass@2 with n = 4: 1 - C(4 - c, 2) / C(4, 2).
     want_k2 = np.mean([1 - (4 - ci) * (3 - ci) / 12 for ci in c])
