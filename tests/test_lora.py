@@ -374,3 +374,33 @@ def test_update_with_a_bfloat16_base_on_8_devices_equals_one_device():
     assert m1.keys() == m8.keys()
     for k in m1:
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_dropout_holds_for_its_own_thread_only():
+    """The trainer traces the update (dropout on, a traced key) on one thread while it traces
+    the sampler on another: the sampler's forward must see no dropout and no key of the
+    update's. A process-wide setting leaked the update's traced key into the sampler's trace
+    (UnexpectedTracerError on a LoRA run with dropout, when the two traces overlapped)."""
+    import threading
+
+    _, _, gd2, p2, _, _ = _model(dropout=0.5)
+    p3 = _perturbed(p2)
+    forward = jax.jit(lambda p: nnx.merge(gd2, p)(TOKENS, mask_BxT=MASK))
+    plain = np.asarray(forward(p3))
+    inside, leave = threading.Event(), threading.Event()
+
+    def update_thread():
+        with lora.dropout(jax.random.key(0), 0.5):
+            inside.set()
+            leave.wait(timeout=60)
+
+    other = threading.Thread(target=update_thread)
+    other.start()
+    try:
+        assert inside.wait(timeout=60)
+        # Traced afresh on this thread while the other thread is inside its block.
+        seen = jax.jit(lambda p: nnx.merge(gd2, p)(TOKENS, mask_BxT=MASK))(p3)
+    finally:
+        leave.set()
+        other.join()
+    np.testing.assert_array_equal(np.asarray(seen), plain)

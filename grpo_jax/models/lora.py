@@ -35,6 +35,7 @@ import json
 import math
 import pathlib
 import stat
+import threading
 from typing import Any
 
 import jax
@@ -58,7 +59,18 @@ def is_adapter(path) -> bool:
 # ---------------------------------------------------------------------------
 # The forward hook.
 
-_dropout = {"key": None, "rate": 0.0}
+
+class _DropoutState(threading.local):
+    """The dropout in force, per thread: JAX traces a function on one thread, and the
+    trainer traces the update on one thread (compiled ahead) while it traces the sampler on
+    another. A process-wide setting let the sampler's trace read the update's traced key
+    (an UnexpectedTracerError, or dropout while sampling)."""
+
+    key = None
+    rate = 0.0
+
+
+_dropout = _DropoutState()
 
 
 @contextlib.contextmanager
@@ -67,14 +79,15 @@ def dropout(key, rate: float):
 
     ``key`` (a PRNG key) is folded with each projection's name and layer, so
     each adapter of each layer draws its own mask. Without this block (sampling,
-    pi_old, the reference, evaluation) there is no dropout.
+    pi_old, the reference, evaluation) there is no dropout. The block holds for
+    the thread that enters it, not for others.
     """
-    saved = dict(_dropout)
-    _dropout.update(key=key if rate > 0 else None, rate=rate)
+    saved = (_dropout.key, _dropout.rate)
+    _dropout.key, _dropout.rate = (key if rate > 0 else None), rate
     try:
         yield
     finally:
-        _dropout.update(saved)
+        _dropout.key, _dropout.rate = saved
 
 
 def add(module, name: str, x_MxI: jax.Array, y_MxO: jax.Array) -> jax.Array:
@@ -90,12 +103,12 @@ def add(module, name: str, x_MxI: jax.Array, y_MxO: jax.Array) -> jax.Array:
     dt = x_MxI.dtype
     a_IxR = a[...].reshape(-1, a.shape[-1]).astype(dt)
     b_RxO = b[...].reshape(b.shape[0], -1).astype(dt)
-    if _dropout["key"] is not None:
+    if _dropout.key is not None:
         layer = getattr(module, "lora_layer", None)
-        key = jax.random.fold_in(_dropout["key"], LORA_PROJECTIONS.index(name))
+        key = jax.random.fold_in(_dropout.key, LORA_PROJECTIONS.index(name))
         if layer is not None:  # this layer's own mask (a scanned model's index is traced)
             key = jax.random.fold_in(key, layer[...])
-        keep = 1.0 - _dropout["rate"]
+        keep = 1.0 - _dropout.rate
         mask = jax.random.bernoulli(key, keep, x_MxI.shape)
         x_MxI = jnp.where(mask, x_MxI / jnp.asarray(keep, dt), jnp.zeros((), dt))
     scale = jnp.asarray(module.lora_scale, dt)
