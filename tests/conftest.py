@@ -7,9 +7,11 @@ lives here, the first module pytest imports.
 import os
 
 # XLA's CPU backend without its LLVM optimisations: the suite's time is mostly XLA compiling
-# small programs (tests/profile.sh), and at level 0 they compile about twice as fast while
-# computing the same values within the tests' tolerances. The README's training run in CI
-# (tests/readme_commands.sh) keeps the default level. Subprocesses the tests start inherit it.
+# small programs (tests/profile.sh), and at level 0 they compile faster (test_losses.py and
+# test_advantages.py together: 53 s at the default level, 25 s at level 0, one measurement
+# here) while computing the same values within the tests' tolerances. The README's training
+# run in CI (tests/readme_commands.sh) keeps the default level. Subprocesses the tests start
+# inherit it.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_XLA_FLAGS

@@ -12,6 +12,7 @@ Not loaded by default: ``PYTHONPATH=tests pytest -p profile_plugin``.
 import json
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -34,16 +35,23 @@ def _on_duration(event, duration, **_):
         _current["compiles"] = _current.get("compiles", 0) + 1
 
 
+_waiting = threading.local()  # inside a timed wait: communicate() calls wait() itself
+
+
 def _wrap_subprocess():
-    """Times the waits on child processes (subprocess.run and Popen.wait/communicate)."""
+    """Times the waits on child processes (subprocess.run and Popen.wait/communicate),
+    the outermost call only."""
     for name in ("wait", "communicate"):
         original = getattr(subprocess.Popen, name)
 
         def timed(self, *a, _original=original, **k):
-            t = time.perf_counter()
+            if getattr(_waiting, "active", False):
+                return _original(self, *a, **k)
+            _waiting.active, t = True, time.perf_counter()
             try:
                 return _original(self, *a, **k)
             finally:
+                _waiting.active = False
                 if _current:
                     _current["subprocess_s"] = (
                         _current.get("subprocess_s", 0.0) + time.perf_counter() - t
