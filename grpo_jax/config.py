@@ -1210,11 +1210,13 @@ def parse_config(config) -> RunConfig:
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
     k = run.train.max_staleness
-    if k and (run.train.dynamic_sampling or run.env.name):
+    if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
         raise ConfigError(
-            f"config key 'train.max_staleness' = {k} does not combine with {what} yet: the "
-            "pipelined loop samples one round of single-turn rollouts per step"
+            f"config key 'mesh.sampler_devices' = {run.mesh.sampler_devices} does not combine "
+            f"with {what}: those rollouts decide what to sample next from what they have "
+            "sampled, on the learner's mesh; a sampler mesh of its own serves single-turn "
+            "rollouts only"
         )
     if run.mesh.sampler_devices and not k:
         raise ConfigError(

@@ -52,26 +52,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import time
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
-from grpo_jax import checkpoint, distributed, rollout
+from grpo_jax import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.config import ConfigError
-from grpo_jax.report import Reporter
-from grpo_jax.run_summary import summarize
+from grpo_jax.sources import InFlight, RolloutSource
 
 if TYPE_CHECKING:
     from grpo_jax.setup import Setup
 
 __all__ = [
     "InFlight",
+    "Staleness",
     "learner_and_sampler_devices",
-    "run_loop",
     "sampled_version",
     "sampler_mesh",
 ]
@@ -124,36 +122,8 @@ def sampler_mesh(devices):
     return sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, devices)
 
 
-def _on_mesh(shardings, mesh):
-    """The same partition specs on another mesh with the same axis names."""
-    return jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, sh.spec), shardings)
-
-
 # ---------------------------------------------------------------------------
 # Batches in flight.
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A batch sampled and scored ahead of its step.
-
-    Attributes:
-      step: the step that trains on it.
-      version: the parameter version that sampled it (updates applied).
-      batch: the RolloutBatch, on the learner mesh.
-      host: its HostRollout.
-      t_dispatch, t_sampled, t_done: ``perf_counter()`` when its sampling was
-        dispatched, when the samples were ready, when its host work ended
-        (0.0 for a batch restored from a checkpoint).
-    """
-
-    step: int
-    version: int
-    batch: rollout.RolloutBatch
-    host: rollout.HostRollout
-    t_dispatch: float = 0.0
-    t_sampled: float = 0.0
-    t_done: float = 0.0
 
 
 _HOST_FIELDS = ("examples", "prompts_n", "completions", "metrics")
@@ -199,7 +169,7 @@ def inflight_to_save(queue: list[InFlight]):
     return arrays, info
 
 
-def _restore_inflight(s: Setup, step: int) -> list[InFlight]:
+def restore_inflight(s: Setup, step: int) -> list[InFlight]:
     """The batches in flight when the checkpoint of ``step`` was saved ([] when none)."""
     info = s.checkpointer.restore_meta(step).get("inflight") or []
     if not info:
@@ -245,229 +215,141 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-class _Sampler:
-    """Dispatches and finishes the sampling of one step's batch, on its mesh."""
-
-    def __init__(self, s: Setup):
-        self.s = s
-        self.split = bool(s.run.mesh.sampler_devices)
-        self.mesh = s.sampler_mesh if self.split else s.mesh
-        if self.split:
-            self.param_shardings = _on_mesh(s.param_shardings, self.mesh)
-            from grpo_jax.update import rollout_batch_shardings
-
-            self.batch_shardings = rollout_batch_shardings(s.mesh)
-
-    def params(self, params):
-        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh).
-
-        With several processes JAX moves arrays only between the same device
-        sets, so the learner mesh first gathers each array onto every one of
-        its devices; each process then copies its local copy onto its own
-        sampler devices (no host round trip).
-        """
-        if not self.split:
-            return params
-        if jax.process_count() == 1:
-            return jax.device_put(params, self.param_shardings)
-        full = self._gather(params)
-
-        def one(x, sh):
-            if not sh.is_fully_replicated:
-                raise ValueError(f"the sampler's parameters must be replicated, got {sh.spec}")
-            local = x.addressable_data(0)
-            parts = [jax.device_put(local, d) for d in sh.addressable_devices]
-            return jax.make_array_from_single_device_arrays(x.shape, sh, parts)
-
-        return jax.tree.map(one, full, self.param_shardings)
-
-    @functools.cached_property
-    def _gather(self):
-        return jax.jit(lambda t: t, out_shardings=sharding_lib.replicated(self.s.mesh))
-
-    def dispatch(self, params, step: int, version: int):
-        k_sample, _ = jax.random.split(jax.random.fold_in(self.s.base_key, step))
-        examples = self.s.iterator.next()  # this host's rows of the global batch
-        d = rollout.dispatch_round(
-            self.s, params, examples, k_sample, mesh=self.mesh, wait_params=False
-        )
-        return step, version, d
-
-    def finish(self, pending) -> InFlight:
-        step, version, d = pending
-        rd = rollout.finish_round(self.s, d)
-        batch, host = rollout.batch_from_round(self.s, rd)
-        if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
-            batch = jax.device_put(batch, self.batch_shardings)
-        elif self.split:  # several processes: each moves its own rows (the same block)
-            N = batch.num_rows
-            rows = distributed.local_rows(batch, self.s.rows_N)
-            batch = distributed.global_batch(rows, self.s.mesh, N)
-        return InFlight(
-            step,
-            version,
-            batch,
-            host,
-            t_dispatch=d.t_params_ready,
-            t_sampled=d.t_params_ready + rd.t_sample,
-            t_done=time.perf_counter(),
-        )
-
-
 # ---------------------------------------------------------------------------
-# The loop.
+# The wrapper.
 
 
-def run_loop(s: Setup, state, preempt, t_start: float, step_callback) -> dict:
-    """``grpo_jax.train``'s loop for ``train.max_staleness`` >= 1 (module doc)."""
-    from grpo_jax import train as train_lib
+class Staleness:
+    """Bounded staleness k around a rollout source (k = 0 is on-policy; module doc).
 
-    run = s.run
-    k = run.train.max_staleness
-    last = run.train.steps
-    evaluate_fn = functools.partial(train_lib.evaluate_policy, s)
-    start = checkpoint.restore_or_init(s, state, evaluate=evaluate_fn, preempt=preempt)
-    if start is None:
-        return {"preempted": True, "step": 0}
-    state, ref_params = start.state, start.ref_params
-    report = Reporter(
-        s,
-        no_signal_run=start.no_signal_run,
-        start_step=start.start_step,
-        sampled_tokens=start.sampled_tokens,
-        health_state=start.health_state,
-    )
-    sampler = _Sampler(s)
-    queue = _restore_inflight(s, start.start_step) if start.resumed else []
-    # Fill the pipeline: the batches of the first k steps come from the parameters
-    # the run starts from (a fresh run: version 0 = v(s) for s <= k + 1).
-    nxt = start.start_step + 1 + len(queue)
-    while nxt <= min(start.start_step + k, last):
-        params = sampler.params(state.params)
-        queue.append(sampler.finish(sampler.dispatch(params, nxt, start.start_step)))
-        nxt += 1
+    Per step the loop calls :meth:`take` (the step's batch; with k >= 1 it
+    also submits step s + k's with the parameters the update starts from),
+    dispatches the update, then :meth:`settle` (step s + k's host work while
+    the update runs, and the step's pipeline metrics). Timings that are known
+    only once an update has ended come back from :meth:`settle` and
+    :meth:`finish_step` as ``{step: metrics}`` for the reporter. With k = 0
+    nothing is added to a step's record: the on-policy loop's records.
+    A context manager: leaving it stops its timing threads.
+    """
 
-    def save(step):
-        arrays, info = inflight_to_save(queue)
-        train_lib._save(
-            s, state, step, start=start, report=report, t_start=t_start, inflight=(arrays, info)
+    def __init__(self, s: Setup, source: RolloutSource, k: int, *, queue=()):
+        self.s, self.source, self.k = s, source, k
+        self.last = s.run.train.steps
+        self.queue: list[InFlight] = list(queue)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2) if k else None
+        # step -> (t_update, future of the update's end, the next batch's InFlight)
+        self._timing = {}
+        self._prev_done = None  # perf_counter() when the previous update ended
+        self._t_prev_iter = None
+        self._cur = None  # (the batch taken, perf_counter() at take)
+        self._submitted = None  # (its step, perf_counter() at submit, its params' readiness)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def fill(self, start_step: int, params) -> None:
+        """The batches of the first k steps after ``start_step`` (those not restored):
+        all sampled by the parameters the run starts from (a fresh run: version 0 =
+        v(s) for s <= k + 1)."""
+        nxt = start_step + 1 + len(self.queue)
+        while nxt <= min(start_step + self.k, self.last):
+            self.source.submit(nxt, self.source.params(params), start_step)
+            self.queue.append(self.source.take(nxt))
+            nxt += 1
+
+    def take(self, step: int, params) -> InFlight:
+        """Step ``step``'s batch; ``params`` (version step - 1) sample step + k's."""
+        if not self.k:
+            self.source.submit(step, params, step - 1)
+            return self.source.take(step)
+        t_iter = time.perf_counter()
+        cur = self.queue.pop(0)
+        staleness = step - 1 - cur.version
+        if cur.step != step or not 0 <= staleness <= self.k:
+            raise RuntimeError(
+                f"step {step} was given the batch of step {cur.step}, sampled by parameter "
+                f"version {cur.version}: outside the staleness bound [0, {self.k}]"
+            )
+        self._cur, self._submitted = (cur, t_iter), None
+        if step + self.k <= self.last:
+            p = self.source.params(params)  # version step - 1
+            t_req = time.perf_counter()
+            # One mesh: the sampler reads the arrays the update then donates, so only a
+            # split mesh's copy may be waited on here; on one mesh the parameters are
+            # ready when the previous update ends.
+            ready = self.pool.submit(_ready_at, p) if self.source.split else None
+            self.source.submit(step + self.k, p, step - 1)
+            self._submitted = (step + self.k, t_req, ready)
+        return cur
+
+    def settle(self, step: int, t_update: float, dev_metrics, host):
+        """After the update of ``step`` is dispatched -> (its HostRollout, late metrics).
+
+        ``host``: the batch's HostRollout; with k >= 1 it comes back with the
+        ``pipeline/*`` metrics and the waits, and the next batch's host work
+        is done here, during the update.
+        """
+        if not self.k:
+            return host, {}
+        (cur, t_iter), late = self._cur, {}
+        done = self.pool.submit(_ready_at, dev_metrics)
+        nb, sampler_wait = None, 0.0
+        if self._submitted is not None:
+            nstep, t_req, ready = self._submitted
+            nb = self.source.take(nstep)
+            self.queue.append(nb)
+        t_prev = self._finalize(step - 1, late)  # None when flushed already (or step 1)
+        self._prev_done = self._prev_done if t_prev is None else t_prev
+        if self._submitted is not None:
+            if ready is not None:
+                sampler_wait = max(0.0, ready.result() - t_req)
+            elif self._prev_done is not None:
+                sampler_wait = max(0.0, self._prev_done - t_req)
+        prev_done = self._prev_done
+        learner_wait = 0.0 if prev_done is None else max(0.0, t_update - prev_done)
+        self._timing[step] = (t_update, done, nb)
+        t_prev_iter, self._t_prev_iter = self._t_prev_iter, t_iter
+        host = dataclasses.replace(
+            host,
+            metrics={
+                **host.metrics,
+                "pipeline/staleness": float(step - 1 - cur.version),
+                "pipeline/version": float(cur.version),
+                "perf/sampler_wait_s": sampler_wait,
+                "perf/learner_wait_s": learner_wait,
+                "perf/step_wall_s": 0.0 if t_prev_iter is None else t_iter - t_prev_iter,
+            },
+            # The record of the step before is finished now: its update has ended.
+            t_params_ready=prev_done if prev_done is not None else time.perf_counter(),
         )
+        return host, late
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    timing = {}  # step -> (t_update, future of the update's end, the next batch's InFlight)
+    def finish_step(self, step: int) -> dict[int, dict]:
+        """Waits for the update of ``step`` -> its late metrics (before its record is
+        written early: an evaluation, a checkpoint, the end)."""
+        late = {}
+        t_done = self._finalize(step, late)
+        self._prev_done = self._prev_done if t_done is None else t_done
+        return late
 
-    def finalize(step):
-        """Adds step ``step``'s update timings to its record (its update has ended)."""
-        if step not in timing:
+    def _finalize(self, step: int, late: dict):
+        """Adds step ``step``'s update timings to ``late`` (its update has ended)."""
+        if step not in self._timing:
             return None
-        t_update, done, nb = timing.pop(step)
+        t_update, done, nb = self._timing.pop(step)
         t_done = done.result()
-        late = {"perf/update_s": t_done - t_update}
+        m = {"perf/update_s": t_done - t_update}
         if nb is not None:
-            late["perf/overlap_host_s"] = _overlap(t_update, t_done, nb.t_sampled, nb.t_done)
-            if sampler.split:
-                late["perf/overlap_sample_s"] = _overlap(
-                    t_update, t_done, nb.t_dispatch, nb.t_sampled
-                )
-        report.late[step] = late
+            m["perf/overlap_host_s"] = _overlap(t_update, t_done, nb.t_sampled, nb.t_done)
+            if self.source.split:
+                m["perf/overlap_sample_s"] = _overlap(t_update, t_done, nb.t_dispatch, nb.t_sampled)
+        late[step] = m
         return t_done
 
-    prev_done = None  # perf_counter() when the previous update ended
-    t_prev_iter = None
-    try:
-        for step in range(start.start_step + 1, last + 1):
-            if report.budget_spent():  # train.sampled_tokens_budget
-                break
-            t_iter = time.perf_counter()
-            _, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))
-            cur = queue.pop(0)
-            staleness = step - 1 - cur.version
-            if cur.step != step or not 0 <= staleness <= k:
-                raise RuntimeError(
-                    f"step {step} was given the batch of step {cur.step}, sampled by parameter "
-                    f"version {cur.version}: outside the staleness bound [0, {k}]"
-                )
-            pending, params_ready, sampler_wait = None, None, 0.0
-            if step + k <= last:
-                params = sampler.params(state.params)  # version step - 1
-                t_req = time.perf_counter()
-                # One mesh: the sampler reads the arrays the update then donates, so only a
-                # split mesh's copy may be waited on here; on one mesh the parameters are
-                # ready when the previous update ends.
-                params_ready = pool.submit(_ready_at, params) if sampler.split else None
-                pending = sampler.dispatch(params, step + k, step - 1)
-            k_train = distributed.put(k_train, sharding_lib.replicated(s.mesh))
-            t_update = time.perf_counter()
-            state, dev_metrics = s.update(state, cur.batch, k_train, ref_params)
-            done = pool.submit(_ready_at, dev_metrics)
-            nb = None
-            if pending is not None:
-                nb = sampler.finish(pending)
-                queue.append(nb)
-            t_prev = finalize(step - 1)  # None when flushed already (or the first step)
-            prev_done = prev_done if t_prev is None else t_prev
-            if params_ready is not None:
-                sampler_wait = max(0.0, params_ready.result() - t_req)
-            elif pending is not None and prev_done is not None:
-                sampler_wait = max(0.0, prev_done - t_req)
-            learner_wait = 0.0 if prev_done is None else max(0.0, t_update - prev_done)
-            timing[step] = (t_update, done, nb)
-            host = dataclasses.replace(
-                cur.host,
-                metrics={
-                    **cur.host.metrics,
-                    "pipeline/staleness": float(staleness),
-                    "pipeline/version": float(cur.version),
-                    "perf/sampler_wait_s": sampler_wait,
-                    "perf/learner_wait_s": learner_wait,
-                    "perf/step_wall_s": 0.0 if t_prev_iter is None else t_iter - t_prev_iter,
-                },
-                # The record of the step before is finished now: its update has ended.
-                t_params_ready=prev_done if prev_done is not None else time.perf_counter(),
-            )
-            t_prev_iter = t_iter
-            report.step_done(step, dev_metrics, host, t_update)
-            preempt.requested |= report.stop_requested
-
-            do_eval, do_ckpt = report.due(step)
-            if do_eval or do_ckpt or preempt.requested:
-                prev_done = finalize(step)
-                report.flush(
-                    state,
-                    functools.partial(evaluate_fn, state.params, step) if do_eval else None,
-                )
-                if do_ckpt or preempt.requested:
-                    save(step)
-                if preempt.requested:
-                    return train_lib._stop(s, report, step)
-            if step_callback is not None:
-                step_callback(step)
-
-        final_step = int(jax.device_get(state.step))
-        ended_by = report.ended_by(final_step)
-        finalize(final_step)
-        after = report.flush(
-            state,
-            functools.partial(evaluate_fn, state.params, final_step),
-            write_alone=not start.resumed,
-        )
-        if final_step > start.start_step or not start.resumed:
-            save(final_step)
-        s.checkpointer.wait()
-    finally:
-        pool.shutdown(wait=True)
-    return summarize(
-        run,
-        s.workdir,
-        start.before,
-        after,
-        start.warm_info,
-        start.prior_seconds,
-        t_start,
-        final_step,
-        s.progress,
-        s.is_main,
-        data_stats=s.data_stats,
-        sampled_tokens=report.sampled_tokens,
-        ended_by=ended_by,
-    )
+    def to_save(self):
+        """What a checkpoint saves of the batches in flight (None with k = 0)."""
+        return inflight_to_save(self.queue) if self.k else None

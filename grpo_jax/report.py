@@ -86,8 +86,9 @@ class Reporter:
         # alarm name -> last step it was raised
         self._alarm_seen: dict[str, int] = dict(h.get("seen", {}))
         # step -> metrics known only once its update has ended (grpo_jax.pipeline's
-        # timings): they join the step's record when it is written.
-        self.late: dict[int, dict] = {}
+        # timings, given to step_done and flush): they join the step's record when it is
+        # written.
+        self._late: dict[int, dict] = {}
 
     def loud(self, text: str) -> None:
         bar = "!" * 78
@@ -126,14 +127,19 @@ class Reporter:
 
     # -- records -----------------------------------------------------------------
 
-    def step_done(self, step: int, dev_metrics, host: HostRollout, t_update: float) -> None:
+    def step_done(
+        self, step: int, dev_metrics, host: HostRollout, t_update: float, late=None
+    ) -> None:
         """Queues ``step``'s record and writes the previous step's (its update is done).
 
         ``t_update``: ``perf_counter()`` when the update was called. The step's
         ``perf/time_train_s`` runs from then until the host saw the update done:
         the update itself (its compilation on the first step) plus at most the
-        host work that overlapped it.
+        host work that overlapped it. ``late``: ``{step: metrics}`` of earlier
+        steps known only now (their update has ended); they join those steps'
+        records.
         """
+        self._late.update(late or {})
         m = dict(host.metrics)
         self.sampled_tokens += host.sampled_tokens
         m["rollout/sampled_tokens_total"] = float(self.sampled_tokens)
@@ -145,12 +151,14 @@ class Reporter:
         self._pending = (step, dev_metrics, m, t_update, host)
         self._rollout_alarms(step, host)
 
-    def flush(self, state, evaluate=None, *, write_alone: bool = True) -> dict | None:
+    def flush(self, state, evaluate=None, *, write_alone: bool = True, late=None) -> dict | None:
         """Waits for the last update, runs ``evaluate()`` (if given) and writes the record now.
 
         The evaluation joins the last step's record; with no step pending it is
-        written alone when ``write_alone``. Returns the evaluation.
+        written alone when ``write_alone``. ``late``: as for :meth:`step_done`.
+        Returns the evaluation.
         """
+        self._late.update(late or {})
         jax.block_until_ready(state.step)
         t_ready = time.perf_counter()
         extra = evaluate() if evaluate is not None else None
@@ -166,7 +174,7 @@ class Reporter:
         m = dict(host)
         m.update({k: float(v) for k, v in jax.device_get(dev).items()})
         m.update(extra or {})
-        m.update(self.late.pop(step, {}))
+        m.update(self._late.pop(step, {}))
         t_train = t_ready - t_update
         m["perf/time_train_s"] = t_train
         m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)

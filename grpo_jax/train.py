@@ -42,7 +42,8 @@ from collections.abc import Callable
 
 import jax
 
-from grpo_jax import checkpoint, distributed, multiturn, rollout
+from grpo_jax import checkpoint, distributed, multiturn, pipeline, sources
+from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
 from grpo_jax.evaluate import evaluate
 from grpo_jax.report import AlarmStop, NonFiniteError, Reporter
@@ -168,28 +169,46 @@ def _stop(s: Setup, report: Reporter, step: int) -> dict:
     return {"preempted": True, "step": step}
 
 
-def _update_compiled_ahead(s: Setup, state, examples, key, ref_params):
-    """``s.update`` compiled, in a background thread, for the batch these examples make: a
-    context manager (:class:`grpo_jax.update.CompiledAhead`) whose value is the update."""
-    from grpo_jax import update as update_lib
-
+def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
+    """``s.update`` compiled, in a background thread, for a batch of prompts ``prompt_width``
+    wide: a context manager (:class:`grpo_jax.update.CompiledAhead`) whose value is the
+    update."""
     run = s.run
-    p = rollout.prompt_width(s.encoder, examples, max_new_tokens=run.sampling.max_new_tokens)
     spec = update_lib.batch_spec(
         update_lib.rollout_batch_shardings(s.mesh),
         run.train.batch_size * run.grpo.G,
-        p,
+        prompt_width,
         run.sampling.max_new_tokens,
     )
     return update_lib.CompiledAhead(s.update, state, spec, key, ref_params)
 
 
-def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -> dict:
-    run = s.run
-    if run.train.max_staleness:  # off-policy, pipelined (docs/pipeline.md)
-        from grpo_jax import pipeline
+def _train_key(s: Setup, step: int):
+    """The PRNG key of step ``step``'s update, the same on every host (the sampler's is
+    ``sources.sample_key``)."""
+    key = jax.random.split(jax.random.fold_in(s.base_key, step))[1]
+    return distributed.put(key, replicated(s.mesh))
 
-        return pipeline.run_loop(s, state, preempt, t_start, step_callback)
+
+class _Update:
+    """The run's update: ``s.update``, or the same compiled ahead for the first batch once
+    a source knows its prompt width (``compile_for``), while the sampler compiles and
+    samples. The compilation's thread ends with the run (``run_scoped``)."""
+
+    def __init__(self, s: Setup, state, ref_params, first_step: int, run_scoped):
+        self.fn = s.update
+        self._ahead = (s, state, ref_params, first_step, run_scoped)
+
+    def compile_for(self, prompt_width: int) -> None:
+        s, state, ref_params, first_step, run_scoped = self._ahead
+        key = _train_key(s, first_step)
+        ahead = _update_compiled_ahead(s, state, prompt_width, key, ref_params)
+        self.fn = run_scoped.enter_context(ahead)
+
+
+def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -> dict:
+    """The one training loop, for every source and staleness (docs/architecture.md)."""
+    run = s.run
     evaluate_fn = functools.partial(evaluate_policy, s)
     start = checkpoint.restore_or_init(s, state, evaluate=evaluate_fn, preempt=preempt)
     if start is None:
@@ -202,35 +221,33 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         sampled_tokens=start.sampled_tokens,
         health_state=start.health_state,
     )
-    save = functools.partial(_save, s, start=start, report=report, t_start=t_start)
-    update = s.update
+    update = _Update(s, state, ref_params, start.start_step + 1, run_scoped)
+    k = run.train.max_staleness
+    queue = pipeline.restore_inflight(s, start.start_step) if start.resumed and k else []
+    source = sources.make_source(s, on_prompts=update.compile_for)
+    pipe = run_scoped.enter_context(pipeline.Staleness(s, source, k, queue=queue))
+    pipe.fill(start.start_step, state.params)
+
+    def save(state, step):
+        _save(s, state, step, start=start, report=report, t_start=t_start, inflight=pipe.to_save())
+
     for step in range(start.start_step + 1, run.train.steps + 1):
         if report.budget_spent():  # train.sampled_tokens_budget
             break
-        k_sample, k_train = jax.random.split(jax.random.fold_in(s.base_key, step))
-        k_train = distributed.put(k_train, replicated(s.mesh))  # the same key on every host
-        if run.train.dynamic_sampling:  # rounds of prompts until B groups have signal
-            batch, host = rollout.collect_dynamic(s, state.params, s.iterator.next, k_sample)
-        else:
-            examples = s.iterator.next()  # this host's rows of the global batch
-            if update is s.update and not run.env.name:
-                # The update compiles while the sampler compiles and samples.
-                ahead = _update_compiled_ahead(s, state, examples, k_train, ref_params)
-                update = run_scoped.enter_context(ahead)  # its thread ends with the run
-            collect = multiturn.collect if run.env.name else rollout.collect
-            batch, host = collect(s, state.params, examples, k_sample)
+        k_train = _train_key(s, step)
+        cur = pipe.take(step, state.params)
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
-        state, dev_metrics = update(state, batch, k_train, ref_params)
-        report.step_done(step, dev_metrics, host, t_update)
+        state, dev_metrics = update.fn(state, cur.batch, k_train, ref_params)
+        host, late = pipe.settle(step, t_update, dev_metrics, cur.host)
+        report.step_done(step, dev_metrics, host, t_update, late=late)
         preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 
         do_eval, do_ckpt = report.due(step)
         if do_eval or do_ckpt or preempt.requested:
             # Checkpoints and evaluations see this step's update: its record goes
             # first, so the record of a checkpointed step is always on disk.
-            report.flush(
-                state, functools.partial(evaluate_fn, state.params, step) if do_eval else None
-            )
+            evaluate = functools.partial(evaluate_fn, state.params, step) if do_eval else None
+            report.flush(state, evaluate, late=pipe.finish_step(step))
             if do_ckpt or preempt.requested:
                 save(state, step)
             if preempt.requested:
@@ -246,6 +263,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         state,
         functools.partial(evaluate_fn, state.params, final_step),
         write_alone=not start.resumed,
+        late=pipe.finish_step(final_step),
     )
     if final_step > start.start_step or not start.resumed:
         save(state, final_step)

@@ -62,8 +62,8 @@ def _parse(env, **sections):
         ),
         (
             {"name": "guess_number"},
-            {"train": {"max_staleness": 1}},
-            r"'train.max_staleness' = 1 does not combine with env.name",
+            {"train": {"max_staleness": 1}, "mesh": {"sampler_devices": 1}},
+            r"'mesh.sampler_devices' = 1 does not combine with env.name: .*learner's mesh",
         ),
         (
             {"name": "nope"},

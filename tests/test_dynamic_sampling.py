@@ -140,14 +140,17 @@ def test_kept_groups_have_signal_and_the_iterator_advances_by_what_was_drawn(tmp
 
 
 @pytest.mark.slow
-def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_tokenizer):
+@pytest.mark.parametrize("k", [0, 1], ids=lambda k: f"max_staleness={k}")
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_tokenizer, k):
+    """On-policy (k = 0) and with the batch of each step sampled one update ahead (k = 1:
+    the checkpoint of step 2 holds step 3's batch, sampled by version 1)."""
     from test_train_loop import _deterministic, _final_params
 
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib
     from grpo_jax.train import train
 
-    cfg = _config()
+    cfg = _config(**{"train.max_staleness": k})
     train(cfg, tmp_path / "whole", stream=io.StringIO())
 
     class Kill(Exception):
@@ -165,6 +168,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert _deterministic(resumed) == _deterministic(whole)
     assert sum(r.get("dynamic/rounds", 0) for r in whole) > 4  # more than one round was drawn
+    staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
+    assert [r.get("pipeline/staleness") for r in resumed] == staleness
     run = config_lib.parse_config(cfg)
     like = setup_lib.build_model(run, builtin_tokenizer, setup_lib.build_mesh(run))[1]
     a, sa = _final_params(tmp_path / "whole", like)
@@ -175,9 +180,12 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     ck = Checkpointer(tmp_path / "killed" / "checkpoints")
     try:
         meta = ck.restore_meta(4)
+        at_2 = ck.restore_meta(2)
     finally:
         ck.close()
     assert meta["sampled_tokens"] == whole[-1]["rollout/sampled_tokens_total"]
+    inflight = [(x["step"], x["version"]) for x in at_2.get("inflight") or []]
+    assert inflight == ([(3, 1)] if k else [])
 
 
 @pytest.mark.slow

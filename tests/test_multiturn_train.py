@@ -40,8 +40,11 @@ class _Kill(Exception):
 
 
 @pytest.mark.slow
-def test_multiturn_run_resumes_exactly(tmp_path):
-    cfg = _config()
+@pytest.mark.parametrize("k", [0, 1], ids=lambda k: f"max_staleness={k}")
+def test_multiturn_run_resumes_exactly(tmp_path, k):
+    """On-policy (k = 0), and with each step's episodes played one update ahead (k = 1: the
+    checkpoint of step 2 holds step 3's batch, played by version 1)."""
+    cfg = _config(**{"train.max_staleness": k})
     whole = train(cfg, tmp_path / "whole")
     records = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
@@ -57,9 +60,17 @@ def test_multiturn_run_resumes_exactly(tmp_path):
 
     with pytest.raises(_Kill):
         train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    try:
+        inflight = [(x["step"], x["version"]) for x in ck.restore_meta(2).get("inflight") or []]
+    finally:
+        ck.close()
+    assert inflight == ([(3, 1)] if k else [])
     train(cfg, tmp_path / "killed")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert _deterministic(resumed) == _deterministic(records)
+    staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
+    assert [r.get("pipeline/staleness") for r in resumed] == staleness
 
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib

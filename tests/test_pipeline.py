@@ -8,7 +8,6 @@ tokens and log-probs, so a batch labelled with a version really came from it.
 """
 
 import math
-import sys
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 
 from configs.default import get_config
 from grpo_jax import config as config_lib
-from grpo_jax import pipeline
+from grpo_jax import pipeline, sources
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import ConfigError
 from grpo_jax.metrics import read_metrics
@@ -67,7 +66,10 @@ def _config(**updates):
     "updates, match",
     [
         ({"train.max_staleness": -1}, "train.max_staleness"),
-        ({"train.max_staleness": 1, "train.dynamic_sampling": True}, "dynamic_sampling"),
+        (
+            {"train.max_staleness": 1, "train.dynamic_sampling": True, "mesh.sampler_devices": 4},
+            "'mesh.sampler_devices' = 4 does not combine with train.dynamic_sampling",
+        ),
         ({"mesh.sampler_devices": 4}, "needs train.max_staleness >= 1"),
     ],
 )
@@ -103,16 +105,16 @@ PLACEMENTS = {
 
 
 def _record_batches(monkeypatch):
-    """Records every batch the pipeline samples: (setup, InFlight)."""
+    """Records every batch the single-turn source samples: (the source, InFlight)."""
     seen = []
-    finish = pipeline._Sampler.finish
+    take = sources.SingleTurn.take
 
-    def spy(self, pending):
-        f = finish(self, pending)
+    def spy(self, step):
+        f = take(self, step)
         seen.append((self, f))
         return f
 
-    monkeypatch.setattr(pipeline._Sampler, "finish", spy)
+    monkeypatch.setattr(sources.SingleTurn, "take", spy)
     return seen
 
 
@@ -279,25 +281,6 @@ def _differ(a, b):
     )
 
 
-def _loops_taken(monkeypatch):
-    """Records which loop each train() call runs: the on-policy one, then maybe the pipeline."""
-    train_module = sys.modules["grpo_jax.train"]
-    taken = []
-    loop, run_loop = train_module._loop, pipeline.run_loop
-
-    def spy_loop(*args, **kwargs):
-        taken.append("train._loop")
-        return loop(*args, **kwargs)
-
-    def spy_run_loop(*args, **kwargs):
-        taken.append("pipeline.run_loop")
-        return run_loop(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "_loop", spy_loop)
-    monkeypatch.setattr(pipeline, "run_loop", spy_run_loop)
-    return taken
-
-
 def _without_pipeline_keys(records):
     return [{k: v for k, v in r.items() if not k.startswith("pipeline/")} for r in records]
 
@@ -311,7 +294,8 @@ ON_POLICY = {"one_mesh": PLACEMENTS["one_mesh"], "split_4_4": {"mesh.num_devices
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["one_mesh", "split_4_4"])
 def test_k0_is_the_on_policy_loop_and_the_first_k1_step_equals_it(tmp_path, monkeypatch, placement):
-    """k = 0 never enters grpo_jax.pipeline: train() runs train._loop, the on-policy loop.
+    """k = 0 is the on-policy loop: each step's batch is sampled by the version its update
+    starts from (version s - 1), with no pipeline/* metrics.
 
     Step 1 of a k = 1 run has staleness 0: its batch comes from version 0 with step 1's key and
     the first prompts, as the on-policy loop's does, while step 2's batch (also version 0) is
@@ -319,17 +303,17 @@ def test_k0_is_the_on_policy_loop_and_the_first_k1_step_equals_it(tmp_path, monk
     parameters after it equal the k = 0 run's, bit for bit. Later steps differ by design:
     k = 1 samples step s with version s - 2, k = 0 with version s - 1.
     """
-    taken = _loops_taken(monkeypatch)
+    seen = _record_batches(monkeypatch)
     # Two steps each (the last step's record also holds the final evaluation), a checkpoint
     # after each.
     two_steps = {"train.steps": 2, "checkpoint.every": 1}
     on_policy = _config(**two_steps, **ON_POLICY[placement])
     train(on_policy, tmp_path / "k0")
-    assert taken == ["train._loop"]  # not pipeline.run_loop
-    del taken[:]
+    assert [(f.step, f.version) for _, f in seen] == [(1, 0), (2, 1)]
+    del seen[:]
     k1 = _config(**two_steps, **{"train.max_staleness": 1}, **PLACEMENTS[placement])
     train(k1, tmp_path / "k1")
-    assert taken == ["train._loop", "pipeline.run_loop"]
+    assert [(f.step, f.version) for _, f in seen] == [(1, 0), (2, 0)]
 
     a = read_metrics(tmp_path / "k0" / "metrics.jsonl")
     b = read_metrics(tmp_path / "k1" / "metrics.jsonl")

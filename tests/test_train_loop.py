@@ -290,10 +290,11 @@ def test_no_compilation_of_the_update_outlives_its_run(tmp_path, monkeypatch):
     class Stop(Exception):
         pass
 
-    def failing_collect(*args, **kwargs):
+    def failing_finish(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(rollout, "collect", failing_collect)
+    # The sampler's round raises once dispatched (the update compiling ahead by then).
+    monkeypatch.setattr(rollout, "finish_round", failing_finish)
     with pytest.raises(Stop):
         train(_quick(**{"eval.at_start": False}), tmp_path, stream=io.StringIO())
     left = [t.name for t in threading.enumerate() if t.name.startswith("compile-update")]

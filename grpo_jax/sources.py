@@ -1,0 +1,237 @@
+"""Rollout sources: where the training loop's batches come from.
+
+    source.submit(step, params, version)    # start the batch of ``step``, sampled by ``params``
+    source.take(step) -> InFlight           # that batch, sampled and scored
+
+One protocol serves every kind of run, so ``grpo_jax.train`` has one loop:
+
+  SingleTurn   one round of B prompts x G completions (``rollout.dispatch_round``):
+               ``submit`` dispatches the generation and returns at once, ``take``
+               waits for it, decodes and scores (host work that overlaps whatever
+               the devices run in between: with ``train.max_staleness`` >= 1, the
+               update).
+  Dynamic      DAPO's dynamic sampling (``rollout.collect_dynamic``): rounds of B
+               prompts until B groups have reward signal.
+  MultiTurn    episodes against an environment (``multiturn.collect``).
+
+Dynamic and MultiTurn decide what to sample next from what they have sampled,
+so they work from ``submit`` to the end there (``eager``): the parameters they
+read may be donated to the update right after ``submit`` returns.
+
+The batch of step s is sampled with ``split(fold_in(key(seed), s))[0]`` from the
+next prompts of the data iterator, whatever the source and whenever it is
+submitted, so a run is deterministic and resumes exactly. Bounded staleness is
+a wrapper around any source (``grpo_jax.pipeline.Staleness``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import jax
+
+from grpo_jax import distributed, multiturn, rollout
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.update import rollout_batch_shardings
+
+if TYPE_CHECKING:
+    from grpo_jax.setup import Setup
+
+__all__ = [
+    "Dynamic",
+    "InFlight",
+    "MultiTurn",
+    "RolloutSource",
+    "SingleTurn",
+    "make_source",
+    "sample_key",
+]
+
+
+def sample_key(base_key: jax.Array, step: int) -> jax.Array:
+    """The PRNG key that samples step ``step``'s batch (the update's is the other half)."""
+    return jax.random.split(jax.random.fold_in(base_key, step))[0]
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A batch sampled and scored for its step.
+
+    Attributes:
+      step: the step that trains on it.
+      version: the parameter version that sampled it (updates applied).
+      batch: the RolloutBatch, on the learner mesh.
+      host: its HostRollout.
+      t_dispatch, t_sampled, t_done: ``perf_counter()`` when its sampling was
+        dispatched, when the samples were ready, when its host work ended
+        (0.0 for a batch restored from a checkpoint).
+    """
+
+    step: int
+    version: int
+    batch: rollout.RolloutBatch
+    host: rollout.HostRollout
+    t_dispatch: float = 0.0
+    t_sampled: float = 0.0
+    t_done: float = 0.0
+
+
+class RolloutSource(Protocol):
+    """What the loop needs of a source of batches (module doc)."""
+
+    eager: bool  # whether ``submit`` does all the work (it reads ``params`` no later)
+    split: bool  # whether it samples on a mesh of its own (mesh.sampler_devices)
+
+    def submit(self, step: int, params, version: int) -> None: ...
+
+    def take(self, step: int) -> InFlight: ...
+
+
+def _on_mesh(shardings, mesh):
+    """The same partition specs on another mesh with the same axis names."""
+    return jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, sh.spec), shardings)
+
+
+class SingleTurn:
+    """One round of B prompts x G completions a step, on the learner's or its own mesh.
+
+    ``wait_params``: wait for the parameters before dispatching, so the
+    sampler's time is its own (the on-policy loop, where nothing overlaps).
+    ``on_prompts``: called once, with the first batch's padded prompt width
+    P, before its generation is dispatched (the loop starts compiling the
+    update for that shape then).
+    """
+
+    eager = False
+
+    def __init__(
+        self, s: Setup, *, wait_params: bool, on_prompts: Callable[[int], None] | None = None
+    ):
+        self.s = s
+        self.wait_params = wait_params
+        self.on_prompts = on_prompts
+        self.split = bool(s.run.mesh.sampler_devices)
+        self.mesh = s.sampler_mesh if self.split else s.mesh
+        if self.split:
+            self.param_shardings = _on_mesh(s.param_shardings, self.mesh)
+            self.batch_shardings = rollout_batch_shardings(s.mesh)
+        self._pending = {}
+
+    def params(self, params):
+        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh).
+
+        With several processes JAX moves arrays only between the same device
+        sets, so the learner mesh first gathers each array onto every one of
+        its devices; each process then copies its local copy onto its own
+        sampler devices (no host round trip).
+        """
+        if not self.split:
+            return params
+        if jax.process_count() == 1:
+            return jax.device_put(params, self.param_shardings)
+        full = self._gather(params)
+
+        def one(x, sh):
+            if not sh.is_fully_replicated:
+                raise ValueError(f"the sampler's parameters must be replicated, got {sh.spec}")
+            local = x.addressable_data(0)
+            parts = [jax.device_put(local, d) for d in sh.addressable_devices]
+            return jax.make_array_from_single_device_arrays(x.shape, sh, parts)
+
+        return jax.tree.map(one, full, self.param_shardings)
+
+    def _gather(self, tree):
+        if not hasattr(self, "_gather_fn"):
+            replicated = sharding_lib.replicated(self.s.mesh)
+            self._gather_fn = jax.jit(lambda t: t, out_shardings=replicated)
+        return self._gather_fn(tree)
+
+    def submit(self, step: int, params, version: int) -> None:
+        s = self.s
+        examples = s.iterator.next()  # this host's rows of the global batch
+        if self.on_prompts is not None:
+            on_prompts, self.on_prompts = self.on_prompts, None
+            on_prompts(
+                rollout.prompt_width(
+                    s.encoder, examples, max_new_tokens=s.run.sampling.max_new_tokens
+                )
+            )
+        d = rollout.dispatch_round(
+            s,
+            params,
+            examples,
+            sample_key(s.base_key, step),
+            mesh=self.mesh,
+            wait_params=self.wait_params,
+        )
+        self._pending[step] = (version, d)
+
+    def take(self, step: int) -> InFlight:
+        version, d = self._pending.pop(step)
+        rd = rollout.finish_round(self.s, d)
+        batch, host = rollout.batch_from_round(self.s, rd)
+        if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
+            batch = jax.device_put(batch, self.batch_shardings)
+        elif self.split:  # several processes: each moves its own rows (the same block)
+            N = batch.num_rows
+            rows = distributed.local_rows(batch, self.s.rows_N)
+            batch = distributed.global_batch(rows, self.s.mesh, N)
+        return InFlight(
+            step,
+            version,
+            batch,
+            host,
+            t_dispatch=d.t_params_ready,
+            t_sampled=d.t_params_ready + rd.t_sample,
+            t_done=time.perf_counter(),
+        )
+
+
+class _Eager:
+    """A source that samples and scores the whole batch in ``submit`` (module doc)."""
+
+    eager = True
+    split = False
+
+    def __init__(self, s: Setup):
+        self.s = s
+        self._done: dict[int, InFlight] = {}
+
+    def params(self, params):
+        return params
+
+    def submit(self, step: int, params, version: int) -> None:
+        t0 = time.perf_counter()
+        batch, host = self._collect(params, sample_key(self.s.base_key, step))
+        t1 = time.perf_counter()
+        self._done[step] = InFlight(step, version, batch, host, t0, t1, t1)
+
+    def take(self, step: int) -> InFlight:
+        return self._done.pop(step)
+
+
+class Dynamic(_Eager):
+    """DAPO's dynamic sampling: rounds of prompts until B groups have signal."""
+
+    def _collect(self, params, key):
+        return rollout.collect_dynamic(self.s, params, self.s.iterator.next, key)
+
+
+class MultiTurn(_Eager):
+    """Episodes against the run's environment (``env.name``)."""
+
+    def _collect(self, params, key):
+        return multiturn.collect(self.s, params, self.s.iterator.next(), key)
+
+
+def make_source(s: Setup, *, on_prompts=None) -> RolloutSource:
+    """The run's source: multi-turn with ``env.name``, dynamic with
+    ``train.dynamic_sampling``, else single-turn."""
+    if s.run.env.name:
+        return MultiTurn(s)
+    if s.run.train.dynamic_sampling:
+        return Dynamic(s)
+    return SingleTurn(s, wait_params=not s.run.train.max_staleness, on_prompts=on_prompts)
