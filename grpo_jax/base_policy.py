@@ -51,7 +51,7 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     problems; ``preempt.requested`` stops the warm start early (nothing is
     cached then).
     """
-    run, workdir, progress = s.run, s.workdir, s.progress
+    run, workdir, progress = s.run, s.records.workdir, s.records.progress
     ws = run.warm_start
     if not ws.enabled:
         return init_params, None
@@ -64,8 +64,8 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
             f"(validation pass@1 {info['val_pass_at_1']:.3f} after {info['steps']} steps)"
         )
         return params, dict(info, cached=True)
-    val_examples = s.train_examples[-ws.val_problems :]
-    sft_examples = s.train_examples[: -ws.val_problems]
+    val_examples = s.data.train_examples[-ws.val_problems :]
+    sft_examples = s.data.train_examples[: -ws.val_problems]
 
     val_cfg = dataclasses.replace(
         run.eval,
@@ -109,17 +109,17 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         + f"; a line every {ws.eval_every} steps, the first after compiling"
     )
     params, info = sft.warm_start(
-        s.graphdef,
+        s.policy.graphdef,
         init_params,
         sft_examples,
         val_examples,
         cfg=ws,
-        encoder=s.encoder,
+        encoder=s.rollouts.encoder,
         max_new_tokens=run.sampling.max_new_tokens,
         validate=validate,
         seed=run.seed,
-        mesh=s.mesh,
-        param_shardings=s.param_shardings,
+        mesh=s.placement.mesh,
+        param_shardings=s.placement.param_shardings,
         log_fn=log_fn,
         should_stop=lambda: preempt.requested,
     )
@@ -130,7 +130,7 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
 
 
 def lora_base_policy(s: Setup, state, *, evaluate, preempt):
-    """(state, warm-start info or None, base identity) of a LoRA run (``s.lora``).
+    """(state, warm-start info or None, base identity) of a LoRA run (``s.policy.lora``).
 
     The base is the initial model, warm-started when configured (on a resume
     too: the warm start's cache gives it back); the warm start trains the base
@@ -141,8 +141,12 @@ def lora_base_policy(s: Setup, state, *, evaluate, preempt):
     from grpo_jax.models import lora
 
     base, adapters = lora.split(state.params)
-    base_sh, _ = lora.split(s.param_shardings)
-    s_base = dataclasses.replace(s, graphdef=s.lora.base_graphdef, param_shardings=base_sh)
+    base_sh, _ = lora.split(s.placement.param_shardings)
+    s_base = dataclasses.replace(
+        s,
+        policy=dataclasses.replace(s.policy, graphdef=s.policy.lora.base_graphdef),
+        placement=dataclasses.replace(s.placement, param_shardings=base_sh),
+    )
 
     def evaluate_base(params, *args, **kwargs):  # through the policy: B = 0 adds exact zeros
         return evaluate(lora.join(params, adapters), *args, **kwargs)
@@ -152,6 +156,8 @@ def lora_base_policy(s: Setup, state, *, evaluate, preempt):
         return None, None, None
     if new_base is not base:
         params = lora.join(new_base, adapters)
-        state = optim_lib.init_state(params, s.tx, s.mesh, trained=lora.trainable(params))
+        state = optim_lib.init_state(
+            params, s.trainer.tx, s.placement.mesh, trained=lora.trainable(params)
+        )
     warm_fp = info.get("fingerprint") if info else None
-    return state, info, s.lora.identity(new_base, warm_start=warm_fp)
+    return state, info, s.policy.lora.identity(new_base, warm_start=warm_fp)

@@ -242,7 +242,7 @@ class RunStart:
 
 
 def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
-    """Resumes from ``s.checkpointer``'s latest step, or makes the base policy and starts.
+    """Resumes from ``s.records.checkpointer``'s latest step, or makes the base policy and starts.
 
     ``state`` is the setup's initial ``TrainState``. A fresh run makes the base
     policy (``grpo_jax.base_policy``: warm-started when configured) and
@@ -260,35 +260,35 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     from grpo_jax.base_policy import base_policy
     from grpo_jax.sharding import replicated
 
-    run, ck = s.run, s.checkpointer
+    run, ck = s.run, s.records.checkpointer
     resumed = ck.latest_step() is not None
     warm_info = None
     base_params = state.params
     # With LoRA the reference is the base inside the policy's own parameters
     # (adapters off, grpo_jax.models.lora): never a second copy.
-    separate_ref = run.grpo.beta > 0 and s.lora is None
+    separate_ref = run.grpo.beta > 0 and s.policy.lora is None
     lora_base = None
-    if s.lora is not None:  # the frozen base (warm-started when configured), resumed or not
+    if s.policy.lora is not None:  # the frozen base (warm-started when configured), resumed or not
         from grpo_jax.base_policy import lora_base_policy
 
         state, warm_info, lora_base = lora_base_policy(s, state, evaluate=evaluate, preempt=preempt)
         if state is None:
-            s.progress.message("preempted during the warm start; rerun to start again")
+            s.records.progress.message("preempted during the warm start; rerun to start again")
             return None
         base_params = state.params
     elif not resumed or separate_ref:
         # A resumed run needs the base policy only as the KL reference.
         base_params, warm_info = base_policy(s, state.params, evaluate=evaluate, preempt=preempt)
         if preempt.requested:
-            s.progress.message("preempted during the warm start; rerun to start again")
+            s.records.progress.message("preempted during the warm start; rerun to start again")
             return None
     ref_params = jax.tree.map(jnp.copy, base_params) if separate_ref else None
     if base_params is not state.params:
-        state = optim_lib.init_state(base_params, s.tx, s.mesh)
+        state = optim_lib.init_state(base_params, s.trainer.tx, s.placement.mesh)
     before, prior_seconds, no_signal_run, sampled_tokens, health_state = None, 0.0, 0, 0, None
     if resumed:
         latest, params, opt_state, meta = restore_newest(s, state, lora_base=lora_base)
-        rep = replicated(s.mesh)
+        rep = replicated(s.placement.mesh)
         state = state.replace(
             params=params,
             opt_state=opt_state,
@@ -298,22 +298,24 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
                 for k, v in meta["counters"].items()
             },
         )
-        s.iterator.restore(meta["data_iterator"])
+        s.data.iterator.restore(meta["data_iterator"])
         prior_seconds = float(meta.get("wall_seconds", 0.0))
         before = meta.get("before")
         warm_info = meta.get("warm_start", warm_info)
         no_signal_run = int(meta.get("no_signal_run", 0))
         sampled_tokens = int(meta.get("sampled_tokens", 0))
         health_state = meta.get("health")
-        if s.is_main:
-            s.writer.truncate(latest)
-        s.progress.message(f"resuming from the checkpoint at step {latest} in {ck.directory}")
+        if s.records.is_main:
+            s.records.writer.truncate(latest)
+        s.records.progress.message(
+            f"resuming from the checkpoint at step {latest} in {ck.directory}"
+        )
     elif run.eval.at_start:
         before = evaluate(state.params, 0)
-        s.writer.write(0, before)
-        s.progress.message(
+        s.records.writer.write(0, before)
+        s.records.progress.message(
             f"before GRPO: held-out pass@1 {before['eval/pass_at_1']:.3f} "
-            f"on {len(s.eval_examples)} problems"
+            f"on {len(s.data.eval_examples)} problems"
         )
     return RunStart(
         state=state,
@@ -465,7 +467,7 @@ def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
     skipped are moved to ``checkpoints.unrestorable/`` (nothing is deleted)
     once an older one restores. Raises CheckpointError when none restores.
     """
-    ck, failures, bad = s.checkpointer, [], []
+    ck, failures, bad = s.records.checkpointer, [], []
     want = s.run.checkpoint.resume_from
     if want:
         if want not in ck.all_steps():
@@ -476,9 +478,9 @@ def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
         later = [k for k in ck.all_steps() if k > want]
         aside = ck.set_aside(later, suffix=f"after-{want}")
         if aside is not None:
-            s.progress.message(f"resuming from step {want}: steps {later} moved to {aside}")
+            s.records.progress.message(f"resuming from step {want}: steps {later} moved to {aside}")
     params_like = state.params
-    if s.lora is not None:  # a LoRA checkpoint holds the adapters; the base is loaded
+    if s.policy.lora is not None:  # a LoRA checkpoint holds the adapters; the base is loaded
         from grpo_jax.models import lora
 
         params_like = lora.trainable(state.params)
@@ -487,23 +489,23 @@ def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
             params, opt_state, meta = ck.restore(
                 step, params_like=params_like, opt_state_like=state.opt_state
             )
-            if s.lora is not None:
+            if s.policy.lora is not None:
                 params = lora.with_trainable(state.params, params)
         except Exception as e:  # Orbax / TensorStore raise many types for a bad step.
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
             failures.append(f"step {step} ({why})")
             bad.append(step)
-            s.progress.message(
+            s.records.progress.message(
                 f"checkpoint step {step} in {ck.directory} could not be restored ({why}); "
                 "trying the one before (the bad step is left in place)"
             )
             continue
-        if s.lora is not None:  # adapters of another base would not continue this run
+        if s.policy.lora is not None:  # adapters of another base would not continue this run
             where = f"checkpoint step {step} in {ck.directory}"
             lora.check_base(meta.get("lora_base"), lora_base, where)
         aside = ck.set_aside(bad)
         if aside is not None:
-            s.progress.message(f"checkpoint step(s) {bad} moved to {aside}")
+            s.records.progress.message(f"checkpoint step(s) {bad} moved to {aside}")
         return step, params, opt_state, meta
     raise CheckpointError(
         f"no checkpoint in {ck.directory} could be restored: {'; '.join(failures)}. Move the "
@@ -533,7 +535,7 @@ def save_run(
 
     meta = {
         "counters": {k: int(jax.device_get(getattr(state, k))) for k in COUNTERS},
-        "data_iterator": s.iterator.state(),
+        "data_iterator": s.data.iterator.state(),
         "key_data": np.asarray(jax.random.key_data(s.base_key)).tolist(),
         "config": dict(s.run.raw),
         "before": start.before,
@@ -547,8 +549,10 @@ def save_run(
     if inflight is not None:
         arrays, meta["inflight"] = inflight
     params = state.params
-    if s.lora is not None:  # the adapters only, and which base they belong to
+    if s.policy.lora is not None:  # the adapters only, and which base they belong to
         from grpo_jax.models import lora
 
         params, meta["lora_base"] = lora.trainable(params), start.lora_base
-    s.checkpointer.save(step, params=params, opt_state=state.opt_state, meta=meta, inflight=arrays)
+    s.records.checkpointer.save(
+        step, params=params, opt_state=state.opt_state, meta=meta, inflight=arrays
+    )

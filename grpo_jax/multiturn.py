@@ -611,22 +611,23 @@ def _first_prompt_tokens(encoder, examples, first_obs) -> tuple[list[list[int]],
     return encoder.token_lists(texts), texts
 
 
-def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
+def play(r, env, params, examples, key, *, num_samples: int, greedy: bool = False):
     """Resets the run's environments on ``examples`` and plays ``num_samples`` episodes each.
+
+    ``r``: the run's ``rollout.Rollouts``; ``env``: its ``env`` section.
 
     -> (Episodes, prompt texts B, reset error messages).
     """
     from grpo_jax.sampling import pad_prompts
 
-    run = s.run
-    cfg = mt_config(run)
+    cfg = mt_config(env)
     environments, first, reset_errors = reset_all(
-        run.env.name, examples, num_samples, cfg.env_timeout_s
+        env.name, examples, num_samples, cfg.env_timeout_s
     )
-    token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
+    token_lists, texts = _first_prompt_tokens(r.encoder, examples, first)
     # A first observation that no prompt bucket holds breaks its group, as a failed
     # reset does: the example's usual prompt stands in.
-    longest = max(s.encoder.buckets)
+    longest = max(r.encoder.buckets)
     too_long = [
         b for b, ids in enumerate(token_lists) if first[b] is not None and len(ids) > longest
     ]
@@ -639,15 +640,15 @@ def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
         environments[b * num_samples : (b + 1) * num_samples] = [None] * num_samples
         first[b] = None
     if too_long:
-        token_lists, texts = _first_prompt_tokens(s.encoder, examples, first)
+        token_lists, texts = _first_prompt_tokens(r.encoder, examples, first)
     tokens_BxP, mask_BxP = pad_prompts(
-        token_lists, pad_id=s.encoder.pad_id, buckets=s.encoder.buckets
+        token_lists, pad_id=r.encoder.pad_id, buckets=r.encoder.buckets
     )
-    sampling = dataclasses.replace(s.sampling, greedy=greedy)
-    tok = s.tokenizer
-    encode_obs = ObservationEncoder(tok, chat=run.prompt.chat, eos_ids=sampling.eos_ids)
+    sampling = dataclasses.replace(r.sampling, greedy=greedy)
+    tok = r.policy.tokenizer
+    encode_obs = ObservationEncoder(tok, chat=r.encoder.chat, eos_ids=sampling.eos_ids)
     episodes = run_episodes(
-        s.graphdef,
+        r.policy.graphdef,
         params,
         environments,
         tokens_BxP,
@@ -662,8 +663,8 @@ def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
     return episodes, texts, reset_errors
 
 
-def mt_config(run) -> MultiTurnConfig:
-    e = run.env
+def mt_config(e) -> MultiTurnConfig:
+    """The episode limits of the run's ``env`` section."""
     return MultiTurnConfig(
         max_tokens=e.max_tokens,
         max_turns=e.max_turns,
@@ -678,7 +679,7 @@ def _check_single_process():
         raise NotImplementedError("multi-turn rollouts run in one process (one host) for now")
 
 
-def collect(s, params, examples: list[dict], key: jax.Array):
+def collect(r, env, params, examples: list[dict], key: jax.Array):
     """The multi-turn counterpart of ``grpo_jax.rollout.collect`` -> (RolloutBatch, HostRollout).
 
     Each example's G episodes are played to the end; an episode's reward is the sum
@@ -691,14 +692,13 @@ def collect(s, params, examples: list[dict], key: jax.Array):
     from grpo_jax.rollout import HostRollout, RolloutBatch
 
     _check_single_process()
-    run, G = s.run, s.run.grpo.G
-    B = run.train.batch_size
+    G, B = r.grpo.G, r.batch_size
     N = B * G
     jax.block_until_ready(params)
     t0 = time.perf_counter()
-    ep, prompts, reset_errors = play(s, params, examples, key, num_samples=G)
+    ep, prompts, reset_errors = play(r, env, params, examples, key, num_samples=G)
     t1 = time.perf_counter()
-    tok = s.tokenizer
+    tok = r.policy.tokenizer
     completions = [
         tok.decode([int(x) for x in row[:n]], skip_special_tokens=False)
         for row, n in zip(ep.tokens_NxT, ep.lengths_N, strict=True)
@@ -708,9 +708,9 @@ def collect(s, params, examples: list[dict], key: jax.Array):
     advantages_N = np.asarray(
         adv_lib.compute_advantages(
             jnp.asarray(total_N.reshape(-1, G), jnp.float32),
-            estimator=run.grpo.advantage_estimator,
-            eps=run.grpo.advantage_eps,
-            passk_k=run.grpo.passk_k,
+            estimator=r.grpo.advantage_estimator,
+            eps=r.grpo.advantage_eps,
+            passk_k=r.grpo.passk_k,
         )
     ).reshape(-1)
     model_tokens_N = ep.mask_NxT.sum(axis=1)
@@ -739,8 +739,8 @@ def collect(s, params, examples: list[dict], key: jax.Array):
         }
     )
     for msg in (reset_errors + ep.error_messages)[:3]:
-        s.progress.message(f"environment error (episode ends, reward NaN): {msg}")
-    put = lambda x: distributed.global_batch(x, s.mesh, N)
+        r.message(f"environment error (episode ends, reward NaN): {msg}")
+    put = lambda x: distributed.global_batch(x, r.mesh, N)
     batch = RolloutBatch(
         prompt_tokens_NxP=put(ep.prompt_tokens_NxP.astype(np.int32)),
         prompt_mask_NxP=put(ep.prompt_mask_NxP),
@@ -767,7 +767,7 @@ def collect(s, params, examples: list[dict], key: jax.Array):
     return batch, host
 
 
-def evaluate(s, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str, float]:
+def evaluate(r, env, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str, float]:
     """Held-out episodes: greedy success rate as ``{prefix}/pass_at_1`` and episode statistics.
 
     With ``cfg.num_samples`` > 0 also ``{prefix}/sampled_pass_at_1``: the success rate of
@@ -782,7 +782,9 @@ def evaluate(s, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str
         chunk = list(examples[i : i + per_call])
         real = len(chunk)
         chunk += [chunk[0]] * (per_call - real)  # one shape: no recompilation
-        ep, _, _ = play(s, params, chunk, jax.random.fold_in(key, c), num_samples=1, greedy=True)
+        ep, _, _ = play(
+            r, env, params, chunk, jax.random.fold_in(key, c), num_samples=1, greedy=True
+        )
         parts.append((ep, real))
     cat = lambda f: np.concatenate([f(ep)[:real] for ep, real in parts])
     success, reward = cat(lambda e: e.success_N), cat(lambda e: e.rewards_N)
@@ -803,7 +805,7 @@ def evaluate(s, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str
             chunk = list(examples[i : i + per])
             real = len(chunk)
             chunk += [chunk[0]] * (per - real)
-            ep, _, _ = play(s, params, chunk, jax.random.fold_in(key, 1000 + c), num_samples=g)
+            ep, _, _ = play(r, env, params, chunk, jax.random.fold_in(key, 1000 + c), num_samples=g)
             hits.append(ep.success_N[: real * g])
         out[f"{prefix}/sampled_pass_at_1"] = float(np.concatenate(hits).mean())
     return out

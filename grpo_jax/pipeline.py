@@ -53,7 +53,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -62,9 +61,6 @@ from grpo_jax import rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.config import ConfigError
 from grpo_jax.sources import InFlight, RolloutSource
-
-if TYPE_CHECKING:
-    from grpo_jax.setup import Setup
 
 __all__ = [
     "InFlight",
@@ -169,12 +165,12 @@ def inflight_to_save(queue: list[InFlight]):
     return arrays, info
 
 
-def restore_inflight(s: Setup, step: int) -> list[InFlight]:
+def restore_inflight(checkpointer, mesh, step: int) -> list[InFlight]:
     """The batches in flight when the checkpoint of ``step`` was saved ([] when none)."""
-    info = s.checkpointer.restore_meta(step).get("inflight") or []
+    info = checkpointer.restore_meta(step).get("inflight") or []
     if not info:
         return []
-    rows = lambda ndim: sharding_lib.batch_sharding(s.mesh, ndim)
+    rows = lambda ndim: sharding_lib.batch_sharding(mesh, ndim)
     like = {
         str(j): {
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=rows(len(shape)))
@@ -182,7 +178,7 @@ def restore_inflight(s: Setup, step: int) -> list[InFlight]:
         }
         for j, item in enumerate(info)
     }
-    arrays = s.checkpointer.restore_inflight(step, like=like)
+    arrays = checkpointer.restore_inflight(step, like=like)
     queue = []
     for j, item in enumerate(info):
         h = item["host"]
@@ -232,9 +228,9 @@ class Staleness:
     A context manager: leaving it stops its timing threads.
     """
 
-    def __init__(self, s: Setup, source: RolloutSource, k: int, *, queue=()):
-        self.s, self.source, self.k = s, source, k
-        self.last = s.run.train.steps
+    def __init__(self, source: RolloutSource, k: int, *, last: int, queue=()):
+        self.source, self.k = source, k
+        self.last = last  # train.steps: no batch is sampled for a step past it
         self.queue: list[InFlight] = list(queue)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2) if k else None
         # step -> (t_update, future of the update's end, the next batch's InFlight)

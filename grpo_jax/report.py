@@ -38,8 +38,8 @@ import jax
 from grpo_jax import health
 
 if TYPE_CHECKING:
+    from grpo_jax.config import RunConfig
     from grpo_jax.rollout import HostRollout
-    from grpo_jax.setup import Setup
 
 log = logging.getLogger(__name__)
 
@@ -58,26 +58,32 @@ def _finite_or_none(x):
 
 
 class Reporter:
-    """Writes each step's record one step late and raises the run's alarms (module doc)."""
+    """Writes each step's record one step late and raises the run's alarms (module doc).
+
+    ``records``: the run's ``setup.Records`` (writer, progress line, checkpointer);
+    ``iterator``: the data iterator, whose epoch each record gives.
+    """
 
     def __init__(
         self,
-        s: Setup,
+        run: RunConfig,
+        records,
+        iterator=None,
         *,
         no_signal_run: int = 0,
         start_step: int = 0,
         sampled_tokens: int = 0,
         health_state: dict | None = None,
     ):
-        self.s = s
-        self.cfg = s.run.train
+        self.run, self.records, self.iterator = run, records, iterator
+        self.cfg = run.train
         self.no_signal_run = no_signal_run  # steps in a row with no reward variance
         self.sampled_tokens = sampled_tokens  # completion tokens sampled so far
         # The last step whose update was applied, finite and moved the policy no more
         # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
         self.last_healthy = start_step
         self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
-        self.health = s.run.health
+        self.health = run.health
         self.stop_alarms: list[health.Alarm] = []  # fired with health.stop_on_alarm
         h = health_state or {}  # from the checkpoint the run resumes from
         self._recent = collections.deque(h.get("recent", []), health.history_needed(self.health))
@@ -93,10 +99,10 @@ class Reporter:
     def loud(self, text: str) -> None:
         bar = "!" * 78
         log.warning(text)
-        self.s.progress.message(f"{bar}\nWARNING: {text}\n{bar}")
+        self.records.progress.message(f"{bar}\nWARNING: {text}\n{bar}")
 
     def message(self, text: str) -> None:
-        self.s.progress.message(text)
+        self.records.progress.message(text)
 
     # -- the schedule ----------------------------------------------------------
 
@@ -108,7 +114,7 @@ class Reporter:
     def ended_by(self, step: int) -> str:
         """What ended the run at ``step``: "train.sampled_tokens_budget" (said in one line
         with the figures) or "train.steps"."""
-        steps, budget = self.s.run.train.steps, self.cfg.sampled_tokens_budget
+        steps, budget = self.run.train.steps, self.cfg.sampled_tokens_budget
         if step >= steps or not self.budget_spent():
             return "train.steps"
         self.message(
@@ -119,7 +125,7 @@ class Reporter:
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
-        run = self.s.run
+        run = self.run
         last = step == run.train.steps or self.budget_spent()
         do_eval = bool(run.eval.every) and step % run.eval.every == 0 and not last
         do_ckpt = bool(run.checkpoint.every) and step % run.checkpoint.every == 0 and not last
@@ -143,8 +149,8 @@ class Reporter:
         m = dict(host.metrics)
         self.sampled_tokens += host.sampled_tokens
         m["rollout/sampled_tokens_total"] = float(self.sampled_tokens)
-        train_tokens = (host.prompt_tokens + host.completion_tokens) * self.s.run.grpo.mu
-        m["train/epoch"] = float(self.s.iterator.epoch)
+        train_tokens = (host.prompt_tokens + host.completion_tokens) * self.run.grpo.mu
+        m["train/epoch"] = float(self.iterator.epoch)
         m["_train_tokens"] = float(train_tokens)
         if self._pending is not None:
             self._finish(self._pending, host.t_params_ready)
@@ -166,7 +172,7 @@ class Reporter:
             self._finish(self._pending, t_ready, extra)
             self._pending = None
         elif extra is not None and write_alone:
-            self.s.writer.write(int(jax.device_get(state.step)), extra)
+            self.records.writer.write(int(jax.device_get(state.step)), extra)
         return extra
 
     def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
@@ -181,8 +187,8 @@ class Reporter:
         m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train
         fired = self._health(step, m)
         m.update({f"alarms/{a.name}": 1.0 for a in fired})
-        self.s.writer.write(step, m)
-        self.s.progress.update(step, m)
+        self.records.writer.write(step, m)
+        self.records.progress.update(step, m)
         for a in fired:
             self._report_alarm(a, rollout)
         self._update_alarms(step, m)
@@ -279,7 +285,7 @@ class Reporter:
         if stop:
             self.stop_alarms.append(alarm)
         if host is not None:
-            self.s.writer.write_samples(
+            self.records.writer.write_samples(
                 alarm.step,
                 self._samples(host, max(self.cfg.num_samples_logged, 1)),
                 name=f"alarm_{alarm.name}_step",
@@ -287,7 +293,7 @@ class Reporter:
             )
 
     def _way_back(self) -> str:
-        ck = self.s.checkpointer
+        ck = self.records.checkpointer
         ck.wait()
         good = [k for k in ck.all_steps() if k <= self.last_healthy]
         if not good:
@@ -315,11 +321,11 @@ class Reporter:
                 " warm-start longer, make the task easier or raise grpo.G / temperature"
             )
         if cfg.samples_every and step % cfg.samples_every == 0 and cfg.num_samples_logged:
-            self.s.writer.write_samples(step, self._samples(host, cfg.num_samples_logged))
+            self.records.writer.write_samples(step, self._samples(host, cfg.num_samples_logged))
 
     def _samples(self, host: HostRollout, n: int) -> list[dict]:
         """The first ``n`` rows of a rollout as prompt / completion / answer / reward."""
-        G = self.s.run.grpo.G
+        G = self.run.grpo.G
         return [
             {
                 "prompt": host.prompts_n[i],

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -35,9 +34,6 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.sampling import generate, pad_prompts
-
-if TYPE_CHECKING:
-    from grpo_jax.setup import Setup
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
 
@@ -252,6 +248,55 @@ def prompt_width(encoder: PromptEncoder, examples, *, max_new_tokens: int) -> in
     return distributed.max_over_hosts(tokens_bxP.shape[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The policy a run trains, as code and text (its parameters live in the train state).
+
+    Attributes:
+      graphdef: the model's ``nnx`` graph definition.
+      tokenizer: its tokenizer.
+      lora: with ``model.lora.rank`` > 0, the base's graphdef and identity
+        (``grpo_jax.models.lora``), else None.
+    """
+
+    graphdef: object
+    tokenizer: object
+    lora: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """What sampling, scoring and normalising a step's batch needs; built once per run.
+
+    Attributes:
+      policy: the policy's graphdef and tokenizer.
+      encoder: examples -> prompt tokens.
+      scorer: completions -> rewards.
+      sampling: the sampler's settings (T = ``sampling.max_new_tokens``).
+      grpo: the run's ``grpo`` section (G and the advantage estimator).
+      batch_size: B, prompts per step.
+      placement: where the batch lives (``grpo_jax.sharding.Placement``).
+      message: prints one line on the run's console.
+    """
+
+    policy: Policy
+    encoder: PromptEncoder
+    scorer: Scorer
+    sampling: object
+    grpo: object
+    batch_size: int
+    placement: sharding_lib.Placement
+    message: Callable[[str], None] = print
+
+    @property
+    def mesh(self):
+        return self.placement.mesh
+
+    @property
+    def rows_N(self) -> slice:
+        return self.placement.rows_N
+
+
 @dataclasses.dataclass
 class HostRollout:
     """What the host keeps of one step's rollout: texts of its rows and the batch's statistics."""
@@ -297,40 +342,40 @@ class Dispatched:
 
 
 def dispatch_round(
-    s: Setup, params, examples: list[dict], key: jax.Array, *, mesh=None, wait_params=True
+    r: Rollouts, params, examples: list[dict], key: jax.Array, *, mesh=None, wait_params=True
 ) -> Dispatched:
     """Encodes this host's prompts and dispatches the generation; returns without waiting.
 
-    ``mesh``: where to sample (``s.mesh`` when None). ``wait_params``: first
+    ``mesh``: where to sample (``r.mesh`` when None). ``wait_params``: first
     wait until ``params`` are computed (the on-policy loop does, to time the
     sampler alone).
     """
-    run, G = s.run, s.run.grpo.G
-    mesh = s.mesh if mesh is None else mesh
+    G = r.grpo.G
+    mesh = r.mesh if mesh is None else mesh
     prompts, tokens_BxP, mask_BxP, prompt_tokens = host_prompts(
-        s.encoder,
+        r.encoder,
         examples,
         mesh=mesh,
-        num_rows=run.train.batch_size,
-        max_new_tokens=run.sampling.max_new_tokens,
+        num_rows=r.batch_size,
+        max_new_tokens=r.sampling.max_new_tokens,
     )
     if wait_params:
         # The previous update must finish before sampling anyway; waiting here times each part.
         jax.block_until_ready(params)
     t0 = time.perf_counter()
     out = generate(
-        s.graphdef, params, tokens_BxP, mask_BxP, key, s.sampling, num_samples=G, mesh=mesh
+        r.policy.graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh
     )
     return Dispatched(out, list(examples), prompts, prompt_tokens, t0)
 
 
-def _sample_round(s: Setup, params, examples: list[dict], key: jax.Array) -> _Round:
-    return finish_round(s, dispatch_round(s, params, examples, key))
+def _sample_round(r: Rollouts, params, examples: list[dict], key: jax.Array) -> _Round:
+    return finish_round(r, dispatch_round(r, params, examples, key))
 
 
-def finish_round(s: Setup, d: Dispatched) -> _Round:
+def finish_round(r: Rollouts, d: Dispatched) -> _Round:
     """Waits for a dispatched round's samples, then decodes and scores this host's rows."""
-    G = s.run.grpo.G
+    G = r.grpo.G
     out, examples, prompts, prompt_tokens, t0 = (
         d.out,
         d.examples,
@@ -341,18 +386,18 @@ def finish_round(s: Setup, d: Dispatched) -> _Round:
     jax.block_until_ready(out.lengths)
     t1 = time.perf_counter()
     tokens_nxT, lengths_n, trunc_n, pmask_nxP = distributed.local_rows(
-        (out.tokens, out.lengths, out.truncated, out.prompt_mask), s.rows_N
+        (out.tokens, out.lengths, out.truncated, out.prompt_mask), r.rows_N
     )
-    completions = decode(s.tokenizer, tokens_nxT, lengths_n)
+    completions = decode(r.policy.tokenizer, tokens_nxT, lengths_n)
     prompts_n = [p for p in prompts for _ in range(G)]
-    result, correct_n, invalid_n = s.scorer.score(
+    result, correct_n, invalid_n = r.scorer.score(
         prompts_n, completions, examples, repeat=G, lengths_N=lengths_n
     )
     names = list(result.per_reward)
     rows = distributed.gather_rows(
         {
             "total": result.total,
-            "row": np.arange(s.rows_N.start, s.rows_N.stop),
+            "row": np.arange(r.rows_N.start, r.rows_N.stop),
             "per_reward": {k: result.per_reward[k] for k in names},
             "errors": np.array([[result.errors.get(k, 0) for k in names]], np.int32),
             "clipped": np.array([[result.clipped.get(k, 0) for k in names]], np.int32),
@@ -383,45 +428,45 @@ def finish_round(s: Setup, d: Dispatched) -> _Round:
     )
 
 
-def _advantages(s: Setup, total_KxG: np.ndarray) -> np.ndarray:
+def _advantages(r: Rollouts, total_KxG: np.ndarray) -> np.ndarray:
     return np.asarray(
         adv_lib.compute_advantages(
             jnp.asarray(total_KxG),
-            estimator=s.run.grpo.advantage_estimator,
-            eps=s.run.grpo.advantage_eps,
-            passk_k=s.run.grpo.passk_k,
+            estimator=r.grpo.advantage_estimator,
+            eps=r.grpo.advantage_eps,
+            passk_k=r.grpo.passk_k,
         )
     ).reshape(-1)
 
 
-def _metrics(s: Setup, rounds: list[_Round]) -> dict[str, float]:
+def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
     """The rollout statistics over every row sampled this step (all rounds)."""
-    cat = lambda key: np.concatenate([r.rows[key] for r in rounds])
+    cat = lambda key: np.concatenate([x.rows[key] for x in rounds])
     names = rounds[0].names
-    errors = sum(r.rows["errors"].sum(axis=0) for r in rounds)
-    clipped = sum(r.rows["clipped"].sum(axis=0) for r in rounds)
+    errors = sum(x.rows["errors"].sum(axis=0) for x in rounds)
+    clipped = sum(x.rows["clipped"].sum(axis=0) for x in rounds)
     metrics = rollout_metrics(
         # Each round's rows in the batch's row order, so groups stay whole.
-        total_N=np.concatenate([r.total_N for r in rounds]),
+        total_N=np.concatenate([x.total_N for x in rounds]),
         per_reward={
-            s.scorer.display[k]: np.concatenate([r.rows["per_reward"][k] for r in rounds])
+            r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k] for x in rounds])
             for k in names
         },
-        errors={s.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
-        clipped={s.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
+        errors={r.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
+        clipped={r.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
         correct_N=cat("correct"),
         lengths_N=cat("lengths"),
         truncated_N=cat("truncated"),
         duplicate_N=cat("duplicate"),
-        G=s.run.grpo.G,
+        G=r.grpo.G,
         invalid_N=cat("invalid"),
     )
-    t_sample = sum(r.t_sample for r in rounds)
+    t_sample = sum(x.t_sample for x in rounds)
     sampled_tokens = int(cat("lengths").sum())
     metrics.update(
         {
             "perf/time_sample_s": t_sample,
-            "perf/time_reward_s": sum(r.t_reward for r in rounds),
+            "perf/time_reward_s": sum(x.t_reward for x in rounds),
             "perf/sample_tokens_per_s": sampled_tokens / max(t_sample, 1e-9),
         }
     )
@@ -429,12 +474,12 @@ def _metrics(s: Setup, rounds: list[_Round]) -> dict[str, float]:
 
 
 def _host(rounds: list[_Round], metrics, completion_tokens: int, prompt_tokens: int):
-    sampled = int(sum(r.rows["lengths"].sum() for r in rounds))
+    sampled = int(sum(x.rows["lengths"].sum() for x in rounds))
     return HostRollout(
-        examples=[ex for r in rounds for ex in r.examples],
-        prompts_n=[p for r in rounds for p in r.prompts_n],
-        completions=[c for r in rounds for c in r.completions],
-        total_n=np.concatenate([r.total_n for r in rounds]),
+        examples=[ex for x in rounds for ex in x.examples],
+        prompts_n=[p for x in rounds for p in x.prompts_n],
+        completions=[c for x in rounds for c in x.completions],
+        total_n=np.concatenate([x.total_n for x in rounds]),
         metrics=metrics,
         completion_tokens=completion_tokens,
         sampled_tokens=sampled,
@@ -443,7 +488,7 @@ def _host(rounds: list[_Round], metrics, completion_tokens: int, prompt_tokens: 
     )
 
 
-def collect(s: Setup, params, examples: list[dict], key: jax.Array):
+def collect(r: Rollouts, params, examples: list[dict], key: jax.Array):
     """Samples, scores and normalises one step's rollouts -> (RolloutBatch, HostRollout).
 
     ``examples`` are this host's rows of the step's B prompts. The G
@@ -452,17 +497,17 @@ def collect(s: Setup, params, examples: list[dict], key: jax.Array):
     their rewards normalised within each group into advantages over the
     global batch (so ``batch_std`` does not depend on the number of hosts).
     """
-    return batch_from_round(s, _sample_round(s, params, examples, key))
+    return batch_from_round(r, _sample_round(r, params, examples, key))
 
 
-def batch_from_round(s: Setup, rd: _Round):
+def batch_from_round(r: Rollouts, rd: _Round):
     """One round's rollouts -> (RolloutBatch, HostRollout): group advantages over the batch."""
-    G, B = s.run.grpo.G, s.run.train.batch_size
+    G, B = r.grpo.G, r.batch_size
     N = B * G
-    advantages_N = _advantages(s, rd.total_N.reshape(-1, G))
-    metrics = _metrics(s, [rd])
+    advantages_N = _advantages(r, rd.total_N.reshape(-1, G))
+    metrics = _metrics(r, [rd])
     out = rd.out
-    host_rows_N = lambda x_N: distributed.global_batch(x_N[s.rows_N], s.mesh, N)
+    host_rows_N = lambda x_N: distributed.global_batch(x_N[r.rows_N], r.mesh, N)
     batch = RolloutBatch(
         prompt_tokens_NxP=out.prompt_tokens,
         prompt_mask_NxP=out.prompt_mask,
@@ -530,26 +575,27 @@ def _assemble(outs, groups_B, *, group_size, pad_id, mesh):
     )
 
 
-def collect_dynamic(s: Setup, params, draw: Callable[[], list[dict]], key: jax.Array):
+def collect_dynamic(
+    r: Rollouts, params, draw: Callable[[], list[dict]], key: jax.Array, *, max_rounds: int
+):
     """DAPO's dynamic sampling: rounds of B prompts until B groups have reward signal.
 
     Round r draws this host's next prompts with ``draw()`` (the data
     iterator, which so advances by what is consumed) and samples them with
     ``fold_in(key, r)`` (round 0: ``key``). Groups whose rewards are all equal
-    (:func:`group_has_signal`) are dropped; after
-    ``train.max_sampling_rounds`` rounds whatever is still short is padded
+    (:func:`group_has_signal`) are dropped; after ``max_rounds``
+    (``train.max_sampling_rounds``) rounds whatever is still short is padded
     with weight-0 groups, so the batch keeps its static shape. Advantages are
     computed over the kept groups. Metrics: the rollout statistics over every
     row sampled, and ``dynamic/*``: rounds, groups drawn, with signal,
     dropped, kept, padded, and the completion tokens sampled.
     """
-    run, G = s.run, s.run.grpo.G
-    B = run.train.batch_size
+    G, B = r.grpo.G, r.batch_size
     N = B * G
     rounds: list[_Round] = []
-    for r in range(run.train.max_sampling_rounds):
+    for i in range(max_rounds):
         rounds.append(
-            _sample_round(s, params, draw(), key if r == 0 else jax.random.fold_in(key, r))
+            _sample_round(r, params, draw(), key if i == 0 else jax.random.fold_in(key, i))
         )
         kept, fillers = select_groups([x.total_N.reshape(B, G) for x in rounds], B)
         if len(kept) == B:
@@ -561,21 +607,21 @@ def collect_dynamic(s: Setup, params, draw: Callable[[], list[dict]], key: jax.A
     advantages_N = np.zeros((N,), np.float32)
     k = len(kept)
     if k:
-        advantages_N[: k * G] = _advantages(s, total_R[rows_N[: k * G]].reshape(k, G))
+        advantages_N[: k * G] = _advantages(r, total_R[rows_N[: k * G]].reshape(k, G))
     weights_N = np.repeat((np.arange(B) < k).astype(np.float32), G)
     fields = [
         (o.prompt_tokens, o.prompt_mask, o.tokens, o.mask, o.logps, o.behavior_logps)
         for o in (x.out for x in rounds)
     ]
-    with jax.set_mesh(s.mesh):
+    with jax.set_mesh(r.mesh):
         taken = _assemble(
             fields,
-            distributed.put(groups_B, sharding_lib.replicated(s.mesh)),
+            distributed.put(groups_B, sharding_lib.replicated(r.mesh)),
             group_size=G,
-            pad_id=s.sampling.pad_id,
-            mesh=s.mesh,
+            pad_id=r.sampling.pad_id,
+            mesh=r.mesh,
         )
-    host_rows_N = lambda x_N: distributed.global_batch(x_N[s.rows_N], s.mesh, N)
+    host_rows_N = lambda x_N: distributed.global_batch(x_N[r.rows_N], r.mesh, N)
     batch = RolloutBatch(
         *taken,
         rewards_N=host_rows_N(total_R[rows_N].astype(np.float32)),
@@ -583,7 +629,7 @@ def collect_dynamic(s: Setup, params, draw: Callable[[], list[dict]], key: jax.A
         weights_N=host_rows_N(weights_N),
         group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
     )
-    metrics = _metrics(s, rounds)
+    metrics = _metrics(r, rounds)
     # Per-row lengths in the batch's row order, round after round.
     lengths_R = np.concatenate([x.rows["lengths"][x.order] for x in rounds])
     plens_R = np.concatenate([x.rows["prompt_lengths"][x.order] for x in rounds])

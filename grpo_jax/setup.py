@@ -21,15 +21,24 @@ import sys
 from typing import Any
 
 import jax
+from flax import nnx
 
-from grpo_jax import data, distributed, memory, runlocal, sharding
+from grpo_jax import data, distributed, memory, models, pipeline, runlocal, sft, sharding
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import update as update_lib
 from grpo_jax import workdir as workdir_lib
 from grpo_jax.checkpoint import Checkpointer, check_alarm_stop, check_resume_config
-from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_batch_layout
-from grpo_jax.rollout import PromptEncoder, Scorer
+from grpo_jax.config import (
+    BUILTIN_TOKENIZER,
+    ConfigError,
+    RunConfig,
+    check_batch_layout,
+    check_known_keys,
+)
+from grpo_jax.models import builtin_tokenizer, lora
+from grpo_jax.models.hf_config import generation_eos_ids
+from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
 from grpo_jax.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -59,9 +68,7 @@ def _devices(run: RunConfig) -> list:
 def build_mesh(run: RunConfig):
     devices = _devices(run)
     if run.mesh.sampler_devices:  # the learner's mesh: the devices the sampler leaves
-        from grpo_jax.pipeline import learner_and_sampler_devices
-
-        devices, _ = learner_and_sampler_devices(devices, run.mesh.sampler_devices)
+        devices, _ = pipeline.learner_and_sampler_devices(devices, run.mesh.sampler_devices)
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
     try:
         return sharding.make_mesh(axes, devices)
@@ -73,7 +80,6 @@ def build_sampler_mesh(run: RunConfig):
     """The sampler's own mesh with ``mesh.sampler_devices`` (``grpo_jax.pipeline``), else None."""
     if not run.mesh.sampler_devices:
         return None
-    from grpo_jax import pipeline
 
     devices = jax.devices()[: run.mesh.num_devices or None]
     _, sampler = pipeline.learner_and_sampler_devices(devices, run.mesh.sampler_devices)
@@ -94,9 +100,6 @@ def build_tokenizer(run: RunConfig, workdir: str | pathlib.Path | None):
     ``<workdir>/tokenizer`` first (once), so a run directory is self-contained.
     """
     from transformers import AutoTokenizer
-
-    from grpo_jax import models
-    from grpo_jax.models import builtin_tokenizer
 
     name = run.tokenizer
     if name == BUILTIN_TOKENIZER:
@@ -121,8 +124,6 @@ def model_config(run: RunConfig, tokenizer):
     The vocabulary size and the special token ids come from the tokenizer (an
     exported model then stops where the tokenizer's EOS says).
     """
-    from grpo_jax import models
-    from grpo_jax.config import check_known_keys
 
     overrides = dict(run.model.overrides)
     fields = {f.name for f in dataclasses.fields(models.ModelConfig)}
@@ -137,9 +138,6 @@ def model_config(run: RunConfig, tokenizer):
 
 def build_model(run: RunConfig, tokenizer, mesh):
     """(graphdef, params): the tiny model at ``seed`` or a Hugging Face checkpoint."""
-    from flax import nnx
-
-    from grpo_jax import models
 
     if run.model.path:
         load = models.from_gguf if run.model.path.endswith(".gguf") else models.from_pretrained
@@ -157,7 +155,6 @@ def build_policy(run: RunConfig, tokenizer, mesh):
     fresh adapters (``grpo_jax.models.lora``), and the third value a
     ``lora.LoRARun`` (the base's graphdef and identity); otherwise it is None.
     """
-    from grpo_jax.models import lora
 
     graphdef, params = build_model(run, tokenizer, mesh)
     if not run.model.lora.enabled:
@@ -182,8 +179,6 @@ def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | Non
     checked against the identity the checkpoint recorded, and joined with them
     (:func:`build_policy`).
     """
-    from grpo_jax import sft
-    from grpo_jax.models import lora
 
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     ck = Checkpointer(checkpoints)
@@ -263,8 +258,6 @@ def tokenizer_sampling(run: RunConfig, tokenizer, **kw) -> SamplingConfig:
     # EOS (Gemma 3: <end_of_turn>), listed in generation_config.json: stop there too.
     extra = ()
     if run.model.path:
-        from grpo_jax.models.hf_config import generation_eos_ids
-
         extra = tuple(i for i in generation_eos_ids(run.model.path) if i != eos)
     kw.setdefault("temperature", run.grpo.temperature)
     stops = stop_token_ids(run.sampling.stop, tokenizer)
@@ -288,42 +281,27 @@ def eval_examples(run: RunConfig, datasets) -> list[dict]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-    """What a training run needs; built once by :func:`setup`, never changed.
+class Trainer:
+    """The optimisation: the optimizer, its learning-rate schedule and the jitted update
+    ``(state, RolloutBatch, key, ref_params) -> (state, metrics)``."""
 
-    Shapes: B prompts per step, G completions per prompt, N = B * G rows, T
-    completion slots. ``rows_B`` / ``rows_N`` are this host's rows of the
-    global prompt and completion batches (all of them in one process).
-    """
-
-    run: RunConfig
-    workdir: pathlib.Path
-    mesh: Any
-    graphdef: Any
-    param_shardings: Any
-    state_shardings: Any
-    tokenizer: Any
-    encoder: PromptEncoder
-    scorer: Scorer
-    sampling: SamplingConfig
-    train_examples: list  # every training example, solutions included (warm start)
-    data_stats: dict  # "skipped/<split>": malformed rows skipped (data.on_error = "skip")
-    eval_examples: list
-    iterator: data.DataIterator  # GRPO prompts: this host's rows of each batch
-    rows_B: slice
-    rows_N: slice
     tx: Any
     schedule: Any
-    update: Any  # jitted (state, RolloutBatch, key, ref_params) -> (state, metrics)
+    update: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+    """What a run writes: its workdir, checkpoints, metrics and console line.
+
+    ``lock``: process 0's hold on the workdir (None on the other processes).
+    """
+
+    workdir: pathlib.Path
     checkpointer: Checkpointer
-    lock: workdir_lib.WorkdirLock | None  # process 0's hold on the workdir
     writer: metrics_lib.MetricsWriter
     progress: metrics_lib.ProgressLine
-    base_key: jax.Array
-    eval_key: jax.Array
-    sampler_mesh: Any = None  # the sampler's own mesh (mesh.sampler_devices), else None
-    # LoRA (model.lora.rank > 0): the base's graphdef and identity (grpo_jax.models.lora).
-    lora: Any = None
+    lock: workdir_lib.WorkdirLock | None
 
     @property
     def is_main(self) -> bool:
@@ -336,6 +314,49 @@ class Setup:
             self.writer.close()
             if self.lock is not None:
                 self.lock.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The run's problems.
+
+    Attributes:
+      train_examples: every training example, solutions included (the warm start's).
+      eval_examples: the held-out problems.
+      stats: ``"skipped/<split>"``: malformed rows skipped (``data.on_error = "skip"``).
+      iterator: the GRPO prompts (no solutions): this host's rows of each batch.
+        Its position is the one thing here that moves (restored from a checkpoint).
+    """
+
+    train_examples: list
+    eval_examples: list
+    stats: dict
+    iterator: data.DataIterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a training run needs, in bundles; built once by :func:`setup`.
+
+    ``placement`` places arrays, ``policy`` is the model as code and text,
+    ``rollouts`` what sampling and scoring a batch needs, ``trainer`` the
+    optimizer and the jitted update, ``records`` what the run writes, ``data``
+    its problems. Each part of the run takes the bundles it uses; only the run
+    layer (this module, ``train``, ``checkpoint``, ``base_policy``) sees them all.
+    """
+
+    run: RunConfig
+    placement: sharding.Placement
+    policy: Policy
+    rollouts: Rollouts
+    trainer: Trainer
+    records: Records
+    data: Data
+    base_key: jax.Array
+    eval_key: jax.Array
+
+    def close(self) -> None:
+        self.records.close()
 
 
 def _host_rows(mesh, B: int, G: int) -> tuple[slice, slice]:
@@ -420,20 +441,10 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
-    run = runlocal.resolve(run)
-    use_compilation_cache(run.train.compilation_cache_dir)
-    is_main = jax.process_index() == 0
-    mesh = build_mesh(run)
-    samp_mesh = build_sampler_mesh(run)
-    shards = sharding.batch_shards(mesh)
-    check_batch_layout(run, shards)
-    G, B = run.grpo.G, run.train.batch_size
-    N = B * G
-
-    tokenizer = build_tokenizer(run, workdir)
-    data_stats = {}
-    datasets = build_datasets(run, data_stats)
+def build_data(run: RunConfig, rows_B: slice) -> Data:
+    """The run's problems: datasets, held-out split and the GRPO prompts' iterator."""
+    stats = {}
+    datasets = build_datasets(run, stats)
     train_all = datasets["train"]
     ws = run.warm_start
     if ws.enabled and len(train_all) <= ws.val_problems + ws.batch_size:
@@ -441,103 +452,134 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
             f"warm_start.val_problems = {ws.val_problems} leaves too few of the "
             f"{len(train_all)} training problems to train on"
         )
-    graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
-    # The per-device memory plan of this layout; one that cannot fit what the devices
-    # report (GPUs, TPUs) stops the run here, before any training.
-    from flax import nnx
+    # The GRPO phase sees prompts and reference answers only, never worked solutions.
+    grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
+    B = run.train.batch_size
+    return Data(
+        train_examples=train_all,
+        eval_examples=eval_examples(run, datasets),
+        stats=stats,
+        iterator=data.DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B),
+    )
 
-    model_cfg = nnx.merge(graphdef, params).config
+
+def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> None:
+    """The per-device memory plan of this layout (and the sampler mesh's); one that cannot
+    fit what the devices report (GPUs, TPUs) stops the run here, before any training."""
     mem = memory.plan_run(run, model_cfg, mesh.shape)
     samp_mem = None
     if samp_mesh is not None:  # its own copy of the parameters and the KV cache
         samp_mem = memory.plan_sampler(run, model_cfg, samp_mesh.shape)
-    if is_main:
-        print(mem.table(), file=stream or sys.stdout, flush=True)
-        if samp_mem is not None:
-            print("sampler mesh: " + samp_mem.table(), file=stream or sys.stdout, flush=True)
-        longest = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
-        if longest > model_cfg.max_position_embeddings:
-            print(
-                f"WARNING: the longest prompt bucket ({max(run.sampling.prompt_buckets)}) plus "
-                f"sampling.max_new_tokens ({run.sampling.max_new_tokens}) is {longest} "
-                f"positions, past the model's context of {model_cfg.max_position_embeddings} "
-                "(max_position_embeddings): positions beyond it were never trained",
-                file=stream or sys.stdout,
-                flush=True,
-            )
+    if jax.process_index() != 0:
+        return
+    out = stream or sys.stdout
+    print(mem.table(), file=out, flush=True)
+    if samp_mem is not None:
+        print("sampler mesh: " + samp_mem.table(), file=out, flush=True)
+    longest = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    if longest > model_cfg.max_position_embeddings:
+        print(
+            f"WARNING: the longest prompt bucket ({max(run.sampling.prompt_buckets)}) plus "
+            f"sampling.max_new_tokens ({run.sampling.max_new_tokens}) is {longest} "
+            f"positions, past the model's context of {model_cfg.max_position_embeddings} "
+            "(max_position_embeddings): positions beyond it were never trained",
+            file=out,
+            flush=True,
+        )
 
+
+def build_trainer(run: RunConfig, policy: Policy, params, mesh):
+    """-> (Trainer, the initial TrainState): the optimizer over the trained parameters (the
+    adapters alone with LoRA) and the update, jitted with the state's shardings."""
+    N = run.train.batch_size * run.grpo.G
     m_rows = run.train.minibatch_size or N
     total_updates = run.train.steps * run.grpo.mu * (N // m_rows)
     tx, schedule = optim_lib.make_optimizer(run.optim, total_updates)
-    trained = None
-    if lora_run is not None:  # the optimizer sees the adapters only
-        from grpo_jax.models import lora
-
-        trained = lora.trainable(params)
+    lora_run = policy.lora
+    trained = None if lora_run is None else lora.trainable(params)
     state = optim_lib.init_state(params, tx, mesh, trained=trained)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
-    replicated = sharding.replicated(mesh)
     step_fn = update_lib.jit_update(
-        graphdef=graphdef,
+        graphdef=policy.graphdef,
         tx=tx,
         schedule=schedule,
         grpo=run.grpo,
         minibatch_size=m_rows,
         grad_accum=run.optim.grad_accum,
-        batch_shards=shards,
+        batch_shards=sharding.batch_shards(mesh),
         track_update=run.train.track_update,
         logits_chunk=run.train.logits_chunk,
         share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
         batch_shardings=update_lib.rollout_batch_shardings(mesh),
         ref_shardings=param_sh if run.grpo.beta > 0 and lora_run is None else None,
-        replicated=replicated,
+        replicated=sharding.replicated(mesh),
         base_graphdef=None if lora_run is None else lora_run.base_graphdef,
         lora_dropout=run.model.lora.dropout,
     )
-    rows_B, rows_N = _host_rows(mesh, B, G)
-    # The GRPO phase sees prompts and reference answers only, never worked solutions.
-    grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
-    base_key = jax.random.key(run.seed)
+    return Trainer(tx=tx, schedule=schedule, update=step_fn), state
+
+
+def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
+    run = runlocal.resolve(run)
+    use_compilation_cache(run.train.compilation_cache_dir)
+    is_main = jax.process_index() == 0
+    mesh, samp_mesh = build_mesh(run), build_sampler_mesh(run)
+    check_batch_layout(run, sharding.batch_shards(mesh))
+    B = run.train.batch_size
+    rows_B, rows_N = _host_rows(mesh, B, run.grpo.G)
+    tokenizer = build_tokenizer(run, workdir)
+    data_ = build_data(run, rows_B)
+    graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
+    _print_memory_plan(run, nnx.merge(graphdef, params).config, mesh, samp_mesh, stream)
+    policy = Policy(graphdef=graphdef, tokenizer=tokenizer, lora=lora_run)
+    trainer, state = build_trainer(run, policy, params, mesh)
+    placement = sharding.Placement(
+        mesh=mesh,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params),
+        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        rows_B=rows_B,
+        rows_N=rows_N,
+        sampler_mesh=samp_mesh,
+    )
     kept = []
     if is_main and checkpointer.latest_step() is None:
         # A fresh start: an earlier attempt's records (no checkpoint continues it) go aside.
         kept = [workdir_lib.set_aside(workdir / n) for n in ("metrics.jsonl", "tensorboard")]
+    progress = metrics_lib.ProgressLine(
+        run.train.steps, stream=stream, enabled=is_main, every=run.train.log_every
+    )
+    base_key = jax.random.key(run.seed)
     s = Setup(
         run=run,
-        workdir=workdir,
-        mesh=mesh,
-        graphdef=graphdef,
-        param_shardings=param_sh,
-        state_shardings=state_sh,
-        tokenizer=tokenizer,
-        encoder=build_encoder(run, tokenizer),
-        scorer=build_scorer(run),
-        sampling=tokenizer_sampling(run, tokenizer),
-        train_examples=train_all,
-        data_stats=data_stats,
-        eval_examples=eval_examples(run, datasets),
-        iterator=data.DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B),
-        rows_B=rows_B,
-        rows_N=rows_N,
-        tx=tx,
-        schedule=schedule,
-        update=step_fn,
-        checkpointer=checkpointer,
-        lock=lock,
-        writer=metrics_lib.MetricsWriter(workdir, enabled=is_main),
-        progress=metrics_lib.ProgressLine(
-            run.train.steps, stream=stream, enabled=is_main, every=run.train.log_every
+        placement=placement,
+        policy=policy,
+        rollouts=Rollouts(
+            policy=policy,
+            encoder=build_encoder(run, tokenizer),
+            scorer=build_scorer(run),
+            sampling=tokenizer_sampling(run, tokenizer),
+            grpo=run.grpo,
+            batch_size=B,
+            placement=placement,
+            message=progress.message,
         ),
+        trainer=trainer,
+        records=Records(
+            workdir=workdir,
+            checkpointer=checkpointer,
+            writer=metrics_lib.MetricsWriter(workdir, enabled=is_main),
+            progress=progress,
+            lock=lock,
+        ),
+        data=data_,
         base_key=base_key,
         eval_key=jax.random.fold_in(base_key, 0x5EED),
-        sampler_mesh=samp_mesh,
-        lora=lora_run,
     )
-    skipped = {k: v for k, v in data_stats.items() if v}
+    skipped = {k: v for k, v in data_.stats.items() if v}
     if skipped:
-        s.progress.message(f"malformed data rows skipped (data.on_error='skip'): {skipped}")
+        progress.message(f"malformed data rows skipped (data.on_error='skip'): {skipped}")
     for path in filter(None, kept):
-        s.progress.message(f"starting afresh: the earlier attempt's records are kept as {path}")
+        progress.message(f"starting afresh: the earlier attempt's records are kept as {path}")
     return s, state

@@ -16,8 +16,10 @@ a multiple of G per shard), so group statistics need no communication.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -125,3 +127,23 @@ def check_group_layout(num_rows: int, G: int, mesh: Mesh) -> None:
             f"{num_rows} rows cannot be split into {shards} batch shards of whole groups "
             f"of G={G}: make the number of prompts per step a multiple of {shards}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's arrays live.
+
+    Attributes:
+      mesh: the learner's mesh (the only one without ``mesh.sampler_devices``).
+      param_shardings, state_shardings: the parameters' and train state's.
+      rows_B, rows_N: this host's rows of the global prompt (B) and completion
+        (N = B * G) batches (all of them in one process).
+      sampler_mesh: the sampler's own mesh (``mesh.sampler_devices``), else None.
+    """
+
+    mesh: Mesh
+    param_shardings: Any
+    state_shardings: Any
+    rows_B: slice
+    rows_N: slice
+    sampler_mesh: Mesh | None = None

@@ -29,16 +29,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import jax
 
 from grpo_jax import distributed, multiturn, rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.update import rollout_batch_shardings
-
-if TYPE_CHECKING:
-    from grpo_jax.setup import Setup
 
 __all__ = [
     "Dynamic",
@@ -108,16 +105,23 @@ class SingleTurn:
     eager = False
 
     def __init__(
-        self, s: Setup, *, wait_params: bool, on_prompts: Callable[[int], None] | None = None
+        self,
+        r: rollout.Rollouts,
+        iterator,
+        base_key: jax.Array,
+        *,
+        wait_params: bool,
+        on_prompts: Callable[[int], None] | None = None,
     ):
-        self.s = s
+        self.r, self.iterator, self.base_key = r, iterator, base_key
         self.wait_params = wait_params
         self.on_prompts = on_prompts
-        self.split = bool(s.run.mesh.sampler_devices)
-        self.mesh = s.sampler_mesh if self.split else s.mesh
+        placement = r.placement
+        self.split = placement.sampler_mesh is not None
+        self.mesh = placement.sampler_mesh if self.split else placement.mesh
         if self.split:
-            self.param_shardings = _on_mesh(s.param_shardings, self.mesh)
-            self.batch_shardings = rollout_batch_shardings(s.mesh)
+            self.param_shardings = _on_mesh(placement.param_shardings, self.mesh)
+            self.batch_shardings = rollout_batch_shardings(placement.mesh)
         self._pending = {}
 
     def params(self, params):
@@ -145,25 +149,22 @@ class SingleTurn:
 
     def _gather(self, tree):
         if not hasattr(self, "_gather_fn"):
-            replicated = sharding_lib.replicated(self.s.mesh)
+            replicated = sharding_lib.replicated(self.r.mesh)
             self._gather_fn = jax.jit(lambda t: t, out_shardings=replicated)
         return self._gather_fn(tree)
 
     def submit(self, step: int, params, version: int) -> None:
-        s = self.s
-        examples = s.iterator.next()  # this host's rows of the global batch
+        r = self.r
+        examples = self.iterator.next()  # this host's rows of the global batch
         if self.on_prompts is not None:
             on_prompts, self.on_prompts = self.on_prompts, None
-            on_prompts(
-                rollout.prompt_width(
-                    s.encoder, examples, max_new_tokens=s.run.sampling.max_new_tokens
-                )
-            )
+            T = r.sampling.max_new_tokens
+            on_prompts(rollout.prompt_width(r.encoder, examples, max_new_tokens=T))
         d = rollout.dispatch_round(
-            s,
+            r,
             params,
             examples,
-            sample_key(s.base_key, step),
+            sample_key(self.base_key, step),
             mesh=self.mesh,
             wait_params=self.wait_params,
         )
@@ -171,14 +172,14 @@ class SingleTurn:
 
     def take(self, step: int) -> InFlight:
         version, d = self._pending.pop(step)
-        rd = rollout.finish_round(self.s, d)
-        batch, host = rollout.batch_from_round(self.s, rd)
+        rd = rollout.finish_round(self.r, d)
+        batch, host = rollout.batch_from_round(self.r, rd)
         if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
             batch = jax.device_put(batch, self.batch_shardings)
         elif self.split:  # several processes: each moves its own rows (the same block)
             N = batch.num_rows
-            rows = distributed.local_rows(batch, self.s.rows_N)
-            batch = distributed.global_batch(rows, self.s.mesh, N)
+            rows = distributed.local_rows(batch, self.r.rows_N)
+            batch = distributed.global_batch(rows, self.r.mesh, N)
         return InFlight(
             step,
             version,
@@ -196,8 +197,8 @@ class _Eager:
     eager = True
     split = False
 
-    def __init__(self, s: Setup):
-        self.s = s
+    def __init__(self, r: rollout.Rollouts, iterator, base_key: jax.Array):
+        self.r, self.iterator, self.base_key = r, iterator, base_key
         self._done: dict[int, InFlight] = {}
 
     def params(self, params):
@@ -205,7 +206,7 @@ class _Eager:
 
     def submit(self, step: int, params, version: int) -> None:
         t0 = time.perf_counter()
-        batch, host = self._collect(params, sample_key(self.s.base_key, step))
+        batch, host = self._collect(params, sample_key(self.base_key, step))
         t1 = time.perf_counter()
         self._done[step] = InFlight(step, version, batch, host, t0, t1, t1)
 
@@ -214,24 +215,35 @@ class _Eager:
 
 
 class Dynamic(_Eager):
-    """DAPO's dynamic sampling: rounds of prompts until B groups have signal."""
+    """DAPO's dynamic sampling: up to ``max_rounds`` rounds of prompts until B groups
+    have signal."""
+
+    def __init__(self, r, iterator, base_key, *, max_rounds: int):
+        super().__init__(r, iterator, base_key)
+        self.max_rounds = max_rounds
 
     def _collect(self, params, key):
-        return rollout.collect_dynamic(self.s, params, self.s.iterator.next, key)
+        draw = self.iterator.next
+        return rollout.collect_dynamic(self.r, params, draw, key, max_rounds=self.max_rounds)
 
 
 class MultiTurn(_Eager):
-    """Episodes against the run's environment (``env.name``)."""
+    """Episodes against the run's environment (``env``: the run's ``env`` section)."""
+
+    def __init__(self, r, iterator, base_key, *, env):
+        super().__init__(r, iterator, base_key)
+        self.env = env
 
     def _collect(self, params, key):
-        return multiturn.collect(self.s, params, self.s.iterator.next(), key)
+        return multiturn.collect(self.r, self.env, params, self.iterator.next(), key)
 
 
-def make_source(s: Setup, *, on_prompts=None) -> RolloutSource:
-    """The run's source: multi-turn with ``env.name``, dynamic with
+def make_source(run, r: rollout.Rollouts, iterator, base_key, *, on_prompts=None):
+    """The source ``run`` asks for: multi-turn with ``env.name``, dynamic with
     ``train.dynamic_sampling``, else single-turn."""
-    if s.run.env.name:
-        return MultiTurn(s)
-    if s.run.train.dynamic_sampling:
-        return Dynamic(s)
-    return SingleTurn(s, wait_params=not s.run.train.max_staleness, on_prompts=on_prompts)
+    if run.env.name:
+        return MultiTurn(r, iterator, base_key, env=run.env)
+    if run.train.dynamic_sampling:
+        return Dynamic(r, iterator, base_key, max_rounds=run.train.max_sampling_rounds)
+    wait = not run.train.max_staleness  # on-policy: nothing overlaps the sampler
+    return SingleTurn(r, iterator, base_key, wait_params=wait, on_prompts=on_prompts)

@@ -86,20 +86,22 @@ def evaluate_policy(s: Setup, params, step: int, examples=None, prefix="eval", c
     t0 = time.perf_counter()
     if s.run.env.name:  # multi-turn episodes with an environment (grpo_jax.multiturn)
         key = jax.random.fold_in(s.eval_key, step)
-        examples = s.eval_examples if examples is None else examples
-        out = multiturn.evaluate(s, params, examples, key, cfg=cfg or s.run.eval, prefix=prefix)
+        examples = s.data.eval_examples if examples is None else examples
+        out = multiturn.evaluate(
+            s.rollouts, s.run.env, params, examples, key, cfg=cfg or s.run.eval, prefix=prefix
+        )
         out[f"perf/{prefix}_s"] = time.perf_counter() - t0
         return out
     out = evaluate(
-        s.graphdef,
+        s.policy.graphdef,
         params,
-        s.eval_examples if examples is None else examples,
-        encoder=s.encoder,
-        scorer=s.scorer,
-        sampling=s.sampling,
+        s.data.eval_examples if examples is None else examples,
+        encoder=s.rollouts.encoder,
+        scorer=s.rollouts.scorer,
+        sampling=s.rollouts.sampling,
         cfg=s.run.eval if cfg is None else cfg,
         key=jax.random.fold_in(s.eval_key, step),
-        mesh=s.mesh,
+        mesh=s.placement.mesh,
         prefix=prefix,
     )
     out[f"perf/{prefix}_s"] = time.perf_counter() - t0
@@ -160,7 +162,7 @@ def _save(
 def _stop(s: Setup, report: Reporter, step: int) -> dict:
     """The end of a run stopped by SIGTERM or a health alarm, its checkpoint of ``step``
     saved: an alarm raises ``AlarmStop`` (nothing resumes past it unasked)."""
-    s.checkpointer.wait()
+    s.records.checkpointer.wait()
     if report.stop_requested:
         raise report.alarm_stop(step)
     report.message(
@@ -170,33 +172,33 @@ def _stop(s: Setup, report: Reporter, step: int) -> dict:
 
 
 def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
-    """``s.update`` compiled, in a background thread, for a batch of prompts ``prompt_width``
+    """The update compiled, in a background thread, for a batch of prompts ``prompt_width``
     wide: a context manager (:class:`grpo_jax.update.CompiledAhead`) whose value is the
     update."""
     run = s.run
     spec = update_lib.batch_spec(
-        update_lib.rollout_batch_shardings(s.mesh),
+        update_lib.rollout_batch_shardings(s.placement.mesh),
         run.train.batch_size * run.grpo.G,
         prompt_width,
         run.sampling.max_new_tokens,
     )
-    return update_lib.CompiledAhead(s.update, state, spec, key, ref_params)
+    return update_lib.CompiledAhead(s.trainer.update, state, spec, key, ref_params)
 
 
 def _train_key(s: Setup, step: int):
     """The PRNG key of step ``step``'s update, the same on every host (the sampler's is
     ``sources.sample_key``)."""
     key = jax.random.split(jax.random.fold_in(s.base_key, step))[1]
-    return distributed.put(key, replicated(s.mesh))
+    return distributed.put(key, replicated(s.placement.mesh))
 
 
 class _Update:
-    """The run's update: ``s.update``, or the same compiled ahead for the first batch once
-    a source knows its prompt width (``compile_for``), while the sampler compiles and
-    samples. The compilation's thread ends with the run (``run_scoped``)."""
+    """The run's update: ``s.trainer.update``, or the same compiled ahead for the first
+    batch once a source knows its prompt width (``compile_for``), while the sampler
+    compiles and samples. The compilation's thread ends with the run (``run_scoped``)."""
 
     def __init__(self, s: Setup, state, ref_params, first_step: int, run_scoped):
-        self.fn = s.update
+        self.fn = s.trainer.update
         self._ahead = (s, state, ref_params, first_step, run_scoped)
 
     def compile_for(self, prompt_width: int) -> None:
@@ -215,7 +217,9 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         return {"preempted": True, "step": 0}
     state, ref_params = start.state, start.ref_params
     report = Reporter(
-        s,
+        run,
+        s.records,
+        s.data.iterator,
         no_signal_run=start.no_signal_run,
         start_step=start.start_step,
         sampled_tokens=start.sampled_tokens,
@@ -223,9 +227,16 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
     )
     update = _Update(s, state, ref_params, start.start_step + 1, run_scoped)
     k = run.train.max_staleness
-    queue = pipeline.restore_inflight(s, start.start_step) if start.resumed and k else []
-    source = sources.make_source(s, on_prompts=update.compile_for)
-    pipe = run_scoped.enter_context(pipeline.Staleness(s, source, k, queue=queue))
+    queue = []
+    if start.resumed and k:
+        queue = pipeline.restore_inflight(
+            s.records.checkpointer, s.placement.mesh, start.start_step
+        )
+    source = sources.make_source(
+        run, s.rollouts, s.data.iterator, s.base_key, on_prompts=update.compile_for
+    )
+    pipe = pipeline.Staleness(source, k, last=run.train.steps, queue=queue)
+    run_scoped.enter_context(pipe)
     pipe.fill(start.start_step, state.params)
 
     def save(state, step):
@@ -267,19 +278,19 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
     )
     if final_step > start.start_step or not start.resumed:
         save(state, final_step)
-    s.checkpointer.wait()
+    s.records.checkpointer.wait()
     return summarize(
         run,
-        s.workdir,
+        s.records.workdir,
         start.before,
         after,
         start.warm_info,
         start.prior_seconds,
         t_start,
         final_step,
-        s.progress,
-        s.is_main,
-        data_stats=s.data_stats,
+        s.records.progress,
+        s.records.is_main,
+        data_stats=s.data.stats,
         sampled_tokens=report.sampled_tokens,
         ended_by=ended_by,
     )

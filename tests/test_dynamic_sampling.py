@@ -75,15 +75,15 @@ def _spied_run(workdir, monkeypatch, **updates):
     batches = []
     real = rollout.collect_dynamic
 
-    def spy(s, params, draw, key):
-        batch, host = real(s, params, draw, key)
+    def spy(r, params, draw, key, **kw):
+        batch, host = real(r, params, draw, key, **kw)
         batches.append(
             (
                 np.asarray(jax.device_get(batch.rewards_N)),
                 np.asarray(jax.device_get(batch.weights_N)),
                 np.asarray(jax.device_get(batch.advantages_N)),
                 host.metrics,
-                s.iterator.state()["position"],
+                draw.__self__.state()["position"],  # draw: the data iterator's next
             )
         )
         return batch, host

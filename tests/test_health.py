@@ -272,7 +272,7 @@ def _reporter(health_state=None, **health):
     from grpo_jax.report import Reporter
 
     run = SimpleNamespace(train=TrainConfig(), health=HealthConfig(**health))
-    return Reporter(SimpleNamespace(run=run), health_state=health_state)
+    return Reporter(run, SimpleNamespace(), health_state=health_state)
 
 
 def test_reporter_fires_an_alarm_when_it_starts_and_after_a_quiet_spell():

@@ -9,8 +9,6 @@ episode follows a script through the real sampler, environments, tools and the t
 tokens the script expects.
 """
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +18,9 @@ from flax import nnx
 from grpo_jax import envs, multiturn
 from grpo_jax.config import EnvSection
 from grpo_jax.models.builtin_tokenizer import EOS_ID, build_tokenizer
-from grpo_jax.rollout import PromptEncoder
+from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
 from grpo_jax.sampling import SamplingConfig
+from grpo_jax.sharding import Placement
 
 # ChatML; consecutive tool messages share one user turn, as in Qwen 2.5's template.
 TOOL_TEMPLATE = (
@@ -152,18 +151,20 @@ class MemorizedLM(nnx.Module):
 
 
 def _state(tok, script, *, chat, env, default):
-    """What ``multiturn.play`` reads of the trainer's state."""
+    """What ``multiturn.play`` reads: the run's rollout bundle (no scorer, batch or mesh:
+    play uses none), its env section, and the parameters."""
     env_section = EnvSection(name=env, max_tokens=192, max_obs_tokens=64)
-    run = types.SimpleNamespace(env=env_section, prompt=types.SimpleNamespace(chat=chat))
     graphdef, params = nnx.split(MemorizedLM(script, default))
-    s = types.SimpleNamespace(
-        run=run,
+    r = Rollouts(
+        policy=Policy(graphdef=graphdef, tokenizer=tok),
         encoder=PromptEncoder(tok, template="{prompt}", chat=chat, system=None, buckets=(64,)),
+        scorer=None,
         sampling=SamplingConfig(max_new_tokens=1, eos_ids=EOS_IDS, pad_id=0),
-        tokenizer=tok,
-        graphdef=graphdef,
+        grpo=None,
+        batch_size=1,
+        placement=None,
     )
-    return s, params
+    return (r, env_section), params
 
 
 EXAMPLE = {"prompt": "What is 17*23?", "answer": "391"}
@@ -210,7 +211,9 @@ def test_tool_use_chat_episode_is_the_whole_conversation_templated(chat_tok):
                 model_mask[j] = 1
     assert end == EOS_IDS[1] and len(script) <= SCRIPT_LEN
     s, params = _state(tok, script, chat=True, env=TOOL_USE.format(True), default=end)
-    ep, texts, reset_errors = multiturn.play(s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
+    ep, texts, reset_errors = multiturn.play(
+        *s, params, [EXAMPLE], jax.random.key(0), num_samples=2
+    )
     assert texts == [_render(tok, messages[:1], gen=True)] and reset_errors == []
     assert ep.prompt_tokens_NxP[0][ep.prompt_mask_NxP[0]].tolist() == prompt
     _check_episodes(ep, script[len(prompt) :], model_mask[len(prompt) :])
@@ -233,7 +236,7 @@ def test_tool_use_tag_format_episode():
     s, params = _state(
         tok, prompt + transcript, chat=False, env=TOOL_USE.format(False), default=EOS_ID
     )
-    ep, _, _ = multiturn.play(s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
+    ep, _, _ = multiturn.play(*s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
     _check_episodes(ep, transcript, model_mask)
 
 
@@ -244,7 +247,7 @@ def test_a_template_that_cannot_continue_ends_the_episode_as_an_error():
     prompt = _ids(tok, _render(tok, [{"role": "user", "content": EXAMPLE["prompt"]}], gen=True))
     script = prompt + _ids(tok, TURNS[0]) + [EOS_ID]
     s, params = _state(tok, script, chat=True, env=TOOL_USE.format(True), default=EOS_ID)
-    ep, _, _ = multiturn.play(s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
+    ep, _, _ = multiturn.play(*s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
     assert np.isnan(ep.rewards_N).all() and ep.errors_N.all() and (ep.turns_N == 1).all()
     assert ep.turn_texts == [[TURNS[0]]] * 2
     assert "observation: ValueError" in ep.error_messages[0]
@@ -284,16 +287,18 @@ def _collect_state(env, mesh, said):
     run = config_lib.parse_config(cfg)
     tok = build_tokenizer()
     graphdef, params = nnx.split(MemorizedLM((), default=EOS_ID))  # turns of one EOS
-    s = types.SimpleNamespace(
-        run=run,
+    B, G = run.train.batch_size, run.grpo.G
+    r = Rollouts(
+        policy=Policy(graphdef=graphdef, tokenizer=tok),
         encoder=setup_lib.build_encoder(run, tok),
+        scorer=None,  # the environment scores
         sampling=setup_lib.tokenizer_sampling(run, tok),
-        tokenizer=tok,
-        graphdef=graphdef,
-        mesh=mesh,
-        progress=types.SimpleNamespace(message=said.append),
+        grpo=run.grpo,
+        batch_size=B,
+        placement=Placement(mesh, None, None, rows_B=slice(0, B), rows_N=slice(0, B * G)),
+        message=said.append,
     )
-    return s, params
+    return (r, run.env), params
 
 
 @pytest.mark.slow
@@ -302,7 +307,7 @@ def test_collect_contains_a_failing_reset(one_device_mesh):
     said = []
     s, params = _collect_state("reset_fails_on_bad_test", one_device_mesh, said)
     examples = [{"prompt": "1+2=", "answer": a} for a in ("3", "bad", "5")]
-    batch, host = multiturn.collect(s, params, examples, jax.random.key(0))
+    batch, host = multiturn.collect(*s, params, examples, jax.random.key(0))
     rewards, adv = np.asarray(batch.rewards_N), np.asarray(batch.advantages_N)
     good = [0, 1, 4, 5]
     assert np.isnan(rewards[2:4]).all() and sorted(rewards[good]) == [0.0, 0.0, 1.0, 1.0]
@@ -343,7 +348,7 @@ def test_collect_contains_a_long_first_prompt_and_clips_a_huge_reward(one_device
     said = []
     s, params = _collect_state("long_or_huge_test", one_device_mesh, said)
     examples = [{"prompt": "1+2=", "answer": a} for a in ("3", "long", "huge")]
-    batch, host = multiturn.collect(s, params, examples, jax.random.key(0))
+    batch, host = multiturn.collect(*s, params, examples, jax.random.key(0))
     rewards, adv = np.asarray(batch.rewards_N), np.asarray(batch.advantages_N)
     assert np.isnan(rewards[2:4]).all() and (adv[2:4] == 0).all()
     assert sorted(rewards[4:]) == [0.0, 1e6] and np.isfinite(adv).all()

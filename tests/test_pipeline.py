@@ -118,11 +118,11 @@ def _record_batches(monkeypatch):
     return seen
 
 
-def _params_by_version(workdir, run, s):
+def _params_by_version(workdir, run, r):
     """{version: params}: version 0 is the initial model, the others the checkpoints."""
     from grpo_jax import setup as setup_lib
 
-    _, init = setup_lib.build_model(run, s.tokenizer, s.mesh)
+    _, init = setup_lib.build_model(run, r.policy.tokenizer, r.mesh)
     ck = Checkpointer(workdir / "checkpoints")
     try:
         out = {v: ck.restore_params(v, params_like=init) for v in ck.all_steps()}
@@ -174,24 +174,24 @@ def test_each_batch_comes_from_a_version_within_the_bound(tmp_path, monkeypatch,
     assert [f.version for _, f in seen] == [pipeline.sampled_version(s, k) for s in (1, 2, 3, 4)]
 
     sampler = seen[0][0]
-    run, s = sampler.s.run, sampler.s
-    versions = _params_by_version(tmp_path, run, s)
+    run, r = config_lib.parse_config(cfg), sampler.r
+    versions = _params_by_version(tmp_path, run, r)
     G = run.grpo.G
     distinct = 0
     for _, f in seen:
-        key, _ = jax.random.split(jax.random.fold_in(s.base_key, f.step))
+        key = sources.sample_key(sampler.base_key, f.step)
         prompts_BxP = np.asarray(f.batch.prompt_tokens_NxP)[::G]
         mask_BxP = np.asarray(f.batch.prompt_mask_NxP)[::G]
 
         def again(v, prompts_BxP=prompts_BxP, mask_BxP=mask_BxP, key=key):
             params = sampler.params(versions[v])
             return generate(
-                s.graphdef,
+                r.policy.graphdef,
                 params,
                 prompts_BxP,
                 mask_BxP,
                 key,
-                s.sampling,
+                r.sampling,
                 num_samples=G,
                 mesh=sampler.mesh,
             )
