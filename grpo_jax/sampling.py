@@ -467,7 +467,7 @@ def _write(state: DecodeState, draw, cfg: SamplingConfig) -> DecodeState:
     )
 
 
-def _repeat_rows(x, g: int, axis: int = 0):
+def repeat_rows(x, g: int, axis: int = 0):
     # [..., B, ...] -> [..., B*G, ...], each row repeated G times contiguously;
     # a reshape of a broadcast, so rows stay on the shard of their prompt.
     if g == 1:
@@ -534,17 +534,17 @@ def _prefill(
         last_only=True,
     )
     # Left padding puts every row's last prompt token in column P-1.
-    last_NxV = _repeat_rows(logits_Bx1xV[:, 0], g)
+    last_NxV = repeat_rows(logits_Bx1xV[:, 0], g)
     if g > 1:
         axes = _cache_batch_axes(model, s)
-        cache = jax.tree.map(lambda c, ax: _repeat_rows(c, g, axis=ax), cache, axes)
+        cache = jax.tree.map(lambda c, ax: repeat_rows(c, g, axis=ax), cache, axes)
     cache = constrain_cache(cache)
     rows = lambda x: x
     if mesh is not None:
         rows = lambda x: jax.lax.with_sharding_constraint(
             x, sharding_lib.batch_sharding(mesh, x.ndim)
         )
-    tokens_NxP, mask_NxP = rows(_repeat_rows(tokens_BxP, g)), rows(_repeat_rows(mask_BxP, g))
+    tokens_NxP, mask_NxP = rows(repeat_rows(tokens_BxP, g)), rows(repeat_rows(mask_BxP, g))
     key, sub = jax.random.split(key)
     state = DecodeState(
         step=jnp.zeros((), jnp.int32),
@@ -555,7 +555,7 @@ def _prefill(
         behavior_logps_NxT=jnp.zeros((n, t), jnp.float32),
         lengths_N=jnp.zeros((n,), jnp.int32),
         done_N=jnp.zeros((n,), jnp.bool_),
-        kv_mask_NxS=rows(_repeat_rows(kv_mask_BxS, g)),
+        kv_mask_NxS=rows(repeat_rows(kv_mask_BxS, g)),
         cache=cache,
         key_data=jax.random.key_data(key),
     )

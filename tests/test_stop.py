@@ -17,7 +17,7 @@ from test_multiturn import PROMPTS as MT_PROMPTS
 from test_multiturn import _envs, _model, decode, encode_obs
 from test_sampling import PROMPTS, CountingLM
 
-from grpo_jax import multiturn, sampling
+from grpo_jax import multiturn, sampling, turn_decode
 from grpo_jax.config import ConfigError, SamplingSection, parse_config
 from grpo_jax.sampling import SamplingConfig, pad_prompts
 
@@ -297,7 +297,7 @@ def test_multiturn_write_token_matches_within_the_turn_only():
     for i, (seq, m, *_) in enumerate(rows):
         tokens[i, : len(seq)], mask[i, : len(seq)] = seq, m
     zeros = np.zeros(n, np.int32)
-    st = multiturn.MTState(
+    st = turn_decode.MTState(
         cache=None,
         kv_mask_NxS=np.zeros((n, t), bool),
         end_slot_N=zeros,
@@ -318,7 +318,7 @@ def test_multiturn_write_token_matches_within_the_turn_only():
         key_data=np.zeros(2, np.uint32),
     )
     sampling_cfg = SamplingConfig(max_new_tokens=1, eos_ids=(2,), stop_sequences=stops)
-    out = multiturn._write_token(
+    out = turn_decode.write_token(
         st,
         np.ones(n, bool),
         np.asarray([r[3] for r in rows], np.int32),
@@ -330,7 +330,7 @@ def test_multiturn_write_token_matches_within_the_turn_only():
     )
     ends = np.asarray([r[5] for r in rows])
     np.testing.assert_array_equal(np.asarray(out.active_N), ~ends)
-    np.testing.assert_array_equal(np.asarray(out.reason_N), np.where(ends, multiturn.TURN_END, 0))
+    np.testing.assert_array_equal(np.asarray(out.reason_N), np.where(ends, turn_decode.TURN_END, 0))
     assert not np.asarray(out.last_eos_N).any()  # a stop is not an EOS (observation encoding)
 
 
