@@ -89,7 +89,8 @@ import functools
 import math
 from collections.abc import Mapping
 
-from grpo_jax.config import ATTENTION, ConfigError
+from grpo_jax.errors import ConfigError
+from grpo_jax.models.config import ATTENTION
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}

@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import envs as envs_lib
-from grpo_jax.config import check_range
+from grpo_jax.checks import check_range
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.sampling import SamplingConfig, _repeat_rows, sample_step, stop_hits
 
