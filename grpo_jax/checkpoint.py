@@ -33,19 +33,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax import distributed
+from grpo_jax import optimizer as optim_lib
+from grpo_jax.base_policy import base_policy, lora_base_policy
+from grpo_jax.config import ConfigError
+from grpo_jax.models import lora
+from grpo_jax.report import AlarmStop, describe_stop
+from grpo_jax.sharding import abstract_like as _abstract
+from grpo_jax.sharding import replicated
+
 if TYPE_CHECKING:
     from grpo_jax.setup import Setup
-
-
-def _abstract(tree):
-    """ShapeDtypeStructs (with shardings) for a pytree of arrays or of structs."""
-
-    def one(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-    return jax.tree.map(one, tree)
 
 
 class Checkpointer:
@@ -255,11 +253,6 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     import jax.numpy as jnp
     import numpy as np
 
-    from grpo_jax import distributed
-    from grpo_jax import optimizer as optim_lib
-    from grpo_jax.base_policy import base_policy
-    from grpo_jax.sharding import replicated
-
     run, ck = s.run, s.checkpointer
     resumed = ck.latest_step() is not None
     warm_info = None
@@ -269,8 +262,6 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
     separate_ref = run.grpo.beta > 0 and s.lora is None
     lora_base = None
     if s.lora is not None:  # the frozen base (warm-started when configured), resumed or not
-        from grpo_jax.base_policy import lora_base_policy
-
         state, warm_info, lora_base = lora_base_policy(s, state, evaluate=evaluate, preempt=preempt)
         if state is None:
             s.progress.message("preempted during the warm start; rerun to start again")
@@ -381,8 +372,6 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     naming each changed key with its old and new value, unless
     ``checkpoint.allow_changed_config``: then returns those changes.
     """
-    from grpo_jax.config import ConfigError
-
     saved = _newest_meta(ck).get("config")
     if saved is None:
         return None
@@ -433,8 +422,6 @@ def check_alarm_stop(run, ck: Checkpointer) -> str | None:
     when health alarms stopped the run there, raises ``AlarmStop`` naming them and
     ``health.resume_after_stop``, unless that key is set: then returns what stopped it.
     """
-    from grpo_jax.report import AlarmStop, describe_stop
-
     want = run.checkpoint.resume_from
     if want and want not in ck.all_steps():
         return None  # restore_newest names the missing step
@@ -479,8 +466,6 @@ def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
             s.progress.message(f"resuming from step {want}: steps {later} moved to {aside}")
     params_like = state.params
     if s.lora is not None:  # a LoRA checkpoint holds the adapters; the base is loaded
-        from grpo_jax.models import lora
-
         params_like = lora.trainable(state.params)
     for step in sorted(ck.all_steps(), reverse=True):
         try:
@@ -548,7 +533,5 @@ def save_run(
         arrays, meta["inflight"] = inflight
     params = state.params
     if s.lora is not None:  # the adapters only, and which base they belong to
-        from grpo_jax.models import lora
-
         params, meta["lora_base"] = lora.trainable(params), start.lora_base
     s.checkpointer.save(step, params=params, opt_state=state.opt_state, meta=meta, inflight=arrays)

@@ -1,8 +1,12 @@
-"""The error types that every layer may raise; this module imports nothing from grpo_jax.
+"""The error types that mean the user's input is wrong; this module imports nothing from grpo_jax.
 
 The bottom layer of the package (docs/architecture.md, "Layers"): a lower module that
 needs to report a bad setting raises :class:`ConfigError` from here, never from
-``grpo_jax.config`` (the run layer, which composes the sections and imports them).
+``grpo_jax.config`` (the run layer, which composes the sections and imports them). The
+command line (``grpo_jax.cli.user_errors``) catches these without importing the modules
+that raise them (JAX, Orbax). Each is also importable where it was first defined:
+``grpo_jax.data.jsonl`` (``MalformedRowError``, ``NotUTF8Error``), ``grpo_jax.distributed``
+(``DistributedError``), ``grpo_jax.workdir`` (``WorkdirBusyError``), ``grpo_jax.config``.
 """
 
 from __future__ import annotations
@@ -10,3 +14,23 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A configuration value is missing, misspelled or out of range."""
+
+
+class MalformedRowError(ValueError):
+    """A row of a dataset file cannot be read; the message names file and line."""
+
+    def __init__(self, path, lineno: int, problem: str):
+        self.path, self.lineno, self.problem = str(path), lineno, problem
+        super().__init__(f"{path}:{lineno}: {problem}")
+
+
+class NotUTF8Error(ValueError):
+    """A line of a dataset file is not valid UTF-8; the message gives the first bad byte."""
+
+
+class DistributedError(ValueError):
+    """The multi-process settings are incomplete or inconsistent."""
+
+
+class WorkdirBusyError(RuntimeError):
+    """Another live process is running in this workdir."""

@@ -90,7 +90,8 @@ import math
 from collections.abc import Mapping
 
 from grpo_jax.errors import ConfigError
-from grpo_jax.models.config import ATTENTION
+from grpo_jax.models.config import ATTENTION, ModelConfig
+from grpo_jax.models.transformer import Transformer
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -198,8 +199,6 @@ def _model_config(cfg):
     mlp_bias, qk_norm, sandwich_norm, activation, family, ...) are taken
     over, the rest keep their defaults (switches off, family "llama").
     """
-    from grpo_jax.models import ModelConfig
-
     if isinstance(cfg, ModelConfig):
         return cfg
     _model_sizes(cfg)
@@ -215,8 +214,6 @@ def _model_config(cfg):
 @functools.lru_cache(maxsize=16)
 def _model_params(cfg) -> tuple[tuple[str, tuple[int, ...], str, tuple[str | None, ...]], ...]:
     from flax import nnx
-
-    from grpo_jax.models import Transformer
 
     # Abstract: shapes, dtypes and metadata only, no parameter is allocated.
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

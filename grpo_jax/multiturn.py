@@ -59,7 +59,7 @@ from flax import nnx
 from grpo_jax import envs as envs_lib
 from grpo_jax.checks import check_range
 from grpo_jax.models.transformer import positions_from_mask
-from grpo_jax.sampling import SamplingConfig, _repeat_rows, sample_step, stop_hits
+from grpo_jax.sampling import SamplingConfig, _repeat_rows, pad_prompts, sample_step, stop_hits
 
 # Why a row went idle in a phase.
 RUNNING, TURN_END, BUDGET = 0, 1, 2
@@ -616,8 +616,6 @@ def play(s, params, examples, key, *, num_samples: int, greedy: bool = False):
 
     -> (Episodes, prompt texts B, reset error messages).
     """
-    from grpo_jax.sampling import pad_prompts
-
     run = s.run
     cfg = mt_config(run)
     environments, first, reset_errors = reset_all(

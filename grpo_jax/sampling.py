@@ -61,6 +61,7 @@ from grpo_jax import distributed
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.checks import check_known_keys, check_range, to_dict
 from grpo_jax.errors import ConfigError
+from grpo_jax.models.partitioning import cache_shardings
 from grpo_jax.models.transformer import positions_from_mask
 
 # ---------------------------------------------------------------------------
@@ -618,8 +619,6 @@ def _prefill(
     if mesh is not None:
         # Rows of the cache live with their rows of the batch (KV heads split
         # too under tensor parallelism); the loop then never moves them.
-        from grpo_jax.models.partitioning import cache_shardings
-
         layout = getattr(model, "layout", "fsdp")
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(
             c, cache_shardings(c, mesh, layout)

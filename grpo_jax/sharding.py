@@ -125,3 +125,16 @@ def check_group_layout(num_rows: int, G: int, mesh: Mesh) -> None:
             f"{num_rows} rows cannot be split into {shards} batch shards of whole groups "
             f"of G={G}: make the number of prompts per step a multiple of {shards}"
         )
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs (with shardings) for a pytree of arrays or of structs: what an
+    Orbax restore is given to lay the arrays out (``grpo_jax.checkpoint``, the warm
+    start's cache in ``grpo_jax.sft``)."""
+
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)
