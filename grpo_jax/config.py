@@ -205,7 +205,7 @@ class EvalConfig:
       split: dataset split evaluated.
     """
 
-    every: int = 0
+    every: int = 50
     at_start: bool = True
     num_problems: int = 500
     batch_size: int = 256

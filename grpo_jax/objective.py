@@ -18,6 +18,9 @@ from grpo_jax.errors import ConfigError
 
 OLD_LOGPS = ("sampler", "recompute")
 
+# The clip range of a run config's ``grpo.epsilon`` when unset: both sides' default.
+EPSILON = 0.2
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
@@ -62,8 +65,8 @@ class GRPOConfig:
 
     G: int = 8
     beta: float = 0.0
-    epsilon_low: float | None = 0.2
-    epsilon_high: float | None = 0.2
+    epsilon_low: float | None = EPSILON
+    epsilon_high: float | None = EPSILON
     mu: int = 1
     kl_estimator: str = "k3"
     reduction: str = "grpo"
@@ -148,7 +151,7 @@ class GRPOConfig:
         cfg = dict(cfg)
         fields = {f.name for f in dataclasses.fields(cls)}
         check_known_keys("grpo", cfg, fields | {"epsilon"})
-        eps = cfg.pop("epsilon", 0.2)
+        eps = cfg.pop("epsilon", EPSILON)
         check_range("grpo.epsilon", eps, lo=0.0)
         for side in ("epsilon_low", "epsilon_high"):
             if cfg.get(side) is None:

@@ -33,6 +33,7 @@ from grpo_jax.errors import ConfigError
 
 # The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
 ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
+DEFAULT_ATTENTION = "einsum"  # the reference implementation
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -164,7 +165,7 @@ class ModelConfig:
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     remat: bool = False
-    attention: str = "einsum"
+    attention: str = DEFAULT_ATTENTION
     attention_block_size: int = 512
     scan_layers: bool = False
     bos_token_id: int | None = None
@@ -452,7 +453,7 @@ class ModelSection:
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
       param_dtype: storage dtype of the parameters (None: ``dtype``).
       remat: recompute each layer in the backward pass.
-      attention: "einsum", "blockwise", "dot_product" or "splash"
+      attention: "einsum" (the default), "blockwise", "dot_product" or "splash"
         (``grpo_jax.models.attention``).
       scan_layers: run the layers as one scan over stacked parameters.
       lora: low-rank adapters on a frozen base (:class:`LoRAConfig`; rank 0: off).
@@ -465,8 +466,8 @@ class ModelSection:
     dtype: str | None = None
     param_dtype: str | None = None
     remat: bool | None = None
-    attention: str | None = None
-    scan_layers: bool | None = None
+    attention: str | None = DEFAULT_ATTENTION
+    scan_layers: bool | None = False
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     lora: LoRAConfig = LoRAConfig()
 
