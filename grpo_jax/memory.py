@@ -90,7 +90,7 @@ import math
 from collections.abc import Mapping
 
 from grpo_jax.errors import ConfigError
-from grpo_jax.models.config import ATTENTION, ModelConfig
+from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION, ModelConfig
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
@@ -289,7 +289,7 @@ def estimate(
     remat: bool = False,
     sample_rows: int | None = None,
     logits_chunk: int = 0,
-    attention: str = "einsum",
+    attention: str = DEFAULT_ATTENTION,
     attention_block_size: int = 512,
     lora_rank: int = 0,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
