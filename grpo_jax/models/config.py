@@ -360,6 +360,10 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
     return family_config(family, **fields)
 
 
+# ---------------------------------------------------------------------------
+# The run config's ``model`` section (``grpo_jax.config`` composes it into the run):
+# the checkpoint, the loader's settings and the low-rank adapters.
+
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
