@@ -94,20 +94,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.warm_start.enabled = True
     c.warm_start.target = "answer"
     c.warm_start.max_steps = 3000
-    c.warm_start.min_steps = 0
     # Stop when GRPO's own samples (temperature 1) are right 15% of the time: enough
     # groups with a correct sample to learn from. Greedy pass@1 is then higher.
     c.warm_start.metric = "sampled"
-    c.warm_start.val_samples = 4
     c.warm_start.target_pass_at_1 = 0.15
     c.warm_start.eval_every = 10
-    c.warm_start.val_problems = 256
-    c.warm_start.batch_size = 64
-    c.warm_start.learning_rate = 1e-3
-    c.warm_start.warmup_steps = 20
-    c.warm_start.weight_decay = 0.0
-    c.warm_start.max_grad_norm = 1.0
-    c.warm_start.cache = True
 
     if a.runlocal or a.smoke:
         c.model.hidden_size = 32

@@ -60,7 +60,6 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.seed = c.get_ref("seed")
 
     c.env.name = "guess_number(low=0, high=9, max_turns=4)"
-    c.env.max_turns = 4
     c.env.max_turn_tokens = 2
     c.env.max_tokens = 16  # 4 turns of 2 tokens + 3 one-token answers, 5 to spare
     c.env.max_obs_tokens = 2
@@ -74,17 +73,14 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.sampling.max_new_tokens = 16  # = env.max_tokens (memory plan, context check)
     c.sampling.prompt_buckets = (16,)
 
-    c.grpo.G = 8
     c.optim.learning_rate = 2e-3
     c.optim.warmup_steps = 5
 
     c.train.steps = 600
     c.train.batch_size = 16
-    c.train.samples_every = 25
 
     c.eval.every = 200
     c.eval.num_problems = 256
-    c.eval.batch_size = 256
     c.eval.num_samples = 4
 
     c.checkpoint.every = 200

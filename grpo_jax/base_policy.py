@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from grpo_jax import optimizer as optim_lib
 from grpo_jax import sft
 from grpo_jax import workdir as workdir_lib
+from grpo_jax.models import lora
 
 if TYPE_CHECKING:
     from grpo_jax.setup import Setup
@@ -137,9 +139,6 @@ def lora_base_policy(s: Setup, state, *, evaluate, preempt):
     alone, and the adapters (B = 0) stay as they were. Returns (None, None,
     None) when SIGTERM arrived during the warm start.
     """
-    from grpo_jax import optimizer as optim_lib
-    from grpo_jax.models import lora
-
     base, adapters = lora.split(state.params)
     base_sh, _ = lora.split(s.placement.param_shardings)
     s_base = dataclasses.replace(

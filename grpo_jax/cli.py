@@ -11,6 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+
+from grpo_jax.errors import (
+    CheckpointError,
+    ConfigError,
+    DistributedError,
+    MalformedRowError,
+    NotUTF8Error,
+    WorkdirBusyError,
+)
 
 
 def quiet() -> None:
@@ -31,12 +41,9 @@ ALARM_STOP = 4
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean the user's input is wrong, not grpo_jax."""
-    from grpo_jax.checkpoint import CheckpointError
-    from grpo_jax.config import ConfigError
-    from grpo_jax.data.jsonl import MalformedRowError, NotUTF8Error
-    from grpo_jax.distributed import DistributedError
+    # Inside the function on purpose: the models package imports JAX, which the entry
+    # points import only after ``quiet()``; the other types are ``grpo_jax.errors``'.
     from grpo_jax.models.safetensors_io import CheckpointError as SafetensorsError
-    from grpo_jax.workdir import WorkdirBusyError
 
     return (
         ConfigError,
@@ -55,10 +62,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def report_user_error(e: BaseException, stream=None) -> int:
     """Prints ``error: <message>`` (one line per line of the message); returns USER_ERROR."""
-    import sys
-
-    from grpo_jax.config import ConfigError
-
     prefix = "config error" if isinstance(e, ConfigError) else "error"
     print(f"{prefix}: {e}", file=stream or sys.stderr)
     return USER_ERROR

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 
 from absl import flags
 
+from grpo_jax.errors import DistributedError
+
 ENV_COORDINATOR = "GRPO_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "GRPO_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "GRPO_JAX_PROCESS_ID"
@@ -74,10 +76,6 @@ def define_flags() -> None:
     flags.DEFINE_integer(
         "process_id", None, f"This process's index in [0, num_processes) (or ${ENV_PROCESS_ID})."
     )
-
-
-class DistributedError(ValueError):
-    """The multi-process settings are incomplete or inconsistent."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +263,8 @@ def host_rows(mesh, num_rows: int) -> slice:
     those rows to ``jax.make_array_from_process_local_data`` (see
     :func:`global_batch`). Raises if the mesh gives this host scattered rows.
     """
+    # Inside the function on purpose: this module imports no JAX (main.py imports it
+    # first, to join a multi-process run); grpo_jax.sharding imports JAX.
     from grpo_jax.sharding import batch_sharding
 
     index_map = batch_sharding(mesh, 1).addressable_devices_indices_map((num_rows,))
@@ -288,6 +288,8 @@ def global_batch(host_tree, mesh, num_rows: int):
     import jax
     import numpy as np
 
+    # Inside the function on purpose: this module imports no JAX (main.py imports it
+    # first, to join a multi-process run); grpo_jax.sharding imports JAX.
     from grpo_jax.sharding import batch_sharding
 
     def one(x):

@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy pass@1 and unbiased pass@k, as a library call and a CLI.
+"""The evaluate command: greedy pass@1 and unbiased pass@k of a checkpoint (grpo_jax.evaluation).
 
     python -m grpo_jax.evaluate --checkpoint=<workdir> [--config=configs/default.py]
 
@@ -20,144 +20,33 @@ Batches have a fixed size (the last one padded) so each sampler compiles once.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
 
-import jax
-import numpy as np
+from grpo_jax import cli
 
-from grpo_jax import distributed
-from grpo_jax import metrics as metrics_lib
-from grpo_jax.config import EvalConfig
-from grpo_jax.rollout import PromptEncoder, Scorer, decode
-from grpo_jax.sampling import SamplingConfig, generate
+cli.quiet()  # before the imports of JAX, Orbax and transformers below
 
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
-def generate_texts(
-    graphdef,
-    params,
-    examples: Sequence[Mapping],
-    *,
-    encoder: PromptEncoder,
-    sampling: SamplingConfig,
-    num_samples: int,
-    prompts_per_call: int,
-    key: jax.Array,
-    mesh=None,
-    progress: Callable[[int], None] | None = None,
-):
-    """Completions for every example, ``num_samples`` each, in fixed-size calls.
-
-    Returns (texts [len(examples) * num_samples], lengths, truncated), row
-    i * num_samples + s being sample s of example i. ``progress`` is called with
-    the number of examples done after each call.
-    """
-    texts, lengths, truncated = [], [], []
-    for c, start in enumerate(range(0, len(examples), prompts_per_call)):
-        chunk = list(examples[start : start + prompts_per_call])
-        real = len(chunk)
-        chunk += [chunk[0]] * (prompts_per_call - real)  # Same shape: no recompilation.
-        _, tokens_BxP, mask_BxP = encoder.encode(chunk, max_new_tokens=sampling.max_new_tokens)
-        out = generate(
-            graphdef,
-            params,
-            tokens_BxP,
-            mask_BxP,
-            jax.random.fold_in(key, c),
-            sampling,
-            num_samples=num_samples,
-            mesh=mesh,
-        )
-        tokens_NxT, lengths_N, trunc_N = distributed.fetch((out.tokens, out.lengths, out.truncated))
-        keep = real * num_samples
-        texts += decode(encoder.tokenizer, tokens_NxT[:keep], lengths_N[:keep])
-        lengths.append(lengths_N[:keep])
-        truncated.append(trunc_N[:keep])
-        if progress is not None:
-            progress(start + real)
-    return texts, np.concatenate(lengths), np.concatenate(truncated)
-
-
-def evaluate(
-    graphdef,
-    params,
-    examples: Sequence[Mapping],
-    *,
-    encoder: PromptEncoder,
-    scorer: Scorer,
-    sampling: SamplingConfig,
-    cfg: EvalConfig,
-    key: jax.Array,
-    mesh=None,
-    prefix: str = "eval",
-    message: Callable[[str], None] | None = None,
-) -> dict[str, float]:
-    """Greedy pass@1 (and pass@k when ``cfg.num_samples``) of the policy on ``examples``.
-
-    Returns ``{prefix}/pass_at_1``, ``{prefix}/length_mean``,
-    ``{prefix}/truncated_frac``, ``{prefix}/num_problems`` and, with sampling,
-    ``{prefix}/pass_at_k``, ``{prefix}/pass_at_{k}``, ``{prefix}/sampled_pass_at_1``.
-    ``message``, when given, receives a progress line after each batch of problems.
-    """
-    if not examples:
-        raise ValueError("evaluate got no examples")
-    t0 = time.perf_counter()
-
-    def progress(what):
-        if message is None:
-            return None
-        return lambda done: message(
-            f"{what}: {done}/{len(examples)} problems ({time.perf_counter() - t0:.0f}s)"
-        )
-
-    greedy = dataclasses.replace(sampling, greedy=True)
-    texts, lengths, trunc = generate_texts(
-        graphdef,
-        params,
-        examples,
-        encoder=encoder,
-        sampling=greedy,
-        num_samples=1,
-        prompts_per_call=cfg.batch_size,
-        key=key,
-        mesh=mesh,
-        progress=progress("greedy"),
-    )
-    correct = scorer.correct(texts, examples, lengths_N=lengths)
-    out = {
-        f"{prefix}/pass_at_1": float(correct.mean()),
-        f"{prefix}/length_mean": float(lengths.mean()),
-        f"{prefix}/truncated_frac": float(trunc.mean()),
-        f"{prefix}/num_problems": float(len(examples)),
-    }
-    if cfg.num_samples:
-        n = cfg.num_samples
-        sampled = dataclasses.replace(sampling, greedy=False, temperature=cfg.temperature)
-        texts, lengths_s, _ = generate_texts(
-            graphdef,
-            params,
-            examples,
-            encoder=encoder,
-            sampling=sampled,
-            num_samples=n,
-            prompts_per_call=cfg.batch_size // n,
-            key=jax.random.fold_in(key, 1),
-            mesh=mesh,
-            progress=progress(f"sampled, {n} each"),
-        )
-        correct_PxS = scorer.correct(texts, examples, repeat=n, lengths_N=lengths_s)
-        correct_PxS = correct_PxS.reshape(len(examples), n)
-        pass_k = metrics_lib.mean_pass_at_k(correct_PxS, cfg.k)
-        out[f"{prefix}/pass_at_k"] = pass_k
-        if cfg.k != 1:  # pass_at_1 is the greedy figure; never overwrite it.
-            out[f"{prefix}/pass_at_{cfg.k}"] = pass_k
-        out[f"{prefix}/sampled_pass_at_1"] = metrics_lib.mean_pass_at_k(correct_PxS, 1)
-    return out
-
+from grpo_jax import models, runlocal  # noqa: E402
+from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
+from grpo_jax.evaluation import evaluate, generate_texts  # noqa: E402, F401 - their home before
+from grpo_jax.setup import (  # noqa: E402
+    build_datasets,
+    build_encoder,
+    build_mesh,
+    build_scorer,
+    build_tokenizer,
+    eval_examples,
+    restore_policy,
+    tokenizer_sampling,
+)
 
 # ---------------------------------------------------------------------------
 # Command line.
@@ -171,12 +60,6 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 
 def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     """(graphdef, params, tokenizer) of a workdir / checkpoint dir / step dir / HF directory."""
-    from flax import nnx
-
-    from grpo_jax import models
-    from grpo_jax.config import BUILTIN_TOKENIZER
-    from grpo_jax.setup import build_tokenizer, restore_policy
-
     path = pathlib.Path(checkpoint)
     if _workdir_of(path) is None and _is_hf_dir(path):
         model = models.from_pretrained(str(path), mesh=mesh, layout=run.mesh.layout)
@@ -223,8 +106,6 @@ def run_config_for(checkpoint, config=None):
     A training workdir's ``config.json`` is the default; a given ``config``
     must agree with it on the model and tokenizer (else ConfigError naming them).
     """
-    from grpo_jax.config import ConfigError, parse_config
-
     workdir = _workdir_of(pathlib.Path(checkpoint))
     saved = json.loads((workdir / "config.json").read_text()) if workdir is not None else None
     if config is None:
@@ -249,21 +130,7 @@ def run_config_for(checkpoint, config=None):
 
 
 def main(argv):
-    from absl import flags
-
-    from grpo_jax import cli, runlocal
-    from grpo_jax.config import ConfigError
-    from grpo_jax.setup import (
-        build_datasets,
-        build_encoder,
-        build_mesh,
-        build_scorer,
-        eval_examples,
-        tokenizer_sampling,
-    )
-
     del argv
-    cli.quiet()
     FLAGS = flags.FLAGS
     t0 = time.perf_counter()
 
@@ -303,9 +170,6 @@ def main(argv):
 
 
 def _define_flags():
-    from absl import flags
-    from ml_collections import config_flags
-
     config_flags.DEFINE_config_file(
         "config", None, "Run config file (default: the run's own config.json).", lock_config=True
     )
@@ -315,9 +179,5 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-    from absl import app
-
-    from grpo_jax import cli
-
     _define_flags()
     app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

@@ -28,6 +28,9 @@ import json
 import pathlib
 import sys
 
+from grpo_jax import cli
+from grpo_jax.errors import ConfigError
+
 
 class ExportError(ValueError):
     """The export's source or destination is not usable."""
@@ -69,6 +72,9 @@ def export_hf(
 
     ``format`` "peft" (LoRA runs only) writes the adapters as PEFT loads them.
     """
+    # Inside the function on purpose: JAX, Flax and the model code are heavy, and the
+    # command imports them only after cli.quiet() (main below); grpo_jax.cli and
+    # grpo_jax.errors, imported above, are light.
     from flax import nnx
 
     from grpo_jax import models, runlocal
@@ -114,9 +120,6 @@ def export_hf(
 def main(argv):
     from absl import flags
 
-    from grpo_jax import cli
-    from grpo_jax.config import ConfigError
-
     del argv
     cli.quiet()
     FLAGS = flags.FLAGS
@@ -131,8 +134,6 @@ def main(argv):
 
 if __name__ == "__main__":
     from absl import app, flags
-
-    from grpo_jax import cli
 
     flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
     flags.DEFINE_string("out", None, "Output Hugging Face model directory.")

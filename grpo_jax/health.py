@@ -299,3 +299,10 @@ def diagnose(history: Sequence[Mapping[str, float]], cfg: HealthConfig) -> list[
     for rule in _RULES:
         rule(history, cfg, out)
     return alarms
+
+
+def describe_stop(alarms) -> str:
+    """ "health alarm <name> at step <s>: <metric> <value> <op> <threshold>" for each alarm
+    (a ``health.Alarm`` or its dict) that stopped a run, joined by "; "."""
+    as_dict = lambda a: a if isinstance(a, dict) else dataclasses.asdict(a)
+    return "; ".join(f"health alarm {a['name']} at {a['message']}" for a in map(as_dict, alarms))

@@ -89,7 +89,9 @@ import functools
 import math
 from collections.abc import Mapping
 
-from grpo_jax.config import ATTENTION, ConfigError
+from grpo_jax.errors import ConfigError
+from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION, ModelConfig
+from grpo_jax.models.transformer import Transformer
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -197,8 +199,6 @@ def _model_config(cfg):
     mlp_bias, qk_norm, sandwich_norm, activation, family, ...) are taken
     over, the rest keep their defaults (switches off, family "llama").
     """
-    from grpo_jax.models import ModelConfig
-
     if isinstance(cfg, ModelConfig):
         return cfg
     _model_sizes(cfg)
@@ -214,8 +214,6 @@ def _model_config(cfg):
 @functools.lru_cache(maxsize=16)
 def _model_params(cfg) -> tuple[tuple[str, tuple[int, ...], str, tuple[str | None, ...]], ...]:
     from flax import nnx
-
-    from grpo_jax.models import Transformer
 
     # Abstract: shapes, dtypes and metadata only, no parameter is allocated.
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -291,7 +289,7 @@ def estimate(
     remat: bool = False,
     sample_rows: int | None = None,
     logits_chunk: int = 0,
-    attention: str = "einsum",
+    attention: str = DEFAULT_ATTENTION,
     attention_block_size: int = 512,
     lora_rank: int = 0,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),

@@ -54,9 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import advantages as adv_lib
+from grpo_jax import distributed, turn_decode
 from grpo_jax import envs as envs_lib
-from grpo_jax import turn_decode
-from grpo_jax.sampling import SamplingConfig
+from grpo_jax.metrics import duplicate_flags, rollout_metrics
+from grpo_jax.rewards.scoring import limit_rewards
+from grpo_jax.rollout import HostRollout, RolloutBatch
+from grpo_jax.sampling import SamplingConfig, pad_prompts
 from grpo_jax.turn_decode import MultiTurnConfig
 
 # ---------------------------------------------------------------------------
@@ -355,8 +359,6 @@ def play(r, env, params, examples, key, *, num_samples: int, greedy: bool = Fals
 
     -> (Episodes, prompt texts B, reset error messages).
     """
-    from grpo_jax.sampling import pad_prompts
-
     cfg = mt_config(env)
     environments, first, reset_errors = reset_all(
         env.name, examples, num_samples, cfg.env_timeout_s
@@ -422,12 +424,6 @@ def collect(r, env, params, examples: list[dict], key: jax.Array):
     Each example's G episodes are played to the end; an episode's reward is the sum
     of its environment's step rewards, normalised within its group into advantages.
     """
-    from grpo_jax import advantages as adv_lib
-    from grpo_jax import distributed
-    from grpo_jax.metrics import duplicate_flags, rollout_metrics
-    from grpo_jax.rewards.scoring import limit_rewards
-    from grpo_jax.rollout import HostRollout, RolloutBatch
-
     _check_single_process()
     G, B = r.grpo.G, r.batch_size
     N = B * G

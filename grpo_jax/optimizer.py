@@ -16,6 +16,7 @@ too many in a row.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -26,7 +27,51 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import distributed
-from grpo_jax.config import OptimConfig
+from grpo_jax.checks import check_choice, check_range
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm gradient clipping and a warmup + decay schedule.
+
+    Attributes:
+      learning_rate: peak learning rate.
+      schedule: "constant", "cosine" or "linear" decay after warmup, to
+        ``learning_rate * end_lr_factor`` at the last update.
+      warmup_steps: optimizer updates of linear warmup from 0.
+      end_lr_factor: final learning rate as a fraction of the peak.
+      b1, b2, eps: Adam moments.
+      weight_decay: decoupled weight decay (AdamW).
+      max_grad_norm: clip the global gradient norm to this; 0 switches it off.
+      grad_accum: micro-batches whose gradients are averaged per update (the
+        minibatch is split into this many equal parts: less memory, same
+        update for the "grpo" reduction).
+    """
+
+    learning_rate: float = 3e-4
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    end_lr_factor: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        check_range("optim.learning_rate", self.learning_rate, lo=0.0, lo_open=True)
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_range("optim.warmup_steps", self.warmup_steps, lo=0, integer=True)
+        check_range("optim.end_lr_factor", self.end_lr_factor, lo=0.0, hi=1.0)
+        check_range("optim.b1", self.b1, lo=0.0, hi=1.0)
+        check_range("optim.b2", self.b2, lo=0.0, hi=1.0)
+        check_range("optim.eps", self.eps, lo=0.0, lo_open=True)
+        check_range("optim.weight_decay", self.weight_decay, lo=0.0)
+        check_range("optim.max_grad_norm", self.max_grad_norm, lo=0.0)
+        check_range("optim.grad_accum", self.grad_accum, lo=1, integer=True)
 
 
 @flax.struct.dataclass

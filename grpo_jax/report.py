@@ -36,21 +36,14 @@ from typing import TYPE_CHECKING
 import jax
 
 from grpo_jax import health
+from grpo_jax.errors import AlarmStop, NonFiniteError
+from grpo_jax.health import describe_stop
 
 if TYPE_CHECKING:
     from grpo_jax.config import RunConfig
     from grpo_jax.rollout import HostRollout
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(FloatingPointError):
-    """Too many consecutive updates had a non-finite loss or gradient."""
-
-
-class AlarmStop(RuntimeError):
-    """A health alarm stopped the run (``health.stop_on_alarm``), or a rerun would resume
-    past such a stop without ``health.resume_after_stop``; the message is one line."""
 
 
 def _finite_or_none(x):
@@ -335,10 +328,3 @@ class Reporter:
             }
             for i in range(min(n, len(host.completions)))
         ]
-
-
-def describe_stop(alarms) -> str:
-    """ "health alarm <name> at step <s>: <metric> <value> <op> <threshold>" for each alarm
-    (a ``health.Alarm`` or its dict) that stopped a run, joined by "; "."""
-    as_dict = lambda a: a if isinstance(a, dict) else dataclasses.asdict(a)
-    return "; ".join(f"health alarm {a['name']} at {a['message']}" for a in map(as_dict, alarms))

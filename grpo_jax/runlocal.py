@@ -20,6 +20,13 @@ import pathlib
 import random
 import tempfile
 
+from grpo_jax.config import TINY_PREFIX, ConfigError
+from grpo_jax.models import builtin_tokenizer
+from grpo_jax.models.config import family_config
+from grpo_jax.models.hf_config_export import config_to_hf
+from grpo_jax.models.hf_weights import weight_table
+from grpo_jax.models.safetensors_io import write_checkpoint
+
 RUNLOCAL_ENV = "GRPO_JAX_RUNLOCAL_DIR"
 
 # Chat-template markers of each family's instruct tokenizer (special tokens),
@@ -91,8 +98,6 @@ def resolve(run):
     under :func:`assets_root` and reused; a run config without "tiny:" values
     comes back unchanged.
     """
-    from grpo_jax.config import TINY_PREFIX, ConfigError
-
     model, data = run.model, run.data
     if model.path.startswith(TINY_PREFIX):
         family = model.path[len(TINY_PREFIX) :]
@@ -137,8 +142,6 @@ def _digest(obj) -> str:
 
 def tiny_tokenizer(family: str):
     """The project's character tokenizer plus ``family``'s chat markers and template."""
-    from grpo_jax.models import builtin_tokenizer
-
     tok = builtin_tokenizer.build_tokenizer()
     spec = _SPECIALS[family]
     tok.add_tokens([s for s in spec["specials"] if s not in tok.get_vocab()], special_tokens=True)
@@ -153,8 +156,6 @@ def tiny_tokenizer(family: str):
 
 
 def _tiny_model_config(family: str, tok):
-    from grpo_jax.models import family_config
-
     ids = lambda t: tok.convert_tokens_to_ids(t)
     eos = (ids(_SPECIALS[family]["eos"]),)
     if family == "gemma3":  # Gemma's generation_config ends turns at <end_of_turn> too.
@@ -183,10 +184,6 @@ def tiny_checkpoint(family: str, root: pathlib.Path) -> pathlib.Path:
     1 + w), seed fixed, so the directory is the same on every machine.
     """
     import numpy as np
-
-    from grpo_jax.models.hf_config_export import config_to_hf
-    from grpo_jax.models.hf_weights import weight_table
-    from grpo_jax.models.safetensors_io import write_checkpoint
 
     tok = tiny_tokenizer(family)
     cfg = _tiny_model_config(family, tok)
@@ -269,8 +266,6 @@ _PROBLEM_SETS = {
 
 def _problem_set(jsonl_dir: str) -> tuple[str, int, int]:
     """ "tiny:<set>[:<n_train>:<n_test>]" -> (set, n_train, n_test); sizes default to 32, 16."""
-    from grpo_jax.config import TINY_PREFIX, ConfigError
-
     name, *sizes = jsonl_dir[len(TINY_PREFIX) :].split(":")
     ok = name in _PROBLEM_SETS and len(sizes) in (0, 2)
     ok = ok and all(x.isdigit() and int(x) > 0 for x in sizes)

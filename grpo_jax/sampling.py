@@ -59,7 +59,9 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed
 from grpo_jax import sharding as sharding_lib
-from grpo_jax.config import ConfigError, check_range
+from grpo_jax.checks import check_known_keys, check_range, to_dict
+from grpo_jax.errors import ConfigError
+from grpo_jax.models.partitioning import cache_shardings
 from grpo_jax.models.transformer import positions_from_mask
 
 # ---------------------------------------------------------------------------
@@ -140,6 +142,104 @@ class SamplingConfig:
                 f"config key 'sampling.prompt_buckets' = {self.prompt_buckets!r} "
                 "must be strictly increasing"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    """The ``sampling`` section: how GRPO samples completions (:class:`SamplingConfig` at run time).
+
+    The temperature is ``grpo.temperature``: the sampler and the loss must
+    score tokens from the same logits / temperature.
+
+    Attributes:
+      max_new_tokens: T, completion slots per row.
+      top_k: keep the k most likely tokens; 0 switches it off.
+      top_p: nucleus sampling mass; 1 switches it off.
+      min_p: drop tokens whose probability is below min_p times the most
+        likely token's; 0 switches it off.
+      prompt_buckets: allowed padded prompt lengths, increasing (one
+        compilation per bucket).
+      stop: stop strings (default none). A completion also ends once its last
+        generated tokens are a stop string's encoding by the run's tokenizer
+        (no special tokens, no BOS); those tokens stay in the completion,
+        scored like an EOS, and padding follows. Tokens are the unit: the
+        same text written as other tokens (a different split of the
+        characters) does not stop the row, and a match never reaches into the
+        prompt. A base model prompted few-shot stops before writing the next
+        example, e.g. ``("\\n\\nQuestion:",)``. A single string is one stop
+        string. With an environment (``env.name``), a stop string ends the
+        model's turn.
+    """
+
+    max_new_tokens: int
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if isinstance(stop, list):
+            stop = tuple(stop)
+        if not isinstance(stop, tuple) or not all(isinstance(x, str) for x in stop):
+            raise ConfigError(
+                f"config key 'sampling.stop' = {self.stop!r} must be a tuple of strings"
+            )
+        for i, x in enumerate(stop):
+            if not x:
+                raise ConfigError(
+                    f"config key 'sampling.stop[{i}]' = '' is empty; every stop string needs "
+                    "at least one character"
+                )
+        object.__setattr__(self, "stop", stop)
+
+    @classmethod
+    def from_mapping(cls, mapping) -> SamplingSection:
+        cfg = to_dict(mapping)
+        if "temperature" in cfg:
+            raise ConfigError(
+                "config key 'sampling.temperature' is not allowed: the sampling temperature is "
+                "'grpo.temperature' (sampler and loss must score with the same one)"
+            )
+        check_known_keys("sampling", cfg, {f.name for f in dataclasses.fields(cls)})
+        if "max_new_tokens" not in cfg:
+            raise ConfigError("config key 'sampling.max_new_tokens' is required")
+        buckets = cfg.get("prompt_buckets")
+        if isinstance(buckets, (list, tuple)):
+            cfg["prompt_buckets"] = tuple(buckets)
+        section = cls(**cfg)
+        section.sampler()  # The sampler's own checks name the bad value now.
+        return section
+
+    def sampler(
+        self,
+        *,
+        temperature: float = 1.0,
+        eos_ids=(),
+        pad_id: int = 0,
+        greedy=False,
+        stop_sequences=(),
+    ):
+        """The jitted sampler's static ``SamplingConfig`` for this section.
+
+        ``stop_sequences`` are the token ids of ``stop`` (the section holds
+        strings; ``grpo_jax.setup.tokenizer_sampling`` encodes them).
+        """
+        return SamplingConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            greedy=greedy,
+            eos_ids=tuple(eos_ids),
+            pad_id=pad_id,
+            prompt_buckets=self.prompt_buckets,
+            stop_sequences=tuple(tuple(q) for q in stop_sequences),
+        )
 
 
 def _check_stop_sequences(value) -> tuple[tuple[int, ...], ...]:
@@ -519,8 +619,6 @@ def _prefill(
     if mesh is not None:
         # Rows of the cache live with their rows of the batch (KV heads split
         # too under tensor parallelism); the loop then never moves them.
-        from grpo_jax.models.partitioning import cache_shardings
-
         layout = getattr(model, "layout", "fsdp")
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(
             c, cache_shardings(c, mesh, layout)

@@ -28,7 +28,7 @@ from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import update as update_lib
 from grpo_jax import workdir as workdir_lib
-from grpo_jax.checkpoint import Checkpointer, check_alarm_stop, check_resume_config
+from grpo_jax.checkpointer import Checkpointer, check_alarm_stop, check_resume_config
 from grpo_jax.config import (
     BUILTIN_TOKENIZER,
     ConfigError,

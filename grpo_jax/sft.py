@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import optimizer
+from grpo_jax import distributed, optimizer, sharding
 from grpo_jax.config import ConfigError, WarmStartConfig
+from grpo_jax.data import DataIterator
 from grpo_jax.losses import per_token_logps
 from grpo_jax.scoring import completion_logits
 
@@ -144,8 +145,6 @@ def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
     """(params, info) from the cache when its fingerprint is ``fp`` (or one of them), else None."""
     import orbax.checkpoint as ocp
 
-    from grpo_jax.checkpoint import _abstract
-
     params_dir, info_path = _cache_paths(workdir)
     if not info_path.exists() or not params_dir.exists():
         return None
@@ -161,7 +160,7 @@ def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
         )
         return None
     with ocp.StandardCheckpointer() as ck:
-        params = ck.restore(params_dir, _abstract(params_like))
+        params = ck.restore(params_dir, sharding.abstract_like(params_like))
     return params, info
 
 
@@ -220,9 +219,6 @@ def warm_start(
       (params, info) with info: steps, val_pass_at_1, reached_target, seconds,
       history [(step, val_pass_at_1)], interrupted.
     """
-    from grpo_jax import distributed, sharding
-    from grpo_jax.data import DataIterator
-
     del val_examples  # validate() closes over them.
     t0 = time.perf_counter()
     tx, schedule = optimizer.make_optimizer(cfg.optim(), cfg.max_steps)

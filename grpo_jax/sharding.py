@@ -147,3 +147,16 @@ class Placement:
     rows_B: slice
     rows_N: slice
     sampler_mesh: Mesh | None = None
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs (with shardings) for a pytree of arrays or of structs: what an
+    Orbax restore is given to lay the arrays out (``grpo_jax.checkpoint``, the warm
+    start's cache in ``grpo_jax.sft``)."""
+
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.tree.map(one, tree)

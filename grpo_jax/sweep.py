@@ -29,6 +29,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from grpo_jax.cli import override_keys, unknown_key
+
 
 class SweepError(ValueError):
     """A config file without a sweep, or a sweep point that names an unknown key."""
@@ -56,7 +58,6 @@ def point_name(overrides: dict) -> str:
 
 
 def _check_key(config, key: str, config_spec: str) -> None:
-    from grpo_jax.cli import unknown_key
 
     why = unknown_key(config, key)
     if why:
@@ -81,7 +82,6 @@ def commands(
     names = [point_name(p) for p in points]
     if len(set(names)) != len(names):
         raise SweepError(f"sweep of {config_spec} repeats a point: {names}")
-    from grpo_jax.cli import override_keys
 
     swept = {k for p in points for k in p}
     clash = sorted(swept & set(override_keys(extra)))

@@ -1,15 +1,18 @@
-"""The GRPO training loop: setup -> restore_or_init -> (collect -> update -> report)* -> summary.
+"""The GRPO training loop: setup -> restore_or_init -> (take -> update -> report)* -> summary.
 
     summary = train(config, workdir)
 
 Each step takes B prompts, samples G completions per prompt with the current
 policy (recording pi_old's log-probs), scores them with the reward functions
-and normalises the rewards into group advantages (``rollout.collect`` ->
-``RolloutBatch``), then runs the jitted update (``grpo_jax.update``: mu
-passes in minibatches, AdamW, gradient accumulation, non-finite guard). The
-PRNG key of step s is ``fold_in(key(seed), s)``, so a resumed run draws
-exactly what an uninterrupted one would. Device metrics are read one step
-late (``grpo_jax.report``) so the host never waits for them.
+and normalises the rewards into group advantages (a rollout source,
+``grpo_jax.sources``: single-turn, dynamic sampling or multi-turn episodes,
+behind ``pipeline.Staleness``, which with ``train.max_staleness`` = k >= 1
+samples each batch k updates ahead), then runs the jitted update
+(``grpo_jax.update``: mu passes in minibatches, AdamW, gradient accumulation,
+non-finite guard). One loop serves every kind of run. The PRNG key of step s
+is ``fold_in(key(seed), s)``, so a resumed run draws exactly what an
+uninterrupted one would. Device metrics are read one step late
+(``grpo_jax.report``) so the host never waits for them.
 docs/architecture.md describes the parts and the data flow.
 
 A fresh run first makes its base policy: the built-in tiny model (or a
@@ -42,11 +45,11 @@ from collections.abc import Callable
 
 import jax
 
-from grpo_jax import checkpoint, distributed, multiturn, pipeline, sources
+from grpo_jax import checkpoint, distributed, evaluation, pipeline, sources
 from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
-from grpo_jax.evaluate import evaluate
-from grpo_jax.report import AlarmStop, NonFiniteError, Reporter
+from grpo_jax.errors import AlarmStop, NonFiniteError
+from grpo_jax.report import Reporter
 from grpo_jax.run_summary import summarize
 from grpo_jax.setup import Setup, setup
 from grpo_jax.sharding import replicated
@@ -82,30 +85,16 @@ class _Preemption:
 
 
 def evaluate_policy(s: Setup, params, step: int, examples=None, prefix="eval", cfg=None) -> dict:
-    """Held-out evaluation of ``params`` (``grpo_jax.evaluate``), keyed by ``step``."""
-    t0 = time.perf_counter()
-    if s.run.env.name:  # multi-turn episodes with an environment (grpo_jax.multiturn)
-        key = jax.random.fold_in(s.eval_key, step)
-        examples = s.data.eval_examples if examples is None else examples
-        out = multiturn.evaluate(
-            s.rollouts, s.run.env, params, examples, key, cfg=cfg or s.run.eval, prefix=prefix
-        )
-        out[f"perf/{prefix}_s"] = time.perf_counter() - t0
-        return out
-    out = evaluate(
-        s.policy.graphdef,
+    """Held-out evaluation of ``params`` (``grpo_jax.evaluation``), keyed by ``step``."""
+    return evaluation.evaluate_policy(
+        s.rollouts,
+        s.run.env,
         params,
         s.data.eval_examples if examples is None else examples,
-        encoder=s.rollouts.encoder,
-        scorer=s.rollouts.scorer,
-        sampling=s.rollouts.sampling,
+        jax.random.fold_in(s.eval_key, step),
         cfg=s.run.eval if cfg is None else cfg,
-        key=jax.random.fold_in(s.eval_key, step),
-        mesh=s.placement.mesh,
         prefix=prefix,
     )
-    out[f"perf/{prefix}_s"] = time.perf_counter() - t0
-    return out
 
 
 def train(

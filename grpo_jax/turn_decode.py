@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.config import check_range
+from grpo_jax.checks import check_range
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.sampling import SamplingConfig, repeat_rows, sample_step, stop_hits
 

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import optax
 
 from grpo_jax import losses, optimizer
-from grpo_jax.config import GRPOConfig
 from grpo_jax.models import lora
+from grpo_jax.objective import GRPOConfig
 from grpo_jax.optimizer import TrainState
 from grpo_jax.rollout import RolloutBatch
 from grpo_jax.scoring import completion_logps, completion_scores

@@ -19,9 +19,7 @@ import os
 import pathlib
 import time
 
-
-class WorkdirBusyError(RuntimeError):
-    """Another live process is running in this workdir."""
+from grpo_jax.errors import WorkdirBusyError
 
 
 class WorkdirLock:

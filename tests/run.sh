@@ -14,6 +14,9 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The layer contract of pyproject.toml ([tool.importlinter]): an upward import fails here,
+# one inside a function or under TYPE_CHECKING included.
+.venv/bin/lint-imports --no-logo --no-cache
 # Test files in parallel, one worker per core (GRPO_JAX_TEST_WORKERS, default 2; 0 runs
 # them in this process). A file's tests stay on one worker (--dist loadfile), so its
 # module fixtures and compiled programs are shared as before.

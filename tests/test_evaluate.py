@@ -14,7 +14,7 @@ from flax import nnx
 from configs.default import get_config
 from grpo_jax import config as config_lib
 from grpo_jax import evaluate as ev
-from grpo_jax import rollout
+from grpo_jax import evaluation, rollout
 from grpo_jax import setup as setup_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import EvalConfig
@@ -63,7 +63,7 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
     examples = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)[::-1]} for a in range(7)]
     # Greedy: right for even a. Sampled: the first a % 3 of the 4 samples are right.
     monkeypatch.setattr(
-        ev,
+        evaluation,
         "generate",
         _fake_generate(tok, lambda a, s, greedy: a % 2 == 0 if greedy else s < a % 3),
     )
@@ -76,7 +76,7 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
 
     monkeypatch.setattr(rollout.PromptEncoder, "encode", counting_encode)
     evaluate = functools.partial(
-        ev.evaluate,
+        evaluation.evaluate,
         None,
         None,
         examples,
@@ -149,8 +149,8 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
         cfg=EvalConfig(batch_size=8, num_samples=0),
         key=jax.random.key(0),
     )
-    a = ev.evaluate(g1, p1, examples, **kw)
-    b = ev.evaluate(g2, p2, examples, **kw)
+    a = evaluation.evaluate(g1, p1, examples, **kw)
+    b = evaluation.evaluate(g2, p2, examples, **kw)
     assert a["eval/pass_at_1"] == b["eval/pass_at_1"]
     assert a["eval/length_mean"] == b["eval/length_mean"]
 

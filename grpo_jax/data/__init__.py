@@ -15,10 +15,12 @@ start) and any further columns (passed to reward functions as fields).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
+from typing import Any
 
-from grpo_jax.config import ConfigError, check_choice, check_known_keys
+from grpo_jax.checks import check_choice, check_known_keys, to_dict
 from grpo_jax.data import gsm8k as gsm8k
 from grpo_jax.data import synthetic as synthetic
 from grpo_jax.data.iterator import DataIterator
@@ -31,6 +33,7 @@ from grpo_jax.data.prompts import (
     format_prompt,
 )
 from grpo_jax.data.synthetic import make_split
+from grpo_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,29 @@ def check_keys(cfg_like) -> dict:
         if not any(cfg.get(f"{s}_path") for s in ("train", "test")):
             raise ConfigError("data.source='jsonl' needs data.train_path and/or data.test_path")
     return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """The dataset: ``source`` and that loader's options (``grpo_jax.data.load_dataset``).
+
+    Sources: "synthetic" (task, seed, n_train, n_test, ...), "gsm8k" (TFDS
+    ``data_dir``, or GSM8K-format JSONL files in ``jsonl_dir``; "tiny:word_problems"
+    makes a small synthetic set at start), "jsonl" (train_path, test_path,
+    field names). docs/data.md describes each.
+    """
+
+    source: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, mapping) -> DataSection:
+        cfg = check_keys(to_dict(mapping))
+        source = cfg.pop("source")
+        return cls(source=source, options=cfg)
+
+    def as_mapping(self) -> dict:
+        return {"source": self.source, **self.options}
 
 
 def load_dataset(cfg_like, *, stats: dict | None = None) -> dict[str, list[dict]]:

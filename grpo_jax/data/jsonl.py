@@ -15,15 +15,9 @@ import json
 import pathlib
 from collections.abc import Callable
 
+from grpo_jax.errors import MalformedRowError, NotUTF8Error
+
 ON_ERROR = ("raise", "skip")
-
-
-class MalformedRowError(ValueError):
-    """A row of a dataset file cannot be read; the message names file and line."""
-
-    def __init__(self, path, lineno: int, problem: str):
-        self.path, self.lineno, self.problem = str(path), lineno, problem
-        super().__init__(f"{path}:{lineno}: {problem}")
 
 
 def _text(value) -> str | None:
@@ -33,10 +27,6 @@ def _text(value) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return None
-
-
-class NotUTF8Error(ValueError):
-    """A line of a dataset file is not valid UTF-8; the message gives the first bad byte."""
 
 
 def _not_utf8(line: str) -> NotUTF8Error | None:

@@ -9,7 +9,11 @@ format the ``format`` reward checks and the answer where the ``gsm8k`` and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+
+from grpo_jax.checks import check_bool
+from grpo_jax.errors import ConfigError
 
 PLAIN_TEMPLATE = "{prompt}"
 
@@ -75,3 +79,25 @@ def format_prompt(
         {"role": "user", "content": text}
     ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptConfig:
+    """How an example becomes a prompt (``grpo_jax.data.format_prompt``).
+
+    template: str.format template over the example's fields ("{prompt}").
+    chat: wrap in the tokenizer's chat template.
+    system: system message (chat) or preamble (plain); "" for none.
+    """
+
+    template: str = "{prompt}"
+    chat: bool = False
+    system: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.template, str) or "{" not in self.template:
+            raise ConfigError(
+                f"config key 'prompt.template' = {self.template!r} must be a format string "
+                "over the example's fields, such as '{prompt}'"
+            )
+        check_bool("prompt.chat", self.chat)

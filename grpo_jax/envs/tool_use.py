@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from grpo_jax import rewards
+from grpo_jax import tools as tools_lib
 from grpo_jax.envs.base import register
 
 
@@ -27,9 +29,6 @@ class ToolUse:
         max_turns: int = 4,
         chat: bool = False,
     ):
-        from grpo_jax import rewards
-        from grpo_jax import tools as tools_lib
-
         self.reward_fn = rewards.get(reward)
         self.tools = list(tools) if tools is not None else tools_lib.available_tools()
         for name in self.tools:
@@ -42,9 +41,6 @@ class ToolUse:
         return None  # the example's usual prompt
 
     def step(self, text: str):
-        from grpo_jax import rewards
-        from grpo_jax import tools as tools_lib
-
         self.turn += 1
         calls = tools_lib.parse_tool_calls(text, tools=self.tools)
         if not calls:

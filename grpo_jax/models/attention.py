@@ -50,6 +50,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.partitioning import fit_spec
+from grpo_jax.sharding import MESH_AXES, logical_to_spec
+
 MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
 NO_WINDOW = 2**30  # A per-layer window value (scanned layers) meaning "global layer".
 
@@ -348,9 +351,6 @@ def splash_attention(
     since a Pallas call is not partitioned by XLA.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
-    from grpo_jax.models.partitioning import fit_spec
-    from grpo_jax.sharding import MESH_AXES, logical_to_spec
 
     if mask.q_offset is None:
         raise ValueError("splash_attention needs the queries' static slot offset (q_offset)")

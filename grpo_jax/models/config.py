@@ -22,12 +22,18 @@ Per-family switches (set by :func:`family_config`):
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_jax.config import ATTENTION, ConfigError, check_choice, check_range
+from grpo_jax.checks import check_bool, check_choice, check_range, from_mapping, to_dict
+from grpo_jax.errors import ConfigError
 
+# The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
+ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
+DEFAULT_ATTENTION = "einsum"  # the reference implementation
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -159,7 +165,7 @@ class ModelConfig:
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     remat: bool = False
-    attention: str = "einsum"
+    attention: str = DEFAULT_ATTENTION
     attention_block_size: int = 512
     scan_layers: bool = False
     bos_token_id: int | None = None
@@ -352,3 +358,146 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
     if family == "gemma3":
         fields.setdefault("sliding_window", 64)
     return family_config(family, **fields)
+
+
+# ---------------------------------------------------------------------------
+# The run config's ``model`` section (``grpo_jax.config`` composes it into the run):
+# the checkpoint, the loader's settings and the low-rank adapters.
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the frozen base's projections (``grpo_jax.models.lora``).
+
+    A target projection W [in, out] computes x W + (alpha / rank) (x A) B, with
+    A [in, rank] and B [rank, out] the trainable adapters (Hu et al. 2021,
+    "LoRA"); B starts at zero, so the adapted model starts as the base.
+
+    Attributes:
+      rank: r; 0 switches LoRA off (full fine-tuning).
+      alpha: the scale's numerator (scale = alpha / rank, as PEFT's default).
+      dropout: dropout on the adapters' input x in the update's forward pass
+        (never in sampling, scoring of pi_old or the reference).
+      targets: the projections that get adapters: short names (q, k, v, o,
+        gate, up, down), full names (q_proj, ...) or regular expressions
+        matched against the full names ("(q|v)_proj"); a string is split at
+        commas.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def __post_init__(self):
+        targets = self.targets
+        if isinstance(targets, str):
+            targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+        if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(
+                f"config key 'model.lora.targets' = {self.targets!r} must be a list of "
+                "projection names or regular expressions"
+            )
+        object.__setattr__(self, "targets", tuple(targets))
+        check_range("model.lora.rank", self.rank, lo=0, integer=True)
+        check_range("model.lora.alpha", self.alpha, lo=0.0, lo_open=True)
+        check_range("model.lora.dropout", self.dropout, lo=0.0)
+        if self.dropout >= 1.0:
+            raise ConfigError(f"config key 'model.lora.dropout' = {self.dropout!r} must be < 1")
+        if self.rank and not self.targets:
+            raise ConfigError("config key 'model.lora.targets' is empty: name the projections")
+        for t in self.targets:
+            if not self._matches(t):
+                raise ConfigError(
+                    f"config key 'model.lora.targets' entry {t!r} matches no projection; "
+                    f"projections: {[p[:-5] for p in LORA_PROJECTIONS]} (or their full names "
+                    f"{list(LORA_PROJECTIONS)}, or a regular expression over the full names)"
+                )
+
+    @staticmethod
+    def _matches(target: str) -> tuple[str, ...]:
+        try:
+            pattern = re.compile(target)
+        except re.error as e:
+            raise ConfigError(
+                f"config key 'model.lora.targets' entry {target!r} is not a valid regular "
+                f"expression ({e})"
+            ) from None
+        return tuple(p for p in LORA_PROJECTIONS if target in (p, p[:-5]) or pattern.fullmatch(p))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The full names of the target projections, in ``LORA_PROJECTIONS`` order."""
+        hit = {p for t in self.targets for p in self._matches(t)}
+        return tuple(p for p in LORA_PROJECTIONS if p in hit)
+
+
+MODEL_KEYS = ("path", "dtype", "param_dtype", "remat", "attention", "scan_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """The policy model.
+
+    Attributes:
+      path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
+        "tiny:<family>" (qwen2, qwen3, llama, gemma3) a small random
+        checkpoint of that family, written when the run starts
+        (``grpo_jax.runlocal``).
+      dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
+      param_dtype: storage dtype of the parameters (None: ``dtype``).
+      remat: recompute each layer in the backward pass.
+      attention: "einsum" (the default), "blockwise", "dot_product" or "splash"
+        (``grpo_jax.models.attention``).
+      scan_layers: run the layers as one scan over stacked parameters.
+      lora: low-rank adapters on a frozen base (:class:`LoRAConfig`; rank 0: off).
+      overrides: for the built-in tiny model only, ``grpo_jax.models.ModelConfig``
+        fields (hidden_size, num_layers, ...), given as further keys of the
+        ``model`` section.
+    """
+
+    path: str = ""
+    dtype: str | None = None
+    param_dtype: str | None = None
+    remat: bool | None = None
+    attention: str | None = DEFAULT_ATTENTION
+    scan_layers: bool | None = False
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    lora: LoRAConfig = LoRAConfig()
+
+    def __post_init__(self):
+        if not isinstance(self.path, str):
+            raise ConfigError(f"config key 'model.path' = {self.path!r} must be a string")
+        if self.remat is not None:
+            check_bool("model.remat", self.remat)
+        if self.scan_layers is not None:
+            check_bool("model.scan_layers", self.scan_layers)
+        if self.attention is not None:
+            check_choice("model.attention", self.attention, ATTENTION)
+        if self.path and self.overrides:
+            raise ConfigError(
+                f"config keys {[f'model.{k}' for k in sorted(self.overrides)]} only apply to "
+                f"the built-in tiny model; model.path = {self.path!r} loads its architecture "
+                "from config.json"
+            )
+
+    @classmethod
+    def from_mapping(cls, mapping) -> ModelSection:
+        cfg = to_dict(mapping)
+        known = {k: cfg.pop(k) for k in MODEL_KEYS if k in cfg}
+        lora = from_mapping(LoRAConfig, "model.lora", cfg.pop("lora", None))
+        return cls(**known, overrides=cfg, lora=lora)
+
+    def loader_kwargs(self) -> dict:
+        """The keys that were set among dtype, param_dtype, remat, attention and scan_layers."""
+        return {k: getattr(self, k) for k in MODEL_KEYS[1:] if getattr(self, k) is not None}

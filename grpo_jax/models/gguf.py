@@ -42,9 +42,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+import grpo_jax.models.gguf_tokenizer as gguf_tokenizer
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.gguf_format import GGUFReader
-from grpo_jax.models.gguf_quants import dequantize
+from grpo_jax.models.gguf_format import GGUFFile
+from grpo_jax.models.hf import from_pretrained
 from grpo_jax.models.hf_config import config_from_hf
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.hf_weights import weight_table
@@ -96,42 +97,6 @@ def gguf_name(hf_name: str, family: str) -> str:
     if m is None or m.group(2) not in names:
         raise CheckpointError(f"no GGUF name for tensor {hf_name!r}")
     return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
-
-
-class GGUFFile:
-    """A GGUF file's metadata and tensors (tensors dequantised when read)."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = pathlib.Path(path)
-        if not self.path.is_file():
-            raise CheckpointError(f"{self.path}: no such GGUF file")
-        self.reader = GGUFReader(self.path)
-        self.tensors = self.reader.tensors
-        self.architecture = self.get("general.architecture")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.reader.metadata.get(key, default)
-
-    def arch(self, key: str, default: Any = None) -> Any:
-        """The architecture-specific key ``{architecture}.{key}``.
-
-        float32 values come back as the shortest decimal that rounds to them
-        (1e-05, not 9.99999974e-06), the value the original config.json held.
-        """
-        value = self.get(f"{self.architecture}.{key}", default)
-        return float(str(np.float32(value))) if isinstance(value, float) else value
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """numpy (row-major) shape."""
-        return self.tensors[name].shape
-
-    def tensor(self, name: str) -> np.ndarray:
-        """The float32 values of tensor ``name``, dequantised."""
-        info = self.tensors[name]
-        try:
-            return dequantize(self.reader.data(name), info.ggml_type, info.shape)
-        except ValueError as e:
-            raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from e
 
 
 def hf_config(g: GGUFFile) -> dict[str, Any]:
@@ -316,9 +281,7 @@ def convert_gguf(
     try:
         cfg = _write_weights(g, tmp, dtype)
         if tokenizer:
-            from grpo_jax.models.gguf_tokenizer import tokenizer_from_gguf
-
-            tokenizer_from_gguf(g).save_pretrained(str(tmp))
+            gguf_tokenizer.tokenizer_from_gguf(g).save_pretrained(str(tmp))
         for stale in weight_files(directory):  # an earlier conversion's other shards
             stale.unlink()
         for f in tmp.iterdir():
@@ -385,8 +348,6 @@ def from_gguf(
     :func:`cached_conversion`), else written to a temporary directory and
     removed. Raises CheckpointError naming the file and the problem.
     """
-    from grpo_jax.models.hf import from_pretrained
-
     if cache_dir is not None:
         return from_pretrained(cached_conversion(path, cache_dir), dtype=dtype, **loader_kwargs)
     with tempfile.TemporaryDirectory(prefix="grpo_jax_gguf_") as tmp:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_jax.models.gguf_quants import TYPES
+from grpo_jax.models.gguf_quants import TYPES, dequantize
 from grpo_jax.models.safetensors_io import CheckpointError
 
 _SCALARS = {
@@ -156,3 +156,39 @@ class GGUFReader:
                 f"read; supported: {sorted(n for n, _, _ in TYPES.values())}"
             )
         return np.frombuffer(self._map, np.uint8, count=info.nbytes, offset=info.offset)
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensors (tensors dequantised when read)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such GGUF file")
+        self.reader = GGUFReader(self.path)
+        self.tensors = self.reader.tensors
+        self.architecture = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.reader.metadata.get(key, default)
+
+    def arch(self, key: str, default: Any = None) -> Any:
+        """The architecture-specific key ``{architecture}.{key}``.
+
+        float32 values come back as the shortest decimal that rounds to them
+        (1e-05, not 9.99999974e-06), the value the original config.json held.
+        """
+        value = self.get(f"{self.architecture}.{key}", default)
+        return float(str(np.float32(value))) if isinstance(value, float) else value
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy (row-major) shape."""
+        return self.tensors[name].shape
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The float32 values of tensor ``name``, dequantised."""
+        info = self.tensors[name]
+        try:
+            return dequantize(self.reader.data(name), info.ggml_type, info.shape)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from e

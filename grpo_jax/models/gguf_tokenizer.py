@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+from grpo_jax.models.gguf_format import GGUFFile
 from grpo_jax.models.safetensors_io import CheckpointError
 
 CONTROL, USER_DEFINED = 3, 4
@@ -94,8 +95,6 @@ def tokenizer_from_gguf(path_or_file: str | os.PathLike | object):
     """The ``PreTrainedTokenizerFast`` of a GGUF file (a path or a :class:`GGUFFile`)."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
-
-    from grpo_jax.models.gguf import GGUFFile
 
     g = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
     kind = g.get("tokenizer.ggml.model")

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from grpo_jax.models.config import DEFAULT_ATTENTION
 from grpo_jax.models.hf_config import (
     checkpoint_dtype,
     config_from_hf,
@@ -79,7 +80,7 @@ def from_pretrained(
     mesh: Mesh | None = None,
     layout: str = "fsdp",
     remat: bool = False,
-    attention: str = "einsum",
+    attention: str = DEFAULT_ATTENTION,
     scan_layers: bool = False,
 ) -> Transformer:
     """The model of a local Hugging Face checkpoint directory (nothing is downloaded).

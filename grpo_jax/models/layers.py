@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models import attention as attn_lib
-from grpo_jax.models import lora
+import grpo_jax.models.attention as attn_lib
+import grpo_jax.models.lora as lora
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.partitioning import constrain
 from grpo_jax.models.rope import apply_rope

@@ -43,7 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.config import LORA_PROJECTIONS, LoRAConfig
+from grpo_jax.models.config import LORA_PROJECTIONS, LoRAConfig
+from grpo_jax.models.hf_weights import weight_table
+from grpo_jax.models.partitioning import logical_sharding
+from grpo_jax.models.stacking import unstack_layers
 
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 # Input dimensions of each projection's weight (the rest are its outputs).
@@ -139,8 +142,6 @@ def attach(model, cfg: LoRAConfig, key: jax.Array, *, mesh=None, layout: str = "
     With a ``mesh`` each adapter is placed in the sharding its logical axes
     give under ``layout`` (the rank axis, "lora", is never split).
     """
-    from grpo_jax.models.partitioning import logical_sharding
-
     if not cfg.enabled:
         raise ValueError("lora.attach: rank 0 means no adapters")
     r, targets = cfg.rank, set(cfg.projections)
@@ -319,16 +320,12 @@ def _gather(x, idx):
 def _unstacked(params, model_cfg):
     if not model_cfg.scan_layers:
         return params
-    from grpo_jax.models.transformer import unstack_layers
-
     return unstack_layers(params, model_cfg.num_layers)
 
 
 def peft_tensors(params, model_cfg, prefix: str = "model.") -> dict[str, np.ndarray]:
     """The adapters under PEFT's names: ``base_model.model.<module>.lora_A.weight`` [r, in]
     and ``...lora_B.weight`` [out, r], in Hugging Face's flattening of heads."""
-    from grpo_jax.models.hf_weights import weight_table
-
     flat = _flat(_unstacked(trainable(params), model_cfg))
     out = {}
     for entry in weight_table(model_cfg, prefix):

@@ -39,6 +39,15 @@ from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.layers import Block, RMSNorm, param, randomize_weights
 from grpo_jax.models.partitioning import check_layout, constrain, param_shardings
 from grpo_jax.models.rope import inv_frequencies, rope_cos_sin
+from grpo_jax.models.stacking import stack_layers, unstack_layers
+
+__all__ = [
+    "Transformer",
+    "create_model",
+    "positions_from_mask",
+    "stack_layers",  # grpo_jax.models.stacking's, re-exported
+    "unstack_layers",
+]
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
@@ -282,42 +291,6 @@ class Transformer(nnx.Module):
         return self._run_layers(
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
         )
-
-
-def stack_layers(params, num_layers: int):
-    """Parameters of an unrolled model (``layers.<i>.<rest>``) as a scanned model's
-    (``layers.<rest>`` with a leading [L] axis, logical axis "layers")."""
-    flat, groups = {}, {}
-    for path, v in nnx.to_flat_state(params):
-        if path[0] == "layers":
-            groups.setdefault(path[2:], {})[int(path[1])] = v
-        else:
-            flat[path] = v
-    for rest, by_layer in groups.items():
-        if sorted(by_layer) != list(range(num_layers)):
-            raise ValueError(
-                f"stack_layers: layers.*.{'.'.join(map(str, rest))} found for layers "
-                f"{sorted(by_layer)}, expected 0..{num_layers - 1}"
-            )
-        first = by_layer[0]
-        axes = ("layers", *(first.get_metadata().get("logical_axes") or ()))
-        stacked = jnp.stack([by_layer[i].get_value() for i in range(num_layers)])
-        flat[("layers", *rest)] = first.replace(stacked, logical_axes=axes)
-    return nnx.from_flat_state(flat)
-
-
-def unstack_layers(params, num_layers: int):
-    """Inverse of :func:`stack_layers`: a scanned model's parameters as an unrolled model's."""
-    flat = {}
-    for path, v in nnx.to_flat_state(params):
-        if path[0] != "layers":
-            flat[path] = v
-            continue
-        axes = tuple(v.get_metadata().get("logical_axes") or ())[1:]
-        value = v.get_value()
-        for i in range(num_layers):
-            flat[("layers", i, *path[1:])] = v.replace(value[i], logical_axes=axes)
-    return nnx.from_flat_state(flat)
 
 
 def create_model(

@@ -42,6 +42,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 _HEADER = struct.Struct("<Q")
 
 
+# grpo_jax.rewards.registry, imported by main() once the parent has sent its sys.path.
+registry = None
+
+
 def _die_with_parent(parent_pid: int) -> None:
     try:
         import ctypes
@@ -90,8 +94,6 @@ def _load(name: str, file: str | None) -> None:
     module name, same registry entries); other modules by name from the
     parent's ``sys.path``, else from their file under the same name.
     """
-    from grpo_jax.rewards import registry
-
     if name.startswith("grpo_jax_user_rewards.") and file:
         registry.load_user_module(file)
         return
@@ -143,8 +145,6 @@ def _sendable_values(out):
 
 
 def _call(spec, ident, prompts, completions, fields):
-    from grpo_jax.rewards import registry
-
     name = spec.split("(", 1)[0].strip()
     entry = registry._REGISTRY.get(name)
     if entry is None:
@@ -182,7 +182,10 @@ def main() -> None:
     if init is None:
         return
     sys.path[:] = init["sys_path"]
-    import grpo_jax.rewards  # noqa: F401 -- the registry with the built-in rewards
+    global registry
+    # Inside a function on purpose: grpo_jax is importable only from the parent's sys.path,
+    # just set. Importing the registry imports grpo_jax.rewards first (the built-in rewards).
+    from grpo_jax.rewards import registry
 
     failed = {}
     for i, (name, file) in enumerate(init["modules"]):

@@ -74,7 +74,7 @@ import sys
 import threading
 import time
 
-from grpo_jax.rewards import registry
+import grpo_jax.rewards.registry as registry
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from grpo_jax.config import ConfigError
+from grpo_jax.errors import ConfigError
 
 RewardFn = Callable[..., list]
 

@@ -59,8 +59,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from grpo_jax.config import ConfigError
-from grpo_jax.rewards import isolation, registry
+import grpo_jax.rewards.isolation as isolation
+import grpo_jax.rewards.registry as registry
+from grpo_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

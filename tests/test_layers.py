@@ -1,0 +1,79 @@
+"""The package's layers (docs/architecture.md, "Layers"; the contract is pyproject.toml's).
+
+lint-imports (tests/run.sh) checks that no module imports an upper layer. These tests pin
+what that contract does not: the names moved down from ``grpo_jax.config`` are still
+importable from it, the modules that keep JAX out (the reason their few imports inside
+functions stay there) still import without it, and ``configs/common.py`` states the
+library's typed defaults rather than copies of them.
+"""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from configs import common
+from grpo_jax import checks, config, data, errors, objective, optimizer, sampling
+from grpo_jax.data import prompts
+from grpo_jax.envs import section as envs_section
+from grpo_jax.models import config as models_config
+from grpo_jax.rewards import section as rewards_section
+
+MOVED = {
+    errors: ["ConfigError"],
+    checks: ["check_bool", "check_choice", "check_known_keys", "check_range", "to_dict"],
+    models_config: ["ATTENTION", "LORA_PROJECTIONS", "MODEL_KEYS", "LoRAConfig", "ModelSection"],
+    sampling: ["SamplingSection"],
+    data: ["DataSection"],
+    prompts: ["PromptConfig"],
+    rewards_section: ["RewardsSection", "load_reward_modules", "parse_rewards"],
+    envs_section: ["EnvSection"],
+    objective: ["OLD_LOGPS", "GRPOConfig"],
+    optimizer: ["SCHEDULES", "OptimConfig"],
+}
+
+
+@pytest.mark.parametrize("module", MOVED, ids=lambda m: m.__name__)
+def test_the_names_moved_down_are_still_importable_from_config(module):
+    for name in MOVED[module]:
+        assert getattr(config, name) is getattr(module, name), name
+
+
+def test_the_light_modules_import_without_jax():
+    """cli (imported by the commands before quiet()), distributed (before multi-process
+    start-up), errors and checks: the modules whose late imports keep JAX out."""
+    mods = "grpo_jax.cli, grpo_jax.distributed, grpo_jax.errors, grpo_jax.checks, grpo_jax.sweep"
+    code = f"import sys, {mods}; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+SECTIONS = {
+    "prompt": config.PromptConfig,
+    "grpo": config.GRPOConfig,
+    "optim": config.OptimConfig,
+    "train": config.TrainConfig,
+    "eval": config.EvalConfig,
+    "checkpoint": config.CheckpointConfig,
+    "mesh": config.MeshConfig,
+    "warm_start": config.WarmStartConfig,
+    "health": config.HealthConfig,
+    "env": config.EnvSection,
+}
+
+
+def test_the_base_config_is_the_typed_defaults(builtin_tokenizer):
+    c = common.base()
+    c.data = {"source": "synthetic"}
+    c.rewards = "exact_match:1.0"
+    c.sampling.max_new_tokens = 8
+    run = config.parse_config(c)
+    for name, cls in SECTIONS.items():
+        assert getattr(run, name) == cls(), name
+    assert run.model == config.ModelSection()
+    assert run.sampling == config.SamplingSection(max_new_tokens=8)
+    assert (run.seed, run.tokenizer, run.rewards.modules) == (0, config.BUILTIN_TOKENIZER, ())
+    # Every field of these sections is a key of the base (settable on the command line).
+    for name, cls in SECTIONS.items():
+        assert set(c[name]) >= {f.name for f in dataclasses.fields(cls)}, name
