@@ -53,7 +53,7 @@ from grpo_jax.models.config import (
 from grpo_jax.objective import OLD_LOGPS, GRPOConfig
 from grpo_jax.optimizer import SCHEDULES, OptimConfig
 from grpo_jax.rewards.section import RewardsSection, load_reward_modules, parse_rewards
-from grpo_jax.sampling import SamplingSection
+from grpo_jax.sampling_config import SamplingSection
 from grpo_jax.sharding import LAYOUTS
 
 __all__ = [

@@ -190,20 +190,10 @@ def run_episodes(
         graphdef, sampling, cfg, num_samples, jax.random.key_impl(key)
     )
     st = prefill(params, jnp.asarray(prompt_tokens_BxP), jnp.asarray(prompt_mask_BxP), key)
-
-    rewards = np.zeros(n, np.float64)
-    success = np.zeros(n, bool)
-    errors = np.zeros(n, bool)
-    truncated = np.zeros(n, bool)
-    done = np.zeros(n, bool)
-    turns = np.ones(n, np.int32)
-    turn_start = np.zeros(n, np.int64)  # transcript index where the current turn began
-    turn_texts: list[list[str]] = [[] for _ in range(n)]
-    messages: list[str] = []
-    phases = 0
+    book = _Book.empty(n)
     while True:
         st = phase(params, st)
-        phases += 1
+        book.phases += 1
         active, reason, length, last_eos, tokens, mask = jax.device_get(
             (st.active_N, st.reason_N, st.len_N, st.last_eos_N, st.tokens_NxT, st.mask_NxT)
         )
@@ -212,59 +202,21 @@ def run_episodes(
         new_turn = np.zeros(n, bool)
         next_active = np.asarray(active).copy()
         for i in range(n):
-            if done[i] or active[i]:
+            if book.done[i] or active[i]:
                 continue  # finished earlier, or still in its turn (the cache filled up)
-            span = slice(int(turn_start[i]), int(length[i]))
+            span = slice(int(book.turn_start[i]), int(length[i]))
             text = decode([int(x) for x, m in zip(tokens[i, span], mask[i, span]) if m])
-            turn_texts[i].append(text)
-            if reason[i] == turn_decode.BUDGET:
-                done[i] = truncated[i] = True
-                continue
-            if environments[i] is None:  # broken before the episode (reported by play)
-                done[i], errors[i], rewards[i] = True, True, math.nan
-                messages.append(f"row {i}: no environment: it failed to start")
-                continue
-            out = envs_lib.safe_step(environments[i], text, cfg.env_timeout_s)
-            if out.error is not None:
-                done[i], errors[i], rewards[i] = True, True, math.nan
-                messages.append(f"row {i}: {out.error}")
-                continue
-            rewards[i] += out.reward
-            success[i] = bool(out.info.get("success", success[i]))
-            if out.done:
-                done[i] = True
-                continue
-            if turns[i] >= cfg.max_turns:
-                done[i] = truncated[i] = True
-                continue
-            try:
-                ids = encode_observation(out.observation, ended_with_eos=bool(last_eos[i]))
-            except Exception as e:  # noqa: BLE001 - a template that cannot render it
-                done[i], errors[i], rewards[i] = True, True, math.nan
-                messages.append(f"row {i}: observation: {type(e).__name__}: {e}")
-                continue
-            if not ids or len(ids) > cfg.max_obs_tokens or length[i] + len(ids) >= cfg.max_tokens:
-                done[i] = truncated[i] = True
-                continue
-            forced[i, : len(ids)] = ids
-            forced_len[i] = len(ids)
-            new_turn[i] = True
-            next_active[i] = True
-            turns[i] += 1
-            turn_start[i] = length[i] + len(ids)
+            ids = book.end_turn(
+                i, text, environments[i], reason[i], bool(last_eos[i]), int(length[i]),
+                cfg=cfg, encode_observation=encode_observation,
+            )  # fmt: skip
+            if ids is not None:  # the observation opens the row's next turn
+                forced[i, : len(ids)] = ids
+                forced_len[i] = len(ids)
+                new_turn[i] = next_active[i] = True
         if not next_active.any():
             break
-        # A row still in its turn (the cache filled) keeps its queue: the rest of an
-        # observation it was writing comes first in the next phase.
-        new_N = jnp.asarray(new_turn)
-        st = st._replace(
-            active_N=jnp.asarray(next_active),
-            reason_N=jnp.zeros((n,), jnp.int32),
-            forced_NxO=jnp.where(new_N[:, None], jnp.asarray(forced), st.forced_NxO),
-            forced_len_N=jnp.where(new_N, jnp.asarray(forced_len), st.forced_len_N),
-            forced_pos_N=jnp.where(new_N, 0, st.forced_pos_N),
-            turn_len_N=jnp.where(new_N, 0, st.turn_len_N),
-        )
+        st = _queue_observations(st, next_active, new_turn, forced, forced_len)
     tokens, mask, logps, behavior, length = jax.device_get(
         (st.tokens_NxT, st.mask_NxT, st.logps_NxT, st.behavior_NxT, st.len_N)
     )
@@ -276,14 +228,103 @@ def run_episodes(
         logps_NxT=np.asarray(logps),
         behavior_logps_NxT=np.asarray(behavior),
         lengths_N=np.asarray(length),
-        rewards_N=rewards,
-        success_N=success,
-        errors_N=errors,
-        truncated_N=truncated,
-        turns_N=turns,
-        turn_texts=turn_texts,
-        error_messages=messages,
-        phases=phases,
+        rewards_N=book.rewards,
+        success_N=book.success,
+        errors_N=book.errors,
+        truncated_N=book.truncated,
+        turns_N=book.turns,
+        turn_texts=book.turn_texts,
+        error_messages=book.messages,
+        phases=book.phases,
+    )
+
+
+@dataclasses.dataclass
+class _Book:
+    """The host's record of N episodes while they play (numpy arrays, one entry a row)."""
+
+    rewards: np.ndarray
+    success: np.ndarray
+    errors: np.ndarray
+    truncated: np.ndarray
+    done: np.ndarray
+    turns: np.ndarray
+    turn_start: np.ndarray  # transcript index where the current turn began
+    turn_texts: list[list[str]]
+    messages: list[str]
+    phases: int = 0
+
+    @classmethod
+    def empty(cls, n: int) -> _Book:
+        return cls(
+            rewards=np.zeros(n, np.float64),
+            success=np.zeros(n, bool),
+            errors=np.zeros(n, bool),
+            truncated=np.zeros(n, bool),
+            done=np.zeros(n, bool),
+            turns=np.ones(n, np.int32),
+            turn_start=np.zeros(n, np.int64),
+            turn_texts=[[] for _ in range(n)],
+            messages=[],
+        )
+
+    def _fail(self, i: int, message: str) -> None:
+        self.done[i], self.errors[i], self.rewards[i] = True, True, math.nan
+        self.messages.append(f"row {i}: {message}")
+
+    def end_turn(
+        self, i, text, env, reason, ended_with_eos, length, *, cfg, encode_observation
+    ) -> list[int] | None:
+        """Row ``i``'s turn ended with ``text``: steps its environment and returns the
+        observation's tokens to queue, or None when the episode ends (done, a budget,
+        an error: reward NaN, counted)."""
+        self.turn_texts[i].append(text)
+        if reason == turn_decode.BUDGET:
+            self.done[i] = self.truncated[i] = True
+            return None
+        if env is None:  # broken before the episode (reported by play)
+            self._fail(i, "no environment: it failed to start")
+            return None
+        out = envs_lib.safe_step(env, text, cfg.env_timeout_s)
+        if out.error is not None:
+            self._fail(i, out.error)
+            return None
+        self.rewards[i] += out.reward
+        self.success[i] = bool(out.info.get("success", self.success[i]))
+        if out.done:
+            self.done[i] = True
+            return None
+        if self.turns[i] >= cfg.max_turns:
+            self.done[i] = self.truncated[i] = True
+            return None
+        try:
+            ids = encode_observation(out.observation, ended_with_eos=ended_with_eos)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render it
+            self._fail(i, f"observation: {type(e).__name__}: {e}")
+            return None
+        if not ids or len(ids) > cfg.max_obs_tokens or length + len(ids) >= cfg.max_tokens:
+            self.done[i] = self.truncated[i] = True
+            return None
+        self.turns[i] += 1
+        self.turn_start[i] = length + len(ids)
+        return ids
+
+
+def _queue_observations(st, next_active, new_turn, forced, forced_len):
+    """The next phase's state: the rows that go on, the new turns' observations queued.
+
+    A row still in its turn (the cache filled) keeps its queue: the rest of an
+    observation it was writing comes first in the next phase.
+    """
+    n = len(next_active)
+    new_N = jnp.asarray(new_turn)
+    return st._replace(
+        active_N=jnp.asarray(next_active),
+        reason_N=jnp.zeros((n,), jnp.int32),
+        forced_NxO=jnp.where(new_N[:, None], jnp.asarray(forced), st.forced_NxO),
+        forced_len_N=jnp.where(new_N, jnp.asarray(forced_len), st.forced_len_N),
+        forced_pos_N=jnp.where(new_N, 0, st.forced_pos_N),
+        turn_len_N=jnp.where(new_N, 0, st.turn_len_N),
     )
 
 
