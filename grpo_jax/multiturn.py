@@ -57,9 +57,9 @@ import numpy as np
 from grpo_jax import advantages as adv_lib
 from grpo_jax import distributed, turn_decode
 from grpo_jax import envs as envs_lib
+from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.rewards.scoring import limit_rewards
-from grpo_jax.rollout import HostRollout, RolloutBatch
 from grpo_jax.sampling import SamplingConfig, pad_prompts
 from grpo_jax.turn_decode import MultiTurnConfig
 

@@ -57,7 +57,7 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import rollout
+from grpo_jax import batch as batch_lib
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.config import ConfigError
 from grpo_jax.sources import InFlight, RolloutSource
@@ -182,7 +182,7 @@ def restore_inflight(checkpointer, mesh, step: int) -> list[InFlight]:
     queue = []
     for j, item in enumerate(info):
         h = item["host"]
-        host = rollout.HostRollout(
+        host = batch_lib.HostRollout(
             examples=list(h["examples"]),
             prompts_n=list(h["prompts_n"]),
             completions=list(h["completions"]),
@@ -193,7 +193,7 @@ def restore_inflight(checkpointer, mesh, step: int) -> list[InFlight]:
             prompt_tokens=h["prompt_tokens"],
             t_params_ready=0.0,
         )
-        batch = rollout.RolloutBatch(**arrays[str(j)])
+        batch = batch_lib.RolloutBatch(**arrays[str(j)])
         queue.append(InFlight(item["step"], item["version"], batch, host))
     return queue
 

@@ -40,8 +40,8 @@ from grpo_jax.errors import AlarmStop, NonFiniteError
 from grpo_jax.health import describe_stop
 
 if TYPE_CHECKING:
+    from grpo_jax.batch import HostRollout
     from grpo_jax.config import RunConfig
-    from grpo_jax.rollout import HostRollout
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import jax
 
+from grpo_jax import batch as batch_lib
 from grpo_jax import distributed, multiturn, rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.update import rollout_batch_shardings
@@ -69,8 +70,8 @@ class InFlight:
 
     step: int
     version: int
-    batch: rollout.RolloutBatch
-    host: rollout.HostRollout
+    batch: batch_lib.RolloutBatch
+    host: batch_lib.HostRollout
     t_dispatch: float = 0.0
     t_sampled: float = 0.0
     t_done: float = 0.0
