@@ -160,6 +160,7 @@ def update(
     far the step moved the policy on its own samples.
     """
     use_lora = base_graphdef is not None
+    objective = losses.ObjectiveConfig.from_grpo(grpo)
     n = batch.num_rows
     m = n if minibatch_size == 0 else minibatch_size
     num_mb = n // m
@@ -233,21 +234,9 @@ def update(
             b.old_logps_NxT,
             b.advantages_N,
             _loss_mask(b),
+            objective,
             ref_logps_NxT=ref_NxT,
-            beta=grpo.beta,
-            epsilon_low=grpo.epsilon_low,
-            epsilon_high=grpo.epsilon_high,
-            kl_estimator=grpo.kl_estimator,
-            reduction=grpo.reduction,
             entropy_NxT=entropy_NxT,
-            policy_loss=grpo.policy_loss,
-            dual_clip_c=grpo.dual_clip_c,
-            sapo_tau_pos=grpo.sapo_tau_pos,
-            sapo_tau_neg=grpo.sapo_tau_neg,
-            cov_frac=grpo.cov_frac,
-            cov_lb=grpo.cov_lb,
-            cov_ub=grpo.cov_ub,
-            kl_cov_coef=grpo.kl_cov_coef,
             behavior_weights_NxT=w_NxT,
         )
 
