@@ -246,9 +246,9 @@ class ObjectiveConfig:
     """The objective's hyper-parameters: every setting of :func:`grpo_loss`, none of its arrays.
 
     Frozen and hashable, so it can be a static argument under ``jax.jit``. A
-    run builds it from its ``grpo_jax.config.GRPOConfig`` with
+    run builds it from its ``GRPOConfig`` (the ``grpo`` config section) with
     :meth:`from_grpo`; the defaults are the paper's objective (clip 0.2, no
-    KL, the "grpo" reduction).
+    KL, the "grpo" reduction) and GRPOConfig's.
 
     Attributes:
       beta: KL weight. 0 adds no KL term (the KL metric is still reported when
@@ -325,12 +325,12 @@ class ObjectiveConfig:
 
     @classmethod
     def from_grpo(cls, grpo) -> ObjectiveConfig:
-        """The objective of a run's ``grpo_jax.config.GRPOConfig`` ``grpo``.
+        """The objective of a run's ``GRPOConfig`` ``grpo`` (the ``grpo`` config section).
 
         Every field but ``max_tokens`` (left at None: "dr_grpo" divides by the
         padded completion length) is the GRPOConfig field of the same name.
-        Read by name, so this module need not import the config, which sits
-        above it.
+        Read by name, so this module need not import the config's module,
+        which sits above it.
         """
         names = [f.name for f in dataclasses.fields(cls) if f.name != "max_tokens"]
         return cls(**{name: getattr(grpo, name) for name in names})
