@@ -325,20 +325,10 @@ def estimate(
       lora_rank: r of LoRA adapters on a frozen base (0: full fine-tuning).
       lora_targets: the projections with adapters (``LoRAConfig.projections``).
     """
-    mesh = _checked_mesh(mesh_shape, layout, optimizer, attention)
     sample_rows = batch_rows if sample_rows is None else sample_rows
-    for name, value, lo in (
-        ("batch_rows", batch_rows, 1),
-        ("sample_rows", sample_rows, 1),
-        ("seq_len", seq_len, 1),
-        ("prompt_len", prompt_len, 0),
-        ("param_bytes", param_bytes, 1),
-        ("compute_bytes", compute_bytes, 1),
-    ):
-        _check_positive(name, value, lo)
-    if not beta >= 0:
-        raise ValueError(f"memory.estimate: beta = {beta!r} must be >= 0")
-
+    sizes = dict(batch_rows=batch_rows, sample_rows=sample_rows, seq_len=seq_len)
+    sizes.update(prompt_len=prompt_len, param_bytes=param_bytes, compute_bytes=compute_bytes)
+    mesh = _checked_args(mesh_shape, layout, optimizer, attention, sizes, beta)
     cfg = _model_config(model_cfg_like)
     tensors = param_tensors(cfg)
     state = _state_bytes(tensors, mesh, layout, param_bytes, beta, lora_rank, lora_targets)
@@ -374,9 +364,9 @@ def estimate(
     )
 
 
-def _checked_mesh(mesh_shape: Mapping[str, int], layout: str, optimizer: str, attention: str):
-    """``estimate``'s names checked, and the mesh with every axis of ``MESH_AXES`` (size 1
-    where ``mesh_shape`` has none)."""
+def _checked_args(mesh_shape: Mapping[str, int], layout, optimizer, attention, sizes, beta):
+    """``estimate``'s arguments checked (``sizes``: the integer ones, by name, >= 1 but
+    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
     unknown = set(mesh_shape) - set(MESH_AXES)
@@ -389,6 +379,10 @@ def _checked_mesh(mesh_shape: Mapping[str, int], layout: str, optimizer: str, at
         raise ValueError(f"unknown optimizer {optimizer!r}; known are {sorted(OPTIMIZER_MOMENTS)}")
     if attention not in ATTENTION:
         raise ValueError(f"unknown attention {attention!r}; known are {sorted(ATTENTION)}")
+    for name, value in sizes.items():
+        _check_positive(name, value, 0 if name == "prompt_len" else 1)
+    if not beta >= 0:
+        raise ValueError(f"memory.estimate: beta = {beta!r} must be >= 0")
     return mesh
 
 
