@@ -16,14 +16,34 @@ and the default ("grpo") reduction over one group is
 
 averaged over the B groups of a batch (which, all groups having G rows, is
 the mean over the N rows of each row's token mean).
+
+:func:`grpo_loss` takes these arrays and one :class:`ObjectiveConfig`, the
+settings (epsilons, beta, estimators, reduction, ...). It is assembled from
+named pieces: :func:`_prepare` (casts, log rho_t), :func:`kl_term` (KL_t), the
+ratio, its clip and the policy term (:func:`_token_loss`, or
+:func:`_gspo_loss` per sequence), :func:`_aggregate` / :func:`_reduce` (the
+reduction) and :func:`_ratio_metrics`. The policy terms that may replace
+surrogate_t (CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, dual clip) are in
+``grpo_jax.policy_terms``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from grpo_jax.policy_terms import (
+    POLICY_LOSSES,
+    SEQUENCE_POLICY_LOSSES,
+    clip_bounds,
+    clip_ratio,
+    dual_clip,
+    masked_mean,
+)
 
 # ---------------------------------------------------------------------------
 # Log-probs and entropy.
@@ -136,181 +156,6 @@ REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
 
 
 # ---------------------------------------------------------------------------
-# Policy terms. Each returns the per-token objective (to be maximised) before
-# the KL term and the reduction; all take the same keyword arguments:
-# log_ratio, logps, adv (N x 1), mask, eps_low, eps_high, and the options
-# documented in grpo_loss.
-
-
-def _dual_clip(surrogate, rho, adv, dual_clip_c):
-    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games").
-
-    For A < 0 the clipped surrogate min(rho A, clip(rho) A) is unbounded below
-    as rho grows; dual clip bounds it: max(min(rho A, clip(rho) A), c A), c > 1.
-    """
-    if dual_clip_c is None:
-        return surrogate
-    return jnp.where(adv < 0, jnp.maximum(surrogate, dual_clip_c * adv), surrogate)
-
-
-def policy_clip(*, log_ratio, adv, eps_low, eps_high, dual_clip_c=None, **_):
-    """PPO/GRPO clipped surrogate: min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A).
-
-    With ``dual_clip_c`` = c, tokens with A < 0 take max(that, c A) (dual clip).
-    """
-    rho = jnp.exp(log_ratio)
-    clipped, _, _ = _clip(rho, eps_low, eps_high)
-    surrogate = jnp.minimum(rho * adv, clipped * adv)
-    return _dual_clip(surrogate, rho, adv, dual_clip_c)
-
-
-def policy_cispo(*, log_ratio, logps, adv, eps_low, eps_high, **_):
-    """CISPO (MiniMax-M1, MiniMax 2025, eq. 4): sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi.
-
-    The importance weight is clipped and detached instead of the update: every
-    token keeps the REINFORCE gradient clip(rho) A grad log pi_theta, including
-    the tokens PPO's clip would silence. The value is that of the formula (it
-    contains log pi_theta), not a surrogate of the return.
-    """
-    clipped, _, _ = _clip(jnp.exp(log_ratio), eps_low, eps_high)
-    return jax.lax.stop_gradient(clipped) * adv * logps
-
-
-def policy_sapo(*, log_ratio, adv, sapo_tau_pos=1.0, sapo_tau_neg=1.05, **_):
-    """SAPO (Soft Adaptive Policy Optimization, Qwen 2025): f_tau(rho) A.
-
-        f_tau(rho) = sigmoid(tau (rho - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg
-
-    A smooth gate in place of the hard clip: f'(rho) = 4 s (1 - s) with
-    s = sigmoid(tau (rho - 1)), which is 1 at rho = 1 (on-policy gradient
-    equals the clip's) and decays smoothly as rho leaves 1.
-    """
-    tau = jnp.where(adv > 0, sapo_tau_pos, sapo_tau_neg).astype(log_ratio.dtype)
-    rho = jnp.exp(log_ratio)
-    return jax.nn.sigmoid(tau * (rho - 1.0)) * (4.0 / tau) * adv
-
-
-def _cov_NxT(logps, adv, mask):
-    """Per-token centred cross product (Cui et al. 2025, eq. 9), no gradient.
-
-        cov_t = (log pi_t - mean log pi) (A_t - mean A)
-
-    with both means over the batch's valid tokens (A_t is the row's advantage).
-    """
-    logps, adv = jax.lax.stop_gradient(logps), jax.lax.stop_gradient(adv)
-    adv_NxT = jnp.broadcast_to(adv, logps.shape)
-    centred_lp = logps - _masked_mean(logps, mask)
-    centred_a = adv_NxT - _masked_mean(adv_NxT, mask)
-    return jnp.where(mask > 0, centred_lp * centred_a, 0.0)
-
-
-def _top_by_rank(score, eligible, mask, frac):
-    """The max(1, floor(frac * n_valid)) eligible tokens of highest score; ties by flat index.
-
-    At least one token whenever frac > 0, as in the paper's code: the default
-    fraction 2e-4 would otherwise pick nothing below 5000 tokens and switch
-    the method off unnoticed. frac = 0 picks none. By rank, not by draw: the
-    paper's code takes this top-k for KL-Cov and draws at random for Clip-Cov.
-    """
-    n_valid = mask.sum()
-    k = jnp.where(frac > 0, jnp.maximum(jnp.floor(frac * n_valid), 1.0), 0.0)
-    flat = jnp.where(eligible, score, -jnp.inf).reshape(-1)
-    order = jnp.argsort(-flat, stable=True)
-    rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
-    return eligible & (rank.reshape(score.shape) < k)
-
-
-def policy_clip_cov(
-    *,
-    log_ratio,
-    logps,
-    adv,
-    mask,
-    eps_low,
-    eps_high,
-    dual_clip_c=None,
-    cov_frac=2e-4,
-    cov_lb=1.0,
-    cov_ub=5.0,
-    **_,
-):
-    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", sec. 4.2).
-
-    The clipped surrogate, except that the gradient of max(1, floor(cov_frac *
-    n_valid)) tokens with cov_lb <= cov_t <= cov_ub is detached (their value
-    stays in the loss). Tokens the ratio clip already binds (no gradient
-    anyway) are not candidates, as in the paper's code. The paper picks at
-    random among the candidates; here those of highest cov are taken, so the
-    choice is reproducible.
-    """
-    surrogate = policy_clip(
-        log_ratio=log_ratio, adv=adv, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
-    )
-    rho = jnp.exp(log_ratio)
-    clipped, _, _ = _clip(rho, eps_low, eps_high)
-    clip_binds = clipped * adv < rho * adv
-    cov = _cov_NxT(logps, adv, mask)
-    band = (mask > 0) & ~clip_binds & (cov >= cov_lb) & (cov <= cov_ub)
-    picked = _top_by_rank(cov, band, mask, cov_frac)
-    return jnp.where(picked, jax.lax.stop_gradient(surrogate), surrogate)
-
-
-def policy_kl_cov(*, log_ratio, logps, adv, mask, cov_frac=2e-4, kl_cov_coef=1.0, **_):
-    """KL-Cov (Cui et al. 2025, sec. 4.2): rho A - k |log rho| on the top tokens by cov.
-
-        objective_t = rho_t A - k |log rho_t|   for the max(1, floor(cov_frac *
-                                               n_valid)) valid tokens of highest cov_t,
-        objective_t = rho_t A                   elsewhere.
-
-    As in the paper, there is no ratio clip: the penalty on the high-covariance
-    tokens takes its place (epsilon_low/high are ignored). |log rho| is written
-    log rho * sg(sign(log rho)), whose derivative is sign(log rho): 0 at
-    log rho = 0, where the penalty is minimal (jnp.abs's derivative there is 1,
-    a spurious push down on every picked token of an on-policy minibatch).
-    """
-    rho = jnp.exp(log_ratio)
-    cov = _cov_NxT(logps, adv, mask)
-    picked = _top_by_rank(cov, mask > 0, mask, cov_frac)
-    abs_log_ratio = log_ratio * jax.lax.stop_gradient(jnp.sign(log_ratio))
-    return rho * adv - jnp.where(picked, kl_cov_coef * abs_log_ratio, 0.0)
-
-
-def policy_gmpo(*, log_ratio, adv, mask, eps_low, eps_high, **_):
-    """GMPO (Geometric-Mean Policy Optimization, Zhao et al. 2025, eq. 5), one value per row.
-
-        J_i = sgn(A_i) (prod_t |min(rho_t A_i, clip(rho_t, e^-eps_low, e^eps_high) A_i)|)^(1/|o_i|)
-            = A_i exp((1/|o_i|) sum_t l_t),
-        l_t = min(log rho_t, clip(log rho_t, -eps_low, eps_high))   if A_i > 0
-        l_t = max(log rho_t, clip(log rho_t, -eps_low, eps_high))   if A_i < 0
-
-    The clip is on the token log-ratio (the paper uses eps = 0.4 on each
-    side); the geometric mean of the token ratios replaces their arithmetic
-    mean, so an outlier token ratio moves the sequence term less. Returns the
-    per-sequence objective, shape N x 1 (0 for rows without tokens).
-    """
-    lo = -jnp.inf if eps_low is None else -eps_low
-    hi = jnp.inf if eps_high is None else eps_high
-    clipped = _clip_closed(log_ratio, lo, hi)
-    l_t = jnp.where(adv > 0, jnp.minimum(log_ratio, clipped), jnp.maximum(log_ratio, clipped))
-    n_tokens = mask.sum(1, keepdims=True)
-    mean_l = (l_t * mask).sum(1, keepdims=True) / jnp.maximum(n_tokens, 1.0)
-    return jnp.where(n_tokens > 0, adv * jnp.exp(mean_l), 0.0)
-
-
-# Terms evaluated per sequence (N x 1) rather than per token.
-SEQUENCE_POLICY_LOSSES = ("gmpo",)
-
-POLICY_LOSSES: dict[str, Callable[..., jax.Array]] = {
-    "clip": policy_clip,
-    "cispo": policy_cispo,
-    "sapo": policy_sapo,
-    "gmpo": policy_gmpo,
-    "clip_cov": policy_clip_cov,
-    "kl_cov": policy_kl_cov,
-}
-
-
-# ---------------------------------------------------------------------------
 # Behaviour-policy correction.
 
 BEHAVIOR_CORRECTIONS = ("none", "tis", "mis")
@@ -364,7 +209,7 @@ def behavior_weights(
     diff_NxT = jnp.where(valid_NxT, old_logps_NxT - behavior_logps_NxT.astype(dtype), 0.0)
     abs_NxT = jnp.abs(diff_NxT)
     metrics = {
-        "behavior/abs_log_diff_mean": _masked_mean(abs_NxT, mask_NxT),
+        "behavior/abs_log_diff_mean": masked_mean(abs_NxT, mask_NxT),
         "behavior/abs_log_diff_max": jnp.max(jnp.where(valid_NxT, abs_NxT, 0.0)),
     }
     if correction == "none":
@@ -378,92 +223,36 @@ def behavior_weights(
     if correction == "tis":
         cut_NxT = log_w_NxT > log_cap
         w_NxT = jnp.exp(jnp.minimum(log_w_NxT, log_cap))
-        metrics["behavior/frac_capped"] = _masked_mean(cut_NxT.astype(dtype), mask_NxT)
+        metrics["behavior/frac_capped"] = masked_mean(cut_NxT.astype(dtype), mask_NxT)
     else:  # mis
         cut_NxT = jnp.abs(log_w_NxT) > log_cap
         w_NxT = jnp.where(cut_NxT, 0.0, jnp.exp(log_w_NxT))
-        metrics["behavior/frac_masked"] = _masked_mean(cut_NxT.astype(dtype), mask_NxT)
+        metrics["behavior/frac_masked"] = masked_mean(cut_NxT.astype(dtype), mask_NxT)
     w_NxT = jax.lax.stop_gradient(w_NxT * mask_NxT)
     return w_NxT, {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------------------
-# The loss.
+# The objective's settings.
 
 
-def _at_least_f32(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+def _check_choice(name: str, value, choices: list) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} {value!r} is not one of {choices}")
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """The objective's hyper-parameters: every setting of :func:`grpo_loss`, none of its arrays.
 
+    Frozen and hashable, so it can be a static argument under ``jax.jit``. A
+    run builds it from its ``GRPOConfig`` (the ``grpo`` config section) with
+    :meth:`from_grpo`; the defaults are the paper's objective (clip 0.2, no
+    KL, the "grpo" reduction) and GRPOConfig's.
 
-def _clip_closed(x, lo, hi):
-    """clip(x, lo, hi) with derivative 1 on the closed range [lo, hi], 0 outside.
-
-    jnp.clip's derivative is 1/2 at an edge. With an epsilon of 0 the on-policy
-    point rho = 1 is an edge, and min(rho A, clip(rho) A), which splits a tie
-    evenly, would have the gradient 3/4 A there (5/8 A with both epsilons 0);
-    with this clip it is A, the policy gradient, as with torch's clamp.
-    """
-    return jnp.where((x >= lo) & (x <= hi), x, jnp.clip(x, lo, hi))
-
-
-def _clip(rho, epsilon_low, epsilon_high):
-    lo = -jnp.inf if epsilon_low is None else 1.0 - epsilon_low
-    hi = jnp.inf if epsilon_high is None else 1.0 + epsilon_high
-    return _clip_closed(rho, lo, hi), lo, hi
-
-
-def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
-    n_rows = mask_NxT.shape[0]
-    if reduction == "grpo":
-        per_seq_N = objective_NxT.sum(1) / jnp.maximum(n_tokens_N, 1.0)
-        return -per_seq_N.sum() / n_rows
-    if reduction == "token_mean":
-        return -objective_NxT.sum() / jnp.maximum(mask_NxT.sum(), 1.0)
-    # dr_grpo
-    denom = mask_NxT.shape[1] if max_tokens is None else max_tokens
-    return -objective_NxT.sum() / (n_rows * denom)
-
-
-def grpo_loss(
-    logps_NxT: jax.Array,
-    old_logps_NxT: jax.Array,
-    advantages_N: jax.Array,
-    mask_NxT: jax.Array,
-    *,
-    ref_logps_NxT: jax.Array | None = None,
-    beta: float = 0.0,
-    epsilon_low: float | None = 0.2,
-    epsilon_high: float | None = 0.2,
-    kl_estimator: str = "k3",
-    reduction: str = "grpo",
-    max_tokens: int | None = None,
-    logits_NxTxV: jax.Array | None = None,
-    temperature: float = 1.0,
-    entropy_NxT: jax.Array | None = None,
-    policy_loss: str = "clip",
-    dual_clip_c: float | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    cov_frac: float = 2e-4,
-    cov_lb: float = 1.0,
-    cov_ub: float = 5.0,
-    kl_cov_coef: float = 1.0,
-    behavior_weights_NxT: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The clipped GRPO loss and its monitoring metrics.
-
-    Args:
-      logps_NxT: log pi_theta of the completion tokens (differentiated).
-      old_logps_NxT: log pi_old, recorded at rollout time (treated as constant).
-      advantages_N: one advantage per completion; every token carries it.
-      mask_NxT: 1 on real completion tokens.
-      ref_logps_NxT: log pi_ref; required when beta > 0, may be None otherwise.
+    Attributes:
       beta: KL weight. 0 adds no KL term (the KL metric is still reported when
-        ``ref_logps_NxT`` is given).
+        reference log-probs are given).
       epsilon_low, epsilon_high: clip range [1 - eps_low, 1 + eps_high]; None
         switches clipping off on that side.
       kl_estimator: a key of ``KL_ESTIMATORS`` ("k3" by default).
@@ -478,21 +267,294 @@ def grpo_loss(
         "gspo": sequence-level ratio s_i = exp(mean_t(logp - old_logp)),
           clipped per sequence (GSPO, Zheng et al. 2025); KL is the token
           mean per sequence.
-      max_tokens: the constant of "dr_grpo".
-      logits_NxTxV: if given, mean token entropy is reported (no gradient).
-      temperature: the temperature ``logits_NxTxV`` is scored at.
-      entropy_NxT: per-token entropies computed elsewhere (e.g. chunk by chunk
-        with the log-probs); reported instead of ``logits_NxTxV``'s.
+      max_tokens: the constant of "dr_grpo" (None: T, the padded length).
+      temperature: the temperature logits given to :func:`grpo_loss` are
+        scored at (for the entropy metric).
       policy_loss: a key of ``POLICY_LOSSES``, the per-token policy term
-        ("clip" by default, the surrogate above). "cispo", "sapo", "clip_cov"
-        and "kl_cov" replace surrogate_t; "gmpo" is one term per sequence and
-        needs reduction "grpo" (mean over rows). Only "clip" combines with
-        reduction "gspo". See each ``policy_*`` function and docs/objective.md.
+        ("clip" by default, the surrogate of the module doc). "cispo", "sapo",
+        "clip_cov" and "kl_cov" replace surrogate_t; "gmpo" is one term per
+        sequence and needs reduction "grpo" (mean over rows). Only "clip"
+        combines with reduction "gspo". See each ``policy_*`` function and
+        docs/objective.md.
       dual_clip_c: c > 1 of dual-clip PPO for A < 0 ("clip", "clip_cov",
         and the "gspo" reduction); None (default) switches it off.
       sapo_tau_pos, sapo_tau_neg: "sapo" temperatures for A > 0 and A < 0.
       cov_frac, cov_lb, cov_ub, kl_cov_coef: "clip_cov"/"kl_cov" parameters:
         fraction of valid tokens picked, Clip-Cov's covariance band, KL-Cov's k.
+      behavior_correction, behavior_level, behavior_cap: the correction of
+        :func:`behavior_weights` (its ``correction``, ``level`` and ``cap``),
+        whose weights :func:`grpo_loss` takes as an array.
+
+    Raises ValueError for an unknown name or a combination the loss does not
+    define.
+    """
+
+    beta: float = 0.0
+    epsilon_low: float | None = 0.2
+    epsilon_high: float | None = 0.2
+    kl_estimator: str = "k3"
+    reduction: str = "grpo"
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    policy_loss: str = "clip"
+    dual_clip_c: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    cov_frac: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
+    behavior_correction: str = "none"
+    behavior_level: str = "token"
+    behavior_cap: float = 2.0
+
+    def __post_init__(self):
+        _check_choice("reduction", self.reduction, list(REDUCTIONS))
+        _check_choice("kl_estimator", self.kl_estimator, sorted(KL_ESTIMATORS))
+        _check_choice("policy_loss", self.policy_loss, sorted(POLICY_LOSSES))
+        if self.reduction == "gspo" and self.policy_loss != "clip":
+            raise ValueError(f"reduction 'gspo' needs policy_loss 'clip', not {self.policy_loss!r}")
+        if self.policy_loss in SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
+            raise ValueError(
+                f"policy_loss {self.policy_loss!r} needs reduction 'grpo', not {self.reduction!r}"
+            )
+        _check_choice("behavior_correction", self.behavior_correction, list(BEHAVIOR_CORRECTIONS))
+        _check_choice("behavior_level", self.behavior_level, list(BEHAVIOR_LEVELS))
+        if not self.behavior_cap > 1.0:
+            raise ValueError(f"behavior_cap = {self.behavior_cap!r} must be > 1")
+
+    @classmethod
+    def from_grpo(cls, grpo) -> ObjectiveConfig:
+        """The objective of a run's ``GRPOConfig`` ``grpo`` (the ``grpo`` config section).
+
+        Every field but ``max_tokens`` (left at None: "dr_grpo" divides by the
+        padded completion length) is the GRPOConfig field of the same name.
+        Read by name, so this module need not import the config's module,
+        which sits above it.
+        """
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "max_tokens"]
+        return cls(**{name: getattr(grpo, name) for name in names})
+
+    def policy_options(self) -> dict:
+        """The keyword options of the ``policy_*`` terms beyond the clip range."""
+        return dict(
+            dual_clip_c=self.dual_clip_c,
+            sapo_tau_pos=self.sapo_tau_pos,
+            sapo_tau_neg=self.sapo_tau_neg,
+            cov_frac=self.cov_frac,
+            cov_lb=self.cov_lb,
+            cov_ub=self.cov_ub,
+            kl_cov_coef=self.kl_cov_coef,
+        )
+
+
+# ---------------------------------------------------------------------------
+# The loss: prepared terms, the KL term, the ratio and its clip, aggregation, metrics.
+
+
+def _at_least_f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+class _Terms(NamedTuple):
+    """grpo_loss's inputs as the pieces use them (:func:`_prepare`); float32 or wider."""
+
+    logps_NxT: jax.Array  # log pi_theta, the only differentiated input
+    mask_NxT: jax.Array
+    adv_Nx1: jax.Array
+    n_tokens_N: jax.Array  # |o_i|
+    log_ratio_NxT: jax.Array  # log rho_t, 0 on padding
+    kl_NxT: jax.Array  # KL_t, 0 on padding and without a reference
+    behavior_w_NxT: jax.Array | None
+
+
+def _row_mean(x_NxT, t: _Terms):
+    """(1/|o_i|) sum_t x_it per row (0 for a row without tokens)."""
+    return (x_NxT * t.mask_NxT).sum(1) / jnp.maximum(t.n_tokens_N, 1.0)
+
+
+def kl_term(logps_NxT, ref_logps_NxT, mask_NxT, estimator: str = "k3") -> jax.Array:
+    """The objective's KL_t: ``KL_ESTIMATORS[estimator](logp_theta, logp_ref)`` per token.
+
+    logp_ref carries no gradient and is replaced by logp_theta on padding, so
+    KL_t = 0 there whatever the reference scored (every estimator is 0 at
+    logp_theta = logp_ref). Without a reference (None) KL_t = 0.
+    """
+    if ref_logps_NxT is None:
+        return jnp.zeros_like(logps_NxT)
+    ref_NxT = jax.lax.stop_gradient(ref_logps_NxT.astype(logps_NxT.dtype))
+    ref_NxT = jnp.where(mask_NxT > 0, ref_NxT, logps_NxT)
+    return KL_ESTIMATORS[estimator](logps_NxT, ref_NxT)
+
+
+def _prepare(
+    logps_NxT, old_logps_NxT, advantages_N, mask_NxT, ref_logps_NxT, behavior_weights_NxT, kl
+) -> _Terms:
+    """Casts (float32 at least), constants and the per-token log-ratio and KL term.
+
+        log rho_t = logp_theta - logp_old   on real tokens, 0 on padding
+
+    pi_old's log-probs, the advantages, the reference and the behaviour
+    weights carry no gradient. Zeroing the log-ratio on padding (which may
+    hold anything) keeps exp() from overflowing into NaN gradients.
+    """
+    logps_NxT = _at_least_f32(logps_NxT)
+    mask_NxT = mask_NxT.astype(logps_NxT.dtype)
+    old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
+    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
+    n_tokens_N = mask_NxT.sum(axis=1)
+    log_ratio_NxT = jnp.where(mask_NxT > 0, logps_NxT - old_logps_NxT, 0.0)
+    kl_NxT = kl_term(logps_NxT, ref_logps_NxT, mask_NxT, kl)
+    behavior_w_NxT = None
+    if behavior_weights_NxT is not None:
+        behavior_w_NxT = jax.lax.stop_gradient(behavior_weights_NxT.astype(logps_NxT.dtype))
+    return _Terms(logps_NxT, mask_NxT, adv_Nx1, n_tokens_N, log_ratio_NxT, kl_NxT, behavior_w_NxT)
+
+
+def _clip_sides(rho, adv, lo, hi):
+    """The tokens the clip binds, below (rho < lo, A < 0) and above (rho > hi, A > 0)."""
+    return (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)
+
+
+def _gspo_loss(t: _Terms, obj: ObjectiveConfig):
+    """GSPO (Zheng et al. 2025): the ratio and its clip per sequence, then the row mean.
+
+        s_i = exp((1/|o_i|) sum_t log rho_it)
+        J_i = w_i max(min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), c A_i)
+              - beta (1/|o_i|) sum_t KL_it
+        L   = -(1/N') sum_{i: |o_i| > 0} J_i,   N' = #rows with tokens
+
+    (the max with c A_i only with dual clip and A_i < 0; w_i the row's
+    behaviour weight, constant along the row, 1 without correction).
+    Returns (loss, (rho, low, high)): s_i broadcast over the row's tokens and
+    the rows the clip binds, for the metrics.
+    """
+    adv_Nx1 = t.adv_Nx1
+    seq_log_ratio_Nx1 = (t.log_ratio_NxT * t.mask_NxT).sum(1, keepdims=True) / jnp.maximum(
+        t.n_tokens_N[:, None], 1.0
+    )
+    rho_Nx1 = jnp.exp(seq_log_ratio_Nx1)
+    clipped_Nx1, lo, hi = clip_ratio(rho_Nx1, obj.epsilon_low, obj.epsilon_high)
+    surrogate_N = dual_clip(
+        jnp.minimum(rho_Nx1 * adv_Nx1, clipped_Nx1 * adv_Nx1), rho_Nx1, adv_Nx1, obj.dual_clip_c
+    )[:, 0]
+    if t.behavior_w_NxT is not None:
+        surrogate_N = surrogate_N * _row_mean(t.behavior_w_NxT, t)
+    kl_N = _row_mean(t.kl_NxT, t)
+    has_tokens_N = (t.n_tokens_N > 0).astype(jnp.float32)
+    loss = -((surrogate_N - obj.beta * kl_N) * has_tokens_N).sum() / jnp.maximum(
+        has_tokens_N.sum(), 1.0
+    )
+    rho_NxT = jnp.broadcast_to(rho_Nx1, t.mask_NxT.shape)
+    return loss, (rho_NxT, *_clip_sides(rho_Nx1, adv_Nx1, lo, hi))
+
+
+def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
+    """L from the masked per-token objective, by ``reduction`` (ObjectiveConfig):
+
+    "grpo":       L = -(1/N) sum_i (1/|o_i|) sum_t objective_it
+    "token_mean": L = -sum_it objective_it / sum_i |o_i|
+    "dr_grpo":    L = -sum_it objective_it / (N max_tokens)
+    """
+    n_rows = mask_NxT.shape[0]
+    if reduction == "grpo":
+        per_seq_N = objective_NxT.sum(1) / jnp.maximum(n_tokens_N, 1.0)
+        return -per_seq_N.sum() / n_rows
+    if reduction == "token_mean":
+        return -objective_NxT.sum() / jnp.maximum(mask_NxT.sum(), 1.0)
+    # dr_grpo
+    denom = mask_NxT.shape[1] if max_tokens is None else max_tokens
+    return -objective_NxT.sum() / (n_rows * denom)
+
+
+def _aggregate(policy, t: _Terms, obj: ObjectiveConfig):
+    """The loss from the policy term: weighted, minus beta KL, reduced.
+
+    Per token: objective_t = w_t policy_t - beta KL_t, reduced by :func:`_reduce`.
+    A sequence term ("gmpo", N x 1): J_i = w_i policy_i - beta (1/|o_i|) sum_t KL_it
+    and L = -(1/N) sum_i J_i. w is the behaviour weight (1 without correction;
+    a row's, constant along it, for a sequence term).
+    """
+    if obj.policy_loss in SEQUENCE_POLICY_LOSSES:
+        kl_N = _row_mean(t.kl_NxT, t)
+        seq_N = policy[:, 0]
+        if t.behavior_w_NxT is not None:
+            seq_N = seq_N * _row_mean(t.behavior_w_NxT, t)
+        return -(seq_N - obj.beta * kl_N).sum() / t.mask_NxT.shape[0]
+    if t.behavior_w_NxT is not None:
+        policy = policy * t.behavior_w_NxT
+    objective_NxT = (policy - obj.beta * t.kl_NxT) * t.mask_NxT
+    return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, obj.max_tokens)
+
+
+def _token_loss(t: _Terms, obj: ObjectiveConfig):
+    """The per-token ratio rho_t = exp(log rho_t), the policy term, and its aggregation.
+
+    The policy term is ``POLICY_LOSSES[obj.policy_loss]`` (the clipped
+    surrogate by default; see the ``policy_*`` functions). Returns (loss,
+    (rho, low, high)): rho_t and the tokens the clip [1 - eps_low,
+    1 + eps_high] binds, for the metrics (whether or not the term clips).
+    """
+    rho_NxT = jnp.exp(t.log_ratio_NxT)
+    lo, hi = clip_bounds(obj.epsilon_low, obj.epsilon_high)
+    policy = POLICY_LOSSES[obj.policy_loss](
+        log_ratio=t.log_ratio_NxT,
+        logps=t.logps_NxT,
+        adv=t.adv_Nx1,
+        mask=t.mask_NxT,
+        eps_low=obj.epsilon_low,
+        eps_high=obj.epsilon_high,
+        **obj.policy_options(),
+    )
+    loss = _aggregate(policy, t, obj)
+    return loss, (rho_NxT, *_clip_sides(rho_NxT, t.adv_Nx1, lo, hi))
+
+
+def _ratio_metrics(rho_NxT, low, high, mask_NxT) -> dict[str, jax.Array]:
+    """clip_frac_low/high, ratio_mean (token means of the clip sides and rho), ratio_min/max.
+
+    ratio_min and ratio_max are over the real tokens, 1.0 when there is none
+    (an empty batch reports no movement). No gradient.
+    """
+    valid_NxT = mask_NxT > 0
+    any_valid = valid_NxT.any()
+    metrics = {
+        "clip_frac_low": masked_mean(low.astype(mask_NxT.dtype), mask_NxT),
+        "clip_frac_high": masked_mean(high.astype(mask_NxT.dtype), mask_NxT),
+        "ratio_mean": masked_mean(rho_NxT, mask_NxT),
+        "ratio_min": jnp.where(any_valid, jnp.min(jnp.where(valid_NxT, rho_NxT, jnp.inf)), 1.0),
+        "ratio_max": jnp.where(any_valid, jnp.max(jnp.where(valid_NxT, rho_NxT, -jnp.inf)), 1.0),
+    }
+    return {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
+
+
+def grpo_loss(
+    logps_NxT: jax.Array,
+    old_logps_NxT: jax.Array,
+    advantages_N: jax.Array,
+    mask_NxT: jax.Array,
+    objective: ObjectiveConfig = ObjectiveConfig(),
+    *,
+    ref_logps_NxT: jax.Array | None = None,
+    logits_NxTxV: jax.Array | None = None,
+    entropy_NxT: jax.Array | None = None,
+    behavior_weights_NxT: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO loss (module doc) with the settings ``objective``, and its monitoring metrics.
+
+    Args:
+      logps_NxT: log pi_theta of the completion tokens (differentiated).
+      old_logps_NxT: log pi_old, recorded at rollout time (treated as constant).
+      advantages_N: one advantage per completion; every token carries it.
+      mask_NxT: 1 on real completion tokens.
+      objective: the hyper-parameters (:class:`ObjectiveConfig`; a static
+        argument under jit).
+      ref_logps_NxT: log pi_ref; required when ``objective.beta`` > 0, may be
+        None otherwise.
+      logits_NxTxV: if given, mean token entropy is reported (no gradient),
+        scored at ``objective.temperature``.
+      entropy_NxT: per-token entropies computed elsewhere (e.g. chunk by chunk
+        with the log-probs); reported instead of ``logits_NxTxV``'s.
       behavior_weights_NxT: importance weights of pi_old against the
         behaviour distribution (:func:`behavior_weights`, no gradient); they
         multiply the policy term of each token (each row's term for "gspo"
@@ -501,119 +563,28 @@ def grpo_loss(
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
-      ratio_min, ratio_max, kl_mean (when ref given), entropy (when logits or
-      entropies are given).
+      ratio_min, ratio_max (:func:`_ratio_metrics`), kl_mean (when ref given),
+      entropy (when logits or entropies are given).
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction {reduction!r} is not one of {list(REDUCTIONS)}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator {kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}")
-    if policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"policy_loss {policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
-    if reduction == "gspo" and policy_loss != "clip":
-        raise ValueError(f"reduction 'gspo' needs policy_loss 'clip', not {policy_loss!r}")
-    if policy_loss in SEQUENCE_POLICY_LOSSES and reduction != "grpo":
-        raise ValueError(f"policy_loss {policy_loss!r} needs reduction 'grpo', not {reduction!r}")
-    if beta > 0 and ref_logps_NxT is None:
+    if objective.beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
-
-    logps_NxT = _at_least_f32(logps_NxT)
-    mask_NxT = mask_NxT.astype(logps_NxT.dtype)
-    old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
-    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
-    n_tokens_N = mask_NxT.sum(axis=1)
-    # Padding positions may hold anything; zero the log-ratio there so that
-    # exp() cannot overflow into NaN gradients.
-    log_ratio_NxT = jnp.where(mask_NxT > 0, logps_NxT - old_logps_NxT, 0.0)
-
+    t = _prepare(
+        logps_NxT,
+        old_logps_NxT,
+        advantages_N,
+        mask_NxT,
+        ref_logps_NxT,
+        behavior_weights_NxT,
+        objective.kl_estimator,
+    )
+    piece = _gspo_loss if objective.reduction == "gspo" else _token_loss
+    loss, (rho_NxT, low, high) = piece(t, objective)
+    metrics = _ratio_metrics(rho_NxT, low, high, t.mask_NxT)
     if ref_logps_NxT is not None:
-        ref_NxT = jax.lax.stop_gradient(ref_logps_NxT.astype(logps_NxT.dtype))
-        ref_NxT = jnp.where(mask_NxT > 0, ref_NxT, logps_NxT)
-        kl_NxT = KL_ESTIMATORS[kl_estimator](logps_NxT, ref_NxT)
-    else:
-        kl_NxT = jnp.zeros_like(logps_NxT)
-
-    if behavior_weights_NxT is not None:
-        behavior_w_NxT = jax.lax.stop_gradient(behavior_weights_NxT.astype(logps_NxT.dtype))
-
-        def row_weight_N():
-            # Rows' weights are constant along the row at level "sequence".
-            return (behavior_w_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
-
-    if reduction == "gspo":
-        seq_log_ratio_Nx1 = (log_ratio_NxT * mask_NxT).sum(1, keepdims=True) / jnp.maximum(
-            n_tokens_N[:, None], 1.0
-        )
-        rho_Nx1 = jnp.exp(seq_log_ratio_Nx1)
-        clipped_Nx1, lo, hi = _clip(rho_Nx1, epsilon_low, epsilon_high)
-        surrogate_N = _dual_clip(
-            jnp.minimum(rho_Nx1 * adv_Nx1, clipped_Nx1 * adv_Nx1), rho_Nx1, adv_Nx1, dual_clip_c
-        )[:, 0]
-        if behavior_weights_NxT is not None:
-            surrogate_N = surrogate_N * row_weight_N()
-        kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
-        has_tokens_N = (n_tokens_N > 0).astype(jnp.float32)
-        loss = -((surrogate_N - beta * kl_N) * has_tokens_N).sum() / jnp.maximum(
-            has_tokens_N.sum(), 1.0
-        )
-        rho_stats_NxT, stats_mask_NxT = jnp.broadcast_to(rho_Nx1, mask_NxT.shape), mask_NxT
-        low_NxT = (rho_Nx1 < lo) & (adv_Nx1 < 0)
-        high_NxT = (rho_Nx1 > hi) & (adv_Nx1 > 0)
-    else:
-        rho_NxT = jnp.exp(log_ratio_NxT)
-        _, lo, hi = _clip(rho_NxT, epsilon_low, epsilon_high)
-        surrogate = POLICY_LOSSES[policy_loss](
-            log_ratio=log_ratio_NxT,
-            logps=logps_NxT,
-            adv=adv_Nx1,
-            mask=mask_NxT,
-            eps_low=epsilon_low,
-            eps_high=epsilon_high,
-            dual_clip_c=dual_clip_c,
-            sapo_tau_pos=sapo_tau_pos,
-            sapo_tau_neg=sapo_tau_neg,
-            cov_frac=cov_frac,
-            cov_lb=cov_lb,
-            cov_ub=cov_ub,
-            kl_cov_coef=kl_cov_coef,
-        )
-        n_rows = mask_NxT.shape[0]
-        if policy_loss in SEQUENCE_POLICY_LOSSES:
-            # One term per row: the KL enters as its token mean over the row.
-            kl_N = (kl_NxT * mask_NxT).sum(1) / jnp.maximum(n_tokens_N, 1.0)
-            seq_N = surrogate[:, 0]
-            if behavior_weights_NxT is not None:
-                seq_N = seq_N * row_weight_N()
-            loss = -(seq_N - beta * kl_N).sum() / n_rows
-        else:
-            if behavior_weights_NxT is not None:
-                surrogate = surrogate * behavior_w_NxT
-            loss = _reduce(
-                (surrogate - beta * kl_NxT) * mask_NxT, mask_NxT, n_tokens_N, reduction, max_tokens
-            )
-        rho_stats_NxT, stats_mask_NxT = rho_NxT, mask_NxT
-        low_NxT = (rho_NxT < lo) & (adv_Nx1 < 0)
-        high_NxT = (rho_NxT > hi) & (adv_Nx1 > 0)
-
-    valid_NxT = stats_mask_NxT > 0
-    any_valid = valid_NxT.any()
-    metrics = {
-        "clip_frac_low": _masked_mean(low_NxT.astype(mask_NxT.dtype), stats_mask_NxT),
-        "clip_frac_high": _masked_mean(high_NxT.astype(mask_NxT.dtype), stats_mask_NxT),
-        "ratio_mean": _masked_mean(rho_stats_NxT, stats_mask_NxT),
-        # 1.0 when no token is real, so an empty batch reports no movement.
-        "ratio_min": jnp.where(
-            any_valid, jnp.min(jnp.where(valid_NxT, rho_stats_NxT, jnp.inf)), 1.0
-        ),
-        "ratio_max": jnp.where(
-            any_valid, jnp.max(jnp.where(valid_NxT, rho_stats_NxT, -jnp.inf)), 1.0
-        ),
-    }
-    metrics = {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
-    if ref_logps_NxT is not None:
-        metrics["kl_mean"] = jax.lax.stop_gradient(_masked_mean(kl_NxT, mask_NxT))
+        metrics["kl_mean"] = jax.lax.stop_gradient(masked_mean(t.kl_NxT, t.mask_NxT))
     if entropy_NxT is None and logits_NxTxV is not None:
-        entropy_NxT = token_entropy(jax.lax.stop_gradient(logits_NxTxV), temperature=temperature)
+        logits_NxTxV = jax.lax.stop_gradient(logits_NxTxV)
+        entropy_NxT = token_entropy(logits_NxTxV, temperature=objective.temperature)
     if entropy_NxT is not None:
-        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy_NxT), mask_NxT)
+        metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy_NxT), t.mask_NxT)
     return loss, metrics

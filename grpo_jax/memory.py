@@ -323,6 +323,48 @@ def estimate(
       lora_rank: r of LoRA adapters on a frozen base (0: full fine-tuning).
       lora_targets: the projections with adapters (``LoRAConfig.projections``).
     """
+    sample_rows = batch_rows if sample_rows is None else sample_rows
+    sizes = dict(batch_rows=batch_rows, sample_rows=sample_rows, seq_len=seq_len)
+    sizes.update(prompt_len=prompt_len, param_bytes=param_bytes, compute_bytes=compute_bytes)
+    mesh = _checked_args(mesh_shape, layout, optimizer, attention, sizes, beta)
+    cfg = _model_config(model_cfg_like)
+    tensors = param_tensors(cfg)
+    state = _state_bytes(tensors, mesh, layout, param_bytes, beta, lora_rank, lora_targets)
+    params, grads, trained, reference, trainable_params, lora_layer = state
+    shards = mesh["data"] * mesh["fsdp"]
+    rows = lambda r: r // shards if r % shards == 0 else r
+    S = prompt_len + seq_len
+    kv_cache, activations = _activation_bytes(
+        cfg,
+        mesh,
+        layout,
+        n=rows(batch_rows),
+        m=rows(sample_rows),
+        S=S,
+        T=min(logits_chunk, seq_len) or seq_len,
+        c=compute_bytes,
+        attention=attention,
+        attention_block_size=attention_block_size,
+        remat=remat,
+        lora_act=compute_bytes * lora_rank * lora_layer,
+    )
+    return MemoryEstimate(
+        layout=layout,
+        mesh_shape=mesh,
+        params=params,
+        grads=grads,
+        optimizer=OPTIMIZER_MOMENTS[optimizer] * trained,
+        reference=reference,
+        kv_cache=kv_cache,
+        activations=activations,
+        num_params=sum(math.prod(shape) for _, shape, _, _ in tensors),
+        trainable_params=trainable_params,
+    )
+
+
+def _checked_args(mesh_shape: Mapping[str, int], layout, optimizer, attention, sizes, beta):
+    """``estimate``'s arguments checked (``sizes``: the integer ones, by name, >= 1 but
+    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
     unknown = set(mesh_shape) - set(MESH_AXES)
@@ -335,41 +377,48 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; known are {sorted(OPTIMIZER_MOMENTS)}")
     if attention not in ATTENTION:
         raise ValueError(f"unknown attention {attention!r}; known are {sorted(ATTENTION)}")
-    sample_rows = batch_rows if sample_rows is None else sample_rows
-    for name, value, lo in (
-        ("batch_rows", batch_rows, 1),
-        ("sample_rows", sample_rows, 1),
-        ("seq_len", seq_len, 1),
-        ("prompt_len", prompt_len, 0),
-        ("param_bytes", param_bytes, 1),
-        ("compute_bytes", compute_bytes, 1),
-    ):
-        _check_positive(name, value, lo)
+    for name, value in sizes.items():
+        _check_positive(name, value, 0 if name == "prompt_len" else 1)
     if not beta >= 0:
         raise ValueError(f"memory.estimate: beta = {beta!r} must be >= 0")
+    return mesh
 
-    cfg = _model_config(model_cfg_like)
-    V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
-    H, K, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    S, c = prompt_len + seq_len, compute_bytes
 
-    tensors = param_tensors(cfg)
+def _state_bytes(tensors, mesh, layout: str, param_bytes: int, beta: float, lora_rank, targets):
+    """Per-device bytes of the training state: (params, grads, trained, reference,
+    trainable_params, adapted projections per layer).
+
+    Full fine-tuning: params = grads = trained (what the optimizer moments
+    cover), the reference a copy when beta > 0. LoRA (``lora_rank`` r > 0):
+    float32 adapters are added to params and are all that is trained and has
+    gradients; the reference is the base itself (no copy).
+    """
     per_device = sum(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
     params = per_device * param_bytes
     reference = params if beta > 0 else 0
-    grads, trained, trainable_params, lora_act = params, params, None, 0
+    grads, trained, trainable_params, per_layer = params, params, None, 0
     if lora_rank:
         _check_positive("lora_rank", lora_rank)
-        adapters = lora_tensors(tensors, lora_rank, lora_targets)
+        adapters = lora_tensors(tensors, lora_rank, targets)
         trained = 4 * sum(shard_numel(shape, axes, mesh, layout) for _, shape, axes in adapters)
         trainable_params = sum(math.prod(shape) for _, shape, _ in adapters)
         params, grads, reference = params + trained, trained, 0
-        per_layer = {n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters}
-        lora_act = compute_bytes * lora_rank * len(per_layer)
+        per_layer = len({n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters})
+    return params, grads, trained, reference, trainable_params, per_layer
 
-    shards = mesh["data"] * mesh["fsdp"]
-    rows = lambda r: r // shards if r % shards == 0 else r
-    n, m = rows(batch_rows), rows(sample_rows)
+
+def _activation_bytes(
+    cfg, mesh, layout, *, n, m, S, T, c, attention, attention_block_size, remat, lora_act
+):
+    """Per-device (kv_cache, activations) bytes (formulas in the module docstring).
+
+    ``n`` / ``m``: the rows of one forward/backward pass / of the sampler on
+    one device; S = P + T tokens per row; ``T`` here the completion tokens
+    scored at a time (the logits); ``c`` bytes per activation element;
+    ``lora_act`` the adapters' bytes per layer and token.
+    """
+    V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+    H, K, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     tp_h = _tensor_ways(H, "heads", mesh, layout)
     tp_k = _tensor_ways(K, "kv_heads", mesh, layout)
     tp_f = _tensor_ways(F, "mlp", mesh, layout)
@@ -391,26 +440,13 @@ def estimate(
         per_layer_token += 4 * (H // tp_h)
     else:
         per_layer_token += (4 + c) * (H // tp_h) * S
-    logits = n * (min(logits_chunk, seq_len) or seq_len) * 8 * (V // tp_v) + blockwise
+    logits = n * T * 8 * (V // tp_v) + blockwise
     per_layer_token += lora_act
     if remat:
         per_token = L * c * D + per_layer_token
     else:
         per_token = L * per_layer_token
-    activations = n * S * per_token + logits
-
-    return MemoryEstimate(
-        layout=layout,
-        mesh_shape=mesh,
-        params=params,
-        grads=grads,
-        optimizer=OPTIMIZER_MOMENTS[optimizer] * trained,
-        reference=reference,
-        kv_cache=kv_cache,
-        activations=activations,
-        num_params=sum(math.prod(shape) for _, shape, _, _ in tensors),
-        trainable_params=trainable_params,
-    )
+    return kv_cache, n * S * per_token + logits
 
 
 def lora_tensors(tensors, rank: int, targets) -> list[tuple[str, tuple[int, ...], tuple]]:

@@ -80,10 +80,13 @@ def test_weights_multiply_the_policy_term_only():
     adv = jnp.asarray(rng.normal(size=n))
     mask = jnp.asarray(rng.random((n, t)) < 0.8, jnp.float32)
     w = jnp.asarray(rng.uniform(0.2, 2.0, (n, t)))
-    kw = dict(ref_logps_NxT=ref, beta=0.3, reduction="token_mean")
-    got, _ = losses.grpo_loss(logps, old, adv, mask, behavior_weights_NxT=w, **kw)
-    plain_pg, _ = losses.grpo_loss(logps, old, adv, mask * w, beta=0.0, reduction="token_mean")
-    kl_only, _ = losses.grpo_loss(logps, old, adv * 0, mask, **kw)
+    kw = dict(ref_logps_NxT=ref)
+    objective = losses.ObjectiveConfig(beta=0.3, reduction="token_mean")
+    got, _ = losses.grpo_loss(logps, old, adv, mask, objective, behavior_weights_NxT=w, **kw)
+    plain_pg, _ = losses.grpo_loss(
+        logps, old, adv, mask * w, losses.ObjectiveConfig(beta=0.0, reduction="token_mean")
+    )
+    kl_only, _ = losses.grpo_loss(logps, old, adv * 0, mask, objective, **kw)
     # token_mean over mask: sum(w * s * mask) / sum(mask) - beta * mean KL.
     scale = (mask * w).sum() / mask.sum()
     np.testing.assert_allclose(got, plain_pg * scale + kl_only, rtol=1e-5)
@@ -182,8 +185,7 @@ def _estimates(theta, t, filters, correction, level, n=200_000):
             rows_old,
             rows_adv,
             rows_mask,
-            reduction="dr_grpo",
-            max_tokens=1,
+            losses.ObjectiveConfig(reduction="dr_grpo", max_tokens=1),
             behavior_weights_NxT=None if correction == "none" else rows_w,
         )
         return -loss

@@ -64,8 +64,8 @@ def train_linear_policy(mesh):
             batch["old_logps"],
             batch["advantages"],
             batch["mask"],
+            losses.ObjectiveConfig(beta=0.04),
             ref_logps_NxT=logps(w_ref),
-            beta=0.04,
         )
         return loss
 

@@ -67,8 +67,8 @@ def loss_fn(params, graphdef, batch):
         batch["old_logps"],
         batch["advantages"],
         batch["mask"][:, P_LEN:],
+        losses.ObjectiveConfig(beta=0.04),
         ref_logps_NxT=batch["ref_logps"],
-        beta=0.04,
     )
     return loss
 

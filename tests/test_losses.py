@@ -1,5 +1,7 @@
 """The GRPO objective: golden values, gradients, KL estimators, reductions, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,25 +30,35 @@ def test_golden_seed_example_with_clipping():
     logps, old, adv, mask = seed_example()
     # Response 1 alone: every token sits on the flat side of the clip, -0.99 each.
     loss1, m1 = losses.grpo_loss(
-        logps[:1], old[:1], adv[:1], mask[:1], epsilon_low=0.01, epsilon_high=0.01
+        logps[:1],
+        old[:1],
+        adv[:1],
+        mask[:1],
+        losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01),
     )
     np.testing.assert_allclose(loss1, 0.99, rtol=1e-6)
     assert float(m1["clip_frac_low"]) == 1.0
     loss2, _ = losses.grpo_loss(
-        logps[1:], old[1:], adv[1:], mask[1:], epsilon_low=0.01, epsilon_high=0.01
+        logps[1:],
+        old[1:],
+        adv[1:],
+        mask[1:],
+        losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01),
     )
     np.testing.assert_allclose(loss2, -1 / 6, rtol=1e-6)
-    loss, _ = losses.grpo_loss(logps, old, adv, mask, epsilon_low=0.01, epsilon_high=0.01)
+    loss, _ = losses.grpo_loss(
+        logps, old, adv, mask, losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01)
+    )
     np.testing.assert_allclose(loss, -(-0.99 + 1 / 6) / 2, rtol=1e-6)
     np.testing.assert_allclose(loss, 0.4116666666, rtol=1e-6)
 
 
 def test_golden_seed_example_without_clipping():
     logps, old, adv, mask = seed_example()
-    off = dict(epsilon_low=None, epsilon_high=None)
-    loss1, _ = losses.grpo_loss(logps[:1], old[:1], adv[:1], mask[:1], **off)
+    off = losses.ObjectiveConfig(epsilon_low=None, epsilon_high=None)
+    loss1, _ = losses.grpo_loss(logps[:1], old[:1], adv[:1], mask[:1], off)
     np.testing.assert_allclose(-loss1, -2 / 9, rtol=1e-6)
-    loss, m = losses.grpo_loss(logps, old, adv, mask, **off)
+    loss, m = losses.grpo_loss(logps, old, adv, mask, off)
     np.testing.assert_allclose(-loss, -1 / 36, rtol=1e-5)
     np.testing.assert_allclose(loss, 1 / 36, rtol=1e-5)
     assert float(m["clip_frac_low"]) == 0.0 and float(m["clip_frac_high"]) == 0.0
@@ -73,12 +85,10 @@ def test_gradient_matches_finite_differences(reduction, kl):
             jnp.asarray(old),
             jnp.asarray(adv),
             jnp.asarray(mask),
+            losses.ObjectiveConfig(
+                beta=0.1, epsilon_low=0.2, epsilon_high=0.28, kl_estimator=kl, reduction=reduction
+            ),
             ref_logps_NxT=jnp.asarray(ref),
-            beta=0.1,
-            epsilon_low=0.2,
-            epsilon_high=0.28,
-            kl_estimator=kl,
-            reduction=reduction,
         )[0]
         x = jnp.asarray(logps)
         grad = np.asarray(jax.jit(jax.grad(f))(x))
@@ -197,7 +207,9 @@ def test_reductions_by_hand():
     z = jnp.zeros((2, 4))
     adv = jnp.array([1.0, -2.0])
     mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], jnp.float32)
-    get = lambda r, **kw: float(losses.grpo_loss(z, z, adv, mask, reduction=r, **kw)[0])
+    get = lambda r, **kw: float(
+        losses.grpo_loss(z, z, adv, mask, losses.ObjectiveConfig(reduction=r, **kw))[0]
+    )
     np.testing.assert_allclose(get("grpo"), -(1.0 + -2.0) / 2)
     np.testing.assert_allclose(get("token_mean"), -(3 * 1.0 - 2.0) / 4)
     np.testing.assert_allclose(get("dr_grpo"), -(3 * 1.0 - 2.0) / (2 * 4))
@@ -214,9 +226,7 @@ def test_gspo_clips_the_sequence_ratio():
         old,
         jnp.array([1.0]),
         jnp.ones((1, 2)),
-        reduction="gspo",
-        epsilon_low=0.05,
-        epsilon_high=0.05,
+        losses.ObjectiveConfig(reduction="gspo", epsilon_low=0.05, epsilon_high=0.05),
     )
     np.testing.assert_allclose(loss, -1.05, rtol=1e-6)
     assert float(m["clip_frac_high"]) == 1.0
@@ -233,9 +243,8 @@ def test_fully_masked_rows_give_no_nan():
         f = lambda lp: losses.grpo_loss(
             lp,
             *args[1:],
+            losses.ObjectiveConfig(beta=0.1, reduction=reduction),
             ref_logps_NxT=jnp.asarray(ref, jnp.float32),
-            beta=0.1,
-            reduction=reduction,
         )
         (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(args[0])
         assert np.isfinite(loss) and np.all(np.isfinite(g))
@@ -248,15 +257,59 @@ def test_fully_masked_rows_give_no_nan():
 def test_beta_needs_reference_and_names_are_checked():
     z = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps_NxT"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, beta=0.1)
+        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(beta=0.1))
     with pytest.raises(ValueError, match="reduction 'mean' is not one of"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, reduction="mean")
+        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(reduction="mean"))
     with pytest.raises(ValueError, match="kl_estimator 'k4' is not one of"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, kl_estimator="k4")
+        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(kl_estimator="k4"))
+
+
+def test_objective_config_from_grpo_is_a_static_argument():
+    """ObjectiveConfig.from_grpo takes every setting of the run's GRPOConfig; the config is
+    hashable, so jit takes it as a static argument and compiles once per config."""
+    from grpo_jax.config import GRPOConfig
+
+    grpo = GRPOConfig(
+        G=4,
+        beta=0.04,
+        epsilon_low=0.1,
+        epsilon_high=0.28,
+        kl_estimator="k2",
+        reduction="token_mean",
+        temperature=0.7,
+        policy_loss="cispo",
+        dual_clip_c=3.0,
+        sapo_tau_pos=0.9,
+        sapo_tau_neg=1.2,
+        cov_frac=0.01,
+        cov_lb=0.5,
+        cov_ub=4.0,
+        kl_cov_coef=0.3,
+        behavior_correction="tis",
+        behavior_level="sequence",
+        behavior_cap=3.0,
+    )
+    objective = losses.ObjectiveConfig.from_grpo(grpo)
+    for field in dataclasses.fields(objective):
+        if field.name != "max_tokens":
+            assert getattr(objective, field.name) == getattr(grpo, field.name), field.name
+            assert getattr(objective, field.name) != field.default, field.name  # all set apart
+    assert objective.max_tokens is None
+    assert objective == losses.ObjectiveConfig.from_grpo(grpo)
+    assert hash(objective) == hash(losses.ObjectiveConfig.from_grpo(grpo))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        objective.beta = 0.0  # type: ignore[misc]
+    logps, old, ref, adv, mask = (jnp.asarray(a, jnp.float32) for a in random_batch(seed=2))
+    jitted = jax.jit(losses.grpo_loss, static_argnames="objective")
+    got, _ = jitted(logps, old, adv, mask, objective=objective, ref_logps_NxT=ref)
+    want, _ = losses.grpo_loss(logps, old, adv, mask, objective, ref_logps_NxT=ref)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def _loss_fn(logps, old, adv, mask, ref):
-    return losses.grpo_loss(logps, old, adv, mask, ref_logps_NxT=ref, beta=0.04)
+    return losses.grpo_loss(
+        logps, old, adv, mask, losses.ObjectiveConfig(beta=0.04), ref_logps_NxT=ref
+    )
 
 
 @pytest.mark.slow

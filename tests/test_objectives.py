@@ -10,7 +10,7 @@ from helpers_jit import central_differences
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax import advantages, losses, sharding
+from grpo_jax import advantages, losses, policy_terms, sharding
 from grpo_jax.config import ConfigError, GRPOConfig
 
 
@@ -29,7 +29,9 @@ def tiny():
 
 def loss_and_grad(policy_loss, **kw):
     logps, old, adv, mask = tiny()
-    f = lambda lp: losses.grpo_loss(lp, old, adv, mask, policy_loss=policy_loss, **kw)[0]
+    f = lambda lp: losses.grpo_loss(
+        lp, old, adv, mask, losses.ObjectiveConfig(policy_loss=policy_loss, **kw)
+    )[0]
     loss, grad = jax.value_and_grad(f)(logps)
     return float(loss), np.asarray(grad)
 
@@ -73,7 +75,11 @@ def test_sapo_golden():
     # f'(1) = 1: on-policy, SAPO's gradient is the clipped surrogate's.
     logps, _, adv, mask = tiny()
     for pl in ("sapo", "clip"):
-        gr = jax.grad(lambda lp: losses.grpo_loss(lp, logps, adv, mask, policy_loss=pl)[0])(logps)
+        gr = jax.grad(
+            lambda lp: losses.grpo_loss(
+                lp, logps, adv, mask, losses.ObjectiveConfig(policy_loss=pl)
+            )[0]
+        )(logps)
         if pl == "sapo":
             g_sapo = gr
     np.testing.assert_allclose(g_sapo, gr, rtol=1e-6)
@@ -98,7 +104,7 @@ def test_cov_by_hand_picks_the_top_token():
     # m = mean log pi = ln(0.3 * 0.2 * 0.4) / 3 = -1.2432; mean A = 1/3.
     # cov = (ln 0.3 - m)(2/3), (ln 0.2 - m)(2/3), (ln 0.4 - m)(-4/3) = 0.0261, -0.2441, -0.4359.
     logps, _, adv, mask = tiny()
-    cov = np.asarray(losses._cov_NxT(logps, adv[:, None], mask))
+    cov = np.asarray(policy_terms._cov_NxT(logps, adv[:, None], mask))
     m = math.log(0.3 * 0.2 * 0.4) / 3
     want = [(math.log(0.3) - m) * 2 / 3, (math.log(0.2) - m) * 2 / 3, (math.log(0.4) - m) * -4 / 3]
     np.testing.assert_allclose(cov[mask > 0], want, rtol=1e-5)
@@ -150,7 +156,7 @@ def test_kl_cov_penalty_has_no_gradient_where_the_policy_has_not_moved():
     mask = jnp.array([[1.0, 1.0], [1.0, 0.0]])
     adv = jnp.array([1.0, -1.0])
     kw = dict(policy_loss="kl_cov", cov_frac=0.34, kl_cov_coef=1.0, reduction="token_mean")
-    f = lambda lp: losses.grpo_loss(lp, logps, adv, mask, **kw)[0]
+    f = lambda lp: losses.grpo_loss(lp, logps, adv, mask, losses.ObjectiveConfig(**kw))[0]
     loss, grad = jax.value_and_grad(f)(logps)
     np.testing.assert_allclose(loss, -1 / 3, rtol=1e-6)
     np.testing.assert_allclose(grad, [[-1 / 3, -1 / 3], [1 / 3, 0.0]], rtol=1e-6)
@@ -174,7 +180,11 @@ def test_on_policy_gradient_is_the_policy_gradient(policy_loss, reduction, eps):
     if policy_loss == "kl_cov":
         kw = dict(cov_frac=0.34, kl_cov_coef=1.0)
     f = lambda lp: losses.grpo_loss(
-        lp, logps, adv, mask, policy_loss=policy_loss, reduction=reduction, **kw
+        lp,
+        logps,
+        adv,
+        mask,
+        losses.ObjectiveConfig(policy_loss=policy_loss, reduction=reduction, **kw),
     )[0]
     grad = jax.grad(f)(logps)
     want = -adv[:, None] * mask / mask.sum(1, keepdims=True) / 2
@@ -220,20 +230,22 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
             o,
             jnp.asarray(adv),
             jnp.asarray(mask),
+            losses.ObjectiveConfig(
+                beta=0.1,
+                epsilon_low=0.2,
+                epsilon_high=0.28,
+                reduction=reduction,
+                policy_loss=policy_loss,
+                **kw,
+            ),
             ref_logps_NxT=jnp.asarray(ref),
-            beta=0.1,
-            epsilon_low=0.2,
-            epsilon_high=0.28,
-            reduction=reduction,
-            policy_loss=policy_loss,
-            **kw,
         )[0]
         grad = np.asarray(jax.jit(jax.grad(lambda lp: loss_at(lp, jnp.asarray(old))))(x))
         f = jax.jit(lambda lp: loss_at(lp, jnp.asarray(old) + shift(lp)))
         if policy_loss == "clip_cov":
             # The picked tokens keep their value but no gradient: elsewhere the
             # gradient is the plain clip's.
-            cov = losses._cov_NxT(x, jnp.asarray(adv)[:, None], jnp.asarray(mask))
+            cov = policy_terms._cov_NxT(x, jnp.asarray(adv)[:, None], jnp.asarray(mask))
             # Candidates: in band, and not clipped by the ratio clip (eps 0.2 / 0.28).
             rho, a = np.exp(logps - old), adv[:, None]
             binds = np.where(a > 0, rho > 1.28, rho < 0.8)
@@ -244,7 +256,9 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
                 & (cov >= kw["cov_lb"])
                 & (cov <= kw["cov_ub"])
             )
-            picked = np.asarray(losses._top_by_rank(cov, band, jnp.asarray(mask), kw["cov_frac"]))
+            picked = np.asarray(
+                policy_terms._top_by_rank(cov, band, jnp.asarray(mask), kw["cov_frac"])
+            )
             assert picked.sum() == min(int(0.3 * mask.sum()), int(np.asarray(band).sum()))
             f_clip = jax.jit(
                 lambda lp: losses.grpo_loss(
@@ -252,10 +266,8 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
                     jnp.asarray(old),
                     jnp.asarray(adv),
                     jnp.asarray(mask),
+                    losses.ObjectiveConfig(beta=0.1, epsilon_low=0.2, epsilon_high=0.28),
                     ref_logps_NxT=jnp.asarray(ref),
-                    beta=0.1,
-                    epsilon_low=0.2,
-                    epsilon_high=0.28,
                 )[0]
             )
             kl_only = jax.grad(
@@ -264,8 +276,8 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
                     lp,
                     jnp.zeros_like(jnp.asarray(adv)),
                     jnp.asarray(mask),
+                    losses.ObjectiveConfig(beta=0.1),
                     ref_logps_NxT=jnp.asarray(ref),
-                    beta=0.1,
                 )[0]
             )(x)
             picked_pg = np.where(picked, np.asarray(kl_only), 0.0)
@@ -281,11 +293,19 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
 def test_names_and_combinations_are_checked():
     logps, old, adv, mask = tiny()
     with pytest.raises(ValueError, match="policy_loss"):
-        losses.grpo_loss(logps, old, adv, mask, policy_loss="ppo")
+        losses.grpo_loss(logps, old, adv, mask, losses.ObjectiveConfig(policy_loss="ppo"))
     with pytest.raises(ValueError, match="gspo"):
-        losses.grpo_loss(logps, old, adv, mask, policy_loss="cispo", reduction="gspo")
+        losses.grpo_loss(
+            logps, old, adv, mask, losses.ObjectiveConfig(policy_loss="cispo", reduction="gspo")
+        )
     with pytest.raises(ValueError, match="gmpo"):
-        losses.grpo_loss(logps, old, adv, mask, policy_loss="gmpo", reduction="token_mean")
+        losses.grpo_loss(
+            logps,
+            old,
+            adv,
+            mask,
+            losses.ObjectiveConfig(policy_loss="gmpo", reduction="token_mean"),
+        )
 
 
 def test_config_keys_are_validated():
@@ -319,11 +339,8 @@ def test_jit_and_sharded_match_single_device(policy_loss, reduction, kw):
             o,
             a,
             m,
+            losses.ObjectiveConfig(beta=0.04, reduction=reduction, policy_loss=policy_loss, **kw),
             ref_logps_NxT=r,
-            beta=0.04,
-            reduction=reduction,
-            policy_loss=policy_loss,
-            **kw,
         )[0]
 
     eager = jax.value_and_grad(loss_fn)(*args)

@@ -75,7 +75,6 @@ weight of about 1e-10 in verl, exactly 0 in grpo_jax.
 """
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -178,10 +177,10 @@ def verl_loss_grad(name, logps, old, adv, mask, config, agg="token-mean", weight
 
 @functools.cache
 def _jit_loss_grad(kw_items):
-    kw = dict(kw_items)
+    objective = losses.ObjectiveConfig(**dict(kw_items))
 
     def loss(lp, old, adv, mask, weights):
-        return losses.grpo_loss(lp, old, adv, mask, behavior_weights_NxT=weights, **kw)[0]
+        return losses.grpo_loss(lp, old, adv, mask, objective, behavior_weights_NxT=weights)[0]
 
     return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
 
@@ -200,7 +199,8 @@ def jax_loss_grad(logps, old, adv, mask, behavior_weights_NxT=None, **kw):
 
 def _row_losses(lp, old, adv, mask, kw):
     """grpo_loss of each row alone (N = 1): the row's own term L_i of the objective."""
-    one = lambda l, o, a, m: losses.grpo_loss(l[None], o[None], a[None], m[None], **kw)[0]
+    objective = losses.ObjectiveConfig(**kw)
+    one = lambda l, o, a, m: losses.grpo_loss(l[None], o[None], a[None], m[None], objective)[0]
     return jax.vmap(one)(lp, old, adv, mask)
 
 
@@ -505,12 +505,12 @@ def test_difference_gspo():
 def test_difference_cov_defaults():
     # verl's and grpo_jax's defaults: the same fractions, a different KL-Cov coefficient.
     verl_defaults = PolicyLossConfig()
-    jax_defaults = inspect.signature(losses.grpo_loss).parameters
-    assert verl_defaults.clip_cov_ratio == jax_defaults["cov_frac"].default == 2e-4
-    assert verl_defaults.kl_cov_ratio == jax_defaults["cov_frac"].default
+    jax_defaults = losses.ObjectiveConfig()
+    assert verl_defaults.clip_cov_ratio == jax_defaults.cov_frac == 2e-4
+    assert verl_defaults.kl_cov_ratio == jax_defaults.cov_frac
     assert (verl_defaults.clip_cov_lb, verl_defaults.clip_cov_ub) == (1.0, 5.0)
-    assert (jax_defaults["cov_lb"].default, jax_defaults["cov_ub"].default) == (1.0, 5.0)
-    assert verl_defaults.ppo_kl_coef == 0.1 and jax_defaults["kl_cov_coef"].default == 1.0
+    assert (jax_defaults.cov_lb, jax_defaults.cov_ub) == (1.0, 5.0)
+    assert verl_defaults.ppo_kl_coef == 0.1 and jax_defaults.kl_cov_coef == 1.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
