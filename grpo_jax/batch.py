@@ -15,9 +15,12 @@ import dataclasses
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["HostRollout", "RolloutBatch"]
+from grpo_jax.sharding import batch_sharding
+
+__all__ = ["HostRollout", "RolloutBatch", "batch_spec", "rollout_batch_shardings"]
 
 
 @flax.struct.dataclass
@@ -73,3 +76,39 @@ class HostRollout:
     sampled_tokens: int  # completion tokens sampled this step, all rounds, all hosts
     prompt_tokens: int  # real (unpadded) prompt tokens of all N rows, all hosts
     t_params_ready: float  # perf_counter() when the parameters were ready to sample from
+
+
+def rollout_batch_shardings(mesh) -> RolloutBatch:
+    """A RolloutBatch of shardings: every field's rows split over the batch axes."""
+    return RolloutBatch(
+        **{
+            f.name: batch_sharding(mesh, 1 if f.name.endswith("_N") else 2)
+            for f in dataclasses.fields(RolloutBatch)
+        }
+    )
+
+
+def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> RolloutBatch:
+    """The RolloutBatch the loop will hand the update, as ShapeDtypeStructs with shardings:
+    ``n`` rows, prompts padded to ``p`` tokens, completions of ``t``."""
+    dtypes = dict(
+        prompt_tokens_NxP=jnp.int32,
+        prompt_mask_NxP=jnp.bool_,
+        tokens_NxT=jnp.int32,
+        mask_NxT=jnp.bool_,
+        old_logps_NxT=jnp.float32,
+        behavior_logps_NxT=jnp.float32,
+        rewards_N=jnp.float32,
+        advantages_N=jnp.float32,
+        weights_N=jnp.float32,
+        group_ids_N=jnp.int32,
+    )
+    shape = lambda name: (
+        (n, p) if name.endswith("NxP") else (n, t) if name.endswith("NxT") else (n,)
+    )
+    return RolloutBatch(
+        **{
+            name: jax.ShapeDtypeStruct(shape(name), dt, sharding=getattr(batch_shardings, name))
+            for name, dt in dtypes.items()
+        }
+    )

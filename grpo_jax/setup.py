@@ -23,6 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from grpo_jax import batch as batch_lib
 from grpo_jax import data, distributed, memory, models, pipeline, runlocal, sft, sharding
 from grpo_jax import metrics as metrics_lib
 from grpo_jax import optimizer as optim_lib
@@ -512,7 +513,7 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
         logits_chunk=run.train.logits_chunk,
         share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
-        batch_shardings=update_lib.rollout_batch_shardings(mesh),
+        batch_shardings=batch_lib.rollout_batch_shardings(mesh),
         ref_shardings=param_sh if run.grpo.beta > 0 and lora_run is None else None,
         replicated=sharding.replicated(mesh),
         base_graphdef=None if lora_run is None else lora_run.base_graphdef,

@@ -36,7 +36,7 @@ import jax
 from grpo_jax import batch as batch_lib
 from grpo_jax import distributed, multiturn, rollout
 from grpo_jax import sharding as sharding_lib
-from grpo_jax.update import rollout_batch_shardings
+from grpo_jax.batch import rollout_batch_shardings
 
 __all__ = [
     "Dynamic",

@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import jax
 
+from grpo_jax import batch as batch_lib
 from grpo_jax import checkpoint, distributed, evaluation, pipeline, sources
 from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
@@ -165,8 +166,8 @@ def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
     wide: a context manager (:class:`grpo_jax.update.CompiledAhead`) whose value is the
     update."""
     run = s.run
-    spec = update_lib.batch_spec(
-        update_lib.rollout_batch_shardings(s.placement.mesh),
+    spec = batch_lib.batch_spec(
+        batch_lib.rollout_batch_shardings(s.placement.mesh),
         run.train.batch_size * run.grpo.G,
         prompt_width,
         run.sampling.max_new_tokens,

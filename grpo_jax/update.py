@@ -41,22 +41,15 @@ import jax.numpy as jnp
 import optax
 
 from grpo_jax import losses, optimizer
+from grpo_jax.batch import (  # noqa: F401 - the batch shardings lived here
+    RolloutBatch,
+    batch_spec,
+    rollout_batch_shardings,
+)
 from grpo_jax.models import lora
 from grpo_jax.objective import GRPOConfig
 from grpo_jax.optimizer import TrainState
-from grpo_jax.rollout import RolloutBatch
 from grpo_jax.scoring import completion_logps, completion_scores
-from grpo_jax.sharding import batch_sharding
-
-
-def rollout_batch_shardings(mesh) -> RolloutBatch:
-    """A RolloutBatch of shardings: every field's rows split over the batch axes."""
-    return RolloutBatch(
-        **{
-            f.name: batch_sharding(mesh, 1 if f.name.endswith("_N") else 2)
-            for f in dataclasses.fields(RolloutBatch)
-        }
-    )
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -507,32 +500,6 @@ def jit_update(
 
 # ---------------------------------------------------------------------------
 # The first step: the update compiled while the sampler compiles and runs.
-
-
-def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> RolloutBatch:
-    """The RolloutBatch the loop will hand the update, as ShapeDtypeStructs with shardings:
-    ``n`` rows, prompts padded to ``p`` tokens, completions of ``t``."""
-    dtypes = dict(
-        prompt_tokens_NxP=jnp.int32,
-        prompt_mask_NxP=jnp.bool_,
-        tokens_NxT=jnp.int32,
-        mask_NxT=jnp.bool_,
-        old_logps_NxT=jnp.float32,
-        behavior_logps_NxT=jnp.float32,
-        rewards_N=jnp.float32,
-        advantages_N=jnp.float32,
-        weights_N=jnp.float32,
-        group_ids_N=jnp.int32,
-    )
-    shape = lambda name: (
-        (n, p) if name.endswith("NxP") else (n, t) if name.endswith("NxT") else (n,)
-    )
-    return RolloutBatch(
-        **{
-            name: jax.ShapeDtypeStruct(shape(name), dt, sharding=getattr(batch_shardings, name))
-            for name, dt in dtypes.items()
-        }
-    )
 
 
 def _signature(args):
