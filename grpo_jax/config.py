@@ -43,6 +43,7 @@ from grpo_jax.data import DataSection
 from grpo_jax.data.prompts import PromptConfig
 from grpo_jax.envs.section import EnvSection
 from grpo_jax.errors import ConfigError
+from grpo_jax.health import HealthConfig
 from grpo_jax.models.config import (
     ATTENTION,
     LORA_PROJECTIONS,
@@ -385,107 +386,6 @@ class WarmStartConfig:
 
 BUILTIN_TOKENIZER = "builtin"
 TINY_PREFIX = "tiny:"  # model.path "tiny:<family>": a small random checkpoint, made at start
-
-
-@dataclasses.dataclass(frozen=True)
-class HealthConfig:
-    """Training-health alarms (``grpo_jax.health``: the rules; ``grpo_jax.report``: the reports).
-
-    The defaults keep a healthy run quiet; windows count steps (metric records).
-
-    Attributes:
-      enabled: check the run's metrics after every step.
-      stop_on_alarm: when an alarm fires, save a checkpoint of the step and end
-        the run with ``AlarmStop`` (the command: exit status 4).
-      resume_after_stop: resume from a checkpoint that such a stop saved (a rerun
-        refuses to otherwise).
-      rearm_steps: an alarm that fired fires again only after it has been
-        quiet for more than this many steps.
-      entropy_window: steps averaged for the early and current entropy.
-      entropy_frac: entropy collapse below this fraction of its early level.
-      entropy_floor: entropy collapse below this absolute level (nats/token).
-      length_window: recent steps of the completion length.
-      length_baseline: the steps before them it is compared with.
-      length_blowup: alarm when recent / earlier length exceeds this.
-      length_collapse: alarm when recent / earlier length is below this.
-      truncation_window: steps averaged for the truncation rate.
-      truncation_max: alarm above this truncated share.
-      clip_frac_max: alarm when one step's clipped share (low + high) exceeds this.
-      ratio_max: alarm when one step's largest ratio pi_theta / pi_old exceeds this.
-      kl_window: steps whose median KL a step's KL is compared with.
-      kl_spike_factor: alarm when the KL exceeds this times that median ...
-      kl_min: ... and this absolute level.
-      zero_var_steps: steps in a row ...
-      zero_var_max: ... with at least this share of zero-variance groups.
-      reward_window: steps of reward averaged up to each evaluation.
-      reward_rise_min: reward rise between two evaluations that counts ...
-      pass_drop_min: ... with a held-out pass@1 drop above this.
-      mismatch_window: recent steps of a log-prob mismatch.
-      mismatch_baseline: the steps before them whose median it is compared with.
-      mismatch_growth: alarm when the recent mean exceeds this times that median ...
-      mismatch_min: ... and this absolute level.
-    """
-
-    enabled: bool = True
-    stop_on_alarm: bool = False
-    resume_after_stop: bool = False
-    rearm_steps: int = 20
-    entropy_window: int = 5
-    entropy_frac: float = 0.2
-    entropy_floor: float = 0.01
-    length_window: int = 10
-    length_baseline: int = 20
-    length_blowup: float = 2.0
-    length_collapse: float = 0.5
-    truncation_window: int = 5
-    truncation_max: float = 0.25
-    clip_frac_max: float = 0.2
-    ratio_max: float = 10.0
-    kl_window: int = 20
-    kl_spike_factor: float = 5.0
-    kl_min: float = 1e-3
-    zero_var_steps: int = 20
-    zero_var_max: float = 0.9
-    reward_window: int = 10
-    reward_rise_min: float = 0.05
-    pass_drop_min: float = 0.02
-    mismatch_window: int = 10
-    mismatch_baseline: int = 40
-    mismatch_growth: float = 3.0
-    mismatch_min: float = 0.05
-
-    def __post_init__(self):
-        check_bool("health.enabled", self.enabled)
-        check_bool("health.stop_on_alarm", self.stop_on_alarm)
-        check_bool("health.resume_after_stop", self.resume_after_stop)
-        for key in ("rearm_steps", "length_baseline", "kl_window", "mismatch_baseline"):
-            check_range(f"health.{key}", getattr(self, key), lo=0, integer=True)
-        for key in (
-            "entropy_window",
-            "length_window",
-            "truncation_window",
-            "zero_var_steps",
-            "reward_window",
-            "mismatch_window",
-        ):
-            check_range(f"health.{key}", getattr(self, key), lo=1, integer=True)
-        for key in (
-            "entropy_frac",
-            "entropy_floor",
-            "length_blowup",
-            "length_collapse",
-            "truncation_max",
-            "clip_frac_max",
-            "ratio_max",
-            "kl_spike_factor",
-            "kl_min",
-            "zero_var_max",
-            "reward_rise_min",
-            "pass_drop_min",
-            "mismatch_growth",
-            "mismatch_min",
-        ):
-            check_range(f"health.{key}", getattr(self, key), lo=0.0)
 
 
 # ---------------------------------------------------------------------------
