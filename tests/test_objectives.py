@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_config import apply_overrides
 from helpers_jit import central_differences
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -455,14 +456,14 @@ def test_each_objective_trains_from_the_shipped_config(tmp_path, overrides):
 
     c = get_config("smoke")
     c.lock()
-    c.warm_start.enabled = False
-    c.eval.every = 0
-    c.eval.num_samples = 0
-    c.train.steps = 2
-    c.rewards = "exact_match(tag=None):1.0"  # binary, as passk needs
-    for dotted, value in overrides.items():
-        section, key = dotted.split(".")
-        c[section][key] = value
+    run = {
+        "warm_start.enabled": False,
+        "eval.every": 0,
+        "eval.num_samples": 0,
+        "train.steps": 2,
+        "rewards": "exact_match(tag=None):1.0",  # binary, as passk needs
+    }
+    apply_overrides(c, {**run, **overrides})
     train(c, tmp_path, stream=io.StringIO())
     saved = json.loads((tmp_path / "config.json").read_text())
     for dotted, value in overrides.items():
