@@ -18,7 +18,7 @@ configuration, so tools that switch mutants at run time inside one process would
   A seeded sample of at most ``--max-per-module`` is taken per module and listed.
 - One mutant at a time is written into the scratch copy (the replaced expression is
   parenthesised; the rest of the file is byte for byte the original) and the module's test
-  files run on it in a fresh ``python -m pytest`` subprocess with a timeout: first the fast
+  files (TEST_FILES) run on it in a fresh ``python -m pytest`` subprocess with a timeout: first the fast
   tier of those files (``-m "not slow"``), then, for a survivor, their slow tests. A mutant is
   killed when pytest fails (or times out: reported apart). The unmutated tree runs first and
   must pass; its wall time sets the timeouts (``--timeout-factor``).
@@ -48,7 +48,10 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# The test files that import each module (grep "grpo_jax.<module>" / "import ... <module>").
+# The test files run on each module's mutants. advantages: every file that imports it.
+# losses and sampling: the files that test them directly (a mutant costs a run of these files'
+# fast tier, and a survivor their slow tier too, on a 2-core CPU); the other importers, named
+# in ALSO_IMPORTED, use them to build whole runs or references and are not run.
 TEST_FILES = {
     "losses": [
         "tests/test_losses.py",
@@ -56,12 +59,6 @@ TEST_FILES = {
         "tests/test_behavior.py",
         "tests/test_peer_verl.py",
         "tests/test_sampling.py",
-        "tests/test_sampling_model.py",
-        "tests/test_multiturn.py",
-        "tests/test_memory.py",
-        "tests/test_train_loop.py",
-        "tests/test_distributed.py",
-        "tests/test_distributed_layouts.py",
     ],
     "advantages": [
         "tests/test_advantages.py",
@@ -76,6 +73,19 @@ TEST_FILES = {
         "tests/test_sampling_model.py",
         "tests/test_stop.py",
         "tests/test_behavior.py",
+    ],
+}
+ALSO_IMPORTED = {
+    "losses": [
+        "tests/test_sampling_model.py",
+        "tests/test_multiturn.py",
+        "tests/test_memory.py",
+        "tests/test_train_loop.py",
+        "tests/test_distributed.py",
+        "tests/test_distributed_layouts.py",
+    ],
+    "advantages": [],
+    "sampling": [
         "tests/test_multiturn.py",
         "tests/test_multiturn_chat.py",
         "tests/test_evaluate.py",
@@ -269,6 +279,9 @@ def main():
     ap.add_argument("--rev", default="HEAD", help="the commit whose code and tests are measured")
     ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("--timeout-factor", type=float, default=3.0)
+    ap.add_argument(
+        "--cache-dir", default=None, help="JAX's compilation cache (default: fresh, in scratch)"
+    )
     ap.add_argument("--list", action="store_true", help="list the sampled mutants and stop")
     args = ap.parse_args()
 
@@ -298,7 +311,7 @@ def main():
     env.update(
         PYTHONPATH=str(repo),
         JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(scratch / "xla-cache"),
+        JAX_COMPILATION_CACHE_DIR=args.cache_dir or str(scratch / "xla-cache"),
         PYTHONDONTWRITEBYTECODE="1",
     )
     env.pop("PYTEST_ADDOPTS", None)
@@ -334,7 +347,9 @@ def main():
         )
         plan[mod] = (path, source, [good[i] for i in chosen])
         say(f"\n## {mod}: {path}, {len(good)} mutation sites, {len(chosen)} sampled")
-        say(f"# tests: {' '.join(TEST_FILES[mod])}")
+        say(f"# tests run: {' '.join(TEST_FILES[mod])}")
+        if ALSO_IMPORTED[mod]:
+            say(f"# also import it, not run: {' '.join(ALSO_IMPORTED[mod])}")
         for j, (s, m) in enumerate(plan[mod][2]):
             say(f"  {mod}#{j:02d} line {s.line}: {s.what}: {_changed_line(source, m)}")
     if args.list:
