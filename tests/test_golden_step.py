@@ -73,7 +73,7 @@ GOLDEN = {
 EXACT = ("rollout/", "rewards/", "train/updates", "train/skipped", "train/epoch", "step")
 
 
-GOLDEN = {
+RUN = {
     "warm_start.enabled": False,
     "eval.at_start": False,
     "eval.every": 0,
@@ -96,7 +96,7 @@ def test_one_step_of_the_tiny_default_matches_its_golden_metrics(tmp_path):
 
     from grpo_jax.train import train
 
-    train(smoke_config(**GOLDEN), tmp_path, stream=io.StringIO())
+    train(smoke_config(**RUN), tmp_path, stream=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (got,) = [r for r in rows if "train/loss" in r]
     got = {k: v for k, v in got.items() if not k.startswith(("perf/", "eval/"))}
