@@ -17,10 +17,10 @@ configuration, so tools that switch mutants at run time inside one process would
   min <-> max (builtins, jnp.maximum/minimum, jnp.max/min, argmax/argmin, .max()/.min()).
   A seeded sample of at most ``--max-per-module`` is taken per module and listed.
 - One mutant at a time is written into the scratch copy (the replaced expression is
-  parenthesised; the rest of the file is byte for byte the original) and the module's test
-  files (TEST_FILES) run on it in a fresh ``python -m pytest`` subprocess with a timeout: first the fast
-  tier of those files (``-m "not slow"``), then, for a survivor, their slow tests. A mutant is
-  killed when pytest fails (or times out: reported apart). The unmutated tree runs first and
+  parenthesised; the rest of the file is byte for byte the original) and the module's test files
+  (TEST_FILES) run on it in a fresh ``python -m pytest`` subprocess with a timeout: first the
+  fast tier of those files (``-m "not slow"``), then, for a survivor, their slow tests. A mutant
+  is killed when pytest fails (or times out: reported apart). The unmutated tree runs first and
   must pass; its wall time sets the timeouts (``--timeout-factor``).
 - JAX's persistent compilation cache is a fresh directory for the run, shared by the mutants:
   its key is the compiled program (HLO) with XLA's flags, so a mutant that changes the
