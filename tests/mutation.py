@@ -283,6 +283,11 @@ def main():
         "--cache-dir", default=None, help="JAX's compilation cache (default: fresh, in scratch)"
     )
     ap.add_argument("--list", action="store_true", help="list the sampled mutants and stop")
+    ap.add_argument(
+        "--fast-only",
+        action="store_true",
+        help="run the fast tier alone (no slow baseline, no slow stage for survivors)",
+    )
     args = ap.parse_args()
 
     report_lines = []
@@ -362,7 +367,7 @@ def main():
         files = TEST_FILES[mod]
         say(f"\n## {mod}: the unmutated tree")
         base = {}
-        for marker in ("not slow", "slow"):
+        for marker in ("not slow",) if args.fast_only else ("not slow", "slow"):
             status, secs, summary = run_pytest(repo, files, marker, None, env)
             say(f"  baseline -m {marker!r}: {status} in {secs:.0f} s ({summary})")
             if status == "fail":
@@ -383,6 +388,9 @@ def main():
                     full_kills += 1
                     timeouts_n += status == "timeout"
                     verdict += " timeout" if status == "timeout" else ""
+                elif args.fast_only:
+                    verdict = "survived the fast tier"
+                    survivors.append((j, site, diff(source, mutated, path)))
                 else:
                     s2, secs2, summary = run_pytest(repo, files, "slow", timeouts["slow"], env)
                     secs += secs2
@@ -398,7 +406,8 @@ def main():
             say(f"  {mod}#{j:02d} line {site.line} {site.what}: {verdict} ({secs:.0f} s)")
         n = len(mutants)
         totals[mod] = (n, fast_kills, full_kills, timeouts_n)
-        say(f"\n  {mod}: {n} mutants, fast tier kills {fast_kills}, full kills {full_kills}")
+        full = "not run" if args.fast_only else full_kills
+        say(f"\n  {mod}: {n} mutants, fast tier kills {fast_kills}, full kills {full}")
         for j, site, d in survivors:
             say(f"\n  survivor {mod}#{j:02d} ({site.what}):")
             say("    " + d.rstrip().replace("\n", "\n    "))
@@ -407,7 +416,9 @@ def main():
     say("module      sampled  fast tier  full (fast + slow of the module's test files)")
 
     def row(name, n, f, k, extra=""):
-        pct = lambda x: f"{x:>4} {100 * x / max(n, 1):3.0f}%"
+        pct = lambda x: (
+            "not run" if args.fast_only and x is k else f"{x:>4} {100 * x / max(n, 1):3.0f}%"
+        )
         say(f"{name:<11} {n:>7}  {pct(f)}  {pct(k)}{extra}")
 
     for mod, (n, f, k, to) in totals.items():
