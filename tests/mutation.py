@@ -56,15 +56,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST_FILES = {
     "losses": [
         "tests/test_losses.py",
-        "tests/test_objectives.py",
-        "tests/test_behavior.py",
+        "tests/test_losses_objectives.py",
+        "tests/test_losses_behavior.py",
         "tests/test_peer_verl.py",
         "tests/test_sampling.py",
     ],
     "advantages": [
         "tests/test_advantages.py",
         "tests/test_losses.py",
-        "tests/test_objectives.py",
+        "tests/test_losses_objectives.py",
         "tests/test_peer_verl.py",
         "tests/test_rewards_isolation.py",
         "tests/test_rewards_scoring.py",
@@ -72,8 +72,8 @@ TEST_FILES = {
     "sampling": [
         "tests/test_sampling.py",
         "tests/test_sampling_model.py",
-        "tests/test_stop.py",
-        "tests/test_behavior.py",
+        "tests/test_sampling_stop.py",
+        "tests/test_losses_behavior.py",
     ],
 }
 ALSO_IMPORTED = {
@@ -81,7 +81,7 @@ ALSO_IMPORTED = {
         "tests/test_sampling_model.py",
         "tests/test_multiturn.py",
         "tests/test_memory.py",
-        "tests/test_train_loop.py",
+        "tests/integration/test_train_loop.py",
         "tests/test_distributed.py",
         "tests/test_distributed_layouts.py",
     ],
@@ -91,7 +91,7 @@ ALSO_IMPORTED = {
         "tests/test_multiturn_chat.py",
         "tests/test_evaluate.py",
         "tests/test_pipeline.py",
-        "tests/test_gguf.py",
+        "tests/test_models_gguf.py",
         "tests/test_distributed.py",
     ],
 }

@@ -13,7 +13,7 @@ from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
 from grpo_jax.train import TIMING_PREFIXES, train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(**overrides):
