@@ -342,6 +342,9 @@ def main():
     say(f"# Mutation run: rev {rev}, seed {args.seed}, at most {args.max_per_module} per module")
     say(f"# scratch copy {repo}")
     plan = {}
+    resolved = {
+        mod: [f if (repo / f).exists() else OLD_NAMES[f] for f in TEST_FILES[mod]] for mod in modules
+    }
     for mod in modules:
         path, functions = SOURCES[mod]
         source = (repo / path).read_text()
@@ -361,7 +364,7 @@ def main():
         )
         plan[mod] = (path, source, [good[i] for i in chosen])
         say(f"\n## {mod}: {path}, {len(good)} mutation sites, {len(chosen)} sampled")
-        say(f"# tests run: {' '.join(TEST_FILES[mod])}")
+        say(f"# tests run: {' '.join(resolved[mod])}")
         if ALSO_IMPORTED[mod]:
             say(f"# also import it, not run: {' '.join(ALSO_IMPORTED[mod])}")
         for j, (s, m) in enumerate(plan[mod][2]):
@@ -373,7 +376,7 @@ def main():
     totals = {}
     for mod in modules:
         path, source, mutants = plan[mod]
-        files = [f if (repo / f).exists() else OLD_NAMES[f] for f in TEST_FILES[mod]]
+        files = resolved[mod]
         say(f"\n## {mod}: the unmutated tree")
         base = {}
         for marker in ("not slow",) if args.fast_only else ("not slow", "slow"):
