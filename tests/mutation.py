@@ -343,7 +343,8 @@ def main():
     say(f"# scratch copy {repo}")
     plan = {}
     resolved = {
-        mod: [f if (repo / f).exists() else OLD_NAMES[f] for f in TEST_FILES[mod]] for mod in modules
+        mod: [f if (repo / f).exists() else OLD_NAMES[f] for f in TEST_FILES[mod]]
+        for mod in modules
     }
     for mod in modules:
         path, functions = SOURCES[mod]
