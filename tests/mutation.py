@@ -293,6 +293,11 @@ def main():
     )
     ap.add_argument("--list", action="store_true", help="list the sampled mutants and stop")
     ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated mutant numbers of the sample to run (e.g. 8,11)",
+    )
+    ap.add_argument(
         "--fast-only",
         action="store_true",
         help="run the fast tier alone (no slow baseline, no slow stage for survivors)",
@@ -389,7 +394,10 @@ def main():
         timeouts = {m: max(600.0, args.timeout_factor * base[m][1]) for m in base}
         fast_kills = full_kills = timeouts_n = 0
         survivors = []
+        only = None if args.only is None else {int(x) for x in args.only.split(",")}
         for j, (site, mutated) in enumerate(mutants):
+            if only is not None and j not in only:
+                continue
             (repo / path).write_text(mutated)
             try:
                 status, secs, summary = run_pytest(
@@ -417,7 +425,7 @@ def main():
             finally:
                 (repo / path).write_text(source)
             say(f"  {mod}#{j:02d} line {site.line} {site.what}: {verdict} ({secs:.0f} s)")
-        n = len(mutants)
+        n = len(mutants) if only is None else len(only & set(range(len(mutants))))
         totals[mod] = (n, fast_kills, full_kills, timeouts_n)
         full = "not run" if args.fast_only else full_kills
         say(f"\n  {mod}: {n} mutants, fast tier kills {fast_kills}, full kills {full}")
