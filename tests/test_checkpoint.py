@@ -62,20 +62,13 @@ def test_restore_empty_dir_errors(tmp_path):
 def _resume_check(saved_updates, now_updates, allow=True):
     from types import SimpleNamespace
 
-    from configs.default import get_config
+    from helpers_config import smoke_config
+
     from grpo_jax.checkpoint import check_resume_config
     from grpo_jax.config import parse_config
 
     def config(updates):
-        c = get_config("smoke")
-        c.checkpoint.allow_changed_config = allow
-        for key, value in updates.items():
-            section, field = key.rsplit(".", 1)
-            node = c
-            for part in section.split("."):
-                node = node[part]
-            node[field] = value
-        return c
+        return smoke_config(**{"checkpoint.allow_changed_config": allow, **updates})
 
     saved = parse_config(config(saved_updates)).raw
     ck = SimpleNamespace(

@@ -276,7 +276,7 @@ class _ResetFailsOnBad:
 def _collect_state(env, mesh, said):
     """What ``multiturn.collect`` reads of the trainer's state: configs/multiturn.py at G = 2,
     B = 3 (prompt bucket 16), a model whose every turn is one EOS; messages go to ``said``."""
-    from test_multiturn_train import _config
+    from integration.test_multiturn_train import _config
 
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib

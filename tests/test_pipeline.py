@@ -12,8 +12,8 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers_config import SHORT_RUN, smoke_config
 
-from configs.default import get_config
 from grpo_jax import config as config_lib
 from grpo_jax import pipeline, sources
 from grpo_jax.checkpoint import Checkpointer
@@ -42,24 +42,20 @@ def test_the_sampler_takes_the_first_devices_and_the_learner_the_rest():
         pipeline.learner_and_sampler_devices(devices, 8)
 
 
-def _config(**updates):
-    c = get_config("smoke")
-    c.warm_start.enabled = False
-    c.eval.num_samples = 0
-    c.eval.every = 0
-    c.train.steps = 4
-    c.checkpoint.every = 2
+PIPELINE = {
+    **SHORT_RUN,
     # Length-dependent rewards: groups have reward variance, so every update moves the policy.
-    c.rewards = "overlong(max_len=16,buffer=15):1.0"
-    c.correct_reward = "overlong"
-    c.sampling.max_new_tokens = 16
+    "rewards": "overlong(max_len=16,buffer=15):1.0",
+    "correct_reward": "overlong",
+    "sampling.max_new_tokens": 16,
     # No warmup: the smoke config's warmup gives step 1 a learning rate of 0, which would leave
     # version 1 equal to version 0.
-    c.optim.warmup_steps = 0
-    for dotted, value in updates.items():
-        section, key = dotted.split(".")
-        c[section][key] = value
-    return c
+    "optim.warmup_steps": 0,
+}
+
+
+def _config(**updates):
+    return smoke_config(**{**PIPELINE, **updates})
 
 
 @pytest.mark.parametrize(

@@ -382,6 +382,27 @@ def test_generate_input_errors():
         sampling.generate(graphdef, params, toks, mask, key, {"max_new_tokens": 3})
 
 
+def test_draw_finds_its_entry_in_any_block_and_weighs_blocks_by_mass():
+    """Blocks of 8 over 50 entries (the last block ragged): the fast tier's check of the
+    two-level draw (the slow tests below test its distribution at length)."""
+    draw = jax.jit(sampling.draw, static_argnames="block")
+    k = 50
+    # Row j holds one drawable entry, j: the block, the entry within it and the clamp to
+    # the block's last positive entry must all land on j, for every position of every block.
+    one_hot = jnp.asarray(np.where(np.eye(k, dtype=bool), 0.0, -np.inf), jnp.float32)
+    np.testing.assert_array_equal(draw(one_hot, jax.random.key(0), block=8), np.arange(k))
+    # Entries 3 (block 0) and 49 (the last entry of the ragged last block) at odds 1 : 3.
+    n = 4000
+    row = np.full(k, -np.inf, np.float32)
+    row[3], row[49] = 0.0, np.log(3.0)
+    tokens = np.asarray(
+        draw(jnp.broadcast_to(jnp.asarray(row), (n, k)), jax.random.key(1), block=8)
+    )
+    counts = np.bincount(tokens, minlength=k)
+    assert counts[3] + counts[49] == n
+    assert abs(counts[3] - n / 4) < 200, counts[3]  # binomial sd 27
+
+
 @pytest.mark.parametrize("block", [7, 64, 512])
 @pytest.mark.slow
 def test_draw_matches_softmax_across_blocks_and_never_draws_minus_inf(block):

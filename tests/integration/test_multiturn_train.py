@@ -7,28 +7,27 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from helpers_config import apply_overrides
 
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
 from grpo_jax.train import TIMING_PREFIXES, train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(**overrides):
     spec = importlib.util.spec_from_file_location("mt_cfg", ROOT / "configs" / "multiturn.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    c = mod.get_config("runlocal")
-    c.train.steps = 4
-    c.eval.every = 0
-    c.eval.num_samples = 0
-    c.checkpoint.every = 2
-    c.checkpoint.async_save = False
-    for k, v in overrides.items():
-        sec, key = k.split(".")
-        c[sec][key] = v
-    return c
+    run = {
+        "train.steps": 4,
+        "eval.every": 0,
+        "eval.num_samples": 0,
+        "checkpoint.every": 2,
+        "checkpoint.async_save": False,
+    }
+    return apply_overrides(mod.get_config("runlocal"), {**run, **overrides})
 
 
 def _deterministic(records):

@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # two multi-process training runs
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 2
 RUN_ARGS = [
     "--config=configs/default.py:smoke",

@@ -17,8 +17,7 @@ import json
 import math
 
 import pytest
-
-from configs.default import get_config
+from helpers_config import smoke_config
 
 GOLDEN = {
     # lr 0.01 moves the policy far enough in one step to raise this health alarm.
@@ -74,22 +73,21 @@ GOLDEN = {
 EXACT = ("rollout/", "rewards/", "train/updates", "train/skipped", "train/epoch", "step")
 
 
-def _config():
-    c = get_config("smoke")
-    c.warm_start.enabled = False
-    c.eval.at_start = False
-    c.eval.every = 0
-    c.train.steps = 1
-    c.rewards = "overlong(max_len=16,buffer=15):1.0"
-    c.correct_reward = "overlong"
-    c.sampling.max_new_tokens = 16
-    c.grpo.beta = 0.04
-    c.grpo.mu = 2
-    c.train.minibatch_size = 8
-    c.optim.learning_rate = 0.01
-    c.optim.warmup_steps = 0
-    c.checkpoint.every = 0
-    return c
+RUN = {
+    "warm_start.enabled": False,
+    "eval.at_start": False,
+    "eval.every": 0,
+    "train.steps": 1,
+    "rewards": "overlong(max_len=16,buffer=15):1.0",
+    "correct_reward": "overlong",
+    "sampling.max_new_tokens": 16,
+    "grpo.beta": 0.04,
+    "grpo.mu": 2,
+    "train.minibatch_size": 8,
+    "optim.learning_rate": 0.01,
+    "optim.warmup_steps": 0,
+    "checkpoint.every": 0,
+}
 
 
 @pytest.mark.slow
@@ -98,7 +96,7 @@ def test_one_step_of_the_tiny_default_matches_its_golden_metrics(tmp_path):
 
     from grpo_jax.train import train
 
-    train(_config(), tmp_path, stream=io.StringIO())
+    train(smoke_config(**RUN), tmp_path, stream=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (got,) = [r for r in rows if "train/loss" in r]
     got = {k: v for k, v in got.items() if not k.startswith(("perf/", "eval/"))}

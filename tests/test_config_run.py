@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers_config import smoke_config
 
 from configs.default import get_config
 from grpo_jax import config as config_lib
@@ -13,18 +14,6 @@ from grpo_jax.config import ConfigError
 from grpo_jax.sharding import batch_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cfg(**updates):
-    """The smoke config as plain data (no ConfigDict type checks) with ``updates``."""
-    c = get_config("smoke").to_dict()
-    for dotted, value in updates.items():
-        node = c
-        *path, last = dotted.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    return c
 
 
 def test_default_and_smoke_parse():
@@ -69,7 +58,7 @@ def test_default_and_smoke_parse():
 )
 def test_bad_values_name_the_key(updates, message, builtin_tokenizer):
     with pytest.raises(ConfigError, match=message):
-        c = _cfg(**updates)
+        c = smoke_config(plain=True, **updates)
         run = config_lib.parse_config(c)
         setup_lib.model_config(run, builtin_tokenizer)
 
@@ -92,17 +81,21 @@ def test_rewards_spellings():
 def test_batch_layout_checked_against_the_mesh():
     import jax
 
-    run = config_lib.parse_config(_cfg(**{"mesh.num_devices": 2, "train.batch_size": 3}))
+    run = config_lib.parse_config(
+        smoke_config(plain=True, **{"mesh.num_devices": 2, "train.batch_size": 3})
+    )
     mesh = setup_lib.build_mesh(run)
     with pytest.raises(ConfigError, match=r"'train.batch_size' = 3 must be a multiple of the 2"):
         config_lib.check_batch_layout(run, batch_shards(mesh))
-    run = config_lib.parse_config(_cfg(**{"train.minibatch_size": 6}))
+    run = config_lib.parse_config(smoke_config(plain=True, **{"train.minibatch_size": 6}))
     with pytest.raises(ConfigError, match=r"'train.minibatch_size' = 6 must divide N"):
         config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
-    run = config_lib.parse_config(_cfg(**{"optim.grad_accum": 3}))
+    run = config_lib.parse_config(smoke_config(plain=True, **{"optim.grad_accum": 3}))
     with pytest.raises(ConfigError, match=r"'optim.grad_accum' = 3 must divide the 16 rows"):
         config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
-    run = config_lib.parse_config(_cfg(**{"mesh.num_devices": len(jax.devices()) + 1}))
+    run = config_lib.parse_config(
+        smoke_config(plain=True, **{"mesh.num_devices": len(jax.devices()) + 1})
+    )
     with pytest.raises(ConfigError, match="'mesh.num_devices' = 9, but only 8 devices"):
         setup_lib.build_mesh(run)
 
@@ -197,11 +190,16 @@ def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
 
 def test_logits_chunk_must_divide_the_completion_length():
     t = get_config("smoke").sampling.max_new_tokens
-    assert config_lib.parse_config(_cfg(**{"train.logits_chunk": t})).train.logits_chunk == t
+    assert (
+        config_lib.parse_config(
+            smoke_config(plain=True, **{"train.logits_chunk": t})
+        ).train.logits_chunk
+        == t
+    )
     with pytest.raises(ConfigError, match=rf"'train.logits_chunk' = {t + 1} must divide"):
-        config_lib.parse_config(_cfg(**{"train.logits_chunk": t + 1}))
+        config_lib.parse_config(smoke_config(plain=True, **{"train.logits_chunk": t + 1}))
     with pytest.raises(ConfigError, match="train.logits_chunk"):
-        config_lib.parse_config(_cfg(**{"train.logits_chunk": -2}))
+        config_lib.parse_config(smoke_config(plain=True, **{"train.logits_chunk": -2}))
 
 
 def test_reward_modules_register_user_rewards_before_names_are_checked(tmp_path):
@@ -213,16 +211,20 @@ def test_reward_modules_register_user_rewards_before_names_are_checked(tmp_path)
         "    return [1.0 if len(c) < 3 else 0.0 for c in completions]\n"
     )
     run = config_lib.parse_config(
-        _cfg(reward_modules=str(module), rewards="test_user_short:1.0,exact_match:0.5")
+        smoke_config(
+            plain=True, reward_modules=str(module), rewards="test_user_short:1.0,exact_match:0.5"
+        )
     )
     assert run.rewards.modules == (str(module),)
     assert [s.name for s in run.rewards.specs] == ["test_user_short", "exact_match"]
     with pytest.raises(ConfigError, match="does not exist"):
-        config_lib.parse_config(_cfg(reward_modules=str(tmp_path / "missing.py")))
+        config_lib.parse_config(
+            smoke_config(plain=True, reward_modules=str(tmp_path / "missing.py"))
+        )
     with pytest.raises(ConfigError, match="not found on sys.path"):
-        config_lib.parse_config(_cfg(reward_modules="no_such_pkg_xyz.rewards"))
+        config_lib.parse_config(smoke_config(plain=True, reward_modules="no_such_pkg_xyz.rewards"))
     with pytest.raises(ConfigError, match="reward_modules"):
-        config_lib.parse_config(_cfg(reward_modules=3))
+        config_lib.parse_config(smoke_config(plain=True, reward_modules=3))
 
 
 def test_each_clip_side_is_settable_on_a_shipped_config():

@@ -4,22 +4,15 @@ import io
 import json
 
 import pytest
+from helpers_config import SHORT_RUN, smoke_config
 
-from configs.default import get_config
 from grpo_jax.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow  # trains the smoke config twice
 
 
 def _config(steps):
-    c = get_config("smoke")
-    c.warm_start.enabled = False
-    c.eval.every = 0
-    c.eval.num_samples = 0
-    c.train.steps = steps
-    c.checkpoint.every = 2
-    c.checkpoint.keep = 3
-    return c
+    return smoke_config(**{**SHORT_RUN, "train.steps": steps, "checkpoint.keep": 3})
 
 
 def _damage(step_dir):

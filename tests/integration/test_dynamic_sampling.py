@@ -6,8 +6,8 @@ import json
 import jax
 import numpy as np
 import pytest
+from helpers_config import SHORT_RUN, smoke_config
 
-from configs.default import get_config
 from grpo_jax import rollout
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
@@ -49,27 +49,20 @@ def test_select_groups_keeps_the_first_with_signal_and_pads_with_the_rest():
 # The loop.
 
 
-def _config(**updates):
-    c = get_config("smoke")
-    c.warm_start.enabled = False
-    c.eval.every = 0
-    c.eval.num_samples = 0
-    c.train.steps = 4
-    c.checkpoint.every = 2
+DYNAMIC = {
+    **SHORT_RUN,
     # Length-dependent rewards: an untrained model gives some groups variance, not all.
-    c.rewards = "overlong(max_len=16,buffer=15):1.0"
-    c.correct_reward = "overlong"
-    c.sampling.max_new_tokens = 16
-    c.train.dynamic_sampling = True
-    c.train.max_sampling_rounds = 3
-    for k, v in updates.items():
-        section, key = k.split(".")
-        setattr(getattr(c, section), key, v)
-    return c
+    "rewards": "overlong(max_len=16,buffer=15):1.0",
+    "correct_reward": "overlong",
+    "sampling.max_new_tokens": 16,
+    "train.dynamic_sampling": True,
+    "train.max_sampling_rounds": 3,
+}
 
 
 def _spied_run(workdir, monkeypatch, **updates):
-    """Trains ``_config(**updates)``, recording what each step's collect_dynamic returned."""
+    """Trains ``DYNAMIC`` with ``updates``, recording what each step's collect_dynamic
+    returned."""
     from grpo_jax.train import train
 
     batches = []
@@ -89,7 +82,7 @@ def _spied_run(workdir, monkeypatch, **updates):
         return batch, host
 
     monkeypatch.setattr(rollout, "collect_dynamic", spy)
-    train(_config(**updates), workdir, stream=io.StringIO())
+    train(smoke_config(**{**DYNAMIC, **updates}), workdir, stream=io.StringIO())
     monkeypatch.undo()
     return batches
 
@@ -150,7 +143,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     from grpo_jax import setup as setup_lib
     from grpo_jax.train import train
 
-    cfg = _config(**{"train.max_staleness": k})
+    cfg = smoke_config(**{**DYNAMIC, "train.max_staleness": k})
     train(cfg, tmp_path / "whole", stream=io.StringIO())
 
     class Kill(Exception):
@@ -194,7 +187,7 @@ def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
 
     out = io.StringIO()
     summary = train(
-        _config(**{"train.sampled_tokens_budget": 1000, "train.steps": 50}),
+        smoke_config(**{**DYNAMIC, "train.sampled_tokens_budget": 1000, "train.steps": 50}),
         tmp_path,
         stream=out,
     )
@@ -221,7 +214,7 @@ def test_a_step_without_signal_raises_no_entropy_alarm(tmp_path):
     # token, and its entropy is no value (null), not 0 (which set off entropy_collapse).
     from grpo_jax.train import train
 
-    c = _config(**{"train.max_sampling_rounds": 1, "train.steps": 2})
+    c = smoke_config(**{**DYNAMIC, "train.max_sampling_rounds": 1, "train.steps": 2})
     c.rewards = "overlong(max_len=64,buffer=1):1.0"  # 0 for every completion of <= 16 tokens
     c.checkpoint.every = 0
     c.health.entropy_window = 1

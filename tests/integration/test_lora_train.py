@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_config import SHORT_RUN, smoke_config
 
-from configs.default import get_config
 from grpo_jax import config as config_lib
 from grpo_jax import setup as setup_lib
 from grpo_jax.checkpoint import Checkpointer
@@ -19,31 +19,21 @@ from grpo_jax.train import TIMING_PREFIXES, train
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 
 
+LORA_RUN = {
+    **SHORT_RUN,
+    "grpo.beta": 0.04,
+    "optim.learning_rate": 1e-2,
+    # The untrained model's answers are never right; half of its completions hold a digit
+    # below 5, which gives every step's groups reward variance, so the adapters move
+    # whatever this CPU's floating point draws.
+    "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
+}
+# Set last, whatever a test overrides.
+LORA = {"model.lora.rank": 2, "model.lora.alpha": 4.0, "model.lora.dropout": 0.1}
+
+
 def _config(**updates):
-    c = get_config("smoke")
-    base = {
-        "warm_start.enabled": False,
-        "eval.num_samples": 0,
-        "eval.every": 0,
-        "train.steps": 4,
-        "checkpoint.every": 2,
-        "grpo.beta": 0.04,
-        "optim.learning_rate": 1e-2,
-        # The untrained model's answers are never right; half of its completions hold a digit
-        # below 5, which gives every step's groups reward variance, so the adapters move
-        # whatever this CPU's floating point draws.
-        "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
-    }
-    for dotted, value in {**base, **updates}.items():
-        if "." in dotted:
-            section, key = dotted.split(".")
-            c[section][key] = value
-        else:
-            c[dotted] = value
-    c.model.lora.rank = 2
-    c.model.lora.alpha = 4.0
-    c.model.lora.dropout = 0.1
-    return c
+    return smoke_config(**{**LORA_RUN, **updates, **LORA})
 
 
 class _Kill(Exception):

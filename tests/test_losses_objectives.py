@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_config import apply_overrides
 from helpers_jit import central_differences
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -83,6 +84,30 @@ def test_sapo_golden():
         if pl == "sapo":
             g_sapo = gr
     np.testing.assert_allclose(g_sapo, gr, rtol=1e-6)
+
+
+def test_gmpo_kl_is_each_rows_token_mean_and_an_empty_row_adds_none():
+    """A sequence-level objective's KL term: per row, the mean over its real tokens (not their
+    sum); a row without any adds 0 (not 0/0). At beta 0.1 the loss rises by beta times the
+    mean over rows of those row means."""
+    logps = jnp.asarray([[-1.0, -2.0, -0.5, -3.0], [-0.7, -1.0, -1.0, -1.0], [-2.0] * 4])
+    ref = logps + jnp.asarray([[0.3, -0.2, 0.5, 9.0], [0.4, 9.0, 9.0, 9.0], [9.0] * 4])
+    mask = jnp.asarray([[1.0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    adv = jnp.asarray([1.0, -0.5, 0.25])
+
+    @jax.jit
+    def both(logps, ref):
+        f = lambda beta: losses.grpo_loss(
+            logps, logps, adv, mask, ref_logps_NxT=ref, beta=beta, policy_loss="gmpo"
+        )[0]
+        return f(0.0), f(0.1)
+
+    plain, with_kl = both(logps, ref)
+    d = np.asarray(ref - logps, np.float64)
+    k3 = np.exp(d) - d - 1.0  # per token
+    row_means = [k3[0, :3].mean(), k3[1, 0], 0.0]
+    assert np.isfinite(float(with_kl))
+    np.testing.assert_allclose(float(with_kl) - float(plain), 0.1 * np.mean(row_means), rtol=1e-5)
 
 
 def test_gmpo_golden():
@@ -472,14 +497,14 @@ def test_each_objective_trains_from_the_shipped_config(tmp_path, overrides):
 
     c = get_config("smoke")
     c.lock()
-    c.warm_start.enabled = False
-    c.eval.every = 0
-    c.eval.num_samples = 0
-    c.train.steps = 2
-    c.rewards = "exact_match(tag=None):1.0"  # binary, as passk needs
-    for dotted, value in overrides.items():
-        section, key = dotted.split(".")
-        c[section][key] = value
+    run = {
+        "warm_start.enabled": False,
+        "eval.every": 0,
+        "eval.num_samples": 0,
+        "train.steps": 2,
+        "rewards": "exact_match(tag=None):1.0",  # binary, as passk needs
+    }
+    apply_overrides(c, {**run, **overrides})
     train(c, tmp_path, stream=io.StringIO())
     saved = json.loads((tmp_path / "config.json").read_text())
     for dotted, value in overrides.items():

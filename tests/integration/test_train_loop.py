@@ -14,8 +14,8 @@ import signal
 import jax
 import numpy as np
 import pytest
+from helpers_config import SHORT_RUN, smoke_config
 
-from configs.default import get_config
 from grpo_jax import losses
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
@@ -78,26 +78,6 @@ def compilation_cache(tmp_path_factory):
         jax.config.update(k, v)
 
 
-def _config(**updates):
-    c = get_config("smoke")
-    for dotted, value in updates.items():
-        section, key = dotted.split(".")
-        c[section][key] = value
-    return c
-
-
-def _quick(**updates):
-    """No warm start, no sampled pass@k: the fewest compilations."""
-    base = {
-        "warm_start.enabled": False,
-        "eval.num_samples": 0,
-        "eval.every": 0,
-        "train.steps": 4,
-        "checkpoint.every": 2,
-    }
-    return _config(**{**base, **updates})
-
-
 def _final_params(workdir, like):
     ck = Checkpointer(workdir / "checkpoints")
     try:
@@ -110,7 +90,7 @@ def _like_params(tokenizer):
     from grpo_jax import config as config_lib
     from grpo_jax import setup as setup_lib
 
-    run = config_lib.parse_config(_quick())
+    run = config_lib.parse_config(smoke_config(**SHORT_RUN))
     return setup_lib.build_model(run, tokenizer, setup_lib.build_mesh(run))[1]
 
 
@@ -120,7 +100,7 @@ def _deterministic(records):
 
 def test_end_to_end_smoke_run(tmp_path):
     wd = tmp_path / "run"
-    summary = train(_config(**{"grpo.beta": 0.04}), wd)
+    summary = train(smoke_config(**{"grpo.beta": 0.04}), wd)
     on_disk = json.loads((wd / "summary.json").read_text())
     assert set(on_disk) >= {"before", "after", "wall_seconds"}
     assert on_disk["before"]["pass_at_1"] == summary["before"]["pass_at_1"]
@@ -146,7 +126,7 @@ def test_end_to_end_smoke_run(tmp_path):
     # Running the same command again finds the run finished: nothing is retrained,
     # and the KL reference (the warm-started policy) comes from the workdir's cache.
     out = io.StringIO()
-    again = train(_config(**{"grpo.beta": 0.04}), wd, stream=out)
+    again = train(smoke_config(**{"grpo.beta": 0.04}), wd, stream=out)
     assert "warm start: loaded from" in out.getvalue()
     assert "resuming from the checkpoint at step 3" in out.getvalue()
     assert again["after"]["pass_at_1"] == summary["after"]["pass_at_1"]
@@ -158,7 +138,7 @@ class _Kill(Exception):
 
 
 def test_resume_after_kill_is_exact(tmp_path, builtin_tokenizer):
-    cfg = _quick()
+    cfg = smoke_config(**SHORT_RUN)
     train(cfg, tmp_path / "whole")
 
     def kill_at_3(step):
@@ -189,7 +169,7 @@ def test_resume_after_kill_is_exact(tmp_path, builtin_tokenizer):
 
 
 def test_sigterm_saves_and_returns(tmp_path):
-    cfg = _quick(**{"checkpoint.every": 0})
+    cfg = smoke_config(**{**SHORT_RUN, "checkpoint.every": 0})
 
     def term_at_1(step):
         if step == 1:
@@ -215,7 +195,7 @@ def test_nonfinite_updates_stop_the_run(tmp_path, monkeypatch):
         return loss * float("nan"), metrics
 
     monkeypatch.setattr(losses, "grpo_loss", nan_loss)
-    cfg = _quick(**{"train.max_nonfinite_in_row": 2, "eval.at_start": False})
+    cfg = smoke_config(**{**SHORT_RUN, "train.max_nonfinite_in_row": 2, "eval.at_start": False})
     with pytest.raises(NonFiniteError, match=r"the last 2 updates had a non-finite loss"):
         train(cfg, tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -237,7 +217,7 @@ def test_train_time_covers_the_update_on_every_step(tmp_path, monkeypatch):
         return loss, metrics
 
     monkeypatch.setattr(losses, "grpo_loss", slow_loss)
-    cfg = _quick(**{"train.steps": 4, "checkpoint.every": 2, "eval.every": 3})
+    cfg = smoke_config(**{**SHORT_RUN, "train.steps": 4, "checkpoint.every": 2, "eval.every": 3})
     train(cfg, tmp_path, stream=io.StringIO())
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "perf/time_train_s" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -265,7 +245,7 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(update_lib.CompiledAhead, "__init__", init)
     monkeypatch.setattr(update_lib.CompiledAhead, "__call__", call)
-    cfg = _quick(**{"train.steps": 3, "checkpoint.every": 0})
+    cfg = smoke_config(**{**SHORT_RUN, "train.steps": 3, "checkpoint.every": 0})
     train(cfg, tmp_path / "ahead", stream=io.StringIO())
     assert len(made) == 1 and calls == [True, True, True]
     assert made[0][1]._cache_size() == 0  # the jitted update was never compiled
@@ -296,6 +276,6 @@ def test_no_compilation_of_the_update_outlives_its_run(tmp_path, monkeypatch):
     # The sampler's round raises once dispatched (the update compiling ahead by then).
     monkeypatch.setattr(rollout, "finish_round", failing_finish)
     with pytest.raises(Stop):
-        train(_quick(**{"eval.at_start": False}), tmp_path, stream=io.StringIO())
+        train(smoke_config(**{**SHORT_RUN, "eval.at_start": False}), tmp_path, stream=io.StringIO())
     left = [t.name for t in threading.enumerate() if t.name.startswith("compile-update")]
     assert left == []

@@ -1,6 +1,6 @@
 """The pipelined loop at k = 1 as 2 processes x 4 CPU devices == 1 process x 8.
 
-Launched like tests/test_distributed_train.py (``launch/local_multiprocess.sh``,
+Launched like tests/integration/test_distributed_train.py (``launch/local_multiprocess.sh``,
 the smoke config with a reward that varies on random completions and a large
 learning rate), on one mesh and on a split mesh (4 sampler devices: 2 of each
 process). The records must say the same staleness, the batch statistics and
