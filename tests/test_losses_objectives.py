@@ -98,7 +98,12 @@ def test_gmpo_kl_is_each_rows_token_mean_and_an_empty_row_adds_none():
     @jax.jit
     def both(logps, ref):
         f = lambda beta: losses.grpo_loss(
-            logps, logps, adv, mask, ref_logps_NxT=ref, beta=beta, policy_loss="gmpo"
+            logps,
+            logps,
+            adv,
+            mask,
+            losses.ObjectiveConfig(beta=beta, policy_loss="gmpo"),
+            ref_logps_NxT=ref,
         )[0]
         return f(0.0), f(0.1)
 
