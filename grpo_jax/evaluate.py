@@ -131,6 +131,7 @@ def run_config_for(checkpoint, config=None):
 
 def main(argv):
     del argv
+    cli.quiet()  # again: absl's app.run set its own log levels after the import
     FLAGS = flags.FLAGS
     t0 = time.perf_counter()
 

@@ -317,10 +317,12 @@ def test_share_prompts_gives_the_same_update(setup):
     assert flops[True, 2] < flops[False, 2]  # the reference and tracking passes only
     for accum in (1, 2):
         # Four AdamW updates of lr 1e-2: m / sqrt(v) magnifies float32 noise in
-        # near-zero gradient coordinates, hence 1e-5 (a wrong prompt moves them ~1e-2).
+        # near-zero gradient coordinates, hence 3e-5 (a cold-cache CI run measured one
+        # coordinate 1.03e-5 apart, the same on the code before the objective's split;
+        # a wrong prompt moves them ~1e-2).
         _assert_same_update(
             results[False, accum],
             results[True, accum],
             ("train/loss", "train/kl", "train/entropy", "policy/kl_old_new"),
-            params_atol=1e-5,
+            params_atol=3e-5,
         )

@@ -251,7 +251,7 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     assert made[0][1]._cache_size() == 0  # the jitted update was never compiled
 
     monkeypatch.setattr(  # the plain jitted update (a context manager's value, as the real)
-        train_lib, "_update_compiled_ahead", lambda s, *a: contextlib.nullcontext(s.update)
+        train_lib, "_update_compiled_ahead", lambda s, *a: contextlib.nullcontext(s.trainer.update)
     )
     train(cfg, tmp_path / "plain", stream=io.StringIO())
     ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
