@@ -30,15 +30,9 @@ import jax
 from grpo_jax import distributed
 from grpo_jax import optimizer as optim_lib
 from grpo_jax.base_policy import base_policy, lora_base_policy
-from grpo_jax.checkpointer import (  # noqa: F401 - the Checkpointer's home before
-    RESUME_MAY_CHANGE,
-    Checkpointer,
-    check_alarm_stop,
-    check_resume_config,
-)
+from grpo_jax.checkpointer import Checkpointer  # noqa: F401 - importable here as before
 from grpo_jax.errors import CheckpointError
 from grpo_jax.models import lora
-from grpo_jax.sharding import abstract_like as _abstract  # noqa: F401
 from grpo_jax.sharding import replicated
 
 if TYPE_CHECKING:

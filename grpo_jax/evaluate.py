@@ -36,7 +36,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from grpo_jax import models, runlocal  # noqa: E402
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
-from grpo_jax.evaluation import evaluate, generate_texts  # noqa: E402, F401 - their home before
+from grpo_jax.evaluation import evaluate  # noqa: E402
 from grpo_jax.setup import (  # noqa: E402
     build_datasets,
     build_encoder,

@@ -460,7 +460,7 @@ def _check_single_process():
 
 
 def collect(r, env, params, examples: list[dict], key: jax.Array):
-    """The multi-turn counterpart of ``grpo_jax.rollout.collect`` -> (RolloutBatch, HostRollout).
+    """Episodes for one step's examples -> (RolloutBatch, HostRollout), as a single-turn round.
 
     Each example's G episodes are played to the end; an episode's reward is the sum
     of its environment's step rewards, normalised within its group into advantages.

@@ -18,8 +18,9 @@ from grpo_jax.errors import ConfigError
 
 OLD_LOGPS = ("sampler", "recompute")
 
+_LOSS = losses.ObjectiveConfig()  # the loss's defaults, which the grpo section takes
 # The clip range of a run config's ``grpo.epsilon`` when unset: both sides' default.
-EPSILON = 0.2
+EPSILON = _LOSS.epsilon_low
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,28 +64,29 @@ class GRPOConfig:
         at different precision.
     """
 
+    # The loss's settings default to the loss's own (ObjectiveConfig): one default a key.
     G: int = 8
-    beta: float = 0.0
+    beta: float = _LOSS.beta
     epsilon_low: float | None = EPSILON
     epsilon_high: float | None = EPSILON
     mu: int = 1
-    kl_estimator: str = "k3"
-    reduction: str = "grpo"
+    kl_estimator: str = _LOSS.kl_estimator
+    reduction: str = _LOSS.reduction
     advantage_estimator: str = "grpo"
     advantage_eps: float = 1e-4
-    temperature: float = 1.0
-    policy_loss: str = "clip"
-    dual_clip_c: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cov_frac: float = 2e-4
-    cov_lb: float = 1.0
-    cov_ub: float = 5.0
-    kl_cov_coef: float = 1.0
+    temperature: float = _LOSS.temperature
+    policy_loss: str = _LOSS.policy_loss
+    dual_clip_c: float | None = _LOSS.dual_clip_c
+    sapo_tau_pos: float = _LOSS.sapo_tau_pos
+    sapo_tau_neg: float = _LOSS.sapo_tau_neg
+    cov_frac: float = _LOSS.cov_frac
+    cov_lb: float = _LOSS.cov_lb
+    cov_ub: float = _LOSS.cov_ub
+    kl_cov_coef: float = _LOSS.kl_cov_coef
     passk_k: int = 1
-    behavior_correction: str = "none"
-    behavior_level: str = "token"
-    behavior_cap: float = 2.0
+    behavior_correction: str = _LOSS.behavior_correction
+    behavior_level: str = _LOSS.behavior_level
+    behavior_cap: float = _LOSS.behavior_cap
     old_logps: str = "sampler"
 
     def __post_init__(self):

@@ -261,7 +261,8 @@ class Staleness:
         """Step ``step``'s batch; ``params`` (version step - 1) sample step + k's."""
         if not self.k:
             self.source.submit(step, params, step - 1)
-            return self.source.take(step)
+            self._cur = (self.source.take(step), None)
+            return self._cur[0]
         t_iter = time.perf_counter()
         cur = self.queue.pop(0)
         staleness = step - 1 - cur.version
@@ -282,16 +283,15 @@ class Staleness:
             self._submitted = (step + self.k, t_req, ready)
         return cur
 
-    def settle(self, step: int, t_update: float, dev_metrics, host):
-        """After the update of ``step`` is dispatched -> (its HostRollout, late metrics).
-
-        ``host``: the batch's HostRollout; with k >= 1 it comes back with the
-        ``pipeline/*`` metrics and the waits, and the next batch's host work
-        is done here, during the update.
+    def settle(self, step: int, t_update: float, dev_metrics):
+        """After the update of ``step`` is dispatched -> (its batch's HostRollout, late
+        metrics). With k >= 1 the HostRollout comes with the ``pipeline/*`` metrics and
+        the waits, and the next batch's host work is done here, during the update.
         """
+        (cur, t_iter), late = self._cur, {}
+        host = cur.host
         if not self.k:
             return host, {}
-        (cur, t_iter), late = self._cur, {}
         done = self.pool.submit(_ready_at, dev_metrics)
         nb, sampler_wait = None, 0.0
         if self._submitted is not None:

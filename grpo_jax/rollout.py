@@ -4,7 +4,10 @@
   decode          completion tokens -> texts (up to each row's length, EOS dropped)
   Scorer          texts -> weighted rewards, correctness, format validity
   host_prompts    this host's examples -> its rows of the global prompt arrays
-  collect         one step's rollouts: sample, decode, score, normalise -> RolloutBatch
+  dispatch_round, finish_round, batch_from_round
+                  one round of rollouts: sample, decode, score, normalise -> RolloutBatch
+                  (``grpo_jax.sources.SingleTurn`` drives them)
+  collect_dynamic DAPO's dynamic sampling: rounds until B groups have reward signal
 
 Shapes: B prompts, G completions per prompt, N = B*G rows (grouped
 contiguously), P padded prompt length, T completion slots. Lower-case b, n:
@@ -431,18 +434,6 @@ def _host(rounds: list[_Round], metrics, completion_tokens: int, prompt_tokens: 
         prompt_tokens=prompt_tokens,
         t_params_ready=rounds[0].t_params_ready,
     )
-
-
-def collect(r: Rollouts, params, examples: list[dict], key: jax.Array):
-    """Samples, scores and normalises one step's rollouts -> (RolloutBatch, HostRollout).
-
-    ``examples`` are this host's rows of the step's B prompts. The G
-    completions of each prompt are sampled from ``params`` (pi_old, whose
-    log-probs the sampler records), decoded and scored by this host, and
-    their rewards normalised within each group into advantages over the
-    global batch (so ``batch_std`` does not depend on the number of hosts).
-    """
-    return batch_from_round(r, _sample_round(r, params, examples, key))
 
 
 def batch_from_round(r: Rollouts, rd: _Round):

@@ -15,8 +15,8 @@ One protocol serves every kind of run, so ``grpo_jax.train`` has one loop:
   MultiTurn    episodes against an environment (``multiturn.collect``).
 
 Dynamic and MultiTurn decide what to sample next from what they have sampled,
-so they work from ``submit`` to the end there (``eager``): the parameters they
-read may be donated to the update right after ``submit`` returns.
+so they do a batch's whole work in ``submit``: the parameters they read may be
+donated to the update right after ``submit`` returns.
 
 The batch of step s is sampled with ``split(fold_in(key(seed), s))[0]`` from the
 next prompts of the data iterator, whatever the source and whenever it is
@@ -80,7 +80,6 @@ class InFlight:
 class RolloutSource(Protocol):
     """What the loop needs of a source of batches (module doc)."""
 
-    eager: bool  # whether ``submit`` does all the work (it reads ``params`` no later)
     split: bool  # whether it samples on a mesh of its own (mesh.sampler_devices)
 
     def submit(self, step: int, params, version: int) -> None: ...
@@ -102,8 +101,6 @@ class SingleTurn:
     P, before its generation is dispatched (the loop starts compiling the
     update for that shape then).
     """
-
-    eager = False
 
     def __init__(
         self,
@@ -195,7 +192,6 @@ class SingleTurn:
 class _Eager:
     """A source that samples and scores the whole batch in ``submit`` (module doc)."""
 
-    eager = True
     split = False
 
     def __init__(self, r: rollout.Rollouts, iterator, base_key: jax.Array):

@@ -239,7 +239,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         cur = pipe.take(step, state.params)
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
         state, dev_metrics = update.fn(state, cur.batch, k_train, ref_params)
-        host, late = pipe.settle(step, t_update, dev_metrics, cur.host)
+        host, late = pipe.settle(step, t_update, dev_metrics)
         report.step_done(step, dev_metrics, host, t_update, late=late)
         preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 

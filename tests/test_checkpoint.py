@@ -64,7 +64,7 @@ def _resume_check(saved_updates, now_updates, allow=True):
 
     from helpers_config import smoke_config
 
-    from grpo_jax.checkpoint import check_resume_config
+    from grpo_jax.checkpointer import check_resume_config
     from grpo_jax.config import parse_config
 
     def config(updates):
