@@ -58,43 +58,17 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.draw import (  # noqa: F401 - also here, where the samplers' callers look
+    candidates,
+    draw,
+    sample_step,
+    sample_with,
+    stop_hits,
+    stop_table,
+)
 from grpo_jax.models.partitioning import cache_shardings
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.sampling_config import SamplingConfig, SamplingSection  # noqa: F401 - also here
-
-
-def stop_table(stop_sequences) -> tuple[np.ndarray, np.ndarray]:
-    """The stop sequences right-aligned in a [S, L] table: (ids_SxL int32, used_SxL bool).
-
-    L is the longest sequence's length; a shorter one fills the last of its
-    row's L columns (``used`` True there) and the columns before it are unused.
-    """
-    s = len(stop_sequences)
-    length = max(len(q) for q in stop_sequences)
-    ids_SxL = np.zeros((s, length), np.int32)
-    used_SxL = np.zeros((s, length), np.bool_)
-    for i, q in enumerate(stop_sequences):
-        ids_SxL[i, length - len(q) :] = q
-        used_SxL[i, length - len(q) :] = True
-    return ids_SxL, used_SxL
-
-
-def stop_hits(recent_NxL: jax.Array, available_N: jax.Array, stop_sequences) -> jax.Array:
-    """Whether each row's most recent tokens end with one of ``stop_sequences``: bool [N].
-
-    ``recent_NxL`` holds each row's last L = (longest stop sequence) tokens,
-    the newest in column L-1; only its last ``available_N`` columns count
-    (tokens the row generated: earlier columns may hold prompt or padding; a
-    scalar applies to every row). A sequence of length l matches when
-    l <= available and the last l columns equal it.
-    """
-    ids_SxL, used_SxL = stop_table(stop_sequences)
-    lengths_S = jnp.asarray(used_SxL.sum(axis=1), jnp.int32)
-    same_NxSxL = recent_NxL[:, None, :] == jnp.asarray(ids_SxL)[None]
-    equal_NxS = jnp.all(same_NxSxL | ~jnp.asarray(used_SxL)[None], axis=-1)
-    enough_NxS = jnp.asarray(available_N, jnp.int32)[..., None] >= lengths_S
-    return jnp.any(equal_NxS & enough_NxS, axis=-1)
-
 
 # ---------------------------------------------------------------------------
 # Prompt padding.
@@ -158,125 +132,6 @@ def pad_prompts(
 
 
 # ---------------------------------------------------------------------------
-# The sampling distribution (pure, per decode step).
-
-
-def _min_p_filter(logits_NxK: jax.Array, min_p: float) -> jax.Array:
-    # p_i >= min_p * p_max  <=>  z_i >= z_max + log(min_p); the max always stays.
-    z_max_Nx1 = jnp.max(logits_NxK, axis=-1, keepdims=True)
-    return jnp.where(logits_NxK >= z_max_Nx1 + jnp.log(min_p), logits_NxK, -jnp.inf)
-
-
-def candidates(
-    scaled_NxV: jax.Array, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
-) -> tuple[jax.Array, jax.Array | None]:
-    """The tokens a draw may pick, as (logits_NxK, ids_NxK); -inf marks dropped ones.
-
-    ``scaled_NxV`` holds logits / temperature. With no filter on this is
-    (scaled_NxV, None): all V tokens, ids implicit; min-p alone also keeps
-    ids implicit. top-k alone costs one ``lax.top_k`` (no sort of the
-    vocabulary); top-p sorts the vocabulary. top-p keeps candidate i (sorted
-    by probability, descending, renormalised over the top-k set) iff the mass
-    strictly before it is below top_p: the smallest prefix whose mass reaches
-    top_p, never empty. min-p, last, keeps the candidates whose probability is
-    at least min_p times the largest (never empty either).
-    """
-    v = scaled_NxV.shape[-1]
-    if top_k <= 0 and top_p >= 1.0:
-        if min_p > 0.0:
-            return _min_p_filter(scaled_NxV, min_p), None
-        return scaled_NxV, None
-    k = v if top_k <= 0 else min(top_k, v)
-    logits_NxK, ids_NxK = jax.lax.top_k(scaled_NxV, k)
-    if top_p < 1.0:
-        probs_NxK = jax.nn.softmax(logits_NxK, axis=-1)
-        mass_before_NxK = jnp.cumsum(probs_NxK, axis=-1) - probs_NxK
-        logits_NxK = jnp.where(mass_before_NxK < top_p, logits_NxK, -jnp.inf)
-    if min_p > 0.0:
-        logits_NxK = _min_p_filter(logits_NxK, min_p)
-    return logits_NxK, ids_NxK
-
-
-_DRAW_BLOCK = 512
-
-
-def draw(logits_NxK: jax.Array, key: jax.Array, *, block: int = _DRAW_BLOCK) -> jax.Array:
-    """One index per row from softmax(logits_NxK) (-inf entries never drawn): int32 [N].
-
-    Inverse CDF with one uniform number per row, in two levels: the row's
-    probability mass is cut into blocks of ``block`` entries, a block is
-    chosen by the cumulative sum of block masses, then an entry within it by
-    the cumulative sum inside that block. The same distribution as
-    ``jax.random.categorical`` (up to float32 rounding of the sums) at a
-    fraction of its cost: categorical's Gumbel trick draws random bits for
-    every vocabulary entry, which dominated a decode step on a 262k
-    vocabulary; here one exp and a blockwise sum pass over the row.
-
-    u is taken in (0, 1], so the entry chosen is the first whose cumulative
-    mass reaches u * total: always one of positive probability (rounding
-    that would step past a block's last such entry is clamped to it).
-    """
-    n, k = logits_NxK.shape
-    bk = min(block, k)
-    nb = -(-k // bk)
-    z_NxK = logits_NxK.astype(jnp.float32)
-    e_NxK = jnp.exp(z_NxK - jnp.max(z_NxK, axis=-1, keepdims=True))  # the max entry: 1
-    e_NxBxK = jnp.pad(e_NxK, ((0, 0), (0, nb * bk - k))).reshape(n, nb, bk)
-    mass_NxB = e_NxBxK.sum(axis=-1)
-    cum_NxB = jnp.cumsum(mass_NxB, axis=-1)
-    u_Nx1 = (1.0 - jax.random.uniform(key, (n, 1), jnp.float32)) * cum_NxB[:, -1:]
-    b_N = jnp.minimum(jnp.sum(cum_NxB < u_Nx1, axis=-1), nb - 1)
-    before_N = jnp.take_along_axis(cum_NxB - mass_NxB, b_N[:, None], axis=-1)[:, 0]
-    blk_NxK = jnp.take_along_axis(e_NxBxK, b_N[:, None, None], axis=1)[:, 0]
-    within_N = jnp.sum(jnp.cumsum(blk_NxK, axis=-1) < (u_Nx1[:, 0] - before_N)[:, None], axis=-1)
-    last_N = bk - 1 - jnp.argmax(blk_NxK[:, ::-1] > 0, axis=-1)
-    return (b_N * bk + jnp.minimum(within_N, last_N)).astype(jnp.int32)
-
-
-def sample_step(
-    logits_NxV: jax.Array,
-    key: jax.Array,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    greedy: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Draws one token per row; returns (tokens_N int32, logps_N, behavior_logps_N float32).
-
-    logps_N = log softmax(logits / temperature)[token] over the full,
-    untruncated vocabulary: pi_old's log-prob, the quantity the GRPO ratio
-    needs, independent of how top-k / top-p / min-p shaped the draw.
-    behavior_logps_N = log q(token) under the distribution the token was
-    actually drawn from: the renormalised candidates (equal to logps_N when
-    no filter is on; 0 for greedy, a point mass). The objective's
-    behaviour correction weighs tokens by pi_old / q (docs/objective.md).
-    """
-    scaled_NxV = logits_NxV.astype(jnp.float32) / temperature
-    if greedy:
-        tokens_N = jnp.argmax(scaled_NxV, axis=-1).astype(jnp.int32)
-        behavior_N = None
-    else:
-        cand_NxK, ids_NxK = candidates(scaled_NxV, top_k=top_k, top_p=top_p, min_p=min_p)
-        choice_N = draw(cand_NxK, key)
-        if ids_NxK is None:
-            tokens_N = choice_N
-        else:
-            tokens_N = jnp.take_along_axis(ids_NxK, choice_N[:, None], axis=-1)[:, 0]
-        tokens_N = tokens_N.astype(jnp.int32)
-        behavior_N = None
-        if cand_NxK is not scaled_NxV:
-            picked_q_N = jnp.take_along_axis(cand_NxK, choice_N[:, None], axis=-1)[:, 0]
-            behavior_N = picked_q_N - jax.nn.logsumexp(cand_NxK, axis=-1)
-    picked_N = jnp.take_along_axis(scaled_NxV, tokens_N[:, None], axis=-1)[:, 0]
-    logps_N = picked_N - jax.nn.logsumexp(scaled_NxV, axis=-1)
-    if behavior_N is None:
-        behavior_N = jnp.zeros_like(logps_N) if greedy else logps_N
-    return tokens_N, logps_N, behavior_N
-
-
-# ---------------------------------------------------------------------------
 # The decode state machine.
 
 
@@ -321,21 +176,9 @@ class SampleOutput(NamedTuple):
     behavior_logps: jax.Array | None = None  # float32 [N, T]
 
 
-def _draw(logits_NxV, key, cfg: SamplingConfig):
-    return sample_step(
-        logits_NxV,
-        key,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        min_p=cfg.min_p,
-        greedy=cfg.greedy,
-    )
-
-
-def _write(state: DecodeState, draw, cfg: SamplingConfig) -> DecodeState:
+def _write(state: DecodeState, drawn, cfg: SamplingConfig) -> DecodeState:
     """Records step ``state.step``'s draw (tokens, logps, behavior logps); done rows pad."""
-    tokens_N, logps_N, behavior_N = draw
+    tokens_N, logps_N, behavior_N = drawn
     live_N = ~state.done_N
     tokens_N = jnp.where(live_N, tokens_N, cfg.pad_id).astype(jnp.int32)
     logps_N = jnp.where(live_N, logps_N, 0.0).astype(jnp.float32)
@@ -458,7 +301,7 @@ def _prefill(
         cache=cache,
         key_data=jax.random.key_data(key),
     )
-    return tokens_NxP, mask_NxP, _write(state, _draw(rows(last_NxV), sub, cfg), cfg)
+    return tokens_NxP, mask_NxP, _write(state, sample_with(rows(last_NxV), sub, cfg), cfg)
 
 
 def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_impl):
@@ -484,9 +327,9 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
             cache_index=slot,
         )
         key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
-        draw = _draw(logits_Nx1xV[:, 0], sub, cfg)
+        drawn = sample_with(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
-        return _write(st, draw, cfg)
+        return _write(st, drawn, cfg)
 
     state = jax.lax.while_loop(cond, body, state)
     mask_NxT = jnp.arange(t, dtype=jnp.int32)[None, :] < state.lengths_N[:, None]

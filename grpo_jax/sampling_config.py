@@ -43,6 +43,13 @@ class SamplingConfig:
       pad_id: written after a row's end and to the left of short prompts.
       prompt_buckets: allowed padded prompt lengths, increasing; a batch is
         padded to the smallest bucket that holds its longest prompt.
+      engine: "static" (``grpo_jax.sampling``: one batch, a cache of P + T
+        slots per row) or "paged" (``grpo_jax.paged``: a paged KV cache and
+        continuously batched decode slots; docs/engine.md).
+      page_size: tokens per KV page (paged engine).
+      slots: decode slots of the paged engine; 0: one per row (B * G).
+      pages: KV pages in the paged engine's pool; 0: enough for the worst case.
+      prefill_chunk: prompt tokens per prefill call of the paged engine.
     """
 
     max_new_tokens: int
@@ -55,6 +62,11 @@ class SamplingConfig:
     pad_id: int = 0
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    engine: str = "static"
+    page_size: int = 16
+    slots: int = 0
+    pages: int = 0
+    prefill_chunk: int = 64
 
     def __post_init__(self):
         # Lists from a config file become tuples so the config stays hashable
@@ -89,6 +101,7 @@ class SamplingConfig:
                 f"config key 'sampling.prompt_buckets' = {self.prompt_buckets!r} "
                 "must be strictly increasing"
             )
+        _check_engine(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +129,10 @@ class SamplingSection:
         example, e.g. ``("\\n\\nQuestion:",)``. A single string is one stop
         string. With an environment (``env.name``), a stop string ends the
         model's turn.
+      engine: "static" or "paged" (docs/engine.md; single-turn rollouts only).
+      page_size, slots, pages, prefill_chunk: the paged engine's page size
+        in tokens, decode slots (0: one per row), pool pages (0: the worst
+        case) and prompt tokens per prefill call.
     """
 
     max_new_tokens: int
@@ -124,8 +141,14 @@ class SamplingSection:
     min_p: float = 0.0
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     stop: tuple[str, ...] = ()
+    engine: str = "static"
+    page_size: int = 16
+    slots: int = 0
+    pages: int = 0
+    prefill_chunk: int = 64
 
     def __post_init__(self):
+        _check_engine(self)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -186,6 +209,11 @@ class SamplingSection:
             pad_id=pad_id,
             prompt_buckets=self.prompt_buckets,
             stop_sequences=tuple(tuple(q) for q in stop_sequences),
+            engine=self.engine,
+            page_size=self.page_size,
+            slots=self.slots,
+            pages=self.pages,
+            prefill_chunk=self.prefill_chunk,
         )
 
 
@@ -207,3 +235,18 @@ def _check_stop_sequences(value) -> tuple[tuple[int, ...], ...]:
             check_range(f"{key}[{i}][{j}]", tok, lo=0, integer=True)
         out.append(tuple(int(t) for t in seq))
     return tuple(out)
+
+
+ENGINES = ("static", "paged")
+
+
+def _check_engine(cfg) -> None:
+    """The engine keys of a ``SamplingConfig`` or ``SamplingSection``."""
+    if cfg.engine not in ENGINES:
+        raise ConfigError(
+            f"config key 'sampling.engine' = {cfg.engine!r} must be one of {', '.join(ENGINES)}"
+        )
+    check_range("sampling.page_size", cfg.page_size, lo=1, integer=True)
+    check_range("sampling.slots", cfg.slots, lo=0, integer=True)
+    check_range("sampling.pages", cfg.pages, lo=0, integer=True)
+    check_range("sampling.prefill_chunk", cfg.prefill_chunk, lo=1, integer=True)

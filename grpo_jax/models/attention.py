@@ -77,6 +77,45 @@ class AttnMask(NamedTuple):
     q_offset: int | None = None
 
 
+class PagedKV(NamedTuple):
+    """One layer's paged KV cache for a call, and where the call writes and reads it.
+
+    The cache is a pool of fixed-size pages flattened to rows: page p holds
+    rows p * page_size .. (p + 1) * page_size - 1 of ``k`` / ``v`` [R, K, Dh]
+    (R = pages * page_size). ``write_M`` gives the pool row of each of the
+    call's M = B * T tokens (a token that must not be stored writes a scratch
+    row); ``read_BxS`` the S pool rows each query row attends over (gathered
+    through the row's block table) and ``pos_BxS`` the position of the token
+    each holds (``NO_WINDOW`` where none: never visible). A query at position
+    i sees slot j iff pos[j] <= i and, with a window W, i - pos[j] < W.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    write_M: jax.Array
+    read_BxS: jax.Array
+    pos_BxS: jax.Array
+
+
+def paged_attention(
+    q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, q_pos_BxT, k_pos_BxS, window, scale, softcap
+):
+    """The gather-based path over a paged cache: the einsum reference on gathered
+    keys/values, the mask by positions (:class:`PagedKV`) rather than by slots."""
+    dt = q_BxTxKxGxDh.dtype
+    scores_BxKxGxTxS = jnp.einsum(
+        "btkgh,bskh->bkgts", q_BxTxKxGxDh, k_BxSxKxDh.astype(dt), preferred_element_type=jnp.float32
+    )
+    scores_BxKxGxTxS = _cap(scores_BxKxGxTxS * scale, softcap)
+    dist_BxTxS = q_pos_BxT[:, :, None] - k_pos_BxS[:, None, :]
+    ok_BxTxS = dist_BxTxS >= 0
+    if window is not None:
+        ok_BxTxS &= dist_BxTxS < window
+    scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
+    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
+
+
 def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:
     """allowed[b, t, s]: key slot s_offset + s is visible to query t of row b."""
     S = kv_mask_BxS.shape[-1]

@@ -189,6 +189,26 @@ class Attention(nnx.Module):
         if kv_cache is None:  # Keys and values [B, S, K, Dh], S = T.
             k_spec = "bskh"
             k_kv, v_kv = k_BxTxKxDh, v_BxTxKxDh
+        elif isinstance(kv_cache, attn_lib.PagedKV):  # Scatter into the pages, gather the rows.
+            pool = kv_cache
+            k_RxKxDh = pool.k.at[pool.write_M].set(
+                k_BxTxKxDh.reshape(B * T, K, Dh).astype(pool.k.dtype)
+            )
+            v_RxKxDh = pool.v.at[pool.write_M].set(
+                v_BxTxKxDh.reshape(B * T, K, Dh).astype(pool.v.dtype)
+            )
+            kv_cache = pool._replace(k=k_RxKxDh, v=v_RxKxDh)
+            out_BxTxKxGxDh = attn_lib.paged_attention(
+                q_BxTxHxDh.reshape(B, T, K, G, Dh),
+                k_RxKxDh[pool.read_BxS],  # [B, S, K, Dh]
+                v_RxKxDh[pool.read_BxS],
+                mask.q_slot_BxT,  # the queries' positions
+                pool.pos_BxS,
+                mask.window,
+                cfg.attn_scale,
+                cfg.attn_logit_softcap,
+            )
+            return self._out(out_BxTxKxGxDh, w), kv_cache
         else:  # Update this layer's slabs in place.
             k_spec = "bksh"
             zero, index = jnp.int32(0), jnp.asarray(cache_index, jnp.int32)
@@ -208,13 +228,17 @@ class Attention(nnx.Module):
 
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh)
         out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask, layout)
-        out_BxTxHxDh = out_BxTxKxGxDh.reshape(B, T, K * G, Dh)
+        return self._out(out_BxTxKxGxDh, w), kv_cache
+
+    def _out(self, out_BxTxKxGxDh, w):
+        """The output projection (and bias) of the heads' attention outputs: [B, T, D]."""
+        B, T, K, G, Dh = out_BxTxKxGxDh.shape
         o_proj_HDhxD = w(self.o_proj).reshape(K * G * Dh, -1)
-        out_MxHDh = out_BxTxHxDh.reshape(B * T, K * G * Dh)
+        out_MxHDh = out_BxTxKxGxDh.reshape(B * T, K * G * Dh)
         out_BxTxD = lora.add(self, "o_proj", out_MxHDh, out_MxHDh @ o_proj_HDhxD).reshape(B, T, -1)
-        if cfg.out_bias:
+        if self.cfg.out_bias:
             out_BxTxD = out_BxTxD + w(self.o_bias)
-        return out_BxTxD, kv_cache
+        return out_BxTxD
 
     def _attend(self, q_BxTxKxGxDh, k, v, k_spec: str, mask: attn_lib.AttnMask, layout: str):
         """softmax(q k^T) v in the configured implementation; keys/values in their layout:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.attention import NO_WINDOW, AttnMask
+from grpo_jax.models.attention import NO_WINDOW, AttnMask, PagedKV
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.layers import Block, RMSNorm, param, randomize_weights
 from grpo_jax.models.partitioning import check_layout, constrain, param_shardings
@@ -291,6 +291,44 @@ class Transformer(nnx.Module):
         return self._run_layers(
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
         )
+
+    def init_pages(self, num_pages: int, page_size: int) -> dict:
+        """A zeroed paged KV cache: ``{"k": L x [R, K, Dh], "v": L x [R, K, Dh]}``,
+        R = num_pages * page_size pool rows per layer in the compute dtype
+        (:class:`grpo_jax.models.attention.PagedKV`)."""
+        cfg = self.config
+        shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers))
+        return {"k": zeros(), "v": zeros()}
+
+    def features_paged(self, tokens_BxT, *, positions_BxT, pages, write_M, read_BxS, pos_BxS):
+        """(:meth:`features` [B, T, D], updated pages) of T tokens per row over a paged cache.
+
+        Token t of row b is stored at pool row ``write_M[b * T + t]`` of every
+        layer and attends over the pool rows ``read_BxS[b]``, which hold the
+        tokens at positions ``pos_BxS[b]``: those up to its own position (and
+        within the window of a sliding-window layer) are visible; ``pages`` as
+        :meth:`init_pages`. Attention is the gather-based einsum path
+        (``grpo_jax.models.attention.paged_attention``) whatever
+        ``cfg.attention`` says.
+        """
+        cfg = self.config
+        if cfg.scan_layers:
+            raise ValueError(
+                "the paged KV cache needs unscanned layers (model.scan_layers = False)"
+            )
+        tables, kind = self._rope_tables(positions_BxT)
+        x_BxTxD = self._embed(tokens_BxT)
+        ks, vs = [], []
+        for i, block in enumerate(self.layers):
+            cos, sin = tables[kind[i]]
+            # The queries' positions and the window; the keys' visibility is by pos_BxS.
+            mask = AttnMask(positions_BxT, None, cfg.window(i), None)
+            pool = PagedKV(pages["k"][i], pages["v"][i], write_M, read_BxS, pos_BxS)
+            x_BxTxD, pool = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
+            ks.append(pool.k)
+            vs.append(pool.v)
+        return x_BxTxD, {"k": tuple(ks), "v": tuple(vs)}
 
 
 def create_model(

@@ -1,0 +1,524 @@
+"""The paged, continuously batched rollout engine (``sampling.engine = "paged"``; docs/engine.md).
+
+Shapes: B prompts, G samples per prompt, N = B*G requests (request b*G + g is
+sample g of prompt b, the row it fills in the output), P padded prompt length,
+T = ``max_new_tokens``, V vocabulary, Z ``page_size`` tokens per page, M pages
+in a block table, R rows of a decode call (a power of two, at most the slots),
+C prompt tokens per prefill call, L the longest stop sequence.
+
+The KV cache is a pool of fixed-size pages (``Transformer.init_pages``; page
+0 is scratch, never handed out: writes that must land nowhere go there). A
+prompt of n tokens is prefilled once, in chunks of C tokens, into
+ceil(n / Z) pages of its own; the prefill's last logits draw token 0 of its G
+samples (as the static sampler's prefill does). Each sample's block table is
+then the prompt's pages followed by pages of its own, taken from the pool as
+its tokens are written and handed back when it ends; the G samples read the
+prompt's pages, which are never copied. The prompt's partly filled last page
+is shared too: the sample's own tokens start on a fresh page, and the unused
+tail of the prompt's last page is masked out (a key is visible by its
+position, not by its slot), so no page is copied on write. A prompt's pages
+return to the pool when its last sample ends.
+
+Scheduling is a host loop over jitted calls of static shapes (one compiled
+program per shape): each turn admits waiting requests into free slots, runs at
+most one prefill chunk of the next prompt when fewer requests wait than slots
+are free, and runs one decode step over the occupied slots. The decode step's
+rows are the occupied slots packed into the smallest power of two that holds
+them (every per-slot quantity is host state passed in, the KV lives in the
+pool), so a long tail of a few long completions costs steps of a few rows, not
+of N. A host loop, not a ``lax.while_loop``: the queue, the allocator and the
+packing are plain Python over small integer arrays, and on CPU the step's
+compute dwarfs its dispatch (benchmarks/engine.py measures the whole).
+
+The draw is :func:`grpo_jax.draw.sample_with` and the stop check
+:func:`grpo_jax.draw.stop_hits`, the static sampler's; only the random
+numbers differ (they are drawn per call, not per static row), so samples
+agree with the static engine in distribution, and greedy completions token
+for token. The result is a :class:`grpo_jax.sampling.SampleOutput` of the
+same shapes and meaning as ``sampling.generate``'s.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax import distributed
+from grpo_jax import sharding as sharding_lib
+from grpo_jax.draw import sample_with, stop_hits
+from grpo_jax.errors import ConfigError
+from grpo_jax.models.attention import NO_WINDOW
+from grpo_jax.sampling import SampleOutput, SamplingConfig, repeat_rows
+
+SCRATCH_PAGE = 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EngineShape(NamedTuple):
+    """The static sizes of one engine run (each distinct one compiles its programs once)."""
+
+    slots: int  # decode slots
+    pages: int  # pool pages, the scratch page included
+    page_size: int  # Z
+    table: int  # M, block-table entries per row: prompt pages then own pages
+    chunk: int  # C
+
+
+def engine_shape(cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt_len: int):
+    """The :class:`EngineShape` for B prompts of padded length P and G samples each.
+
+    The default pool (``cfg.pages`` = 0) holds the worst case: every prompt's
+    pages at once and every slot's own pages for T - 1 fed tokens (the last
+    drawn token is never fed), plus the scratch page.
+    """
+    n, z, t = num_prompts * num_samples, cfg.page_size, cfg.max_new_tokens
+    slots = min(cfg.slots or n, n)
+    prompt_pages, own_pages = _ceil_div(prompt_len, z), _ceil_div(t - 1, z)
+    pages = cfg.pages or 1 + num_prompts * prompt_pages + slots * own_pages
+    return EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
+
+
+def kv_bytes_per_token(model_cfg) -> int:
+    """Bytes of one token's keys and values over all layers in the compute dtype."""
+    width = jnp.dtype(model_cfg.compute_dtype).itemsize
+    return 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * width
+
+
+# ---------------------------------------------------------------------------
+# The jitted calls.
+
+
+def _rows_of(table_BxM, z: int):
+    """Pool rows [B, M*Z] a block table reads, in table order."""
+    b, m = table_BxM.shape
+    return (table_BxM[:, :, None] * z + jnp.arange(z, dtype=jnp.int32)).reshape(b, m * z)
+
+
+def _prefill_chunk(params, pages, tokens_C, start, count, table_M, *, graphdef, z: int):
+    """Writes prompt tokens [start, start + count) (count <= C) into the prompt's pages.
+
+    Returns (pages, logits [1, V] of the chunk's last real token).
+    """
+    model = nnx.merge(graphdef, params)
+    c, m = tokens_C.shape[0], table_M.shape[0]
+    pos_C = start + jnp.arange(c, dtype=jnp.int32)
+    page_C = jnp.take(table_M, jnp.minimum(pos_C // z, m - 1))
+    write_C = jnp.where(jnp.arange(c) < count, page_C * z + pos_C % z, SCRATCH_PAGE * z)
+    pos_1xS = jnp.arange(m * z, dtype=jnp.int32)[None]  # slot j holds position j
+    x_1xCxD, pages = model.features_paged(
+        tokens_C[None],
+        positions_BxT=pos_C[None],
+        pages=pages,
+        write_M=write_C,
+        read_BxS=_rows_of(table_M[None], z),
+        pos_BxS=pos_1xS,
+    )
+    last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
+    return pages, model.logits(last_1x1xD)[:, 0]
+
+
+def _ends(tokens_R, prev_RxL1, count_R, cfg: SamplingConfig):
+    """Whether each row ends with its newly drawn token (its ``count_R``-th, 1-based)."""
+    done_R = jnp.zeros(tokens_R.shape, jnp.bool_)
+    if cfg.eos_ids:
+        done_R |= (tokens_R[:, None] == jnp.asarray(cfg.eos_ids, jnp.int32)[None]).any(-1)
+    if cfg.stop_sequences:
+        recent_RxL = jnp.concatenate([prev_RxL1, tokens_R[:, None]], axis=1)
+        done_R |= stop_hits(recent_RxL, count_R, cfg.stop_sequences)
+    return done_R
+
+
+def _first_draw(logits_1xV, key, prompt, *, cfg: SamplingConfig, g: int):
+    """Token 0 of a prompt's G samples from its prefill's last logits: (tokens, logps,
+    behaviour logps, ended) [G] each."""
+    key = jax.random.fold_in(key, prompt)
+    tokens_G, logps_G, behavior_G = sample_with(repeat_rows(logits_1xV, g), key, cfg)
+    longest = max((len(q) for q in cfg.stop_sequences), default=1)
+    prev_GxL1 = jnp.full((g, longest - 1), cfg.pad_id, jnp.int32)
+    ends_G = _ends(tokens_G, prev_GxL1, jnp.ones((g,), jnp.int32), cfg)
+    return tokens_G, logps_G, behavior_G, ends_G
+
+
+def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingConfig, z: int):
+    """One token per row: feeds each row's last token, draws the next.
+
+    ``inputs`` (:class:`_StepInputs`, R rows) say where each row's tokens
+    live. Returns (pages, tokens, logps, behaviour logps, ended) [R] each.
+    """
+    model = nnx.merge(graphdef, params)
+    s = inputs.table_RxM.shape[1] * z
+    j_S = jnp.arange(s, dtype=jnp.int32)
+    # Slot j < shared rows: prompt position j (real if j < n); after: own token j - shared.
+    shared_Rx1 = (inputs.shared_R * z)[:, None]
+    n_Rx1 = inputs.prompt_len_R[:, None]
+    own_pos_RxS = n_Rx1 + j_S[None] - shared_Rx1
+    pos_RxS = jnp.where(j_S[None] < shared_Rx1, j_S[None], own_pos_RxS)
+    real_RxS = jnp.where(
+        j_S[None] < shared_Rx1, j_S[None] < n_Rx1, own_pos_RxS <= inputs.pos_R[:, None]
+    )
+    x_RxD, pages = model.features_paged(
+        inputs.tokens_R[:, None],
+        positions_BxT=inputs.pos_R[:, None],
+        pages=pages,
+        write_M=inputs.write_R,
+        read_BxS=_rows_of(inputs.table_RxM, z),
+        pos_BxS=jnp.where(real_RxS, pos_RxS, NO_WINDOW),
+    )
+    draw_key = jax.random.fold_in(key, step)
+    tokens_R, logps_R, behavior_R = sample_with(model.logits(x_RxD)[:, 0], draw_key, cfg)
+    ends_R = _ends(tokens_R, inputs.prev_RxL1, inputs.count_R + 1, cfg)
+    return pages, tokens_R, logps_R, behavior_R, ends_R
+
+
+class _StepInputs(NamedTuple):
+    """Host-built per-row inputs of a decode step (R rows; unused rows point at scratch)."""
+
+    tokens_R: np.ndarray  # int32: the token fed (the row's last drawn one)
+    pos_R: np.ndarray  # int32: its position, prompt length + tokens drawn - 1
+    prompt_len_R: np.ndarray  # int32: n, the prompt's real tokens
+    shared_R: np.ndarray  # int32: table entries that are the prompt's pages
+    table_RxM: np.ndarray  # int32: the block table
+    write_R: np.ndarray  # int32: pool row of the fed token's keys and values
+    prev_RxL1: np.ndarray  # int32: the L - 1 tokens before the fed one's successor
+    count_R: np.ndarray  # int32: tokens drawn so far
+
+
+_JITTED: list = []
+
+
+def compile_count() -> int:
+    """Engine executables compiled in this process (as ``sampling.compile_count``)."""
+    return sum(f._cache_size() for f in _JITTED)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int):
+    """(init pages, prefill chunk, first draw, decode step) jitted for one model and config."""
+    init = jax.jit(
+        lambda params, pages: nnx.merge(graphdef, params).init_pages(pages, z),
+        static_argnums=(1,),
+    )
+    prefill = jax.jit(
+        functools.partial(_prefill_chunk, graphdef=graphdef, z=z), donate_argnums=(1,)
+    )
+    first = jax.jit(functools.partial(_first_draw, cfg=cfg, g=num_samples))
+    decode = jax.jit(
+        functools.partial(_decode_step, graphdef=graphdef, cfg=cfg, z=z), donate_argnums=(1,)
+    )
+    _JITTED.extend([init, prefill, first, decode])
+    return init, prefill, first, decode
+
+
+# ---------------------------------------------------------------------------
+# The host side: the page pool, the queue, the slots.
+
+
+class _Pool:
+    """The host's page allocator: a free list, reference counts and reservations.
+
+    A request admitted to a slot (a prompt started in prefill) reserves the
+    pages it may still need, so a pool smaller than the worst case delays
+    admission instead of running dry mid-decode.
+    """
+
+    def __init__(self, pages: int):
+        self.size = pages
+        self.free = list(range(pages - 1, SCRATCH_PAGE, -1))  # page 1 is taken first
+        self.refs = np.zeros(pages, np.int32)
+        self.reserved = 0
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.size - 1 - len(self.free)
+
+    def can_reserve(self, n: int) -> bool:
+        return len(self.free) - self.reserved >= n
+
+    def take(self) -> int:
+        page = self.free.pop()  # reserved beforehand, so never empty
+        self.refs[page] = 1
+        self.reserved -= 1
+        self.peak = max(self.peak, self.in_use)
+        return page
+
+    def give(self, pages) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+
+
+class EngineStats(NamedTuple):
+    """What one engine run did (docs/engine.md's metrics)."""
+
+    decode_steps: int  # decode calls
+    prefill_chunks: int  # prefill calls
+    slot_occupancy: float  # mean occupied slots / slots over decode calls
+    row_occupancy: float  # mean occupied rows / rows of the decode calls (packing's waste)
+    peak_pages: int  # most pool pages in use at once (scratch excluded)
+    pool_pages: int  # pool pages (scratch excluded)
+    page_bytes: int  # bytes of one page over all layers (keys and values)
+    prompt_pages: int  # pages holding prompt tokens, summed over prompts
+
+
+class _Run:
+    """One ``generate`` call's host state; :meth:`run` drives the jitted calls."""
+
+    def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape):
+        self.init, self.prefill, self.first, self.decode = fns
+        self.params, self.prompts, self.cfg, self.g, self.shape = params, prompts, cfg, g, shape
+        self.key_first, self.key_decode = jax.random.split(key)
+        n, t = len(prompts) * g, cfg.max_new_tokens
+        self.tokens_NxT = np.full((n, t), cfg.pad_id, np.int32)
+        self.logps_NxT = np.zeros((n, t), np.float32)
+        self.behavior_NxT = np.zeros((n, t), np.float32)
+        self.count_N = np.zeros(n, np.int32)
+        self.ended_N = np.zeros(n, np.bool_)
+        self.pool = _Pool(shape.pages)
+        self.prompt_pages: list[list[int]] = [[] for _ in prompts]
+        self.live_B = np.zeros(len(prompts), np.int32)  # samples of each prompt not yet ended
+        self.waiting = collections.deque(range(len(prompts)))  # prompts not yet prefilled
+        self.filling: tuple[int, int] | None = None  # (prompt, tokens written)
+        self.ready: collections.deque = collections.deque()  # requests waiting for a slot
+        self.slot_req = [-1] * shape.slots
+        self.slot_pages: list[list[int]] = [[] for _ in range(shape.slots)]
+        self.own_worst = _ceil_div(t - 1, shape.page_size)
+        self.longest = max((len(q) for q in cfg.stop_sequences), default=1)
+        self.steps = self.chunks = 0
+        self.occupied = self.rows = 0
+        self.prompt_page_count = 0
+
+    def run(self) -> None:
+        self.pages = self.init(self.params, self.shape.pages)
+        while True:
+            self._admit()
+            active = [s for s, r in enumerate(self.slot_req) if r >= 0]
+            free = self.shape.slots - len(active)
+            if (self.filling or self.waiting) and (len(self.ready) < free or not active):
+                started = self._prefill()
+                if not started and not active:
+                    raise ConfigError(
+                        f"config key 'sampling.pages' = {self.shape.pages - 1} is too small: "
+                        "the pool cannot hold the next prompt's pages "
+                        f"({self.pool.in_use} in use, {self.pool.reserved} reserved)"
+                    )
+            if active:
+                self._decode(active)
+            elif not (self.ready or self.filling or self.waiting):
+                return
+
+    def _admit(self) -> None:
+        for s, r in enumerate(self.slot_req):
+            if r < 0 and self.ready and self.pool.can_reserve(self.own_worst):
+                self.slot_req[s] = self.ready.popleft()
+                self.slot_pages[s] = []
+                self.pool.reserved += self.own_worst
+
+    def _prefill(self) -> bool:
+        """One chunk of the prompt being prefilled; False when its pages cannot be reserved."""
+        z, c = self.shape.page_size, self.shape.chunk
+        if self.filling is None:
+            b = self.waiting[0]
+            need = _ceil_div(len(self.prompts[b]), z)
+            if not self.pool.can_reserve(need):
+                return False
+            self.waiting.popleft()
+            self.pool.reserved += need
+            self.filling = (b, 0)
+        b, start = self.filling
+        prompt = self.prompts[b]
+        count = min(c, len(prompt) - start)
+        pages = self.prompt_pages[b]
+        while len(pages) * z < start + count:  # pages as the chunk's tokens need them
+            pages.append(self.pool.take())
+        tokens_C = np.full(c, self.cfg.pad_id, np.int32)
+        tokens_C[:count] = prompt[start : start + count]
+        table_M = np.zeros(self.shape.table, np.int32)
+        table_M[: len(pages)] = pages
+        self.pages, logits_1xV = self.prefill(
+            self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table_M
+        )
+        self.chunks += 1
+        if start + count < len(prompt):
+            self.filling = (b, start + count)
+            return True
+        self.filling = None
+        self.prompt_page_count += len(pages)
+        drawn = jax.device_get(self.first(logits_1xV, self.key_first, np.int32(b)))
+        for g, (tok, lp, beh, end) in enumerate(zip(*drawn)):
+            r = b * self.g + g
+            self._record(r, tok, lp, beh)
+            if end or self.cfg.max_new_tokens == 1:
+                self.ended_N[r] = end
+            else:
+                self.ready.append(r)
+                self.live_B[b] += 1
+        if self.live_B[b] == 0:
+            self.pool.give(pages)
+        return True
+
+    def _record(self, r: int, tok, lp, beh) -> None:
+        c = self.count_N[r]
+        self.tokens_NxT[r, c], self.logps_NxT[r, c], self.behavior_NxT[r, c] = tok, lp, beh
+        self.count_N[r] = c + 1
+
+    def _decode(self, active: list[int]) -> None:
+        z, m, ell = self.shape.page_size, self.shape.table, self.longest - 1
+        rows = min(1 << (len(active) - 1).bit_length(), self.shape.slots)
+        pad = self.cfg.pad_id
+        x = _StepInputs(
+            tokens_R=np.full(rows, pad, np.int32),
+            pos_R=np.zeros(rows, np.int32),
+            prompt_len_R=np.zeros(rows, np.int32),
+            shared_R=np.zeros(rows, np.int32),
+            table_RxM=np.zeros((rows, m), np.int32),
+            write_R=np.zeros(rows, np.int32),
+            prev_RxL1=np.full((rows, ell), pad, np.int32),
+            count_R=np.zeros(rows, np.int32),
+        )
+        for i, s in enumerate(active):
+            r = self.slot_req[s]
+            b, c = r // self.g, int(self.count_N[r])
+            shared, own = self.prompt_pages[b], self.slot_pages[s]
+            o = c - 1  # the fed token's index among the row's own tokens
+            if o % z == 0:
+                own.append(self.pool.take())
+            x.tokens_R[i] = self.tokens_NxT[r, c - 1]
+            x.pos_R[i] = len(self.prompts[b]) + o
+            x.prompt_len_R[i] = len(self.prompts[b])
+            x.shared_R[i] = len(shared)
+            x.table_RxM[i, : len(shared) + len(own)] = shared + own
+            x.write_R[i] = own[o // z] * z + o % z
+            if ell:
+                recent = self.tokens_NxT[r, max(0, c - ell) : c]
+                x.prev_RxL1[i, ell - len(recent) :] = recent
+            x.count_R[i] = c
+        self.pages, *out = self.decode(
+            self.params, self.pages, x, self.key_decode, np.int32(self.steps)
+        )
+        tokens_R, logps_R, behavior_R, ends_R = jax.device_get(out)
+        self.steps += 1
+        self.occupied += len(active)
+        self.rows += rows
+        for i, s in enumerate(active):
+            r = self.slot_req[s]
+            self._record(r, tokens_R[i], logps_R[i], behavior_R[i])
+            if ends_R[i] or self.count_N[r] == self.cfg.max_new_tokens:
+                self.ended_N[r] = ends_R[i]
+                self._release(s, r)
+
+    def _release(self, s: int, r: int) -> None:
+        own = self.slot_pages[s]
+        self.pool.reserved -= self.own_worst - len(own)
+        self.pool.give(own)
+        self.slot_req[s], self.slot_pages[s] = -1, []
+        b = r // self.g
+        self.live_B[b] -= 1
+        if self.live_B[b] == 0:
+            self.pool.give(self.prompt_pages[b])
+
+    def stats(self, page_bytes: int) -> EngineStats:
+        return EngineStats(
+            decode_steps=self.steps,
+            prefill_chunks=self.chunks,
+            slot_occupancy=self.occupied / max(self.steps * self.shape.slots, 1),
+            row_occupancy=self.occupied / max(self.rows, 1),
+            peak_pages=self.pool.peak,
+            pool_pages=self.shape.pages - 1,
+            page_bytes=page_bytes,
+            prompt_pages=self.prompt_page_count,
+        )
+
+
+def generate_with_stats(
+    graphdef: nnx.GraphDef,
+    params,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    key: jax.Array,
+    cfg: SamplingConfig,
+    *,
+    num_samples: int = 1,
+    mesh=None,
+) -> tuple[SampleOutput, EngineStats]:
+    """:func:`generate` and the run's :class:`EngineStats`."""
+    if not isinstance(cfg, SamplingConfig):
+        raise TypeError(f"cfg must be a SamplingConfig, got {type(cfg).__name__}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples = {num_samples!r} must be a positive integer")
+    tokens_BxP, mask_BxP = np.asarray(prompt_tokens_BxP), np.asarray(prompt_mask_BxP, bool)
+    if tokens_BxP.ndim != 2 or tokens_BxP.shape != mask_BxP.shape:
+        raise ValueError(
+            f"prompt_tokens_BxP {tokens_BxP.shape} and prompt_mask_BxP {mask_BxP.shape} must be "
+            "two arrays of the same [B, P] shape"
+        )
+    if mesh is not None and jax.process_count() > 1:
+        raise ConfigError(
+            "config key 'sampling.engine' = 'paged' runs in one process; use 'static' on a "
+            "mesh that spans hosts"
+        )
+    prompts = [row[m].astype(np.int32) for row, m in zip(tokens_BxP, mask_BxP)]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one real token (prompt_mask_BxP)")
+    if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
+    b, p = tokens_BxP.shape
+    shape = engine_shape(cfg, b, num_samples, p)
+    fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
+    run = _Run(fns, params, prompts, key, cfg, num_samples, shape)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        run.run()
+    g = num_samples
+    lengths_N = run.count_N
+    mask_NxT = np.arange(cfg.max_new_tokens)[None] < lengths_N[:, None]
+    host = SampleOutput(
+        prompt_tokens=np.repeat(tokens_BxP.astype(np.int32), g, axis=0),
+        prompt_mask=np.repeat(mask_BxP, g, axis=0),
+        tokens=run.tokens_NxT,
+        mask=mask_NxT,
+        logps=run.logps_NxT,
+        lengths=lengths_N,
+        truncated=~run.ended_N,
+        behavior_logps=run.behavior_NxT,
+    )
+    if mesh is None:
+        out = SampleOutput(*(jnp.asarray(x) for x in host))
+    else:
+        out = SampleOutput(
+            *(distributed.put(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in host)
+        )
+    model_cfg = nnx.merge(graphdef, params).config
+    return out, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
+
+
+def generate(
+    graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, cfg, *, num_samples=1, mesh=None
+):
+    """Samples ``num_samples`` completions per prompt on the paged engine.
+
+    The arguments and the result are ``grpo_jax.sampling.generate``'s (the
+    prompts left-padded by ``pad_prompts``; row b*G + g is sample g of prompt
+    b). Unlike the static sampler it returns after the whole run (the host
+    loop schedules every step), with the rows on the host's devices.
+    """
+    return generate_with_stats(
+        graphdef,
+        params,
+        prompt_tokens_BxP,
+        prompt_mask_BxP,
+        key,
+        cfg,
+        num_samples=num_samples,
+        mesh=mesh,
+    )[0]
