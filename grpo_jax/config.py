@@ -499,6 +499,11 @@ def parse_config(config) -> RunConfig:
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
+    if run.sampling.engine == "paged" and run.env.name:
+        raise ConfigError(
+            "config key 'sampling.engine' = 'paged' does not combine with an environment "
+            f"(env.name = {run.env.name!r}) yet: multi-turn rollouts run on the static engine"
+        )
     k = run.train.max_staleness
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"

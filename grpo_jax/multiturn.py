@@ -58,6 +58,7 @@ from grpo_jax import advantages as adv_lib
 from grpo_jax import distributed, turn_decode
 from grpo_jax import envs as envs_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
+from grpo_jax.errors import ConfigError
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.rewards.scoring import limit_rewards
 from grpo_jax.sampling import SamplingConfig, pad_prompts
@@ -180,6 +181,11 @@ def run_episodes(
       decode: token ids -> text (a model turn, special tokens dropped).
       num_samples: G, episodes per prompt.
     """
+    if sampling.engine != "static":
+        raise ConfigError(
+            f"config key 'sampling.engine' = {sampling.engine!r}: multi-turn episodes run on "
+            "the static engine only (docs/engine.md)"
+        )
     if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     b = np.shape(prompt_tokens_BxP)[0]

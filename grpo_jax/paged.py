@@ -77,14 +77,14 @@ class EngineShape(NamedTuple):
 def engine_shape(cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt_len: int):
     """The :class:`EngineShape` for B prompts of padded length P and G samples each.
 
-    The default pool (``cfg.pages`` = 0) holds the worst case: every prompt's
-    pages at once and every slot's own pages for T - 1 fed tokens (the last
-    drawn token is never fed), plus the scratch page.
+    The pool holds ``cfg.pages`` pages plus the scratch page; by default
+    (``cfg.pages`` = 0) the worst case: every prompt's pages at once and every
+    slot's own pages for T - 1 fed tokens (the last drawn token is never fed).
     """
     n, z, t = num_prompts * num_samples, cfg.page_size, cfg.max_new_tokens
     slots = min(cfg.slots or n, n)
     prompt_pages, own_pages = _ceil_div(prompt_len, z), _ceil_div(t - 1, z)
-    pages = cfg.pages or 1 + num_prompts * prompt_pages + slots * own_pages
+    pages = 1 + (cfg.pages or num_prompts * prompt_pages + slots * own_pages)
     return EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
 
 
@@ -270,6 +270,7 @@ class EngineStats(NamedTuple):
     pool_pages: int  # pool pages (scratch excluded)
     page_bytes: int  # bytes of one page over all layers (keys and values)
     prompt_pages: int  # pages holding prompt tokens, summed over prompts
+    pool_bytes: int  # bytes of the pool's arrays as allocated (the scratch page included)
 
 
 class _Run:
@@ -438,6 +439,7 @@ class _Run:
             pool_pages=self.shape.pages - 1,
             page_bytes=page_bytes,
             prompt_pages=self.prompt_page_count,
+            pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.pages)),
         )
 
 

@@ -36,6 +36,7 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
+from grpo_jax.paged import generate as paged_generate
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -311,7 +312,8 @@ def dispatch_round(
         # The previous update must finish before sampling anyway; waiting here times each part.
         jax.block_until_ready(params)
     t0 = time.perf_counter()
-    out = generate(
+    engine = paged_generate if r.sampling.engine == "paged" else generate
+    out = engine(
         r.policy.graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh
     )
     return Dispatched(out, list(examples), prompts, prompt_tokens, t0)
