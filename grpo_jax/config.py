@@ -504,6 +504,11 @@ def parse_config(config) -> RunConfig:
             "config key 'sampling.engine' = 'paged' does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts run on the static engine"
         )
+    if run.sampling.engine == "paged" and run.model.scan_layers:
+        raise ConfigError(
+            "config key 'sampling.engine' = 'paged' needs model.scan_layers = False: the "
+            "paged cache runs the unscanned layers"
+        )
     k = run.train.max_staleness
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"

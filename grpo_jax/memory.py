@@ -89,6 +89,7 @@ import functools
 import math
 from collections.abc import Mapping
 
+from grpo_jax import paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION, ModelConfig
 from grpo_jax.models.transformer import Transformer
@@ -562,12 +563,12 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
     if warm is not None and warm.enabled:
         rows = max(rows, warm.batch_size)
     buckets = run.sampling.prompt_buckets
-    paged = getattr(run.sampling, "engine", "static") == "paged"
+    on_pages = getattr(run.sampling, "engine", "static") == "paged"
     est = plan(
         model_cfg_like,
         mesh_shape=mesh_shape,
         layout=run.mesh.layout,
-        budget_bytes=math.inf if paged else budget_bytes,
+        budget_bytes=math.inf if on_pages else budget_bytes,
         batch_rows=rows,
         sample_rows=max(n, run.eval.batch_size),
         seq_len=run.sampling.max_new_tokens,
@@ -576,31 +577,16 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
         logits_chunk=getattr(run.train, "logits_chunk", 0),
         **_lora_kwargs(run),
     )
-    if not paged:
+    if not on_pages:
         return est
-    est = dataclasses.replace(est, kv_cache=paged_kv_bytes(run, model_cfg_like))
+    # The engine's pool as grpo_jax.paged sizes it, whole on each device (docs/engine.md).
+    sampler = run.sampling.sampler()
+    pool = paged.pool_bytes(sampler, _model_config(model_cfg_like), n // run.grpo.G, run.grpo.G)
+    est = dataclasses.replace(est, kv_cache=pool)
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
     return est
-
-
-def paged_kv_bytes(run, model_cfg_like) -> int:
-    """The paged engine's KV pool (``grpo_jax.paged.engine_shape``), whole on each device:
-
-    pages = sampling.pages or 1 + B ceil(P / Z) + slots ceil((T - 1) / Z) (the
-    scratch page, every prompt's pages, each slot's own), times Z tokens of
-    2 L K Dh compute-dtype elements; P the largest prompt bucket, slots
-    ``sampling.slots`` or B * G.
-    """
-    s, cfg, b = run.sampling, _model_config(model_cfg_like), run.train.batch_size
-    z, n, t = s.page_size, b * run.grpo.G, s.max_new_tokens
-    slots = min(s.slots or n, n)
-    pages = (s.pages + 1 if s.pages else 0) or (
-        1 + b * -(-max(s.prompt_buckets) // z) + slots * -(-(t - 1) // z)
-    )
-    c = {"bfloat16": 2, "float16": 2}.get(str(getattr(model_cfg_like, "dtype", "float32")), 4)
-    return pages * z * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * c
 
 
 def _lora_kwargs(run) -> dict:

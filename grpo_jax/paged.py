@@ -64,6 +64,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _bucket(n: int, most: int) -> int:
+    """The smallest power of two >= n, at most ``most``: the static sizes of a decode call."""
+    return min(1 << (n - 1).bit_length(), most)
+
+
 class EngineShape(NamedTuple):
     """The static sizes of one engine run (each distinct one compiles its programs once)."""
 
@@ -88,6 +93,12 @@ def engine_shape(cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt
     return EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
 
 
+def pool_bytes(cfg: SamplingConfig, model_cfg, num_prompts: int, num_samples: int) -> int:
+    """Bytes of the pool :func:`engine_shape` sizes for prompts of the largest bucket."""
+    shape = engine_shape(cfg, num_prompts, num_samples, max(cfg.prompt_buckets))
+    return shape.pages * shape.page_size * kv_bytes_per_token(model_cfg)
+
+
 def kv_bytes_per_token(model_cfg) -> int:
     """Bytes of one token's keys and values over all layers in the compute dtype."""
     width = jnp.dtype(model_cfg.compute_dtype).itemsize
@@ -98,12 +109,6 @@ def kv_bytes_per_token(model_cfg) -> int:
 # The jitted calls.
 
 
-def _rows_of(table_BxM, z: int):
-    """Pool rows [B, M*Z] a block table reads, in table order."""
-    b, m = table_BxM.shape
-    return (table_BxM[:, :, None] * z + jnp.arange(z, dtype=jnp.int32)).reshape(b, m * z)
-
-
 def _prefill_chunk(params, pages, tokens_C, start, count, table_M, *, graphdef, z: int):
     """Writes prompt tokens [start, start + count) (count <= C) into the prompt's pages.
 
@@ -112,16 +117,15 @@ def _prefill_chunk(params, pages, tokens_C, start, count, table_M, *, graphdef, 
     model = nnx.merge(graphdef, params)
     c, m = tokens_C.shape[0], table_M.shape[0]
     pos_C = start + jnp.arange(c, dtype=jnp.int32)
-    page_C = jnp.take(table_M, jnp.minimum(pos_C // z, m - 1))
-    write_C = jnp.where(jnp.arange(c) < count, page_C * z + pos_C % z, SCRATCH_PAGE * z)
-    pos_1xS = jnp.arange(m * z, dtype=jnp.int32)[None]  # slot j holds position j
+    real_C = jnp.arange(c) < count
+    page_C = jnp.where(real_C, jnp.take(table_M, jnp.minimum(pos_C // z, m - 1)), SCRATCH_PAGE)
     x_1xCxD, pages = model.features_paged(
         tokens_C[None],
         positions_BxT=pos_C[None],
         pages=pages,
-        write_M=write_C,
-        read_BxS=_rows_of(table_M[None], z),
-        pos_BxS=pos_1xS,
+        write=(page_C, pos_C % z),
+        table_BxN=table_M[None],
+        pos_BxS=jnp.arange(m * z, dtype=jnp.int32)[None],  # slot j holds position j
     )
     last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
     return pages, model.logits(last_1x1xD)[:, 0]
@@ -162,16 +166,15 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
     shared_Rx1 = (inputs.shared_R * z)[:, None]
     n_Rx1 = inputs.prompt_len_R[:, None]
     own_pos_RxS = n_Rx1 + j_S[None] - shared_Rx1
-    pos_RxS = jnp.where(j_S[None] < shared_Rx1, j_S[None], own_pos_RxS)
-    real_RxS = jnp.where(
-        j_S[None] < shared_Rx1, j_S[None] < n_Rx1, own_pos_RxS <= inputs.pos_R[:, None]
-    )
+    in_prompt_RxS = j_S[None] < shared_Rx1
+    pos_RxS = jnp.where(in_prompt_RxS, j_S[None], own_pos_RxS)
+    real_RxS = jnp.where(in_prompt_RxS, j_S[None] < n_Rx1, own_pos_RxS <= inputs.pos_R[:, None])
     x_RxD, pages = model.features_paged(
         inputs.tokens_R[:, None],
         positions_BxT=inputs.pos_R[:, None],
         pages=pages,
-        write_M=inputs.write_R,
-        read_BxS=_rows_of(inputs.table_RxM, z),
+        write=(inputs.write_page_R, inputs.write_off_R),
+        table_BxN=inputs.table_RxM,
         pos_BxS=jnp.where(real_RxS, pos_RxS, NO_WINDOW),
     )
     draw_key = jax.random.fold_in(key, step)
@@ -187,8 +190,9 @@ class _StepInputs(NamedTuple):
     pos_R: np.ndarray  # int32: its position, prompt length + tokens drawn - 1
     prompt_len_R: np.ndarray  # int32: n, the prompt's real tokens
     shared_R: np.ndarray  # int32: table entries that are the prompt's pages
-    table_RxM: np.ndarray  # int32: the block table
-    write_R: np.ndarray  # int32: pool row of the fed token's keys and values
+    table_RxM: np.ndarray  # int32: the block table (M: the step's bucket of table entries)
+    write_page_R: np.ndarray  # int32: the page of the fed token's keys and values
+    write_off_R: np.ndarray  # int32: and its slot within that page
     prev_RxL1: np.ndarray  # int32: the L - 1 tokens before the fed one's successor
     count_R: np.ndarray  # int32: tokens drawn so far
 
@@ -375,8 +379,14 @@ class _Run:
         self.count_N[r] = c + 1
 
     def _decode(self, active: list[int]) -> None:
-        z, m, ell = self.shape.page_size, self.shape.table, self.longest - 1
-        rows = min(1 << (len(active) - 1).bit_length(), self.shape.slots)
+        z, ell = self.shape.page_size, self.longest - 1
+        rows = _bucket(len(active), self.shape.slots)
+        for s in active:  # a page for the fed token's keys and values where it starts one
+            if (self.count_N[self.slot_req[s]] - 1) % z == 0:
+                self.slot_pages[s].append(self.pool.take())
+        need = max(len(self.prompt_pages[self.slot_req[s] // self.g]) + len(self.slot_pages[s])
+                   for s in active)  # fmt: skip
+        m = _bucket(need, self.shape.table)
         pad = self.cfg.pad_id
         x = _StepInputs(
             tokens_R=np.full(rows, pad, np.int32),
@@ -384,7 +394,8 @@ class _Run:
             prompt_len_R=np.zeros(rows, np.int32),
             shared_R=np.zeros(rows, np.int32),
             table_RxM=np.zeros((rows, m), np.int32),
-            write_R=np.zeros(rows, np.int32),
+            write_page_R=np.zeros(rows, np.int32),
+            write_off_R=np.zeros(rows, np.int32),
             prev_RxL1=np.full((rows, ell), pad, np.int32),
             count_R=np.zeros(rows, np.int32),
         )
@@ -393,14 +404,12 @@ class _Run:
             b, c = r // self.g, int(self.count_N[r])
             shared, own = self.prompt_pages[b], self.slot_pages[s]
             o = c - 1  # the fed token's index among the row's own tokens
-            if o % z == 0:
-                own.append(self.pool.take())
             x.tokens_R[i] = self.tokens_NxT[r, c - 1]
             x.pos_R[i] = len(self.prompts[b]) + o
             x.prompt_len_R[i] = len(self.prompts[b])
             x.shared_R[i] = len(shared)
             x.table_RxM[i, : len(shared) + len(own)] = shared + own
-            x.write_R[i] = own[o // z] * z + o % z
+            x.write_page_R[i], x.write_off_R[i] = own[o // z], o % z
             if ell:
                 recent = self.tokens_NxT[r, max(0, c - ell) : c]
                 x.prev_RxL1[i, ell - len(recent) :] = recent

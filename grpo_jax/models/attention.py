@@ -80,21 +80,35 @@ class AttnMask(NamedTuple):
 class PagedKV(NamedTuple):
     """One layer's paged KV cache for a call, and where the call writes and reads it.
 
-    The cache is a pool of fixed-size pages flattened to rows: page p holds
-    rows p * page_size .. (p + 1) * page_size - 1 of ``k`` / ``v`` [R, K, Dh]
-    (R = pages * page_size). ``write_M`` gives the pool row of each of the
-    call's M = B * T tokens (a token that must not be stored writes a scratch
-    row); ``read_BxS`` the S pool rows each query row attends over (gathered
-    through the row's block table) and ``pos_BxS`` the position of the token
-    each holds (``NO_WINDOW`` where none: never visible). A query at position
-    i sees slot j iff pos[j] <= i and, with a window W, i - pos[j] < W.
+    ``k`` / ``v`` [pages, Z, K, Dh]: a pool of fixed-size pages of Z token
+    slots. Token m of the call's M = B * T is stored at slot
+    ``write_off_M[m]`` of page ``write_page_M[m]`` (a token that must not be
+    stored writes a scratch page); query row b reads the pages
+    ``table_BxN[b]`` (its block table, N pages: S = N * Z slots in table
+    order), whose slots hold the tokens at positions ``pos_BxS[b]``
+    (``NO_WINDOW`` where none: never visible). A query at position i sees
+    slot j iff pos[j] <= i and, with a window W, i - pos[j] < W.
     """
 
     k: jax.Array
     v: jax.Array
-    write_M: jax.Array
-    read_BxS: jax.Array
+    write_page_M: jax.Array
+    write_off_M: jax.Array
+    table_BxN: jax.Array
     pos_BxS: jax.Array
+
+    def write(self, k_MxKxDh, v_MxKxDh) -> PagedKV:
+        at = (self.write_page_M, self.write_off_M)
+        return self._replace(
+            k=self.k.at[at].set(k_MxKxDh.astype(self.k.dtype)),
+            v=self.v.at[at].set(v_MxKxDh.astype(self.v.dtype)),
+        )
+
+    def gather(self) -> tuple[jax.Array, jax.Array]:
+        """Each row's keys and values [B, S, K, Dh], whole pages at a time."""
+        b, n = self.table_BxN.shape
+        rows = lambda x: x[self.table_BxN].reshape(b, n * x.shape[1], *x.shape[2:])
+        return rows(self.k), rows(self.v)
 
 
 def paged_attention(

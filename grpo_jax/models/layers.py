@@ -189,21 +189,17 @@ class Attention(nnx.Module):
         if kv_cache is None:  # Keys and values [B, S, K, Dh], S = T.
             k_spec = "bskh"
             k_kv, v_kv = k_BxTxKxDh, v_BxTxKxDh
-        elif isinstance(kv_cache, attn_lib.PagedKV):  # Scatter into the pages, gather the rows.
-            pool = kv_cache
-            k_RxKxDh = pool.k.at[pool.write_M].set(
-                k_BxTxKxDh.reshape(B * T, K, Dh).astype(pool.k.dtype)
+        elif isinstance(kv_cache, attn_lib.PagedKV):  # Write into the pages, gather the rows.
+            kv_cache = kv_cache.write(
+                k_BxTxKxDh.reshape(B * T, K, Dh), v_BxTxKxDh.reshape(B * T, K, Dh)
             )
-            v_RxKxDh = pool.v.at[pool.write_M].set(
-                v_BxTxKxDh.reshape(B * T, K, Dh).astype(pool.v.dtype)
-            )
-            kv_cache = pool._replace(k=k_RxKxDh, v=v_RxKxDh)
+            k_BxSxKxDh, v_BxSxKxDh = kv_cache.gather()
             out_BxTxKxGxDh = attn_lib.paged_attention(
                 q_BxTxHxDh.reshape(B, T, K, G, Dh),
-                k_RxKxDh[pool.read_BxS],  # [B, S, K, Dh]
-                v_RxKxDh[pool.read_BxS],
+                k_BxSxKxDh,
+                v_BxSxKxDh,
                 mask.q_slot_BxT,  # the queries' positions
-                pool.pos_BxS,
+                kv_cache.pos_BxS,
                 mask.window,
                 cfg.attn_scale,
                 cfg.attn_logit_softcap,

@@ -293,21 +293,21 @@ class Transformer(nnx.Module):
         )
 
     def init_pages(self, num_pages: int, page_size: int) -> dict:
-        """A zeroed paged KV cache: ``{"k": L x [R, K, Dh], "v": L x [R, K, Dh]}``,
-        R = num_pages * page_size pool rows per layer in the compute dtype
-        (:class:`grpo_jax.models.attention.PagedKV`)."""
+        """A zeroed paged KV cache: ``{"k": L x [pages, Z, K, Dh], "v": the same}`` in
+        the compute dtype (:class:`grpo_jax.models.attention.PagedKV`)."""
         cfg = self.config
-        shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers))
         return {"k": zeros(), "v": zeros()}
 
-    def features_paged(self, tokens_BxT, *, positions_BxT, pages, write_M, read_BxS, pos_BxS):
+    def features_paged(self, tokens_BxT, *, positions_BxT, pages, write, table_BxN, pos_BxS):
         """(:meth:`features` [B, T, D], updated pages) of T tokens per row over a paged cache.
 
-        Token t of row b is stored at pool row ``write_M[b * T + t]`` of every
-        layer and attends over the pool rows ``read_BxS[b]``, which hold the
-        tokens at positions ``pos_BxS[b]``: those up to its own position (and
-        within the window of a sliding-window layer) are visible; ``pages`` as
+        Token t of row b is stored at (page, slot) ``write[0][b * T + t]``,
+        ``write[1][b * T + t]`` of every layer and attends over the pages
+        ``table_BxN[b]``, whose slots hold the tokens at positions
+        ``pos_BxS[b]``: those up to its own position (and within the window
+        of a sliding-window layer) are visible; ``pages`` as
         :meth:`init_pages`. Attention is the gather-based einsum path
         (``grpo_jax.models.attention.paged_attention``) whatever
         ``cfg.attention`` says.
@@ -324,7 +324,7 @@ class Transformer(nnx.Module):
             cos, sin = tables[kind[i]]
             # The queries' positions and the window; the keys' visibility is by pos_BxS.
             mask = AttnMask(positions_BxT, None, cfg.window(i), None)
-            pool = PagedKV(pages["k"][i], pages["v"][i], write_M, read_BxS, pos_BxS)
+            pool = PagedKV(pages["k"][i], pages["v"][i], *write, table_BxN, pos_BxS)
             x_BxTxD, pool = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
             ks.append(pool.k)
             vs.append(pool.v)
