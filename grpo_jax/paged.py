@@ -24,9 +24,10 @@ program per shape): each turn admits waiting requests into free slots, runs at
 most one prefill chunk of the next prompt when fewer requests wait than slots
 are free, and runs one decode step over the occupied slots. The decode step's
 rows are the occupied slots packed into the smallest power of two that holds
-them (every per-slot quantity is host state passed in, the KV lives in the
-pool), so a long tail of a few long completions costs steps of a few rows, not
-of N. A host loop, not a ``lax.while_loop``: the queue, the allocator and the
+them, and its block tables are cut to the smallest power of two of pages the
+longest live row needs (every per-slot quantity is host state passed in, the
+KV lives in the pool), so a long tail of a few long completions costs steps of
+a few rows, not of N. A host loop, not a ``lax.while_loop``: the queue, the allocator and the
 packing are plain Python over small integer arrays, and on CPU the step's
 compute dwarfs its dispatch (benchmarks/engine.py measures the whole).
 

@@ -144,8 +144,12 @@ def test_the_sampling_distribution_is_the_models(policy):
 def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
     g, t, z = 4, 9, 8
     prompts = [list(range(1, 9)), [4, 5, 6]]  # 8 tokens: one full page; 3: a partial one
-    _, out, st = _both(policy, prompts, g, max_new_tokens=t, greedy=True, page_size=z)
     graphdef, params = policy
+    cfg = SamplingConfig(max_new_tokens=t, prompt_buckets=BUCKETS, engine="paged", page_size=z)
+    toks, mask = pad_prompts(prompts, pad_id=0, buckets=BUCKETS)
+    out, st = paged.generate_with_stats(
+        graphdef, params, toks, mask, jax.random.key(0), cfg, num_samples=g
+    )
     p = np.shape(out.prompt_tokens)[1]  # the bucket, 8
     # The static engine's cache: N rows of P + T slots, of which the N x P prompt slots.
     cache = jax.eval_shape(lambda: nnx.merge(graphdef, params).init_cache(len(prompts) * g, p + t))
