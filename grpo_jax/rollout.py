@@ -36,7 +36,7 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
-from grpo_jax.paged import generate as paged_generate
+from grpo_jax.paged import generate_with_stats as paged_generate
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -277,6 +277,7 @@ class _Round:
     t_sample: float
     t_reward: float
     t_params_ready: float
+    engine: object = None  # the paged engine's EngineStats
 
 
 @dataclasses.dataclass
@@ -288,6 +289,7 @@ class Dispatched:
     prompts: list[str]
     prompt_tokens: int
     t_params_ready: float
+    engine: object = None  # the paged engine's EngineStats (None on the static engine)
 
 
 def dispatch_round(
@@ -316,7 +318,8 @@ def dispatch_round(
     out = engine(
         r.policy.graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh
     )
-    return Dispatched(out, list(examples), prompts, prompt_tokens, t0)
+    out, stats = out if r.sampling.engine == "paged" else (out, None)
+    return Dispatched(out, list(examples), prompts, prompt_tokens, t0, stats)
 
 
 def _sample_round(r: Rollouts, params, examples: list[dict], key: jax.Array) -> _Round:
@@ -375,6 +378,7 @@ def finish_round(r: Rollouts, d: Dispatched) -> _Round:
         t_sample=t1 - t0,
         t_reward=time.perf_counter() - t1,
         t_params_ready=t0,
+        engine=d.engine,
     )
 
 
@@ -420,6 +424,10 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
             "perf/sample_tokens_per_s": sampled_tokens / max(t_sample, 1e-9),
         }
     )
+    stats = [x.engine for x in rounds if x.engine is not None]
+    if stats:  # the paged engine (docs/engine.md)
+        metrics["engine/slot_occupancy"] = float(np.mean([e.slot_occupancy for e in stats]))
+        metrics["engine/peak_pages"] = max(e.peak_pages for e in stats)
     return metrics
 
 

@@ -27,3 +27,6 @@ def test_a_run_on_the_paged_engine_trains_on_its_own_log_probs(tmp_path):
     # parameters: every token's ratio is exp(0) up to the rounding of the two computations.
     assert abs(first["train/ratio_max"] - 1.0) < 1e-4 and abs(first["train/ratio_min"] - 1.0) < 1e-4
     assert first["rollout/length_mean"] > 0
+    # The engine's statistics reach the run's metrics.
+    assert 0.0 < first["engine/slot_occupancy"] <= 1.0
+    assert first["engine/peak_pages"] >= 1
