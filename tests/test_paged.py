@@ -84,6 +84,11 @@ def test_greedy_equals_the_static_engine_token_for_token(policy, engine):
     np.testing.assert_allclose(out.logps, full, atol=2e-5)
     if engine.get("slots"):
         assert st.slot_occupancy > 0.5 and st.peak_pages <= st.pool_pages
+    if engine == dict(page_size=4, slots=5, prefill_chunk=3):  # the memory figures, as below
+        prompt_slots = sum(-(-len(p) // 4) * 4 for p in PROMPTS)  # 32 of the static 12 x 8
+        assert st.prompt_pages * 4 == prompt_slots and prompt_slots * 2 <= 12 * 8
+        planned = memory.plan_run(_run(len(PROMPTS), 2, 12, 8, **engine), MODEL_CFG, MESH)
+        assert abs(planned.kv_cache - st.pool_bytes) <= 0.1 * st.pool_bytes
 
 
 @pytest.mark.slow
@@ -141,6 +146,25 @@ def test_the_sampling_distribution_is_the_models(policy):
     check(tokens[:, 1], q1)
 
 
+MESH = {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def _run(b, g, t, p, **engine):
+    """The parts of a RunConfig ``memory.plan_run`` reads, for B prompts of bucket P."""
+    return types.SimpleNamespace(
+        grpo=types.SimpleNamespace(G=g, beta=0.0),
+        train=types.SimpleNamespace(batch_size=b, minibatch_size=0),
+        optim=types.SimpleNamespace(grad_accum=1),
+        sampling=config.SamplingSection(
+            max_new_tokens=t, prompt_buckets=(p,), engine="paged", **engine
+        ),
+        eval=types.SimpleNamespace(batch_size=1),
+        mesh=types.SimpleNamespace(layout="fsdp"),
+        warm_start=types.SimpleNamespace(enabled=False, batch_size=1),
+    )
+
+
+@pytest.mark.slow
 def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
     g, t, z = 4, 9, 8
     prompts = [list(range(1, 9)), [4, 5, 6]]  # 8 tokens: one full page; 3: a partial one
@@ -157,18 +181,8 @@ def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
     assert st.prompt_pages == 2  # one page per prompt, read by its 4 samples
     assert st.prompt_pages * st.page_bytes * g <= static_prompt
     assert st.page_bytes == paged.kv_bytes_per_token(MODEL_CFG) * z
-    run = types.SimpleNamespace(
-        grpo=types.SimpleNamespace(G=g, beta=0.0),
-        train=types.SimpleNamespace(batch_size=len(prompts), minibatch_size=0),
-        optim=types.SimpleNamespace(grad_accum=1),
-        sampling=config.SamplingSection(
-            max_new_tokens=t, prompt_buckets=(p,), engine="paged", page_size=z
-        ),
-        eval=types.SimpleNamespace(batch_size=1),
-        mesh=types.SimpleNamespace(layout="fsdp"),
-        warm_start=types.SimpleNamespace(enabled=False, batch_size=1),
-    )
-    planned = memory.plan_run(run, MODEL_CFG, {"data": 1, "fsdp": 1, "tensor": 1}).kv_cache
+    run = _run(len(prompts), g, t, p, page_size=z)
+    planned = memory.plan_run(run, MODEL_CFG, MESH).kv_cache
     assert abs(planned - st.pool_bytes) <= 0.1 * st.pool_bytes, (planned, st.pool_bytes)
 
 
