@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_hf import FAMILIES, make_tiny_hf_checkpoint
 from scipy import stats
 
 from grpo_jax import config, losses, memory, multiturn, paged, sampling
 from grpo_jax.draw import candidates
 from grpo_jax.errors import ConfigError
-from grpo_jax.models import create_model, tiny_config
+from grpo_jax.models import create_model, from_pretrained, tiny_config
 from grpo_jax.sampling import SamplingConfig, pad_prompts
 
 V = 64
@@ -218,10 +219,6 @@ def test_a_pool_too_small_for_a_prompt_is_a_clear_error(policy):
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    from helpers_hf import FAMILIES, make_tiny_hf_checkpoint
-
-    from grpo_jax.models import from_pretrained
-
     root = tmp_path_factory.mktemp("hf")
     return {
         f: from_pretrained(make_tiny_hf_checkpoint(root / f, f, seed=i, tokenizer=False))
