@@ -9,7 +9,8 @@ what produced it:
                           checkout, else ``{"package_version"}``
   versions                python, numpy, jax, jaxlib, flax, optax, orbax-checkpoint,
                           transformers (None: not installed)
-  devices                 platform, device kind, device count, process count
+  devices                 platform, device kind, the run's device count, the visible
+                          devices, process count
   seeds                   the run seed, the data seed, the evaluation seeds
   data                    the data section, and sha256 of the evaluated problems' ids
 """
@@ -65,12 +66,15 @@ def versions() -> dict:
     return {"python": platform.python_version(), **{n: _version(n) for n in LIBRARIES}}
 
 
-def devices() -> dict:
+def devices(num_devices: int = 0) -> dict:
+    """The platform and kind of the devices, how many the run uses (``mesh.num_devices``,
+    0: all), how many are visible and the number of processes."""
     d = jax.devices()
     return {
         "platform": d[0].platform,
         "device_kind": d[0].device_kind,
-        "device_count": jax.device_count(),
+        "device_count": num_devices or jax.device_count(),
+        "visible_device_count": jax.device_count(),
         "process_count": jax.process_count(),
     }
 
@@ -94,7 +98,7 @@ def run_record(run, eval_examples: Sequence[Mapping]) -> dict:
         "config": config_text(raw),
         "code": code_version(),
         "versions": versions(),
-        "devices": devices(),
+        "devices": devices(run.mesh.num_devices),
         "seeds": {
             "seed": run.seed,
             "data_seed": data.get("seed") if isinstance(data, Mapping) else None,
