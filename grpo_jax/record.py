@@ -17,6 +17,7 @@ what produced it:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -41,8 +42,13 @@ def config_hash(raw: Mapping) -> str:
     return hashlib.sha256(config_text(raw).encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
 def code_version() -> dict:
-    """The git commit of the checkout the package is imported from, or its installed version."""
+    """The git commit of the checkout the package is imported from, or its installed version.
+
+    Read once per process (at the first record, the run's start): a commit made while a
+    run goes on is not the code it runs.
+    """
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         git = lambda *a: subprocess.run(
