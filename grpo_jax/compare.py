@@ -398,7 +398,8 @@ def plot(groups: Sequence[Group], path: pathlib.Path) -> pathlib.Path | None:
     data = {key: [(g, curves(g, key)) for g in groups] for key, _ in CURVES}
     if not any(c is not None for v in data.values() for _, c in v):
         return None
-    # Optional and heavy: only the figures need matplotlib (requirements.txt lists it).
+    # Optional and heavy: only the figures need matplotlib (requirements-test.txt lists it,
+    # as for the notebooks; not a runtime dependency).
     import matplotlib
 
     matplotlib.use("Agg")
@@ -471,7 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "compare.tex").write_text(latex(group_table, paired_table))
         rows = {"groups": group_table, "paired": paired_table}
         (out / "compare.json").write_text(json.dumps(rows, indent=1) + "\n")
-        fig = plot(groups, out / "curves.png")
+        try:
+            fig = plot(groups, out / "curves.png")
+        except ImportError:
+            fig = None
+            print("no curves.png: the figures need matplotlib (pip install matplotlib)")
         print(f"wrote {out / 'compare.md'}, {out / 'compare.tex'}" + (f", {fig}" if fig else ""))
     return 0
 
