@@ -204,6 +204,8 @@ class EvalConfig:
       k: the k of pass@k (1 <= k <= num_samples).
       temperature: sampling temperature of the pass@k samples.
       split: dataset split evaluated.
+      seeds: sampling seeds of the pass@k samples: each draws ``num_samples`` more
+        completions per problem, pooled per problem (``grpo_jax.problems``).
     """
 
     every: int = 50
@@ -214,6 +216,7 @@ class EvalConfig:
     k: int = 4
     temperature: float = 1.0
     split: str = "test"
+    seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self):
         check_range("eval.every", self.every, lo=0, integer=True)
@@ -226,6 +229,18 @@ class EvalConfig:
             check_range("eval.k", self.k, lo=1, hi=self.num_samples, integer=True)
         if not isinstance(self.split, str) or not self.split:
             raise ConfigError(f"config key 'eval.split' = {self.split!r} must be a split name")
+        seeds = self.seeds
+        if (
+            not isinstance(seeds, (tuple, list))
+            or not seeds
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in seeds)
+            or len(set(seeds)) != len(seeds)
+        ):
+            raise ConfigError(
+                f"config key 'eval.seeds' = {seeds!r} must be a non-empty tuple of distinct "
+                "integers >= 0, e.g. (0, 1, 2)"
+            )
+        object.__setattr__(self, "seeds", tuple(seeds))
 
 
 @dataclasses.dataclass(frozen=True)

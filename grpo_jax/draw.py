@@ -111,7 +111,11 @@ def draw(logits_NxK: jax.Array, key: jax.Array, *, block: int = _DRAW_BLOCK) -> 
     e_NxBxK = jnp.pad(e_NxK, ((0, 0), (0, nb * bk - k))).reshape(n, nb, bk)
     mass_NxB = e_NxBxK.sum(axis=-1)
     cum_NxB = jnp.cumsum(mass_NxB, axis=-1)
-    u_Nx1 = (1.0 - jax.random.uniform(key, (n, 1), jnp.float32)) * cum_NxB[:, -1:]
+    if jnp.ndim(key) == 0:
+        u_Nx1 = jax.random.uniform(key, (n, 1), jnp.float32)
+    else:  # one key per row (generate's row keys): a row's draw is its own key's
+        u_Nx1 = jax.vmap(lambda k: jax.random.uniform(k, (1,), jnp.float32))(key)
+    u_Nx1 = (1.0 - u_Nx1) * cum_NxB[:, -1:]
     b_N = jnp.minimum(jnp.sum(cum_NxB < u_Nx1, axis=-1), nb - 1)
     before_N = jnp.take_along_axis(cum_NxB - mass_NxB, b_N[:, None], axis=-1)[:, 0]
     blk_NxK = jnp.take_along_axis(e_NxBxK, b_N[:, None, None], axis=1)[:, 0]

@@ -16,6 +16,9 @@ correct. pass@k draws n = ``eval.num_samples`` completions per problem at
 ``eval.temperature`` and averages Chen et al.'s unbiased estimator
 1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
 Batches have a fixed size (the last one padded) so each sampler compiles once.
+Every figure has its 95% interval (``grpo_jax.problems``); ``--output`` adds the
+record of what ran (``grpo_jax.record``, with the checkpoint's path) and
+``--problems=PATH`` writes the per-problem results that ``grpo_jax.compare`` reads.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from grpo_jax import models, runlocal  # noqa: E402
+from grpo_jax import models, problems, record, runlocal  # noqa: E402
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
-from grpo_jax.evaluation import evaluate  # noqa: E402
+from grpo_jax.evaluation import evaluate_problems  # noqa: E402
 from grpo_jax.setup import (  # noqa: E402
     build_datasets,
     build_encoder,
@@ -151,7 +154,7 @@ def main(argv):
         f"{len(examples)} problems, loaded in {time.perf_counter() - t0:.0f}s; the first "
         "batch also compiles the sampler"
     )
-    out = evaluate(
+    prob = evaluate_problems(
         graphdef,
         params,
         examples,
@@ -163,10 +166,18 @@ def main(argv):
         mesh=mesh,
         message=message,
     )
+    k = run.eval.k if run.eval.num_samples else None
+    out = problems.figures(prob, k)
+    rec = record.run_record(run, examples)
+    rec["checkpoint"] = str(FLAGS.checkpoint)
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)
     if FLAGS.output:
-        pathlib.Path(FLAGS.output).write_text(text + "\n")
+        pathlib.Path(FLAGS.output).write_text(json.dumps({**out, "record": rec}, indent=2) + "\n")
+    if FLAGS.problems:
+        header = {"k": k, "num_samples": run.eval.num_samples, "seeds": list(run.eval.seeds)}
+        header.update(figures=out, record=rec)
+        problems.write(FLAGS.problems, prob, header)
     return 0
 
 
@@ -175,7 +186,10 @@ def _define_flags():
         "config", None, "Run config file (default: the run's own config.json).", lock_config=True
     )
     flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint (step) dir or HF model dir.")
-    flags.DEFINE_string("output", "", "Optional path for the results as JSON.")
+    flags.DEFINE_string("output", "", "Optional path for the results and the run's record as JSON.")
+    flags.DEFINE_string(
+        "problems", "", "Optional path for the per-problem results (JSONL, grpo_jax.problems)."
+    )
     flags.mark_flags_as_required(["checkpoint"])
 
 

@@ -18,29 +18,44 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import distributed, multiturn
-from grpo_jax import metrics as metrics_lib
+from grpo_jax import distributed, multiturn, stats
+from grpo_jax import problems as problems_lib
 from grpo_jax.config import EvalConfig
 from grpo_jax.rollout import PromptEncoder, Rollouts, Scorer, decode
 from grpo_jax.sampling import SamplingConfig, generate
 
 
 def evaluate_policy(
-    r: Rollouts, env, params, examples, key: jax.Array, *, cfg, prefix: str = "eval"
+    r: Rollouts,
+    env,
+    params,
+    examples,
+    key: jax.Array,
+    *,
+    cfg,
+    prefix: str = "eval",
+    on_problems: Callable[[problems_lib.Problems], None] | None = None,
 ) -> dict[str, float]:
     """Held-out evaluation of ``params`` on ``examples`` -> ``{prefix}/...`` metrics.
 
     ``r``: the run's rollout bundle; ``env``: its ``env`` section (``env.name``
     set: episodes against the environment); ``cfg``: an ``eval`` section. Also
-    ``perf/{prefix}_s``, the evaluation's wall time.
+    ``perf/{prefix}_s``, the evaluation's wall time. ``on_problems`` receives the
+    single-turn evaluation's per-problem results (``grpo_jax.problems``); a
+    multi-turn evaluation has only its figures, greedy pass@1 with a Wilson interval.
     """
     t0 = time.perf_counter()
     if env is not None and env.name:
         out = multiturn.evaluate(r, env, params, examples, key, cfg=cfg, prefix=prefix)
+        n = len(examples)
+        c = round(out[f"{prefix}/pass_at_1"] * n)
+        lo, hi = stats.wilson_interval(c, n)
+        out[f"{prefix}/pass_at_1_lo"], out[f"{prefix}/pass_at_1_hi"] = lo, hi
     else:
-        out = evaluate(
+        prob = evaluate_problems(
             r.policy.graphdef,
             params,
             examples,
@@ -50,8 +65,10 @@ def evaluate_policy(
             cfg=cfg,
             key=key,
             mesh=r.mesh,
-            prefix=prefix,
         )
+        out = problems_lib.figures(prob, cfg.k if cfg.num_samples else None, prefix)
+        if on_problems is not None:
+            on_problems(prob)
     out[f"perf/{prefix}_s"] = time.perf_counter() - t0
     return out
 
@@ -68,25 +85,34 @@ def generate_texts(
     key: jax.Array,
     mesh=None,
     progress: Callable[[int], None] | None = None,
+    row_keys: bool = False,
 ):
     """Completions for every example, ``num_samples`` each, in fixed-size calls.
 
     Returns (texts [len(examples) * num_samples], lengths, truncated), row
-    i * num_samples + s being sample s of example i. ``progress`` is called with
-    the number of examples done after each call.
+    i * num_samples + s being sample s of example i. ``row_keys``: example i
+    draws from ``fold_in(key, i)`` alone (``grpo_jax.sampling.generate``'s row
+    keys), so its completions do not depend on ``prompts_per_call`` or the mesh;
+    else call c draws from ``fold_in(key, c)``. ``progress`` is called with the
+    number of examples done after each call.
     """
     texts, lengths, truncated = [], [], []
     for c, start in enumerate(range(0, len(examples), prompts_per_call)):
         chunk = list(examples[start : start + prompts_per_call])
         real = len(chunk)
+        index = list(range(start, start + real)) + [start] * (prompts_per_call - real)
         chunk += [chunk[0]] * (prompts_per_call - real)  # Same shape: no recompilation.
         _, tokens_BxP, mask_BxP = encoder.encode(chunk, max_new_tokens=sampling.max_new_tokens)
+        if row_keys:
+            call_key = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(index))
+        else:
+            call_key = jax.random.fold_in(key, c)
         out = generate(
             graphdef,
             params,
             tokens_BxP,
             mask_BxP,
-            jax.random.fold_in(key, c),
+            call_key,
             sampling,
             num_samples=num_samples,
             mesh=mesh,
@@ -102,6 +128,21 @@ def generate_texts(
 
 
 def evaluate(
+    graphdef, params, examples: Sequence[Mapping], *, cfg: EvalConfig, prefix="eval", **kw
+):
+    """Greedy pass@1 (and pass@k when ``cfg.num_samples``) of the policy on ``examples``,
+    with their intervals: :func:`grpo_jax.problems.figures` of :func:`evaluate_problems`.
+
+    Returns ``{prefix}/pass_at_1`` (with ``_lo``/``_hi``, ``_cp_lo``/``_cp_hi``),
+    ``{prefix}/length_mean``, ``{prefix}/truncated_frac``, ``{prefix}/num_problems``
+    and, with sampling, ``{prefix}/pass_at_k``, ``{prefix}/pass_at_{k}``,
+    ``{prefix}/sampled_pass_at_1`` (each with ``_lo``/``_hi``) and ``{prefix}/num_seeds``.
+    """
+    prob = evaluate_problems(graphdef, params, examples, cfg=cfg, **kw)
+    return problems_lib.figures(prob, cfg.k if cfg.num_samples else None, prefix)
+
+
+def evaluate_problems(
     graphdef,
     params,
     examples: Sequence[Mapping],
@@ -112,15 +153,14 @@ def evaluate(
     cfg: EvalConfig,
     key: jax.Array,
     mesh=None,
-    prefix: str = "eval",
     message: Callable[[str], None] | None = None,
-) -> dict[str, float]:
-    """Greedy pass@1 (and pass@k when ``cfg.num_samples``) of the policy on ``examples``.
+) -> problems_lib.Problems:
+    """Every problem's greedy completion and, when ``cfg.num_samples``, n sampled ones per
+    seed of ``cfg.seeds``, scored: a :class:`grpo_jax.problems.Problems`.
 
-    Returns ``{prefix}/pass_at_1``, ``{prefix}/length_mean``,
-    ``{prefix}/truncated_frac``, ``{prefix}/num_problems`` and, with sampling,
-    ``{prefix}/pass_at_k``, ``{prefix}/pass_at_{k}``, ``{prefix}/sampled_pass_at_1``.
-    ``message``, when given, receives a progress line after each batch of problems.
+    Seed s samples problem i from ``fold_in(fold_in(key, 1 + s), i)``: the results
+    are the same for any ``cfg.batch_size`` and mesh. ``message``, when given,
+    receives a progress line after each batch of problems.
     """
     if not examples:
         raise ValueError("evaluate got no examples")
@@ -133,46 +173,37 @@ def evaluate(
             f"{what}: {done}/{len(examples)} problems ({time.perf_counter() - t0:.0f}s)"
         )
 
+    common = dict(encoder=encoder, mesh=mesh, row_keys=True)
     greedy = dataclasses.replace(sampling, greedy=True)
     texts, lengths, trunc = generate_texts(
-        graphdef,
-        params,
-        examples,
-        encoder=encoder,
-        sampling=greedy,
-        num_samples=1,
-        prompts_per_call=cfg.batch_size,
-        key=key,
-        mesh=mesh,
-        progress=progress("greedy"),
-    )
-    correct = scorer.correct(texts, examples, lengths_N=lengths)
-    out = {
-        f"{prefix}/pass_at_1": float(correct.mean()),
-        f"{prefix}/length_mean": float(lengths.mean()),
-        f"{prefix}/truncated_frac": float(trunc.mean()),
-        f"{prefix}/num_problems": float(len(examples)),
-    }
+        graphdef, params, examples, sampling=greedy, num_samples=1,
+        prompts_per_call=cfg.batch_size, key=key, progress=progress("greedy"), **common,
+    )  # fmt: skip
+    kw = {}
     if cfg.num_samples:
         n = cfg.num_samples
         sampled = dataclasses.replace(sampling, greedy=False, temperature=cfg.temperature)
-        texts, lengths_s, _ = generate_texts(
-            graphdef,
-            params,
-            examples,
-            encoder=encoder,
-            sampling=sampled,
-            num_samples=n,
-            prompts_per_call=cfg.batch_size // n,
-            key=jax.random.fold_in(key, 1),
-            mesh=mesh,
-            progress=progress(f"sampled, {n} each"),
+        correct, length = [], []
+        many = len(cfg.seeds) > 1
+        for seed in cfg.seeds:
+            what = f"sampled, {n} each" + (f", seed {seed}" if many else "")
+            texts_s, lengths_s, _ = generate_texts(
+                graphdef, params, examples, sampling=sampled, num_samples=n,
+                prompts_per_call=max(1, cfg.batch_size // n),
+                key=jax.random.fold_in(key, 1 + seed), progress=progress(what), **common,
+            )  # fmt: skip
+            c = scorer.correct(texts_s, examples, repeat=n, lengths_N=lengths_s)
+            correct.append(np.asarray(c, bool).reshape(len(examples), n))
+            length.append(np.asarray(lengths_s).reshape(len(examples), n))
+        kw = dict(
+            seeds=tuple(cfg.seeds),
+            sampled_correct=np.stack(correct),
+            sampled_length=np.stack(length),
         )
-        correct_PxS = scorer.correct(texts, examples, repeat=n, lengths_N=lengths_s)
-        correct_PxS = correct_PxS.reshape(len(examples), n)
-        pass_k = metrics_lib.mean_pass_at_k(correct_PxS, cfg.k)
-        out[f"{prefix}/pass_at_k"] = pass_k
-        if cfg.k != 1:  # pass_at_1 is the greedy figure; never overwrite it.
-            out[f"{prefix}/pass_at_{cfg.k}"] = pass_k
-        out[f"{prefix}/sampled_pass_at_1"] = metrics_lib.mean_pass_at_k(correct_PxS, 1)
-    return out
+    return problems_lib.Problems(
+        ids=tuple(problems_lib.problem_id(e) for e in examples),
+        greedy_correct=np.asarray(scorer.correct(texts, examples, lengths_N=lengths), bool),
+        greedy_length=np.asarray(lengths),
+        greedy_truncated=np.asarray(trunc, bool),
+        **kw,
+    )

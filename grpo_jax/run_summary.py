@@ -1,4 +1,4 @@
-"""The end of a run: summary.json and the before/after table."""
+"""The end of a run: summary.json (with the record of what ran) and the before/after table."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 def summarize(
     run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main,
-    data_stats=None, sampled_tokens=0, ended_by="train.steps",
+    data_stats=None, sampled_tokens=0, ended_by="train.steps", record=None,
 ):  # fmt: skip
     wall = prior_seconds + time.time() - t_start
     pick = lambda ev: (
@@ -36,19 +36,27 @@ def summarize(
         "data": dict(data_stats or {}),  # "skipped/<split>": malformed rows skipped
         "sampled_tokens": sampled_tokens,  # completion tokens sampled by GRPO
         "ended_by": ended_by,  # "train.steps" or "train.sampled_tokens_budget"
+        # What ran: config hash and text, code, versions, devices, seeds, data
+        # (grpo_jax.record); each evaluation's problems are in eval/step_<N>.jsonl.
+        "record": record,
+        "eval_files": {
+            "before": "eval/step_0.jsonl" if before is not None else None,
+            "after": f"eval/step_{final_step}.jsonl",
+        },
     }
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     b, a = summary["before"] or {}, summary["after"]
     table = [
         "",
-        f"{'held-out (' + str(summary['num_problems']) + ' problems)':<32}{'before':>10}"
-        f"{'after':>10}{'change':>10}",
-        _row("greedy pass@1", b.get("pass_at_1"), a["pass_at_1"]),
+        f"{'held-out (' + str(summary['num_problems']) + ')':<24}{'before [95% CI]':>22}"
+        f"{'after [95% CI]':>22}{'change':>10}",
+        _row("greedy pass@1", b, a, "pass_at_1"),
     ]
     if "pass_at_k" in a:
-        label = f"pass@{run.eval.k} (n={run.eval.num_samples})"
-        table.append(_row(label, b.get("pass_at_k"), a["pass_at_k"]))
+        seeds = len(run.eval.seeds)
+        n = f"n={run.eval.num_samples}" + (f"x{seeds} seeds" if seeds > 1 else "")
+        table.append(_row(f"pass@{run.eval.k} ({n})", b, a, "pass_at_k"))
     if not b:
         table.append("no before figures: the run did not evaluate before GRPO (eval.at_start)")
     table.append(
@@ -58,8 +66,15 @@ def summarize(
     return summary
 
 
-def _row(label: str, before: float | None, after: float) -> str:
-    """One line of the table; "-" where there is no "before" figure."""
-    if before is None:
-        return f"{label:<32}{'-':>10}{after:>10.3f}{'-':>10}"
-    return f"{label:<32}{before:>10.3f}{after:>10.3f}{after - before:>+10.3f}"
+def _row(label: str, before: dict, after: dict, key: str) -> str:
+    """One line of the table with 95% intervals; "-" where there is no "before" figure."""
+
+    def cell(ev):
+        if key not in ev:
+            return f"{'-':>22}"
+        lo, hi = ev.get(f"{key}_lo"), ev.get(f"{key}_hi")
+        ci = "" if lo is None else f" [{lo:.3f}, {hi:.3f}]"
+        return f"{ev[key]:.3f}{ci}".rjust(22)
+
+    change = f"{after[key] - before[key]:>+10.3f}" if key in before else f"{'-':>10}"
+    return f"{label:<24}{cell(before)}{cell(after)}{change}"

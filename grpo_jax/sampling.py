@@ -136,7 +136,8 @@ def pad_prompts(
 
 
 class DecodeState(NamedTuple):
-    """Carry of the decode loop; every array but ``step`` and ``key_data`` leads with N."""
+    """Carry of the decode loop; every array but ``step`` (and one key's ``key_data``) leads
+    with N."""
 
     step: jax.Array  # int32 []: completion tokens written so far (all rows)
     last_tokens_N: jax.Array  # int32: token written at step-1, to be fed next
@@ -151,6 +152,7 @@ class DecodeState(NamedTuple):
     # Raw uint32 data of the PRNG key for the remaining draws: a typed key
     # crossing the prefill -> decode boundary costs jit a second dispatch
     # cache entry for the same executable, which would hide real recompiles.
+    # [N, ...] with row keys (one key per row), else one key's.
     key_data: jax.Array
 
 
@@ -174,6 +176,14 @@ class SampleOutput(NamedTuple):
     lengths: jax.Array  # int32 [N]
     truncated: jax.Array  # bool [N]
     behavior_logps: jax.Array | None = None  # float32 [N, T]
+
+
+def _split(key):
+    """(carry, sub) of a key, or of each of the [N] row keys."""
+    if jnp.ndim(key) == 0:
+        return jax.random.split(key)
+    keys_Nx2 = jax.vmap(jax.random.split)(key)
+    return keys_Nx2[:, 0], keys_Nx2[:, 1]
 
 
 def _write(state: DecodeState, drawn, cfg: SamplingConfig) -> DecodeState:
@@ -287,7 +297,11 @@ def _prefill(
             x, sharding_lib.batch_sharding(mesh, x.ndim)
         )
     tokens_NxP, mask_NxP = rows(repeat_rows(tokens_BxP, g)), rows(repeat_rows(mask_BxP, g))
-    key, sub = jax.random.split(key)
+    if jnp.ndim(key) == 1:  # row keys: row b*G + g draws from fold_in(key_b, g)
+        samples = jnp.arange(g, dtype=jnp.uint32)
+        key = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(samples))(key)
+        key = rows(key.reshape(n))
+    key, sub = _split(key)
     state = DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens_N=jnp.full((n,), cfg.pad_id, jnp.int32),
@@ -326,7 +340,7 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
             cache=st.cache,
             cache_index=slot,
         )
-        key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
+        key, sub = _split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn = sample_with(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
         return _write(st, drawn, cfg)
@@ -354,7 +368,9 @@ def compile_count() -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None, key_impl):
+def _compiled(
+    graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None, key_impl, row_keys=False
+):
     """(prefill, decode) jitted for one model structure, config, group size and mesh."""
     if mesh is None:
         prefill_io: dict = {}
@@ -376,11 +392,11 @@ def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None
             done_N=rows1,
             kv_mask_NxS=rows2,
             cache=None,
-            key_data=rep,
+            key_data=rows2 if row_keys else rep,
         )
         # None for params: they keep whatever layout the trainer gave them.
         prefill_io = dict(
-            in_shardings=(None, rows2, rows2, rep),
+            in_shardings=(None, rows2, rows2, rows1 if row_keys else rep),
             out_shardings=(rows2, rows2, state_shardings),
         )
         decode_io = dict(
@@ -419,7 +435,11 @@ def generate(
       prompt_tokens_BxP, prompt_mask_BxP: left-padded prompts and their
         real-token mask, as made by :func:`pad_prompts`.
       key: PRNG key; the same key gives the same output, and every row (also
-        within a group) draws independently.
+        within a group) draws independently. Or B keys, one per prompt ("row
+        keys"): sample g of prompt b then draws from fold_in(key[b], g) alone, so
+        its completion does not depend on the other prompts of the call, their
+        number or their order (what evaluation needs to be independent of its
+        batch size).
       cfg: the sampling settings (static: each distinct config compiles once).
       num_samples: G, completions per prompt; row b*G + g is sample g of b.
       mesh: when given, rows are split over ("data", "fsdp") in whole groups
@@ -440,6 +460,11 @@ def generate(
         )
     if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
+    row_keys = jnp.ndim(key) == 1
+    if row_keys and jnp.shape(key) != (shape[0],):
+        raise ValueError(f"row keys must be one per prompt, [{shape[0]}], got {jnp.shape(key)}")
+    if jnp.ndim(key) > 1:
+        raise ValueError(f"key must be one key or one per prompt, got shape {jnp.shape(key)}")
     if mesh is not None:
         sharding_lib.check_group_layout(shape[0] * num_samples, num_samples, mesh)
         rows2 = sharding_lib.batch_sharding(mesh, 2)
@@ -447,8 +472,12 @@ def generate(
         prompt_tokens_BxP, prompt_mask_BxP = distributed.put(
             (prompt_tokens_BxP, prompt_mask_BxP), rows2
         )
-        key = distributed.put(key, sharding_lib.replicated(mesh))
-    prefill, decode = _compiled(graphdef, cfg, num_samples, mesh, jax.random.key_impl(key))
+        key = distributed.put(
+            key, sharding_lib.batch_sharding(mesh, 1) if row_keys else sharding_lib.replicated(mesh)
+        )
+    prefill, decode = _compiled(
+        graphdef, cfg, num_samples, mesh, jax.random.key_impl(key), bool(row_keys)
+    )
     # Under the mesh the model's activation sharding constraints take effect.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         prompt_tokens_NxP, prompt_mask_NxP, state = prefill(

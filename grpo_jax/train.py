@@ -29,7 +29,8 @@ start did, the completion tokens sampled and what ended the run (``train.steps``
 or ``train.sampled_tokens_budget``, which also says so in one line).
 
 Workdir layout: metrics.jsonl, tensorboard/, samples/, checkpoints/,
-warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json.
+warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json,
+eval/step_<N>.jsonl (each evaluation's per-problem results, ``grpo_jax.problems``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from collections.abc import Callable
 import jax
 
 from grpo_jax import batch as batch_lib
-from grpo_jax import checkpoint, distributed, evaluation, pipeline, sources
+from grpo_jax import checkpoint, distributed, evaluation, pipeline, problems, record, sources
 from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
 from grpo_jax.errors import AlarmStop, NonFiniteError
@@ -86,16 +87,40 @@ class _Preemption:
 
 
 def evaluate_policy(s: Setup, params, step: int, examples=None, prefix="eval", cfg=None) -> dict:
-    """Held-out evaluation of ``params`` (``grpo_jax.evaluation``), keyed by ``step``."""
+    """Held-out evaluation of ``params`` (``grpo_jax.evaluation``), keyed by ``step``.
+
+    The run's own evaluations (``examples`` None) also write their per-problem
+    results, figures and the run's record to ``<workdir>/eval/step_<step>.jsonl``.
+    """
+    cfg = s.run.eval if cfg is None else cfg
+    on_problems = None
+    if examples is None and s.records.is_main:
+        on_problems = lambda prob: _write_problems(s, step, prob, cfg, prefix)
     return evaluation.evaluate_policy(
         s.rollouts,
         s.run.env,
         params,
         s.data.eval_examples if examples is None else examples,
         jax.random.fold_in(s.eval_key, step),
-        cfg=s.run.eval if cfg is None else cfg,
+        cfg=cfg,
         prefix=prefix,
+        on_problems=on_problems,
     )
+
+
+def _write_problems(s: Setup, step: int, prob, cfg, prefix: str) -> None:
+    """``<workdir>/eval/step_<step>.jsonl`` (``grpo_jax.problems``'s file)."""
+    k = cfg.k if cfg.num_samples else None
+    header = {
+        "step": step,
+        "k": k,
+        "num_samples": cfg.num_samples,
+        "temperature": cfg.temperature,
+        "seeds": list(cfg.seeds),
+        "figures": problems.figures(prob, k, prefix),
+        "record": record.run_record(s.run, s.data.eval_examples),
+    }
+    problems.write(s.records.workdir / "eval" / f"step_{step}.jsonl", prob, header)
 
 
 def train(
@@ -283,4 +308,5 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         data_stats=s.data.stats,
         sampled_tokens=report.sampled_tokens,
         ended_by=ended_by,
+        record=record.run_record(run, s.data.eval_examples),
     )

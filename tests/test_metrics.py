@@ -148,7 +148,7 @@ def test_run_summary_table_without_a_before_evaluation_has_no_nan(tmp_path, befo
     from grpo_jax.run_summary import summarize
 
     out = io.StringIO()
-    run = SimpleNamespace(seed=0, eval=SimpleNamespace(k=2, num_samples=4))
+    run = SimpleNamespace(seed=0, eval=SimpleNamespace(k=2, num_samples=4, seeds=(0,)))
     after = {"eval/pass_at_1": 0.5, "eval/pass_at_k": 0.75, "eval/num_problems": 16}
     progress = metrics.ProgressLine(1, stream=out)
     summary = summarize(run, tmp_path, before, after, None, 0.0, 0.0, 1, progress, True)
