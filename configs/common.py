@@ -32,6 +32,7 @@ from grpo_jax.config import (
     ModelSection,
     OptimConfig,
     PromptConfig,
+    RewardModelSection,
     SamplingSection,
     TrainConfig,
     WarmStartConfig,
@@ -128,4 +129,6 @@ def base() -> ConfigDict:
     c.health = section(HealthConfig)
     # Multi-turn rollouts with an environment (docs/multiturn.md); name "" is single-turn.
     c.env = section(EnvSection)
+    # A learned reward beside `rewards` (docs/learned_rewards.md); path "" is none.
+    c.reward_model = section(RewardModelSection)
     return c

@@ -12,7 +12,7 @@ this module imports them, never the reverse:
   ``grpo_jax.models.config``    ``ModelSection``, ``LoRAConfig``, ``ATTENTION``
   ``grpo_jax.sampling``         ``SamplingSection`` (-> ``SamplingConfig``)
   ``grpo_jax.data``             ``DataSection``, ``PromptConfig``
-  ``grpo_jax.rewards.section``  ``RewardsSection``, ``parse_rewards``, ``load_reward_modules``
+  ``grpo_jax.rewards.section``  ``RewardsSection``, ``RewardModelSection``, ``parse_rewards``, ...
   ``grpo_jax.envs.section``     ``EnvSection``
   ``grpo_jax.objective``        ``GRPOConfig``
   ``grpo_jax.optimizer``        ``OptimConfig``
@@ -53,7 +53,12 @@ from grpo_jax.models.config import (
 )
 from grpo_jax.objective import OLD_LOGPS, GRPOConfig
 from grpo_jax.optimizer import SCHEDULES, OptimConfig
-from grpo_jax.rewards.section import RewardsSection, load_reward_modules, parse_rewards
+from grpo_jax.rewards.section import (
+    RewardModelSection,
+    RewardsSection,
+    load_reward_modules,
+    parse_rewards,
+)
 from grpo_jax.sampling_config import SamplingSection
 from grpo_jax.sharding import LAYOUTS
 
@@ -79,6 +84,7 @@ __all__ = [
     "ModelSection",
     "OptimConfig",
     "PromptConfig",
+    "RewardModelSection",
     "RewardsSection",
     "SamplingSection",
     "load_reward_modules",
@@ -410,6 +416,7 @@ TOP_KEYS = (
     "warm_start",
     "health",
     "env",
+    "reward_model",
 )
 
 
@@ -438,6 +445,7 @@ class RunConfig:
     health: HealthConfig
     raw: Mapping[str, Any]
     env: EnvSection = EnvSection()
+    reward_model: RewardModelSection = RewardModelSection()
 
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
@@ -487,6 +495,7 @@ def parse_config(config) -> RunConfig:
         health=from_mapping(HealthConfig, "health", raw.get("health")),
         raw=json.loads(json.dumps(raw, default=str)),
         env=from_mapping(EnvSection, "env", raw.get("env")),
+        reward_model=from_mapping(RewardModelSection, "reward_model", raw.get("reward_model")),
     )
     chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
     if chunk and t % chunk:

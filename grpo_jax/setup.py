@@ -39,6 +39,7 @@ from grpo_jax.config import (
 )
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
+from grpo_jax.reward_models import LearnedReward
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
 from grpo_jax.sampling import SamplingConfig
 
@@ -227,9 +228,22 @@ def build_encoder(run: RunConfig, tokenizer) -> PromptEncoder:
     )
 
 
-def build_scorer(run: RunConfig) -> Scorer:
+def build_scorer(run: RunConfig, mesh=None) -> Scorer:
+    """The run's rewards; with ``reward_model.path``, its reward model placed on ``mesh``."""
+    section, learned = run.reward_model, None
+    if section.path:
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "config key 'reward_model.path': a reward model scores on one process only "
+                f"for now, and this run has {jax.process_count()}"
+            )
+        learned = LearnedReward.load(section, mesh, layout=run.mesh.layout)
     return Scorer(
-        run.rewards.specs, correct_reward=run.rewards.correct, timeout_s=run.train.reward_timeout_s
+        run.rewards.specs,
+        correct_reward=run.rewards.correct,
+        timeout_s=run.train.reward_timeout_s,
+        learned=learned,
+        learned_weight=section.weight,
     )
 
 
@@ -559,7 +573,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         rollouts=Rollouts(
             policy=policy,
             encoder=build_encoder(run, tokenizer),
-            scorer=build_scorer(run),
+            scorer=build_scorer(run, mesh),
             sampling=tokenizer_sampling(run, tokenizer),
             grpo=run.grpo,
             batch_size=B,

@@ -1,0 +1,38 @@
+"""Learned rewards: sequence-classification reward models (docs/learned_rewards.md).
+
+    from grpo_jax import reward_models
+    model = reward_models.load_reward_model(path, mesh=mesh)   # *ForSequenceClassification
+    scores_BxC = model.scores(tokens_BxT, mask_BxT)
+    learned = reward_models.LearnedReward.load(run.reward_model, mesh)
+    values_N = learned(prompts, completions, questions, group_size=G)
+
+This package sits above ``grpo_jax.rewards`` and ``grpo_jax.models`` in the layers
+(pyproject.toml): a reward model needs JAX and the model code, which the verifiable
+rewards, run in worker processes, must not import.
+"""
+
+from grpo_jax.reward_models.model import (
+    RewardModel,
+    load_reward_model,
+    reward_model_bytes,
+    reward_table,
+)
+from grpo_jax.reward_models.scorer import (
+    LEARNED,
+    LearnedReward,
+    RunningMoments,
+    add_learned,
+    group_standardize,
+)
+
+__all__ = [
+    "LEARNED",
+    "add_learned",
+    "LearnedReward",
+    "RewardModel",
+    "RunningMoments",
+    "group_standardize",
+    "load_reward_model",
+    "reward_model_bytes",
+    "reward_table",
+]
