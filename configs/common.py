@@ -27,6 +27,7 @@ from grpo_jax.config import (
     EvalConfig,
     GRPOConfig,
     HealthConfig,
+    JudgeSection,
     LoRAConfig,
     MeshConfig,
     ModelSection,
@@ -131,4 +132,6 @@ def base() -> ConfigDict:
     c.env = section(EnvSection)
     # A learned reward beside `rewards` (docs/learned_rewards.md); path "" is none.
     c.reward_model = section(RewardModelSection)
+    # An LLM judge's expected score beside them; path "" is none, "reference" the reference.
+    c.judge = section(JudgeSection)
     return c

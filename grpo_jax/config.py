@@ -54,6 +54,7 @@ from grpo_jax.models.config import (
 from grpo_jax.objective import OLD_LOGPS, GRPOConfig
 from grpo_jax.optimizer import SCHEDULES, OptimConfig
 from grpo_jax.rewards.section import (
+    JudgeSection,
     RewardModelSection,
     RewardsSection,
     load_reward_modules,
@@ -84,6 +85,7 @@ __all__ = [
     "ModelSection",
     "OptimConfig",
     "PromptConfig",
+    "JudgeSection",
     "RewardModelSection",
     "RewardsSection",
     "SamplingSection",
@@ -417,6 +419,7 @@ TOP_KEYS = (
     "health",
     "env",
     "reward_model",
+    "judge",
 )
 
 
@@ -446,6 +449,7 @@ class RunConfig:
     raw: Mapping[str, Any]
     env: EnvSection = EnvSection()
     reward_model: RewardModelSection = RewardModelSection()
+    judge: JudgeSection = JudgeSection()
 
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
@@ -496,7 +500,14 @@ def parse_config(config) -> RunConfig:
         raw=json.loads(json.dumps(raw, default=str)),
         env=from_mapping(EnvSection, "env", raw.get("env")),
         reward_model=from_mapping(RewardModelSection, "reward_model", raw.get("reward_model")),
+        judge=from_mapping(JudgeSection, "judge", raw.get("judge")),
     )
+    if run.judge.path == "reference" and (run.grpo.beta == 0 or run.model.lora.rank):
+        raise ConfigError(
+            "config key 'judge.path' = 'reference' needs the run's reference policy as a "
+            f"plain model: grpo.beta > 0 (it is {run.grpo.beta}) and no LoRA "
+            f"(model.lora.rank = {run.model.lora.rank})"
+        )
     chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
     if chunk and t % chunk:
         raise ConfigError(

@@ -36,7 +36,7 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
-from grpo_jax.reward_models import LEARNED, add_learned
+from grpo_jax.reward_models import add_learned
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -107,9 +107,10 @@ class Scorer:
         pass@k); when it is not among ``specs`` it is scored with weight 0 (no
         part of the training reward, but logged and its errors counted).
       timeout_s: per-reward time budget (``rewards.score``).
-      learned: a reward model (``reward_models.LearnedReward``) or None; its
-        value is the reward ``LEARNED`` (metrics ``rewards/reward_model/...``),
-        weighted by ``learned_weight`` in the total; a NaN score is an error.
+      learned: (name, scorer, weight) of each learned reward: a reward model
+        (``reward_models.LearnedReward``, "reward_model") or a judge
+        (``reward_models.Judge``, "judge"); logged as ``rewards/<name>/...``,
+        weighted in the total; a NaN score is an error.
 
     A completion has an invalid format when a reward named "format..." is among
     the specs and gives it 0, else when no final answer can be extracted from it.
@@ -121,11 +122,10 @@ class Scorer:
         *,
         correct_reward: str,
         timeout_s: float,
-        learned=None,
-        learned_weight: float = 1.0,
+        learned: Sequence[tuple] = (),
     ):
         self.specs = tuple(specs)
-        self.learned, self.learned_weight = learned, float(learned_weight)
+        self.learned = tuple(learned)
         self.correct_reward = correct_reward
         self.timeout_s = timeout_s
         for s in self.specs:
@@ -168,11 +168,12 @@ class Scorer:
             timeout_s=self.timeout_s,
             completion_lengths=None if lengths_N is None else [int(x) for x in lengths_N],
         )
-        if self.learned is not None:  # the example's own prompt is the chat template's question
-            questions = [str(ex.get("prompt", "")) for ex in examples for _ in range(repeat)]
-            values_N = self.learned(prompts, completions, questions, group_size=repeat)
-            add_learned(result, values_N, self.learned_weight)
-            self.display.setdefault(LEARNED, LEARNED)
+        # A learned reward's question is the example's own prompt (its chat template's turn).
+        questions = [str(ex.get("prompt", "")) for ex in examples for _ in range(repeat)]
+        for name, learned, weight in self.learned:
+            values_N = learned(prompts, completions, questions, group_size=repeat)
+            add_learned(result, name, values_N, weight)
+            self.display.setdefault(name, name)
         correct_N = np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD
         if self._format_name is not None:
             invalid_N = np.nan_to_num(result.per_reward[self._format_name]) <= 0

@@ -39,7 +39,7 @@ from grpo_jax.config import (
 )
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
-from grpo_jax.reward_models import LearnedReward
+from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
 from grpo_jax.sampling import SamplingConfig
 
@@ -230,20 +230,24 @@ def build_encoder(run: RunConfig, tokenizer) -> PromptEncoder:
 
 def build_scorer(run: RunConfig, mesh=None) -> Scorer:
     """The run's rewards; with ``reward_model.path``, its reward model placed on ``mesh``."""
-    section, learned = run.reward_model, None
-    if section.path:
+    learned = []
+    if run.reward_model.path or run.judge.path:
         if jax.process_count() > 1:
             raise ConfigError(
-                "config key 'reward_model.path': a reward model scores on one process only "
-                f"for now, and this run has {jax.process_count()}"
+                "config keys 'reward_model.path' and 'judge.path': learned rewards score on "
+                f"one process only for now, and this run has {jax.process_count()}"
             )
-        learned = LearnedReward.load(section, mesh, layout=run.mesh.layout)
+    if run.reward_model.path:
+        rm = LearnedReward.load(run.reward_model, mesh, layout=run.mesh.layout)
+        learned.append((LEARNED, rm, run.reward_model.weight))
+    if run.judge.path:  # the reference policy's judge gets its parameters at the start
+        judge = Judge.load(run.judge, mesh, layout=run.mesh.layout)
+        learned.append((JUDGE, judge, run.judge.weight))
     return Scorer(
         run.rewards.specs,
         correct_reward=run.rewards.correct,
         timeout_s=run.train.reward_timeout_s,
         learned=learned,
-        learned_weight=section.weight,
     )
 
 

@@ -147,7 +147,7 @@ def test_scorer_adds_the_learned_reward_by_weight():
     examples = [{"prompt": "q", "answer": "4"}]
     learned = _Fixed([0.5, np.nan])
     scorer = Scorer(
-        specs, correct_reward="exact_match", timeout_s=5.0, learned=learned, learned_weight=2.0
+        specs, correct_reward="exact_match", timeout_s=5.0, learned=[(LEARNED, learned, 2.0)]
     )
     result, correct, _ = scorer.score(
         ["q", "q"], ["<answer>4</answer>", "<answer>5</answer>"], examples, repeat=2
@@ -225,7 +225,8 @@ def test_setup_builds_the_scorer_with_the_reward_model(qwen2_rm):
     c.reward_model.buckets = (32,)
     c.reward_model.batch_size = 8
     scorer = build_scorer(parse_config(c), make_mesh())
-    assert isinstance(scorer.learned, LearnedReward) and scorer.learned_weight == 0.5
+    ((name, learned_reward, weight),) = scorer.learned
+    assert name == LEARNED and isinstance(learned_reward, LearnedReward) and weight == 0.5
     examples = [{"prompt": "q", "answer": "4"}]
     result, _, _ = scorer.score(["Q: "] * 2, ["4", "5"], examples, repeat=2)
     learned = result.per_reward[LEARNED]

@@ -5,12 +5,14 @@
     scores_BxC = model.scores(tokens_BxT, mask_BxT)
     learned = reward_models.LearnedReward.load(run.reward_model, mesh)
     values_N = learned(prompts, completions, questions, group_size=G)
+    judge = reward_models.Judge.load(run.judge, mesh)            # an LLM judge's expected score
 
 This package sits above ``grpo_jax.rewards`` and ``grpo_jax.models`` in the layers
 (pyproject.toml): a reward model needs JAX and the model code, which the verifiable
 rewards, run in worker processes, must not import.
 """
 
+from grpo_jax.reward_models.judge import JUDGE, REFERENCE, Judge, expected_score
 from grpo_jax.reward_models.model import (
     RewardModel,
     load_reward_model,
@@ -26,6 +28,10 @@ from grpo_jax.reward_models.scorer import (
 )
 
 __all__ = [
+    "JUDGE",
+    "REFERENCE",
+    "Judge",
+    "expected_score",
     "LEARNED",
     "add_learned",
     "LearnedReward",

@@ -82,6 +82,41 @@ def group_standardize(values_N: np.ndarray, group_size: int) -> np.ndarray:
     return standardize(v_GxK, mean, np.sqrt(var)).reshape(-1)
 
 
+def score_in_batches(
+    fn, token_lists, *, pad_id: int, buckets, batch_size: int, mesh=None, what: str = ""
+) -> np.ndarray:
+    """float32[N]: ``fn(tokens_BxP, mask_BxP) -> [B]`` over the rows, ``batch_size`` at a time.
+
+    Each batch is left-padded to the smallest of ``buckets`` holding its longest row,
+    the last one filled with empty rows (one compiled shape per bucket), and split over
+    ``mesh``'s batch axes. A row longer than the largest bucket, or a value that is not
+    finite, is NaN (and the first counted in a warning naming ``what``'s buckets).
+    """
+    n = len(token_lists)
+    out = np.full(n, np.nan, np.float32)
+    fits = [i for i, t in enumerate(token_lists) if len(t) <= buckets[-1]]
+    if len(fits) < n:
+        log.warning(
+            "%s: %d of %d texts exceed %s.buckets' largest (%d tokens) and are not scored",
+            what,
+            n - len(fits),
+            n,
+            what,
+            buckets[-1],
+        )
+    for start in range(0, len(fits), batch_size):
+        rows = fits[start : start + batch_size]
+        batch = [token_lists[i] for i in rows]
+        batch += [[pad_id]] * (batch_size - len(batch))  # one shape per bucket
+        tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=buckets)
+        mask[len(rows) :] = False  # the filler rows hold no token
+        if mesh is not None:
+            tokens, mask = jax.device_put((tokens, mask), batch_sharding(mesh))
+        out[rows] = np.asarray(fn(tokens, mask))[: len(rows)]
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
 @dataclasses.dataclass
 class LearnedReward:
     """A reward model, its tokenizer and settings; ``__call__`` scores a batch of texts.
@@ -150,29 +185,20 @@ class LearnedReward:
 
     def score_tokens(self, token_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """float32[N] raw scores (``section.label``'s logit); NaN: too long or not finite."""
-        s, n = self.section, len(token_lists)
-        out = np.full(n, np.nan, np.float32)
-        fits = [i for i, t in enumerate(token_lists) if len(t) <= s.buckets[-1]]
-        if len(fits) < n:
-            log.warning(
-                "reward model: %d of %d texts exceed reward_model.buckets' largest (%d "
-                "tokens) and are not scored",
-                n - len(fits),
-                n,
-                s.buckets[-1],
-            )
-        for start in range(0, len(fits), s.batch_size):
-            rows = fits[start : start + s.batch_size]
-            batch = [token_lists[i] for i in rows]
-            batch += [[self.pad_id]] * (s.batch_size - len(batch))  # one shape per bucket
-            tokens, mask = pad_prompts(batch, pad_id=self.pad_id, buckets=s.buckets)
-            mask[len(rows) :] = False  # the filler rows hold no token
-            if self.mesh is not None:
-                tokens, mask = jax.device_put((tokens, mask), batch_sharding(self.mesh))
-            scores_BxC = np.asarray(self._jit(self._graphdef, self._params, tokens, mask))
-            out[rows] = scores_BxC[: len(rows), s.label]
-        out[~np.isfinite(out)] = np.nan
-        return out
+        s = self.section
+
+        def fn(tokens, mask):
+            return self._jit(self._graphdef, self._params, tokens, mask)[:, s.label]
+
+        return score_in_batches(
+            fn,
+            token_lists,
+            pad_id=self.pad_id,
+            buckets=s.buckets,
+            batch_size=s.batch_size,
+            mesh=self.mesh,
+            what="reward_model",
+        )
 
     def __call__(self, prompts, completions, questions, *, group_size: int) -> np.ndarray:
         """float32[N]: each completion's reward, normalised as ``section.normalize`` says."""
@@ -185,12 +211,12 @@ class LearnedReward:
         return raw
 
 
-def add_learned(result, values_N: np.ndarray, weight: float) -> None:
+def add_learned(result, name: str, values_N: np.ndarray, weight: float) -> None:
     """A learned reward into ``result`` (a ``rewards.RewardResult``), in place: its own
-    entry ``LEARNED``, its non-finite values counted as errors, and ``weight`` x it in the
+    entry ``name``, its non-finite values counted as errors, and ``weight`` x it in the
     total (NaN there too: unscored, advantage 0); weight 0 leaves the total alone."""
-    result.per_reward[LEARNED] = np.asarray(values_N, np.float32)
-    result.errors[LEARNED] = int((~np.isfinite(values_N)).sum())
+    result.per_reward[name] = np.asarray(values_N, np.float32)
+    result.errors[name] = int((~np.isfinite(values_N)).sum())
     if weight:
         result.total = (result.total + weight * values_N).astype(np.float32)
 

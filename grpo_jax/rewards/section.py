@@ -100,6 +100,97 @@ class RewardModelSection:
         object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
 
 
+DEFAULT_RUBRIC = (
+    "Rate how well the answer solves the problem, from 1 (wrong) to 5 (fully correct).\n\n"
+    "Problem: {question}\n\nAnswer: {completion}\n\nRating (1-5): "
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSection:
+    """An LLM judge: the expected score of a frozen causal LM over a rubric prompt's score tokens.
+
+    Attributes:
+      path: a Hugging Face causal-LM checkpoint directory, "reference" (the run's
+        reference policy, no second copy of its weights; needs grpo.beta > 0 and no
+        LoRA), or "" (none).
+      weight: its weight in the total reward.
+      rubric: the judge's prompt, a template with ``{question}`` (the example's
+        prompt) and ``{completion}``.
+      score_tokens: the texts whose next-token probabilities are the judge's
+        verdict; each must be one token of the judge's tokenizer.
+      values: each score token's value (default: the tokens read as numbers);
+        the reward is sum_k p_k values_k, p the softmax over the score tokens' logits.
+      chat: put the rubric in a user turn of the judge tokenizer's chat template.
+      tokenizer: the judge's tokenizer directory ("": ``path``'s, or the policy's
+        for "reference").
+      buckets, batch_size: the rubric prompts' padded lengths and rows per pass,
+        as for ``reward_model``.
+    """
+
+    path: str = ""
+    weight: float = 1.0
+    rubric: str = DEFAULT_RUBRIC
+    score_tokens: tuple[str, ...] = ("1", "2", "3", "4", "5")
+    values: tuple[float, ...] = ()
+    chat: bool = False
+    tokenizer: str = ""
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    batch_size: int = 16
+
+    def __post_init__(self):
+        for key in ("path", "tokenizer", "rubric"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"config key 'judge.{key}' = {getattr(self, key)!r} must be a string"
+                )
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"config key 'judge.weight' = {w!r} must be a finite number")
+        try:
+            self.rubric.format(question="", completion="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"config key 'judge.rubric' = {self.rubric!r:.80} is not a template of "
+                f"{{question}} and {{completion}} ({type(e).__name__}: {e}); write a literal "
+                "brace as {{ or }}"
+            ) from None
+        if "{completion}" not in self.rubric:
+            raise ConfigError("config key 'judge.rubric' must contain {completion}")
+        tokens = tuple(self.score_tokens)
+        if not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise ConfigError(
+                f"config key 'judge.score_tokens' = {self.score_tokens!r} must be non-empty strings"
+            )
+        values = tuple(self.values)
+        if not values:
+            try:
+                values = tuple(float(t) for t in tokens)
+            except ValueError:
+                raise ConfigError(
+                    f"config key 'judge.values' is needed: the score tokens {tokens} are not "
+                    "all numbers (e.g. Yes/No: values = (1.0, 0.0))"
+                ) from None
+        if len(values) != len(tokens) or not all(math.isfinite(float(v)) for v in values):
+            raise ConfigError(
+                f"config key 'judge.values' = {self.values!r} must give one finite number per "
+                f"score token {tokens}"
+            )
+        object.__setattr__(self, "score_tokens", tokens)
+        object.__setattr__(self, "values", tuple(float(v) for v in values))
+        check_bool("judge.chat", self.chat)
+        check_range("judge.batch_size", self.batch_size, lo=1, integer=True)
+        b = tuple(self.buckets)
+        for i, x in enumerate(b):
+            check_range(f"judge.buckets[{i}]", x, lo=1, integer=True)
+        if not b or any(x >= y for x, y in zip(b, b[1:])):
+            raise ConfigError(
+                f"config key 'judge.buckets' = {self.buckets!r} must be a non-empty, strictly "
+                "increasing tuple of lengths"
+            )
+        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
+
+
 def load_reward_modules(value: Any) -> tuple[str, ...]:
     """Imports the ``reward_modules`` key's modules, whose import registers rewards.
 
