@@ -36,7 +36,7 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
-from grpo_jax.reward_models import add_learned
+from grpo_jax.reward_models import add_learned, learned_metrics
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -410,13 +410,13 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
     names = rounds[0].names
     errors = sum(x.rows["errors"].sum(axis=0) for x in rounds)
     clipped = sum(x.rows["clipped"].sum(axis=0) for x in rounds)
+    per_reward = {  # each round's rows in the batch's row order, so groups stay whole
+        r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k][x.order] for x in rounds])
+        for k in names
+    }
     metrics = rollout_metrics(
-        # Each round's rows in the batch's row order, so groups stay whole.
         total_N=np.concatenate([x.total_N for x in rounds]),
-        per_reward={
-            r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k] for x in rounds])
-            for k in names
-        },
+        per_reward=per_reward,
         errors={r.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
         clipped={r.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
         correct_N=cat("correct"),
@@ -426,6 +426,9 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
         G=r.grpo.G,
         invalid_N=cat("invalid"),
     )
+    correct_N = np.concatenate([x.rows["correct"][x.order] for x in rounds])
+    for name, _, _ in r.scorer.learned:
+        metrics.update(learned_metrics(name, per_reward[name], correct_N, r.grpo.G))
     t_sample = sum(x.t_sample for x in rounds)
     sampled_tokens = int(cat("lengths").sum())
     metrics.update(

@@ -39,7 +39,7 @@ from grpo_jax.config import (
 )
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
-from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward
+from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
 from grpo_jax.sampling import SamplingConfig
 
@@ -485,7 +485,8 @@ def build_data(run: RunConfig, rows_B: slice) -> Data:
 def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> None:
     """The per-device memory plan of this layout (and the sampler mesh's); one that cannot
     fit what the devices report (GPUs, TPUs) stops the run here, before any training."""
-    mem = memory.plan_run(run, model_cfg, mesh.shape)
+    learned = learned_bytes(run.reward_model.path, run.judge.path, mesh.shape, run.mesh.layout)
+    mem = memory.plan_run(run, model_cfg, mesh.shape, learned_bytes=learned)
     samp_mem = None
     if samp_mesh is not None:  # its own copy of the parameters and the KV cache
         samp_mem = memory.plan_sampler(run, model_cfg, samp_mesh.shape)

@@ -22,6 +22,7 @@ from grpo_jax.reward_models import (
     LearnedReward,
     RunningMoments,
     group_standardize,
+    learned_metrics,
     load_reward_model,
 )
 from grpo_jax.rewards.section import RewardModelSection
@@ -234,3 +235,44 @@ def test_setup_builds_the_scorer_with_the_reward_model(qwen2_rm):
     verifiable = result.per_reward["exact_match(tag=None)"]
     assert list(verifiable) == [1.0, 0.0]
     np.testing.assert_allclose(result.total, verifiable + 0.5 * learned, rtol=1e-6)
+
+
+def test_learned_metrics_by_hand():
+    # Group 1: correct (0.9, 0.2) vs wrong (0.5): pairs 0.9>0.5 win, 0.2<0.5 loss.
+    # Group 2: correct 0.3 vs wrong (0.3 tie, NaN unscored): one tie = 1/2.
+    v = np.array([0.9, 0.2, 0.5, 0.3, 0.3, np.nan])
+    correct = np.array([True, True, False, True, False, False])
+    m = learned_metrics("reward_model", v, correct, group_size=3)
+    assert m["rewards/reward_model/agreement"] == pytest.approx((1 + 0 + 0.5) / 3)
+    assert m["rewards/reward_model/max"] == 0.9 and m["rewards/reward_model/min"] == 0.2
+    assert m["rewards/reward_model/std"] == pytest.approx(np.std(v[:5]))
+    assert "rewards/judge/agreement" not in learned_metrics("judge", v, np.ones(6, bool), 3)
+
+
+def test_memory_plan_counts_the_reward_model(qwen2_rm, tiny_model_config):
+    from grpo_jax import memory
+    from grpo_jax.reward_models import checkpoint_bytes, learned_bytes, reward_model_bytes
+
+    mesh = make_mesh({"data": 4, "fsdp": 2})
+    placed = load_reward_model(qwen2_rm, mesh=mesh)
+    # The plan's count equals the bytes one device holds of the placed parameters.
+    held = sum(
+        x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(nnx.state(placed, nnx.Param))
+    )
+    assert checkpoint_bytes(qwen2_rm, dict(mesh.shape), "fsdp", classifier=True) == held
+    assert learned_bytes(str(qwen2_rm), "", {"data": 1}) == reward_model_bytes(placed)
+    assert learned_bytes("", "reference", dict(mesh.shape)) == 0  # the reference's own weights
+    est = memory.plan(
+        tiny_model_config,
+        mesh_shape={"data": 1},
+        layout="fsdp",
+        budget_bytes=None,
+        learned_bytes=held,
+        batch_rows=4,
+        sample_rows=4,
+        seq_len=8,
+        prompt_len=8,
+        beta=0.0,
+    )
+    assert est.learned == held and "reward model / judge" in est.table()
+    assert est.total == max(est.sampling, est.training) and est.sampling >= held

@@ -15,6 +15,8 @@ rewards, run in worker processes, must not import.
 from grpo_jax.reward_models.judge import JUDGE, REFERENCE, Judge, expected_score
 from grpo_jax.reward_models.model import (
     RewardModel,
+    checkpoint_bytes,
+    learned_bytes,
     load_reward_model,
     reward_model_bytes,
     reward_table,
@@ -25,6 +27,7 @@ from grpo_jax.reward_models.scorer import (
     RunningMoments,
     add_learned,
     group_standardize,
+    learned_metrics,
 )
 
 __all__ = [
@@ -34,10 +37,13 @@ __all__ = [
     "expected_score",
     "LEARNED",
     "add_learned",
+    "learned_metrics",
     "LearnedReward",
     "RewardModel",
     "RunningMoments",
     "group_standardize",
+    "checkpoint_bytes",
+    "learned_bytes",
     "load_reward_model",
     "reward_model_bytes",
     "reward_table",

@@ -17,6 +17,7 @@ logits over the vocabulary, and its checkpoint stores none.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -28,6 +29,8 @@ from grpo_jax.models import CheckpointError, ModelConfig, Transformer
 from grpo_jax.models.hf import check_unused, load_into, open_checkpoint
 from grpo_jax.models.hf_weights import Entry, weight_table
 from grpo_jax.models.layers import param
+from grpo_jax.models.partitioning import fit_spec
+from grpo_jax.sharding import MESH_AXES, logical_to_spec
 
 SCORE = "score.weight"  # transformers' name of the head: nn.Linear(D, C, bias=False)
 
@@ -100,6 +103,43 @@ def load_reward_model(
 
 
 def reward_model_bytes(model: RewardModel) -> int:
-    """Bytes of the reward model's parameters (for the memory plan)."""
+    """Bytes of the reward model's parameters."""
     state = nnx.state(model, nnx.Param)
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
+
+def checkpoint_bytes(path, mesh_shape, layout: str = "fsdp", *, classifier: bool) -> int:
+    """Per-device bytes of the weights of the checkpoint at ``path`` once placed in ``layout``
+    over a mesh of ``mesh_shape``: a reward model (``classifier``) or a causal LM (a judge).
+    Reads config.json and the safetensors headers only."""
+    directory, hf, cfg, ckpt, _, _ = open_checkpoint(path)
+    mesh_shape = {a: int(dict(mesh_shape).get(a, 1)) for a in MESH_AXES}  # missing: size 1
+    if classifier:
+        n = _num_labels(hf, ckpt, directory)
+        build = lambda: RewardModel(cfg, n, rngs=nnx.Rngs(0), layout=layout)
+    else:
+        build = lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout)
+    total = 0
+    for v in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param), is_leaf=_is_var):
+        spec = fit_spec(
+            logical_to_spec(v.get_metadata().get("logical_axes"), layout), v.shape, mesh_shape
+        )
+        axes = [a for s in spec if s for a in ((s,) if isinstance(s, str) else s)]
+        ways = math.prod(mesh_shape[a] for a in axes)
+        total += -(-math.prod(v.shape) // ways) * jnp.dtype(v.dtype).itemsize
+    return int(total)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def learned_bytes(reward_model_path: str, judge_path: str, mesh_shape, layout="fsdp") -> int:
+    """Per-device bytes of a run's reward model and judge (the reference as judge: 0, as
+    its weights are the reference's, already counted)."""
+    total = 0
+    if reward_model_path:
+        total += checkpoint_bytes(reward_model_path, mesh_shape, layout, classifier=True)
+    if judge_path and judge_path != "reference":
+        total += checkpoint_bytes(judge_path, mesh_shape, layout, classifier=False)
+    return total

@@ -221,11 +221,45 @@ def add_learned(result, name: str, values_N: np.ndarray, weight: float) -> None:
         result.total = (result.total + weight * values_N).astype(np.float32)
 
 
+def learned_metrics(name: str, values_N, correct_N, group_size: int) -> dict[str, float]:
+    """A learned reward's score distribution and its agreement with the verifiable check.
+
+    ``rewards/<name>/std``, ``min``, ``max`` over the finite values, and
+    ``rewards/<name>/agreement``: over the pairs of one group whose correctness
+    differs (both scored), the share in which the correct completion scores higher
+    (a tie counts one half), the within-group AUC; absent when there is no such pair.
+    """
+    v = np.asarray(values_N, np.float64)
+    finite = np.isfinite(v)
+    out = {}
+    if finite.any():
+        out.update(
+            {
+                f"rewards/{name}/std": float(v[finite].std()),
+                f"rewards/{name}/min": float(v[finite].min()),
+                f"rewards/{name}/max": float(v[finite].max()),
+            }
+        )
+    wins = pairs = 0.0
+    ok_GxK = np.asarray(correct_N, bool).reshape(-1, group_size)
+    for v_K, ok_K, f_K in zip(v.reshape(-1, group_size), ok_GxK, finite.reshape(-1, group_size)):
+        good, bad = v_K[ok_K & f_K], v_K[~ok_K & f_K]
+        if good.size and bad.size:
+            diff = good[:, None] - bad[None, :]
+            wins += float((diff > 0).sum() + 0.5 * (diff == 0).sum())
+            pairs += diff.size
+    if pairs:
+        out[f"rewards/{name}/agreement"] = wins / pairs
+    return out
+
+
 __all__ = [
     "LEARNED",
     "LearnedReward",
-    "add_learned",
     "RunningMoments",
+    "add_learned",
     "group_standardize",
+    "learned_metrics",
+    "score_in_batches",
     "standardize",
 ]
