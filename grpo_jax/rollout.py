@@ -36,7 +36,7 @@ from grpo_jax import data, distributed, rewards
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
-from grpo_jax.reward_models import add_learned, learned_metrics
+from grpo_jax.reward_models import add_learned, learned_metrics, run_learned
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -171,7 +171,9 @@ class Scorer:
         # A learned reward's question is the example's own prompt (its chat template's turn).
         questions = [str(ex.get("prompt", "")) for ex in examples for _ in range(repeat)]
         for name, learned, weight in self.learned:
-            values_N = learned(prompts, completions, questions, group_size=repeat)
+            values_N = run_learned(
+                name, learned, prompts, completions, questions, group_size=repeat
+            )
             add_learned(result, name, values_N, weight)
             self.display.setdefault(name, name)
         correct_N = np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD

@@ -276,3 +276,42 @@ def test_memory_plan_counts_the_reward_model(qwen2_rm, tiny_model_config):
     )
     assert est.learned == held and "reward model / judge" in est.table()
     assert est.total == max(est.sampling, est.training) and est.sampling >= held
+
+
+class _Raises:
+    def __call__(self, prompts, completions, questions, *, group_size):
+        raise RuntimeError("out of memory on the reward model")
+
+
+def test_a_learned_reward_that_raises_or_misbehaves_is_contained(caplog):
+    specs = (rewards.RewardSpec("exact_match", 1.0),)
+    examples = [{"prompt": "q", "answer": "4"}]
+    scorer = Scorer(
+        specs,
+        correct_reward="exact_match",
+        timeout_s=5.0,
+        learned=[(LEARNED, _Raises(), 1.0), ("judge", lambda *a, **k: [1.0, 2.0, 3.0], 1.0)],
+    )
+    result, correct, _ = scorer.score(["q", "q"], ["<answer>4</answer>", "x"], examples, repeat=2)
+    assert np.isnan(result.total).all() and list(correct) == [True, False]
+    assert result.errors[LEARNED] == 2 and result.errors["judge"] == 2
+    assert "out of memory on the reward model" in caplog.text
+    assert "returned shape (3,), not (2,)" in caplog.text
+
+
+def test_a_reward_model_too_big_for_memory_is_refused(qwen2_rm, tiny_model_config):
+    from grpo_jax import memory
+    from grpo_jax.reward_models import learned_bytes
+
+    held = learned_bytes(str(qwen2_rm), "", {"data": 1})
+    kw = dict(batch_rows=1, sample_rows=1, seq_len=4, prompt_len=4, beta=0.0)
+    est = memory.plan(tiny_model_config, mesh_shape={"data": 1}, layout="fsdp", **kw)
+    with pytest.raises(memory.MemoryBudgetError, match="shard the reward model or judge"):
+        memory.plan(
+            tiny_model_config,
+            mesh_shape={"data": 1},
+            layout="fsdp",
+            budget_bytes=est.total + held // 2,  # room for the policy, not for the reward model
+            learned_bytes=held,
+            **kw,
+        )

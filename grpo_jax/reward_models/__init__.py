@@ -28,6 +28,7 @@ from grpo_jax.reward_models.scorer import (
     add_learned,
     group_standardize,
     learned_metrics,
+    run_learned,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "LEARNED",
     "add_learned",
     "learned_metrics",
+    "run_learned",
     "LearnedReward",
     "RewardModel",
     "RunningMoments",

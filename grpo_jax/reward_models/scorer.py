@@ -221,6 +221,21 @@ def add_learned(result, name: str, values_N: np.ndarray, weight: float) -> None:
         result.total = (result.total + weight * values_N).astype(np.float32)
 
 
+def run_learned(name: str, learned, prompts, completions, questions, *, group_size: int):
+    """float32[N]: ``learned``'s values, contained: one that raises, or returns something
+    other than N numbers, costs this batch's learned reward (all NaN: unscored, counted as
+    errors) with a warning naming it and the error, and the run goes on."""
+    n = len(completions)
+    try:
+        values = np.asarray(learned(prompts, completions, questions, group_size=group_size))
+        if values.shape != (n,):
+            raise ValueError(f"returned shape {values.shape}, not ({n},)")
+        return values.astype(np.float32)
+    except Exception as e:  # noqa: BLE001 - any failure of a learned reward is contained
+        log.warning("%s failed on %d completions, which are unscored: %r", name, n, e)
+        return np.full(n, np.nan, np.float32)
+
+
 def learned_metrics(name: str, values_N, correct_N, group_size: int) -> dict[str, float]:
     """A learned reward's score distribution and its agreement with the verifiable check.
 
@@ -260,6 +275,7 @@ __all__ = [
     "add_learned",
     "group_standardize",
     "learned_metrics",
+    "run_learned",
     "score_in_batches",
     "standardize",
 ]
