@@ -27,11 +27,13 @@ from grpo_jax.config import (
     EvalConfig,
     GRPOConfig,
     HealthConfig,
+    JudgeSection,
     LoRAConfig,
     MeshConfig,
     ModelSection,
     OptimConfig,
     PromptConfig,
+    RewardModelSection,
     SamplingSection,
     TrainConfig,
     WarmStartConfig,
@@ -128,4 +130,8 @@ def base() -> ConfigDict:
     c.health = section(HealthConfig)
     # Multi-turn rollouts with an environment (docs/multiturn.md); name "" is single-turn.
     c.env = section(EnvSection)
+    # A learned reward beside `rewards` (docs/learned_rewards.md); path "" is none.
+    c.reward_model = section(RewardModelSection)
+    # An LLM judge's expected score beside them; path "" is none, "reference" the reference.
+    c.judge = section(JudgeSection)
     return c

@@ -12,7 +12,7 @@ this module imports them, never the reverse:
   ``grpo_jax.models.config``    ``ModelSection``, ``LoRAConfig``, ``ATTENTION``
   ``grpo_jax.sampling``         ``SamplingSection`` (-> ``SamplingConfig``)
   ``grpo_jax.data``             ``DataSection``, ``PromptConfig``
-  ``grpo_jax.rewards.section``  ``RewardsSection``, ``parse_rewards``, ``load_reward_modules``
+  ``grpo_jax.rewards.section``  ``RewardsSection``, ``RewardModelSection``, ``parse_rewards``, ...
   ``grpo_jax.envs.section``     ``EnvSection``
   ``grpo_jax.objective``        ``GRPOConfig``
   ``grpo_jax.optimizer``        ``OptimConfig``
@@ -53,7 +53,13 @@ from grpo_jax.models.config import (
 )
 from grpo_jax.objective import OLD_LOGPS, GRPOConfig
 from grpo_jax.optimizer import SCHEDULES, OptimConfig
-from grpo_jax.rewards.section import RewardsSection, load_reward_modules, parse_rewards
+from grpo_jax.rewards.section import (
+    JudgeSection,
+    RewardModelSection,
+    RewardsSection,
+    load_reward_modules,
+    parse_rewards,
+)
 from grpo_jax.sampling_config import SamplingSection
 from grpo_jax.sharding import LAYOUTS
 
@@ -79,6 +85,8 @@ __all__ = [
     "ModelSection",
     "OptimConfig",
     "PromptConfig",
+    "JudgeSection",
+    "RewardModelSection",
     "RewardsSection",
     "SamplingSection",
     "load_reward_modules",
@@ -425,6 +433,8 @@ TOP_KEYS = (
     "warm_start",
     "health",
     "env",
+    "reward_model",
+    "judge",
 )
 
 
@@ -453,6 +463,8 @@ class RunConfig:
     health: HealthConfig
     raw: Mapping[str, Any]
     env: EnvSection = EnvSection()
+    reward_model: RewardModelSection = RewardModelSection()
+    judge: JudgeSection = JudgeSection()
 
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
@@ -502,7 +514,15 @@ def parse_config(config) -> RunConfig:
         health=from_mapping(HealthConfig, "health", raw.get("health")),
         raw=json.loads(json.dumps(raw, default=str)),
         env=from_mapping(EnvSection, "env", raw.get("env")),
+        reward_model=from_mapping(RewardModelSection, "reward_model", raw.get("reward_model")),
+        judge=from_mapping(JudgeSection, "judge", raw.get("judge")),
     )
+    if run.judge.path == "reference" and (run.grpo.beta == 0 or run.model.lora.rank):
+        raise ConfigError(
+            "config key 'judge.path' = 'reference' needs the run's reference policy as a "
+            f"plain model: grpo.beta > 0 (it is {run.grpo.beta}) and no LoRA "
+            f"(model.lora.rank = {run.model.lora.rank})"
+        )
     chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
     if chunk and t % chunk:
         raise ConfigError(

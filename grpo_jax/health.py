@@ -35,6 +35,14 @@ healthy run quiet):
                           the records of the ``reward_window`` steps up to each
                           evaluation) rose by > ``reward_rise_min`` while
                           ``eval/pass_at_1`` fell by > ``pass_drop_min``.
+  reward_hacking          over the last ``hack_window`` records, the learned
+                          reward (``rewards/reward_model/mean``, else
+                          ``rewards/judge/mean``) rose by > ``hack_rise_min``
+                          (mean of the window's second half minus its first)
+                          while the check ``hack_check`` (default
+                          ``rollout/pass_rate``, the verifiable correctness; or
+                          a second reward's ``rewards/<name>/mean``) rose by no
+                          more than ``hack_flat_max``: fell or stayed flat.
   logp_mismatch_policy    mean ``policy/abs_log_ratio_mean`` (how far one step's
                           update moved the policy) of the last
                           ``mismatch_window`` records > ``mismatch_growth`` x
@@ -56,6 +64,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from grpo_jax.checks import check_bool, check_range
+from grpo_jax.errors import ConfigError
 
 # Name of each rule's alarm, in the order diagnose checks them.
 ALARMS = (
@@ -68,6 +77,7 @@ ALARMS = (
     "kl_spike",
     "zero_var_groups",
     "reward_vs_eval",
+    "reward_hacking",
     "logp_mismatch_policy",
     "logp_mismatch_behavior",
 )
@@ -87,7 +97,10 @@ KEYS = (
     "eval/pass_at_1",
     "policy/abs_log_ratio_mean",
     "behavior/abs_log_diff_mean",
+    "rewards/reward_model/mean",
+    "rewards/judge/mean",
 )
+LEARNED_KEYS = ("rewards/reward_model/mean", "rewards/judge/mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +261,30 @@ def _reward_vs_eval(h, cfg, out):
         )
 
 
+def _hacking(h, cfg, out):
+    key = next((k for k in LEARNED_KEYS if _num(h[-1], k) is not None), None)
+    if key is None:
+        return
+    rows = [
+        (a, b)
+        for r in h[-cfg.hack_window :]
+        if (a := _num(r, key)) is not None and (b := _num(r, cfg.hack_check)) is not None
+    ]
+    if len(rows) < cfg.hack_window:
+        return
+    half = len(rows) // 2
+    rise = _mean([a for a, _ in rows[half:]]) - _mean([a for a, _ in rows[:half]])
+    check = _mean([b for _, b in rows[half:]]) - _mean([b for _, b in rows[:half]])
+    if rise > cfg.hack_rise_min and check <= cfg.hack_flat_max:
+        out(
+            "reward_hacking",
+            f"{key} rose by {rise:.4g} (> health.hack_rise_min {cfg.hack_rise_min}) over the "
+            f"last {len(rows)} steps while {cfg.hack_check} changed by {check:+.4g} "
+            f"(<= health.hack_flat_max {cfg.hack_flat_max}): the policy may be exploiting "
+            "the learned reward",
+        )
+
+
 def _mismatch(h, cfg, out):
     n, b = cfg.mismatch_window, cfg.mismatch_baseline
     for name, key in (
@@ -266,7 +303,17 @@ def _mismatch(h, cfg, out):
             )
 
 
-_RULES = (_entropy, _length, _truncation, _spikes, _kl, _zero_var, _reward_vs_eval, _mismatch)
+_RULES = (
+    _entropy,
+    _length,
+    _truncation,
+    _spikes,
+    _kl,
+    _zero_var,
+    _reward_vs_eval,
+    _hacking,
+    _mismatch,
+)
 
 
 def history_needed(cfg: HealthConfig) -> int:
@@ -279,6 +326,7 @@ def history_needed(cfg: HealthConfig) -> int:
         cfg.kl_window + 1,
         cfg.zero_var_steps,
         cfg.reward_window,
+        cfg.hack_window,
         cfg.mismatch_window + cfg.mismatch_baseline,
     )
 
@@ -343,6 +391,10 @@ class HealthConfig:
       reward_window: steps of reward averaged up to each evaluation.
       reward_rise_min: reward rise between two evaluations that counts ...
       pass_drop_min: ... with a held-out pass@1 drop above this.
+      hack_window: steps of the learned reward and its check compared (two halves).
+      hack_rise_min: a learned-reward rise above this (its own units) ...
+      hack_flat_max: ... with the check rising by no more than this fires.
+      hack_check: the metric that checks the learned reward.
       mismatch_window: recent steps of a log-prob mismatch.
       mismatch_baseline: the steps before them whose median it is compared with.
       mismatch_growth: alarm when the recent mean exceeds this times that median ...
@@ -372,6 +424,10 @@ class HealthConfig:
     reward_window: int = 10
     reward_rise_min: float = 0.05
     pass_drop_min: float = 0.02
+    hack_window: int = 20
+    hack_rise_min: float = 0.1
+    hack_flat_max: float = 0.0
+    hack_check: str = "rollout/pass_rate"
     mismatch_window: int = 10
     mismatch_baseline: int = 40
     mismatch_growth: float = 3.0
@@ -407,5 +463,12 @@ class HealthConfig:
             "pass_drop_min",
             "mismatch_growth",
             "mismatch_min",
+            "hack_rise_min",
         ):
             check_range(f"health.{key}", getattr(self, key), lo=0.0)
+        check_range("health.hack_window", self.hack_window, lo=2, integer=True)
+        check_range("health.hack_flat_max", self.hack_flat_max)
+        if not isinstance(self.hack_check, str) or not self.hack_check:
+            raise ConfigError(
+                f"config key 'health.hack_check' = {self.hack_check!r} must be a metric name"
+            )

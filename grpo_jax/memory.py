@@ -96,12 +96,13 @@ from grpo_jax.models.transformer import Transformer
 from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
-COMPONENTS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
+COMPONENTS = ("params", "grads", "optimizer", "reference", "learned", "kv_cache", "activations")
 _NAMES = {
     "params": "parameters",
     "grads": "gradients",
     "optimizer": "optimizer state",
     "reference": "reference parameters",
+    "learned": "reward model / judge",
     "kv_cache": "KV cache",
     "activations": "activations",
 }
@@ -138,16 +139,18 @@ class MemoryEstimate:
     activations: int
     num_params: int
     trainable_params: int | None = None  # None: every parameter trains
+    learned: int = 0  # a reward model's and a judge's weights (grpo_jax.reward_models)
 
     @property
     def sampling(self) -> int:
         """Peak while sampling: everything resident plus the KV cache."""
-        return self.params + self.optimizer + self.reference + self.kv_cache
+        return self.params + self.optimizer + self.reference + self.learned + self.kv_cache
 
     @property
     def training(self) -> int:
         """Peak while updating: everything resident plus gradients and activations."""
-        return self.params + self.optimizer + self.reference + self.grads + self.activations
+        resident = self.params + self.optimizer + self.reference + self.learned
+        return resident + self.grads + self.activations
 
     @property
     def total(self) -> int:
@@ -483,6 +486,8 @@ def _hint(est: MemoryEstimate, part: str) -> str:
         else:
             hint = "use more fsdp or tensor devices, or bfloat16 parameters"
         return hint + (", or beta = 0 (no reference model)" if part == "reference" else "")
+    if part == "learned":
+        return "shard the reward model or judge with more fsdp devices, or use a smaller one"
     if part == "activations":
         return (
             "use remat (model.remat = True), a smaller minibatch (train.minibatch_size) or "
@@ -516,6 +521,7 @@ def plan(
     mesh_shape: Mapping[str, int],
     layout: str,
     budget_bytes: int | float | None = None,
+    learned_bytes: int = 0,
     **kwargs,
 ) -> MemoryEstimate:
     """:func:`estimate`, then :func:`check_budget` against a budget.
@@ -537,13 +543,16 @@ def plan(
         if key not in kwargs and getattr(model_cfg_like, key, None) is not None:
             kwargs[key] = getattr(model_cfg_like, key)
     est = estimate(model_cfg_like, mesh_shape=mesh_shape, layout=layout, **kwargs)
+    est = dataclasses.replace(est, learned=learned_bytes)  # per device, the caller's count
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
     return est
 
 
-def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None):
+def plan_run(
+    run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None, learned_bytes=0
+):
     """:func:`plan` for a training run (a ``grpo_jax.config.RunConfig``).
 
     Rows and lengths come from the run: one forward/backward pass holds
@@ -569,6 +578,7 @@ def plan_run(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=No
         mesh_shape=mesh_shape,
         layout=run.mesh.layout,
         budget_bytes=math.inf if on_pages else budget_bytes,
+        learned_bytes=learned_bytes,
         batch_rows=rows,
         sample_rows=max(n, run.eval.batch_size),
         seq_len=run.sampling.max_new_tokens,

@@ -250,7 +250,7 @@ class Reporter:
         """The alarms that fire at ``step`` (``m``: its record), by the rearm rule (module doc)."""
         if not self.health.enabled:
             return []
-        rec = {k: m[k] for k in health.KEYS if k in m}
+        rec = {k: m[k] for k in (*health.KEYS, self.health.hack_check) if k in m}
         rec["step"] = step
         if len(self._early) < self.health.entropy_window:
             self._early.append(rec)

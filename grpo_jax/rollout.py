@@ -37,6 +37,7 @@ from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.paged import generate_with_stats as paged_generate
+from grpo_jax.reward_models import add_learned, learned_metrics, run_learned
 from grpo_jax.sampling import generate, pad_prompts
 
 CORRECT_THRESHOLD = 1.0 - 1e-6  # Correctness rewards return 1.0 / 0.0.
@@ -107,15 +108,25 @@ class Scorer:
         pass@k); when it is not among ``specs`` it is scored with weight 0 (no
         part of the training reward, but logged and its errors counted).
       timeout_s: per-reward time budget (``rewards.score``).
+      learned: (name, scorer, weight) of each learned reward: a reward model
+        (``reward_models.LearnedReward``, "reward_model") or a judge
+        (``reward_models.Judge``, "judge"); logged as ``rewards/<name>/...``,
+        weighted in the total; a NaN score is an error.
 
     A completion has an invalid format when a reward named "format..." is among
     the specs and gives it 0, else when no final answer can be extracted from it.
     """
 
     def __init__(
-        self, specs: Sequence[rewards.RewardSpec], *, correct_reward: str, timeout_s: float
+        self,
+        specs: Sequence[rewards.RewardSpec],
+        *,
+        correct_reward: str,
+        timeout_s: float,
+        learned: Sequence[tuple] = (),
     ):
         self.specs = tuple(specs)
+        self.learned = tuple(learned)
         self.correct_reward = correct_reward
         self.timeout_s = timeout_s
         for s in self.specs:
@@ -158,6 +169,14 @@ class Scorer:
             timeout_s=self.timeout_s,
             completion_lengths=None if lengths_N is None else [int(x) for x in lengths_N],
         )
+        # A learned reward's question is the example's own prompt (its chat template's turn).
+        questions = [str(ex.get("prompt", "")) for ex in examples for _ in range(repeat)]
+        for name, learned, weight in self.learned:
+            values_N = run_learned(
+                name, learned, prompts, completions, questions, group_size=repeat
+            )
+            add_learned(result, name, values_N, weight)
+            self.display.setdefault(name, name)
         correct_N = np.nan_to_num(result.per_reward[self.correct_reward]) >= CORRECT_THRESHOLD
         if self._format_name is not None:
             invalid_N = np.nan_to_num(result.per_reward[self._format_name]) <= 0
@@ -399,13 +418,13 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
     names = rounds[0].names
     errors = sum(x.rows["errors"].sum(axis=0) for x in rounds)
     clipped = sum(x.rows["clipped"].sum(axis=0) for x in rounds)
+    per_reward = {  # each round's rows in the batch's row order, so groups stay whole
+        r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k][x.order] for x in rounds])
+        for k in names
+    }
     metrics = rollout_metrics(
-        # Each round's rows in the batch's row order, so groups stay whole.
         total_N=np.concatenate([x.total_N for x in rounds]),
-        per_reward={
-            r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k] for x in rounds])
-            for k in names
-        },
+        per_reward=per_reward,
         errors={r.scorer.display[k]: int(e) for k, e in zip(names, errors, strict=True)},
         clipped={r.scorer.display[k]: int(c) for k, c in zip(names, clipped, strict=True)},
         correct_N=cat("correct"),
@@ -415,6 +434,9 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
         G=r.grpo.G,
         invalid_N=cat("invalid"),
     )
+    correct_N = np.concatenate([x.rows["correct"][x.order] for x in rounds])
+    for name, _, _ in r.scorer.learned:
+        metrics.update(learned_metrics(name, per_reward[name], correct_N, r.grpo.G))
     t_sample = sum(x.t_sample for x in rounds)
     sampled_tokens = int(cat("lengths").sum())
     metrics.update(

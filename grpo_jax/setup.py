@@ -39,6 +39,7 @@ from grpo_jax.config import (
 )
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
+from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
 from grpo_jax.sampling import SamplingConfig
 
@@ -227,9 +228,26 @@ def build_encoder(run: RunConfig, tokenizer) -> PromptEncoder:
     )
 
 
-def build_scorer(run: RunConfig) -> Scorer:
+def build_scorer(run: RunConfig, mesh=None) -> Scorer:
+    """The run's rewards; with ``reward_model.path``, its reward model placed on ``mesh``."""
+    learned = []
+    if run.reward_model.path or run.judge.path:
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "config keys 'reward_model.path' and 'judge.path': learned rewards score on "
+                f"one process only for now, and this run has {jax.process_count()}"
+            )
+    if run.reward_model.path:
+        rm = LearnedReward.load(run.reward_model, mesh, layout=run.mesh.layout)
+        learned.append((LEARNED, rm, run.reward_model.weight))
+    if run.judge.path:  # the reference policy's judge gets its parameters at the start
+        judge = Judge.load(run.judge, mesh, layout=run.mesh.layout)
+        learned.append((JUDGE, judge, run.judge.weight))
     return Scorer(
-        run.rewards.specs, correct_reward=run.rewards.correct, timeout_s=run.train.reward_timeout_s
+        run.rewards.specs,
+        correct_reward=run.rewards.correct,
+        timeout_s=run.train.reward_timeout_s,
+        learned=learned,
     )
 
 
@@ -467,7 +485,8 @@ def build_data(run: RunConfig, rows_B: slice) -> Data:
 def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> None:
     """The per-device memory plan of this layout (and the sampler mesh's); one that cannot
     fit what the devices report (GPUs, TPUs) stops the run here, before any training."""
-    mem = memory.plan_run(run, model_cfg, mesh.shape)
+    learned = learned_bytes(run.reward_model.path, run.judge.path, mesh.shape, run.mesh.layout)
+    mem = memory.plan_run(run, model_cfg, mesh.shape, learned_bytes=learned)
     samp_mem = None
     if samp_mesh is not None:  # its own copy of the parameters and the KV cache
         samp_mem = memory.plan_sampler(run, model_cfg, samp_mesh.shape)
@@ -559,7 +578,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         rollouts=Rollouts(
             policy=policy,
             encoder=build_encoder(run, tokenizer),
-            scorer=build_scorer(run),
+            scorer=build_scorer(run, mesh),
             sampling=tokenizer_sampling(run, tokenizer),
             grpo=run.grpo,
             batch_size=B,

@@ -52,6 +52,7 @@ from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
 from grpo_jax.errors import AlarmStop, NonFiniteError
 from grpo_jax.report import Reporter
+from grpo_jax.reward_models import Judge
 from grpo_jax.run_summary import summarize
 from grpo_jax.setup import Setup, setup
 from grpo_jax.sharding import replicated
@@ -231,6 +232,9 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
     if start is None:
         return {"preempted": True, "step": 0}
     state, ref_params = start.state, start.ref_params
+    for _, learned, _ in s.rollouts.scorer.learned:  # the reference as judge: its own arrays
+        if isinstance(learned, Judge) and learned.params is None:
+            learned.bind(s.policy.graphdef, ref_params, s.policy.tokenizer)
     report = Reporter(
         run,
         s.records,

@@ -156,3 +156,58 @@ def hf_logits(model, tokens_BxT, attention_mask=None, position_ids=None) -> np.n
         kwargs["position_ids"] = torch.as_tensor(np.array(position_ids), dtype=torch.long)
     with torch.no_grad():
         return model(**kwargs, use_cache=False).logits.float().numpy()
+
+
+def make_tiny_hf_classifier(
+    path, family: str, *, num_labels: int = 1, seed: int = 0, tokenizer: bool = True, **overrides
+) -> pathlib.Path:
+    """Writes a tiny random ``family`` ``*ForSequenceClassification`` checkpoint at ``path``.
+
+    The backbone is that of :func:`make_tiny_hf_checkpoint`; the bias-free
+    ``score`` head has ``num_labels`` outputs. Every weight is perturbed at
+    random, the head's at a scale that makes scores of order one.
+    """
+    import torch
+    import transformers
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(family, num_labels=num_labels, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        cfg, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((0.2 if name.startswith("score") else 0.05) * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    if tokenizer:
+        from grpo_jax.models.builtin_tokenizer import build_tokenizer
+
+        tok = build_tokenizer()
+        tok.chat_template = CHATML_TEMPLATE
+        tok.save_pretrained(str(path))
+    return path
+
+
+def load_hf_classifier(path):
+    """transformers' AutoModelForSequenceClassification at ``path`` (float32, eager, eval)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def hf_classifier_scores(model, tokens_BxT, attention_mask=None, position_ids=None) -> np.ndarray:
+    """float32 numpy [B, C] of a transformers sequence classifier (``load_hf_classifier``)."""
+    import torch
+
+    kwargs = {"input_ids": torch.as_tensor(np.array(tokens_BxT), dtype=torch.long)}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = torch.as_tensor(np.array(attention_mask), dtype=torch.long)
+    if position_ids is not None:
+        kwargs["position_ids"] = torch.as_tensor(np.array(position_ids), dtype=torch.long)
+    with torch.no_grad():
+        return model(**kwargs, use_cache=False).logits.float().numpy()

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from grpo_jax.config import ConfigError, HealthConfig, parse_config
-from grpo_jax.health import ALARMS, KEYS, Alarm, diagnose, history_needed
+from grpo_jax.health import ALARMS, KEYS, LEARNED_KEYS, Alarm, diagnose, history_needed
 
 DATA = pathlib.Path(__file__).parent / "data" / "default_run_metrics.jsonl"
 CFG = HealthConfig()
@@ -212,8 +212,9 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
     assert records[1]["alarms/entropy_collapse"] == 1.0
     # Every key the rules read is written by a real step (the KL only with beta > 0,
-    # the held-out pass@1 only on evaluation steps), so no rule watches a missing key.
-    unwritten = set(KEYS) - set(records[1]) - {"train/kl", "eval/pass_at_1"}
+    # the held-out pass@1 only on evaluation steps, a learned reward only with a reward
+    # model or judge), so no rule watches a missing key.
+    unwritten = set(KEYS) - set(records[1]) - {"train/kl", "eval/pass_at_1", *LEARNED_KEYS}
     assert not unwritten, unwritten
     assert not any(k.startswith("alarms/") for k in records[2])  # not repeated while active
     text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
@@ -343,3 +344,37 @@ def test_the_smoke_config_runs_clean(tmp_path, caplog):
     assert summary["warm_start"]["reached_target"]
     assert "WARNING" not in stream.getvalue(), stream.getvalue()
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("grpo_jax")]
+
+
+def _hacking_history(n, learned, check, key="rewards/reward_model/mean"):
+    return _healthy(n, **{key: learned, "rollout/pass_rate": check})
+
+
+def test_reward_hacking_fires_when_the_learned_reward_rises_and_the_check_does_not():
+    rising = lambda s: 0.02 * s  # +0.2 between the window's halves (20 steps)
+    # The check falls: fires, naming both numbers.
+    alarm = _only(
+        diagnose(_hacking_history(40, rising, lambda s: 0.6 - 0.005 * s), CFG), "reward_hacking"
+    )
+    assert "rewards/reward_model/mean rose by 0.2" in alarm.message
+    assert "rollout/pass_rate changed by -0.05" in alarm.message
+    # The check stays flat: fires too; the judge's reward is watched as well.
+    flat = lambda s: 0.5
+    assert _only(diagnose(_hacking_history(40, rising, flat), CFG), "reward_hacking")
+    judged = _hacking_history(40, rising, flat, key="rewards/judge/mean")
+    assert "rewards/judge/mean" in _only(diagnose(judged, CFG), "reward_hacking").message
+
+
+def test_reward_hacking_quiet_when_the_check_rises_too_or_the_reward_is_flat():
+    rising = lambda s: 0.02 * s
+    assert diagnose(_hacking_history(40, rising, lambda s: 0.2 + 0.01 * s), CFG) == []
+    assert diagnose(_hacking_history(40, lambda s: 1.0, lambda s: 0.6 - 0.005 * s), CFG) == []
+    # Fewer records than the window, or no learned reward at all: quiet.
+    assert diagnose(_hacking_history(15, rising, lambda s: 0.5), CFG) == []
+    assert diagnose(_healthy(40, **{"rollout/pass_rate": lambda s: 0.5}), CFG) == []
+    # A second reward as the check (health.hack_check).
+    cfg = HealthConfig(hack_check="rewards/exact_match/mean")
+    h = _healthy(
+        40, **{"rewards/reward_model/mean": rising, "rewards/exact_match/mean": lambda s: 0.4}
+    )
+    assert _only(diagnose(h, cfg), "reward_hacking")

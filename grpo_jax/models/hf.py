@@ -55,7 +55,7 @@ def _find_prefix(ckpt: SafetensorsCheckpoint, directory: pathlib.Path) -> tuple[
     )
 
 
-def _check_unused(ckpt, used: set[str], prefix: str, tied: bool, directory) -> None:
+def check_unused(ckpt, used: set[str], prefix: str, tied: bool, directory) -> None:
     """A text-model tensor the table does not use means the config and weights disagree."""
     unused = [
         k
@@ -70,6 +70,25 @@ def _check_unused(ckpt, used: set[str], prefix: str, tied: bool, directory) -> N
             f"{directory}: {len(unused)} checkpoint tensor(s) not used by the model that "
             f"config.json describes, e.g. {sorted(unused)[:5]}; does config.json match the weights?"
         )
+
+
+def open_checkpoint(path: str | os.PathLike, **fields):
+    """(directory, config.json, ModelConfig, checkpoint, tensor prefix, LM-head name) of ``path``.
+
+    ``fields`` override the config (dtype, remat, ...). The end-of-sequence ids
+    are config.json's plus any more that generation_config.json lists.
+    """
+    directory = pathlib.Path(path)
+    hf = read_config_json(directory)
+    cfg = config_from_hf(hf, source=str(directory / "config.json"), **fields)
+    eos = cfg.eos_token_ids + tuple(
+        i for i in generation_eos_ids(directory) if i not in cfg.eos_token_ids
+    )
+    if eos != cfg.eos_token_ids:
+        cfg = cfg.replace(eos_token_id=eos)
+    ckpt = SafetensorsCheckpoint(directory)
+    prefix, lm_head = _find_prefix(ckpt, directory)
+    return directory, hf, cfg, ckpt, prefix, lm_head
 
 
 def from_pretrained(
@@ -107,28 +126,30 @@ def from_pretrained(
     or unused text-model tensors.
     """
     check_layout(layout)
-    directory = pathlib.Path(path)
-    hf = read_config_json(directory)
-    cfg = config_from_hf(
-        hf,
-        source=str(directory / "config.json"),
+    directory, hf, cfg, ckpt, prefix, lm_head = open_checkpoint(
+        path,
         dtype=dtype,
         param_dtype=param_dtype if param_dtype is not None else dtype,
         remat=remat,
         attention=attention,
         scan_layers=scan_layers,
     )
-    eos = cfg.eos_token_ids + tuple(
-        i for i in generation_eos_ids(directory) if i not in cfg.eos_token_ids
-    )
-    if eos != cfg.eos_token_ids:
-        cfg = cfg.replace(eos_token_id=eos)
-    ckpt = SafetensorsCheckpoint(directory)
-    prefix, lm_head = _find_prefix(ckpt, directory)
     table = weight_table(cfg, prefix, lm_head)
-    _check_unused(ckpt, {e.hf_name for e in table}, prefix, cfg.tie_embeddings, directory)
-
+    check_unused(ckpt, {e.hf_name for e in table}, prefix, cfg.tie_embeddings, directory)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout))
+    model = load_into(abstract, ckpt, table, directory, mesh=mesh, layout=layout)
+    log.info("loaded %d tensors from %s (%s)", len(table), directory, checkpoint_dtype(hf))
+    return model
+
+
+def load_into(abstract: nnx.Module, ckpt, table, directory, *, mesh=None, layout="fsdp"):
+    """``abstract`` (an ``nnx.eval_shape`` module) filled from ``ckpt`` through ``table``.
+
+    Each parameter is placed straight into its ``layout`` sharding over ``mesh``
+    (default: the first device); every parameter of the module must have an
+    entry. Raises CheckpointError for a missing tensor or a shape mismatch.
+    """
+    scan_layers = abstract.config.scan_layers
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is not None:
         shardings = dict(nnx.to_flat_state(param_shardings(abstract_state, mesh, layout)))
@@ -146,7 +167,7 @@ def from_pretrained(
                 f"{ckpt.file_of(entry.hf_name)}: tensor {entry.hf_name!r} has shape "
                 f"{ckpt.shape(entry.hf_name)}, but config.json implies {entry.hf_shape}"
             )
-        path, layer = param_path(entry.path, cfg.scan_layers)
+        path, layer = param_path(entry.path, scan_layers)
         # Lazy view of the memory-mapped tensor.
         views.setdefault(path, {})[layer] = entry.to_param(ckpt[entry.hf_name])
     loaded = {}
@@ -163,7 +184,6 @@ def from_pretrained(
         loaded[path] = var.replace(array)
     if set(loaded) != set(variables):  # The table and the model must describe the same params.
         raise AssertionError(f"weight table misses {sorted(set(variables) - set(loaded))}")
-    log.info("loaded %d tensors from %s (%s)", len(table), directory, checkpoint_dtype(hf))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 

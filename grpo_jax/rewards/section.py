@@ -1,6 +1,8 @@
-"""The run config's reward keys: ``rewards``, ``correct_reward`` and ``reward_modules``.
+"""The run config's reward keys: rewards, correct_reward, reward_modules, reward_model.
 
-:class:`RewardsSection` is what ``grpo_jax.config.parse_config`` keeps of them;
+:class:`RewardsSection` is what ``grpo_jax.config.parse_config`` keeps of the first three,
+:class:`RewardModelSection` the ``reward_model`` section (a learned reward, scored by
+``grpo_jax.reward_models``: this module only checks its settings, with no JAX);
 :func:`parse_rewards` and :func:`load_reward_modules` check them against the registry
 (``grpo_jax.rewards.registry``), raising ``grpo_jax.errors.ConfigError``.
 """
@@ -8,9 +10,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from grpo_jax.checks import to_dict
+from grpo_jax.checks import check_bool, check_choice, check_range, to_dict
 from grpo_jax.errors import ConfigError
 from grpo_jax.rewards.registry import get, load_user_module
 from grpo_jax.rewards.scoring import RewardSpec
@@ -32,6 +35,160 @@ class RewardsSection:
     specs: tuple
     correct: str = "exact_match"
     modules: tuple[str, ...] = ()
+
+
+NORMALIZE = ("none", "running", "group")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelSection:
+    """A learned reward: a sequence-classification model's score of prompt + completion.
+
+    Attributes:
+      path: a Hugging Face ``*ForSequenceClassification`` checkpoint directory
+        (Llama, Qwen2/2.5, Qwen3, Gemma 3); "" is none.
+      weight: its weight in the total reward, beside the ``rewards`` entries.
+      normalize: "none" (the raw score); "running" (standardised by the mean
+        and std of every score so far, this batch included); "group" (standardised
+        within each prompt's G completions).
+      label: which class logit is the reward when the head has several.
+      chat: apply the reward model tokenizer's chat template to
+        [user: the example's prompt, assistant: the completion]; else the text
+        scored is the policy's prompt text followed by the completion.
+      tokenizer: the reward model's tokenizer directory ("": ``path``).
+      buckets: allowed padded lengths (prompt + completion tokens), increasing;
+        a longer text is not scored (NaN, counted as an error).
+      batch_size: rows per forward pass (a multiple of the mesh's batch shards).
+    """
+
+    path: str = ""
+    weight: float = 1.0
+    normalize: str = "none"
+    label: int = 0
+    chat: bool = False
+    tokenizer: str = ""
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    batch_size: int = 16
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not isinstance(self.tokenizer, str):
+            raise ConfigError(
+                f"config keys 'reward_model.path' = {self.path!r} and 'reward_model.tokenizer' "
+                f"= {self.tokenizer!r} must be strings"
+            )
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"config key 'reward_model.weight' = {w!r} must be a finite number")
+        check_choice("reward_model.normalize", self.normalize, NORMALIZE)
+        check_range("reward_model.label", self.label, lo=0, integer=True)
+        check_bool("reward_model.chat", self.chat)
+        check_range("reward_model.batch_size", self.batch_size, lo=1, integer=True)
+        buckets = self.buckets
+        if isinstance(buckets, int) and not isinstance(buckets, bool):
+            buckets = (buckets,)
+        if isinstance(buckets, str):  # "128,256" from the command line
+            buckets = tuple(b.strip() for b in buckets.split(",") if b.strip())
+            buckets = tuple(int(b) if b.isdigit() else b for b in buckets)
+        buckets = tuple(buckets)
+        for i, b in enumerate(buckets):
+            check_range(f"reward_model.buckets[{i}]", b, lo=1, integer=True)
+        if not buckets or any(a >= b for a, b in zip(buckets, buckets[1:])):
+            raise ConfigError(
+                f"config key 'reward_model.buckets' = {self.buckets!r} must be a non-empty, "
+                "strictly increasing tuple of lengths"
+            )
+        object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
+
+
+DEFAULT_RUBRIC = (
+    "Rate how well the answer solves the problem, from 1 (wrong) to 5 (fully correct).\n\n"
+    "Problem: {question}\n\nAnswer: {completion}\n\nRating (1-5): "
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSection:
+    """An LLM judge: the expected score of a frozen causal LM over a rubric prompt's score tokens.
+
+    Attributes:
+      path: a Hugging Face causal-LM checkpoint directory, "reference" (the run's
+        reference policy, no second copy of its weights; needs grpo.beta > 0 and no
+        LoRA), or "" (none).
+      weight: its weight in the total reward.
+      rubric: the judge's prompt, a template with ``{question}`` (the example's
+        prompt) and ``{completion}``.
+      score_tokens: the texts whose next-token probabilities are the judge's
+        verdict; each must be one token of the judge's tokenizer.
+      values: each score token's value (default: the tokens read as numbers);
+        the reward is sum_k p_k values_k, p the softmax over the score tokens' logits.
+      chat: put the rubric in a user turn of the judge tokenizer's chat template.
+      tokenizer: the judge's tokenizer directory ("": ``path``'s, or the policy's
+        for "reference").
+      buckets, batch_size: the rubric prompts' padded lengths and rows per pass,
+        as for ``reward_model``.
+    """
+
+    path: str = ""
+    weight: float = 1.0
+    rubric: str = DEFAULT_RUBRIC
+    score_tokens: tuple[str, ...] = ("1", "2", "3", "4", "5")
+    values: tuple[float, ...] = ()
+    chat: bool = False
+    tokenizer: str = ""
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    batch_size: int = 16
+
+    def __post_init__(self):
+        for key in ("path", "tokenizer", "rubric"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"config key 'judge.{key}' = {getattr(self, key)!r} must be a string"
+                )
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"config key 'judge.weight' = {w!r} must be a finite number")
+        try:
+            self.rubric.format(question="", completion="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"config key 'judge.rubric' = {self.rubric!r:.80} is not a template of "
+                f"{{question}} and {{completion}} ({type(e).__name__}: {e}); write a literal "
+                "brace as {{ or }}"
+            ) from None
+        if "{completion}" not in self.rubric:
+            raise ConfigError("config key 'judge.rubric' must contain {completion}")
+        tokens = tuple(self.score_tokens)
+        if not tokens or not all(isinstance(t, str) and t for t in tokens):
+            raise ConfigError(
+                f"config key 'judge.score_tokens' = {self.score_tokens!r} must be non-empty strings"
+            )
+        values = tuple(self.values)
+        if not values:
+            try:
+                values = tuple(float(t) for t in tokens)
+            except ValueError:
+                raise ConfigError(
+                    f"config key 'judge.values' is needed: the score tokens {tokens} are not "
+                    "all numbers (e.g. Yes/No: values = (1.0, 0.0))"
+                ) from None
+        if len(values) != len(tokens) or not all(math.isfinite(float(v)) for v in values):
+            raise ConfigError(
+                f"config key 'judge.values' = {self.values!r} must give one finite number per "
+                f"score token {tokens}"
+            )
+        object.__setattr__(self, "score_tokens", tokens)
+        object.__setattr__(self, "values", tuple(float(v) for v in values))
+        check_bool("judge.chat", self.chat)
+        check_range("judge.batch_size", self.batch_size, lo=1, integer=True)
+        b = tuple(self.buckets)
+        for i, x in enumerate(b):
+            check_range(f"judge.buckets[{i}]", x, lo=1, integer=True)
+        if not b or any(x >= y for x, y in zip(b, b[1:])):
+            raise ConfigError(
+                f"config key 'judge.buckets' = {self.buckets!r} must be a non-empty, strictly "
+                "increasing tuple of lengths"
+            )
+        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
 
 
 def load_reward_modules(value: Any) -> tuple[str, ...]:

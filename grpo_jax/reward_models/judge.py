@@ -1,0 +1,148 @@
+"""An LLM judge: a frozen causal LM's expected score over a rubric prompt's score tokens.
+
+    judge = Judge.load(section, mesh)          # section: rewards.JudgeSection
+    values_N = judge(prompts, completions, questions, group_size=G)   # float32[N]
+
+For each completion the rubric is filled in (``{question}``: the example's prompt,
+``{completion}``), optionally put in a user turn of the judge's chat template, and
+run through the model once, no sampling. With l_k the next-token logit of score
+token k after the prompt, the reward is
+
+    E[score] = sum_k softmax(l)_k v_k,
+
+the softmax taken over the score tokens alone (their probabilities renormalised
+among themselves), v_k their values. The rubric prompts are batched and bucketed
+as the reward model's rows are (``scorer.score_in_batches``).
+
+The reference policy as judge (``judge.path = "reference"``) is bound to the run's
+reference parameters once they exist (:meth:`Judge.bind`): it holds those arrays
+themselves, no copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.errors import ConfigError
+from grpo_jax.models import from_pretrained, load_tokenizer
+from grpo_jax.reward_models.scorer import score_in_batches
+from grpo_jax.rewards.section import JudgeSection
+from grpo_jax.sharding import batch_shards
+
+REFERENCE = "reference"
+JUDGE = "judge"  # the judge's name among a RewardResult's rewards
+
+
+def expected_score(logits_BxV: jax.Array, ids_K: jax.Array, values_K: jax.Array) -> jax.Array:
+    """[B]: sum_k softmax(logits[:, ids])_k values_k (the softmax over the K ids alone)."""
+    p_BxK = jax.nn.softmax(logits_BxV[:, ids_K].astype(jnp.float32), axis=-1)
+    return p_BxK @ values_K
+
+
+def _judge_fn(graphdef, params, tokens_BxT, mask_BxT, ids_K, values_K):
+    model = nnx.merge(graphdef, params)
+    x_BxTxD = model.features(tokens_BxT, mask_BxT=mask_BxT)
+    logits_BxV = model.logits(x_BxTxD[:, -1:])[:, 0]  # left padding: the next token's logits
+    return expected_score(logits_BxV, ids_K, values_K)
+
+
+@dataclasses.dataclass
+class Judge:
+    """A frozen causal LM (graphdef, params), its tokenizer and the rubric settings.
+
+    ``params`` is None until :meth:`bind` for the reference policy's judge.
+    """
+
+    section: JudgeSection
+    graphdef: object = None
+    params: object = None
+    tokenizer: object = None
+    mesh: jax.sharding.Mesh | None = None
+
+    def __post_init__(self):
+        shards = 1 if self.mesh is None else batch_shards(self.mesh)
+        if self.section.batch_size % shards:
+            raise ConfigError(
+                f"config key 'judge.batch_size' = {self.section.batch_size} must be a multiple "
+                f"of the mesh's {shards} batch shards"
+            )
+        self._jit = jax.jit(_judge_fn, static_argnums=0)
+        if self.tokenizer is not None:
+            self._ids = jnp.asarray(self.score_ids(), jnp.int32)
+        self._values = jnp.asarray(self.section.values, jnp.float32)
+
+    @classmethod
+    def load(cls, section: JudgeSection, mesh=None, layout: str = "fsdp") -> Judge:
+        """The judge of ``section.path`` (unbound for "reference")."""
+        if section.path == REFERENCE:
+            return cls(section=section, mesh=mesh)
+        graphdef, params = nnx.split(from_pretrained(section.path, mesh=mesh, layout=layout))
+        tokenizer = load_tokenizer(section.tokenizer or section.path)
+        return cls(section, graphdef, params, tokenizer, mesh)
+
+    def bind(self, graphdef, params, tokenizer) -> None:
+        """Judges with these (the reference policy's) arrays from now on, not a copy."""
+        self.graphdef, self.params = graphdef, params
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer
+        self._ids = jnp.asarray(self.score_ids(), jnp.int32)
+
+    def score_ids(self) -> list[int]:
+        """Each score token's id; ConfigError unless each is exactly one token."""
+        out = []
+        for text in self.section.score_tokens:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ConfigError(
+                    f"config key 'judge.score_tokens': {text!r} is {len(ids)} tokens of the "
+                    f"judge's tokenizer ({ids}); each score token must be exactly one"
+                )
+            out.append(int(ids[0]))
+        return out
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def prompts(self, questions: Sequence[str], completions: Sequence[str]) -> list[str]:
+        texts = [
+            self.section.rubric.format(question=q, completion=c)
+            for q, c in zip(questions, completions, strict=True)
+        ]
+        if not self.section.chat:
+            return texts
+        return [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            )
+            for t in texts
+        ]
+
+    def __call__(self, prompts, completions, questions, *, group_size: int) -> np.ndarray:
+        """float32[N]: each completion's expected score; NaN: too long or not finite."""
+        del prompts, group_size  # the rubric holds the question; no normalisation
+        if self.params is None:
+            raise RuntimeError("the reference policy's judge is used before Judge.bind")
+        s = self.section
+        texts = self.prompts(questions, completions)
+        ids = self.tokenizer(texts, add_special_tokens=not s.chat)["input_ids"]
+
+        def fn(tokens, mask):
+            return self._jit(self.graphdef, self.params, tokens, mask, self._ids, self._values)
+
+        return score_in_batches(
+            fn,
+            [list(x) or [self.pad_id] for x in ids],
+            pad_id=self.pad_id,
+            buckets=s.buckets,
+            batch_size=s.batch_size,
+            mesh=self.mesh,
+            what=JUDGE,
+        )

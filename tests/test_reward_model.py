@@ -1,0 +1,143 @@
+"""Training a reward model: the Bradley-Terry loss and gradient by hand, held-out accuracy on
+synthetic pairs, the JSONL errors, and the export that transformers and the loader read."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers_hf import hf_classifier_scores, load_hf_classifier
+
+from grpo_jax.errors import MalformedRowError
+from grpo_jax.optimizer import OptimConfig
+from grpo_jax.reward_model import evaluate_pairs, split_pairs, train_pairs
+from grpo_jax.reward_models import RewardModel, load_reward_model
+from grpo_jax.reward_models.training import (
+    bradley_terry,
+    encode_pairs,
+    load_pairs,
+    pair_loss,
+    save_reward_model,
+)
+
+
+def test_bradley_terry_loss_and_gradient_by_hand():
+    r_c, r_r = jnp.array([1.0, -0.5]), jnp.array([0.0, 0.5])
+    # -log sigmoid(d) for d = 1, -1: log(1 + e^-1), log(1 + e^1); the mean of the two.
+    want = (math.log(1 + math.exp(-1.0)) + math.log(1 + math.exp(1.0))) / 2
+    np.testing.assert_allclose(bradley_terry(r_c, r_r), want, rtol=1e-6)
+    g_c, g_r = jax.grad(bradley_terry, argnums=(0, 1))(r_c, r_r)
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    # dL/dr_c,i = -sigmoid(r_r,i - r_c,i) / B, and dL/dr_r = -dL/dr_c.
+    np.testing.assert_allclose(g_c, [-sig(-1.0) / 2, -sig(1.0) / 2], rtol=1e-6)
+    np.testing.assert_allclose(g_r, -g_c, rtol=1e-6)
+    # Large margins stay finite (softplus, not log(sigmoid)).
+    assert np.isfinite(bradley_terry(jnp.array([-200.0]), jnp.array([200.0])))
+
+
+def _pairs(numbers):
+    """Prefer the tagged answer: chosen "<answer>s</answer>", rejected the bare "s"."""
+    return [(f"{a}+{b}=", f"<answer>{a + b}</answer>", f"{a + b}") for a, b in numbers]
+
+
+@pytest.fixture(scope="module")
+def trained(builtin_tokenizer, tiny_model_config):
+    rng = np.random.default_rng(0)
+    train, heldout = split_pairs(_pairs(rng.integers(0, 50, (80, 2))), 0.25, seed=0)
+    model = RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0))
+    buckets = (32,)
+    before = evaluate_pairs(model, builtin_tokenizer, heldout, batch_size=20, buckets=buckets)
+    model, history = train_pairs(
+        model,
+        builtin_tokenizer,
+        train,
+        steps=30,
+        batch_size=8,
+        optim=OptimConfig(learning_rate=3e-3),
+        buckets=buckets,
+        log=lambda _: None,
+    )
+    after = evaluate_pairs(model, builtin_tokenizer, heldout, batch_size=20, buckets=buckets)
+    return model, heldout, before, after, history
+
+
+def test_heldout_accuracy_well_above_chance(trained):
+    _, heldout, before, after, history = trained
+    assert len(heldout) == 20
+    assert after["accuracy"] >= 0.9, (before, after)
+    assert after["loss"] < before["loss"] and after["loss"] < 0.3
+    assert all(h["finite"] for h in history)
+
+
+def test_pair_loss_is_bradley_terry_of_the_scores(trained, builtin_tokenizer):
+    model, heldout, *_ = trained
+    batch = encode_pairs(builtin_tokenizer, heldout[:3], (32,))
+    r = np.asarray(model.scores(batch["tokens"], batch["mask"]))[:, 0]
+    loss, acc = pair_loss(nnx.state(model), nnx.graphdef(model), batch)
+    np.testing.assert_allclose(loss, bradley_terry(r[:3], r[3:]), rtol=1e-6)
+    assert float(acc) == np.mean(r[:3] > r[3:])
+
+
+def test_export_loads_in_transformers_and_back(trained, builtin_tokenizer, tmp_path):
+    model, heldout, *_ = trained
+    out = save_reward_model(model, tmp_path / "rm", tokenizer=builtin_tokenizer)
+    batch = encode_pairs(builtin_tokenizer, heldout[:4], (32,))
+    ours = np.asarray(model.scores(batch["tokens"], batch["mask"]))
+    back = np.asarray(load_reward_model(out).scores(batch["tokens"], batch["mask"]))
+    np.testing.assert_allclose(back, ours, atol=1e-6)
+    positions = np.maximum(np.cumsum(batch["mask"], axis=1) - 1, 0)
+    hf = hf_classifier_scores(
+        load_hf_classifier(out), batch["tokens"], batch["mask"], position_ids=positions
+    )
+    np.testing.assert_allclose(hf, ours, atol=1e-5)
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Qwen2ForSequenceClassification"
+    ]
+
+
+def test_malformed_rows_name_file_and_line(tmp_path):
+    good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
+    cases = {
+        "not valid JSON": "{oops",
+        "expected a JSON object": "[1, 2]",
+        "needs string fields .*; missing or not a string: \\['rejected'\\]": json.dumps(
+            {"prompt": "p", "chosen": "a", "rejected": 3}
+        ),
+    }
+    for i, (problem, line) in enumerate(cases.items()):
+        path = tmp_path / f"pairs{i}.jsonl"
+        path.write_text(f"{good}\n\n{line}\n")
+        with pytest.raises(MalformedRowError, match=f"pairs{i}.jsonl:3: {problem}"):
+            load_pairs(path)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(good + "\n")
+    assert load_pairs(ok) == [("p", "a", "b")]
+
+
+@pytest.mark.slow
+def test_command_trains_and_saves(tmp_path):
+    rng = np.random.default_rng(1)
+    pairs = tmp_path / "pairs.jsonl"
+    rows = _pairs(rng.integers(0, 50, (60, 2)))
+    pairs.write_text(
+        "".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), r))) + "\n" for r in rows)
+    )
+    out = tmp_path / "rm"
+    cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--pairs={pairs}", f"--out={out}"]
+    cmd += ["--steps=40", "--batch_size=8", "--learning_rate=1e-3", "--heldout_frac=0.2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "reward_model.json").read_text())
+    assert summary["heldout_pairs"] == 12 and summary["train_pairs"] == 48
+    assert summary["heldout_after"]["accuracy"] >= 0.9, summary
+    assert load_reward_model(out).num_labels == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{}\n")
+    cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--pairs={bad}", f"--out={out}2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "bad.jsonl:1:" in done.stderr
