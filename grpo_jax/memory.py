@@ -5,7 +5,7 @@ head width, F MLP width; P prompt tokens, T completion tokens, S = P + T
 positions (the KV cache's slots and the trainer's forward length).
 
 Every parameter tensor is read, with its shape, dtype and logical axis
-names, from the model itself (``param_tensors``: an abstract
+names, from the model itself (``grpo_jax.param_tensors``: an abstract
 ``grpo_jax.models.Transformer`` built by ``nnx.eval_shape``, nothing
 allocated), and sharded by the layout's rules (``grpo_jax.sharding.LAYOUTS``)
 the way ``grpo_jax.models.param_shardings`` shards it: a dimension is split
@@ -85,15 +85,24 @@ layouts that cannot fit, not for tuning.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 
 from grpo_jax import paged
 from grpo_jax.errors import ConfigError
-from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION, ModelConfig
-from grpo_jax.models.transformer import Transformer
-from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
+from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
+
+# The parameter inventory lived here: param_tensors, param_count, shard_numel and
+# lora_tensors are still importable from this module.
+from grpo_jax.param_tensors import (  # noqa: F401
+    as_model_config,
+    lora_tensors,
+    param_count,
+    param_tensors,
+    shard_numel,
+    tensor_ways,
+)
+from grpo_jax.sharding import LAYOUTS, MESH_AXES
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
 COMPONENTS = ("params", "grads", "optimizer", "reference", "learned", "kv_cache", "activations")
@@ -106,16 +115,6 @@ _NAMES = {
     "kv_cache": "KV cache",
     "activations": "activations",
 }
-_MODEL_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "mlp_dim",
-    "tie_embeddings",
-)
 
 
 class MemoryBudgetError(ConfigError):
@@ -185,94 +184,6 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _model_sizes(cfg) -> dict:
-    missing = [f for f in _MODEL_FIELDS if not hasattr(cfg, f)]
-    if missing:
-        raise TypeError(
-            f"memory.estimate needs a model config with {list(_MODEL_FIELDS)}; "
-            f"{type(cfg).__name__} lacks {missing}"
-        )
-    return {f: getattr(cfg, f) for f in _MODEL_FIELDS}
-
-
-def _model_config(cfg):
-    """``cfg`` as a ``grpo_jax.models.ModelConfig``.
-
-    A ModelConfig is returned as it is. Any other object needs the fields of
-    ``_MODEL_FIELDS``; the ModelConfig fields it also has (qkv_bias, out_bias,
-    mlp_bias, qk_norm, sandwich_norm, activation, family, ...) are taken
-    over, the rest keep their defaults (switches off, family "llama").
-    """
-    if isinstance(cfg, ModelConfig):
-        return cfg
-    _model_sizes(cfg)
-    fields = {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(ModelConfig)
-        if hasattr(cfg, f.name)
-    }
-    fields.setdefault("family", "llama")
-    return ModelConfig(**fields)
-
-
-@functools.lru_cache(maxsize=16)
-def _model_params(cfg) -> tuple[tuple[str, tuple[int, ...], str, tuple[str | None, ...]], ...]:
-    from flax import nnx
-
-    # Abstract: shapes, dtypes and metadata only, no parameter is allocated.
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    return tuple(
-        (
-            ".".join(str(k) for k in path),
-            tuple(v.shape),
-            str(v.dtype),
-            tuple(v.get_metadata().get("logical_axes") or ()),
-        )
-        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    )
-
-
-def param_tensors(cfg) -> list[tuple[str, tuple[int, ...], str, tuple[str | None, ...]]]:
-    """(name, shape, dtype, logical axes) of every parameter tensor of the model ``cfg`` builds.
-
-    Read from the model itself: ``grpo_jax.models.Transformer`` built
-    abstractly (``nnx.eval_shape``) from ``_model_config`` of ``cfg``, each
-    ``nnx.Param``'s shape, dtype and ``logical_axes`` metadata, named by its
-    path ("embed", "layers.0.attn.q_proj", ...). A tied LM head is the
-    embedding and appears once.
-    """
-    return list(_model_params(_model_config(cfg)))
-
-
-def param_count(cfg) -> int:
-    """Number of parameters (a tied LM head counted once)."""
-    return sum(math.prod(shape) for _, shape, _, _ in param_tensors(cfg))
-
-
-def _ways(axes, mesh_shape: Mapping[str, int]) -> int:
-    flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(mesh_shape[a] for a in flat)
-
-
-def shard_numel(shape, logical_axes, mesh_shape: Mapping[str, int], layout: str) -> int:
-    """Elements one device holds of a tensor with these logical axes under ``layout``.
-
-    A dimension whose mesh axes do not divide it stays whole (replicated), as
-    in ``grpo_jax.models.partitioning.fit_spec``.
-    """
-    spec = tuple(logical_to_spec(logical_axes, layout))
-    n = 1
-    for i, size in enumerate(shape):
-        ways = _ways(spec[i] if i < len(spec) else None, mesh_shape)
-        n *= size // ways if size % ways == 0 else size
-    return n
-
-
-def _tensor_ways(size: int, logical: str, mesh_shape, layout: str) -> int:
-    ways = _ways(LAYOUTS[layout].get(logical), mesh_shape)
-    return ways if size % ways == 0 else 1
-
-
 def _check_positive(name: str, value, lo: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"memory.estimate: {name} = {value!r} must be an integer >= {lo}")
@@ -303,7 +214,7 @@ def estimate(
     Args:
       model_cfg_like: a ``grpo_jax.models.ModelConfig``, or any object with
         vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-        head_dim, mlp_dim, tie_embeddings (``_model_config``).
+        head_dim, mlp_dim, tie_embeddings (``as_model_config``).
         ``param_bytes`` and ``compute_bytes``, not its dtypes, size the bytes.
       mesh_shape: mesh axis sizes, e.g. ``{"data": 1, "fsdp": 8, "tensor": 1}``
         or ``mesh.shape``; missing axes have size 1.
@@ -331,7 +242,7 @@ def estimate(
     sizes = dict(batch_rows=batch_rows, sample_rows=sample_rows, seq_len=seq_len)
     sizes.update(prompt_len=prompt_len, param_bytes=param_bytes, compute_bytes=compute_bytes)
     mesh = _checked_args(mesh_shape, layout, optimizer, attention, sizes, beta)
-    cfg = _model_config(model_cfg_like)
+    cfg = as_model_config(model_cfg_like)
     tensors = param_tensors(cfg)
     state = _state_bytes(tensors, mesh, layout, param_bytes, beta, lora_rank, lora_targets)
     params, grads, trained, reference, trainable_params, lora_layer = state
@@ -423,10 +334,10 @@ def _activation_bytes(
     """
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
     H, K, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    tp_h = _tensor_ways(H, "heads", mesh, layout)
-    tp_k = _tensor_ways(K, "kv_heads", mesh, layout)
-    tp_f = _tensor_ways(F, "mlp", mesh, layout)
-    tp_v = _tensor_ways(V, "vocab", mesh, layout)
+    tp_h = tensor_ways(H, "heads", mesh, layout)
+    tp_k = tensor_ways(K, "kv_heads", mesh, layout)
+    tp_f = tensor_ways(F, "mlp", mesh, layout)
+    tp_v = tensor_ways(V, "vocab", mesh, layout)
 
     kv_cache = 2 * L * m * S * (K // tp_k) * Dh * c
     gelu = cfg.activation != "silu"
@@ -451,30 +362,6 @@ def _activation_bytes(
     else:
         per_token = L * per_layer_token
     return kv_cache, n * S * per_token + logits
-
-
-def lora_tensors(tensors, rank: int, targets) -> list[tuple[str, tuple[int, ...], tuple]]:
-    """(name, shape, logical axes) of the LoRA adapters of ``tensors`` (``param_tensors``).
-
-    A projection W [*in, *out] (o_proj has two input dimensions, the others one;
-    a stacked layer axis leads both) gets A [*in, r] and B [r, *out].
-    """
-    out = []
-    for name, shape, _, axes in tensors:
-        proj = name.rsplit(".", 1)[-1]
-        if proj not in targets:
-            continue
-        lead = 1 if axes and axes[0] == "layers" else 0
-        n_in = lead + (2 if proj == "o_proj" else 1)
-        out.append((f"{name}_lora_a", (*shape[:n_in], rank), (*axes[:n_in], "lora")))
-        out.append(
-            (
-                f"{name}_lora_b",
-                (*shape[:lead], rank, *shape[n_in:]),
-                (*axes[:lead], "lora", *axes[n_in:]),
-            )
-        )
-    return out
 
 
 def _hint(est: MemoryEstimate, part: str) -> str:

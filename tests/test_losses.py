@@ -185,9 +185,15 @@ def test_per_token_logps_temperature():
         want = np.take_along_axis(np.asarray(want), tokens[..., None], -1)[..., 0]
         got = losses.per_token_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature=temp)
         np.testing.assert_allclose(got, want, atol=1e-5)
+    # Without a temperature: 1.0, and bfloat16 logits are scored in float32.
+    want = jax.nn.log_softmax(logits, -1)
+    want = np.take_along_axis(np.asarray(want), tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(
+        losses.per_token_logps(jnp.asarray(logits), jnp.asarray(tokens)), want, atol=1e-5
+    )
     bf16 = losses.per_token_logps(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(tokens))
     assert bf16.dtype == jnp.float32
-    np.testing.assert_allclose(bf16, want if temp == 1.0 else bf16, atol=0.1)
+    np.testing.assert_allclose(bf16, want, atol=0.1)
 
 
 def test_entropy_metric():
@@ -252,6 +258,16 @@ def test_fully_masked_rows_give_no_nan():
     z = jnp.zeros((2, 3))
     loss, metrics = losses.grpo_loss(z, z, jnp.ones(2), z)
     assert float(loss) == 0.0 and all(np.isfinite(v) for v in metrics.values())
+
+
+def test_an_empty_batch_reports_ratio_one_and_no_loss():
+    # No real token: ratio_min and ratio_max report no movement (1.0), not +-inf or a fill.
+    z = jnp.zeros((2, 3))
+    rho_off = jnp.full((2, 3), 0.7)  # log-ratios on padding must not show
+    loss, m = losses.grpo_loss(rho_off, z, jnp.ones(2), z)
+    assert float(loss) == 0.0
+    assert float(m["ratio_min"]) == 1.0 and float(m["ratio_max"]) == 1.0
+    assert float(m["clip_frac_low"]) == 0.0 and float(m["clip_frac_high"]) == 0.0
 
 
 def test_beta_needs_reference_and_names_are_checked():

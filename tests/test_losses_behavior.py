@@ -59,6 +59,20 @@ def test_behavior_weights_golden_token_and_sequence():
     assert m["behavior/abs_log_diff_max"] == pytest.approx(2.0)
 
 
+def test_a_weight_exactly_at_the_cap_is_kept():
+    # The band is closed: 1/C <= w <= C keeps w (mis) and tis caps only w > C.
+    log_c = float(jnp.log(jnp.asarray(2.0, jnp.float32)))  # the log the weights compare with
+    old = np.array([[log_c, -log_c, 0.0]], np.float32)
+    q = np.zeros((1, 3), np.float32)  # w = 2, 1/2, 1
+    mask = np.ones((1, 3), np.float32)
+    w, m = losses.behavior_weights(old, q, mask, correction="mis", level="token", cap=2.0)
+    np.testing.assert_allclose(w, [[2.0, 0.5, 1.0]], rtol=1e-6)
+    assert float(m["behavior/frac_masked"]) == 0.0
+    w, m = losses.behavior_weights(old, q, mask, correction="tis", level="token", cap=2.0)
+    np.testing.assert_allclose(w, [[2.0, 0.5, 1.0]], rtol=1e-6)
+    assert float(m["behavior/frac_capped"]) == 0.0
+
+
 def test_behavior_weights_survive_huge_sequence_log_ratios():
     old = np.zeros((1, 64), np.float32)
     q = np.full((1, 64), -5.0, np.float32)  # sum log w = 320: exp overflows float32

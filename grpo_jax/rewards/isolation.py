@@ -35,14 +35,10 @@ qualified name) and builds it from the same spec, options included.
 Arguments and results travel pickled, so every reward sees its own copy of
 the fields.
 
-Workers are started with ``subprocess`` (a fresh interpreter, never a fork of
-this process and its JAX threads), with ``JAX_PLATFORMS=cpu`` so that reward
-code importing JAX never claims an accelerator, in a process group of their
-own. They exit with this process: :func:`shutdown` runs at interpreter exit,
-and a worker dies with its parent even when the parent is killed
-(``PR_SET_PDEATHSIG`` on Linux, else a thread that watches the parent).
-
-Workers are started on the first call that needs one (the pool fills up to
+The workers and their pool are in :mod:`grpo_jax.rewards.worker_pool`: fresh
+interpreters (never a fork of this process and its JAX threads) with
+``JAX_PLATFORMS=cpu``, each in a process group of its own, that die with this
+process. Workers are started on the first call that needs one (the pool fills up to
 ``workers``: 2, or the environment variable ``GRPO_JAX_REWARD_WORKERS``, or
 :func:`configure`; 0 scores every reward in this process, e.g. to debug one),
 and a killed one is replaced at once, in the background, so the next call does
@@ -64,31 +60,20 @@ import collections
 import dataclasses
 import logging
 import os
-import pathlib
-import pickle
 import selectors
-import signal
-import struct
-import subprocess
-import sys
 import threading
 import time
 
 import grpo_jax.rewards.registry as registry
+from grpo_jax.rewards.worker_pool import Died, Pool, Unavailable, Worker, encode
 
 log = logging.getLogger(__name__)
 
-_WORKER_PATH = pathlib.Path(__file__).with_name("_reward_worker.py")
-_HEADER = struct.Struct("<Q")
 _POLL_S = 0.02  # how often a waiting dispatcher looks for a worker that became free
 
 DEFAULT_WORKERS = 2
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 WORKERS_ENV = "GRPO_JAX_REWARD_WORKERS"  # the pool's size when set (0: all in process)
-
-
-class Unavailable(RuntimeError):
-    """The reward cannot run in a worker (it then runs in this process)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,266 +91,6 @@ class Reply:
     value: object = None
 
 
-class _Died(Exception):
-    pass
-
-
-def _encode(message) -> bytes:
-    """Pickles a request; raises Unavailable when its contents cannot be pickled."""
-    try:
-        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 -- PicklingError, TypeError, AttributeError, ...
-        raise Unavailable(f"its arguments cannot be sent to a worker process ({e!r})") from None
-
-
-class _Worker:
-    """One worker process and its two pipes."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-        self.fd = proc.stdout.fileno()
-        self.buf = bytearray()
-        self.loaded: set[tuple[str, str | None]] = set()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def send(self, message) -> None:
-        """Sends a message, or bytes that :func:`_encode` made of one."""
-        data = message if isinstance(message, bytes) else _encode(message)
-        try:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
-        except (OSError, ValueError) as e:
-            raise _Died(f"cannot write to worker {self.pid}: {e}") from None
-
-    def poll(self):
-        """Reads what the pipe holds; -> a complete reply, or None. Raises _Died at EOF."""
-        try:
-            chunk = os.read(self.fd, 1 << 20)
-        except OSError as e:
-            raise _Died(str(e)) from None
-        if not chunk:
-            raise _Died(f"worker {self.pid} exited")
-        self.buf += chunk
-        return self._frame()
-
-    def _frame(self):
-        if len(self.buf) < _HEADER.size:
-            return None
-        (n,) = _HEADER.unpack_from(self.buf)
-        if len(self.buf) < _HEADER.size + n:
-            return None
-        data = bytes(self.buf[_HEADER.size : _HEADER.size + n])
-        del self.buf[: _HEADER.size + n]
-        try:
-            return pickle.loads(data)
-        except Exception as e:  # noqa: BLE001 -- e.g. an exception class missing here
-            return ("raised", RuntimeError(f"unreadable reply from the reward worker: {e!r}"))
-
-    def recv(self, deadline: float):
-        """The next reply; None at the deadline. Raises _Died when the worker exits."""
-        message = self._frame()
-        if message is not None:
-            return message
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                if sel.select(left):
-                    message = self.poll()
-                    if message is not None:
-                        return message
-
-    def kill(self) -> None:
-        proc = self.proc
-        if proc.returncode is None:  # not reaped yet: the group id still names its group
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own children too
-            except (ProcessLookupError, PermissionError):
-                proc.kill()
-        proc.wait()
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class _Pool:
-    """Up to ``size`` workers: idle ones, busy ones, and ones starting in the background."""
-
-    def __init__(self, size: int, startup_timeout_s: float):
-        self.size = size
-        self.startup_timeout_s = startup_timeout_s
-        self._cond = threading.Condition()
-        self._idle: list[_Worker] = []
-        self._busy: set[_Worker] = set()
-        self._starting = 0
-        self._closed = False
-        self._broken: str | None = None  # why workers cannot start, once one failed to
-        self._modules: list[tuple[str, str | None]] = []  # imported by every new worker
-        self._bad_modules: dict[tuple[str, str | None], str] = {}
-        self._spawns: collections.deque = collections.deque()
-        # Workers are started from one long-lived thread: PR_SET_PDEATHSIG fires
-        # when the thread that started the process ends, not only the process.
-        self._spawner = threading.Thread(target=self._spawn_loop, name="reward-spawner")
-        self._spawner.daemon = True
-        self._spawner.start()
-
-    # -- starting workers --------------------------------------------------
-
-    def _fill(self) -> None:
-        """Starts workers until the pool is full (caller holds the lock)."""
-        if self._closed or self._broken:
-            return
-        while len(self._idle) + len(self._busy) + self._starting < self.size:
-            self._starting += 1
-            self._spawns.append(list(self._modules))
-            self._cond.notify_all()
-
-    def _spawn_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._spawns and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                modules = self._spawns.popleft()
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, str(_WORKER_PATH), str(os.getpid())],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"},
-                    start_new_session=True,
-                )
-            except OSError as e:
-                self._started(None, modules, f"cannot start a reward worker: {e}")
-                continue
-            threading.Thread(
-                target=self._await_ready, args=(_Worker(proc), modules), daemon=True
-            ).start()
-
-    def _await_ready(self, worker: _Worker, modules) -> None:
-        try:
-            worker.send({"sys_path": list(sys.path), "modules": modules})
-            reply = worker.recv(time.monotonic() + self.startup_timeout_s)
-        except _Died as e:
-            reply, why = None, f"the reward worker exited while starting ({e})"
-        else:
-            why = f"the reward worker did not start within {self.startup_timeout_s}s"
-        if not (isinstance(reply, tuple) and reply and reply[0] == "ready"):
-            worker.kill()
-            self._started(None, modules, why)
-            return
-        failed = reply[1]
-        for i, module in enumerate(modules):
-            if i not in failed:
-                worker.loaded.add(module)
-        self._started(worker, modules, None, {modules[i]: err for i, err in failed.items()})
-
-    def _started(self, worker, modules, why, failed=None) -> None:
-        with self._cond:
-            self._starting -= 1
-            if worker is not None and self._closed:
-                worker.kill()
-            elif worker is not None:
-                self._idle.append(worker)
-                for module, err in (failed or {}).items():
-                    self._bad_modules.setdefault(module, err)
-            elif not self._closed:
-                self._broken = why
-                log.warning("%s; user rewards run in this process from now on", why)
-            self._cond.notify_all()
-
-    # -- using workers -----------------------------------------------------
-
-    def acquire(self, *, block: bool = True) -> _Worker | None:
-        """An idle worker (waiting up to the start-up timeout when ``block``), else None.
-
-        Raises Unavailable when workers cannot start or the pool was shut down.
-        """
-        deadline = time.monotonic() + self.startup_timeout_s
-        with self._cond:
-            if self.size == 0:
-                raise Unavailable("the pool has no workers (workers=0)")
-            self._fill()
-            while not self._idle:
-                if self._closed:
-                    raise Unavailable("the reward workers were shut down")
-                if self._broken:
-                    raise Unavailable(self._broken)
-                left = deadline - time.monotonic()
-                if not block or left <= 0:
-                    return None
-                self._cond.wait(left)
-            worker = self._idle.pop()
-            self._busy.add(worker)
-            return worker
-
-    def release(self, worker: _Worker) -> None:
-        with self._cond:
-            self._busy.discard(worker)
-            if self._closed:
-                worker.kill()
-                return
-            self._idle.append(worker)
-            self._cond.notify_all()
-
-    def discard(self, worker: _Worker) -> None:
-        """Kills a worker (past its deadline, or dead) and starts its replacement."""
-        worker.kill()
-        with self._cond:
-            self._busy.discard(worker)
-            self._fill()
-
-    def ensure_loaded(self, worker: _Worker, module: tuple[str, str | None]) -> None:
-        """Has ``worker`` import ``module``; raises Unavailable if it cannot."""
-        if module in worker.loaded:
-            return
-        with self._cond:
-            err = self._bad_modules.get(module)
-        if err is None:
-            try:
-                worker.send(("load", *module))
-                reply = worker.recv(time.monotonic() + self.startup_timeout_s)
-            except _Died as e:
-                reply = ("loaded", f"the worker exited while importing it ({e})")
-            if reply is None:
-                reply = ("loaded", f"the import took over {self.startup_timeout_s}s")
-                self.discard(worker)
-                worker = None
-            err = reply[1]
-        if err is not None:
-            with self._cond:
-                self._bad_modules.setdefault(module, err)
-            if worker is not None:
-                self.release(worker)
-            raise Unavailable(f"a reward worker cannot import {module[0]!r}: {err}")
-        worker.loaded.add(module)
-        with self._cond:
-            if module not in self._modules:
-                self._modules.append(module)
-
-    def pids(self) -> list[int]:
-        with self._cond:
-            return sorted(w.pid for w in [*self._idle, *self._busy])
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            workers = [*self._idle, *self._busy]
-            self._idle.clear()
-            self._busy.clear()
-            self._cond.notify_all()
-        for w in workers:
-            w.kill()
-
-
 def _default_workers() -> int:
     value = os.environ.get(WORKERS_ENV, "").strip()
     if not value:
@@ -381,16 +106,16 @@ def _default_workers() -> int:
 
 
 _settings = {"workers": _default_workers(), "startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S}
-_POOL: _Pool | None = None
+_POOL: Pool | None = None
 _POOL_LOCK = threading.Lock()
 _ATEXIT = False
 
 
-def _pool() -> _Pool:
+def _pool() -> Pool:
     global _POOL, _ATEXIT
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = _Pool(_settings["workers"], _settings["startup_timeout_s"])
+            _POOL = Pool(_settings["workers"], _settings["startup_timeout_s"])
             if not _ATEXIT:
                 atexit.register(shutdown)
                 _ATEXIT = True
@@ -506,7 +231,7 @@ def call_batch(spec: str, prompts, completions, fields, *, timeout_s: float) -> 
     """
     pool = _pool()
     origin = registry.origin(spec)
-    request = _encode(_request(spec, origin, prompts, completions, fields))
+    request = encode(_request(spec, origin, prompts, completions, fields))
     worker = pool.acquire()
     if worker is None:
         raise Unavailable(f"no reward worker became free within {pool.startup_timeout_s}s")
@@ -514,7 +239,7 @@ def call_batch(spec: str, prompts, completions, fields, *, timeout_s: float) -> 
     try:
         worker.send(request)
         message = worker.recv(time.monotonic() + timeout_s)
-    except _Died:
+    except Died:
         pool.discard(worker)
         return Reply("died")
     if message is None:
@@ -541,94 +266,113 @@ def call_rows(
     hanging completions run side by side.
     """
     pool = _pool()
-    origin = registry.origin(spec)
-    module = (origin.module, origin.file)
     if max_lost is None:
         max_lost = max(2, pool.size)
-    n = len(completions)
-    replies: list[Reply | None] = [None] * n
-    pending = collections.deque(range(n))
-    inflight: dict[_Worker, tuple[int, float]] = {}
-    encoded: tuple[int, bytes] = (-1, b"")  # the next completion's request, pickled once
-    lost = 0
-
-    def row_request(i: int) -> bytes:
-        row = {k: v[i : i + 1] for k, v in fields.items()}
-        return _encode(_request(spec, origin, prompts[i : i + 1], completions[i : i + 1], row))
-
-    def lose(worker, i, kind):
-        nonlocal lost
-        del inflight[worker]
-        pool.discard(worker)
-        replies[i] = Reply(kind)
-        lost += 1
-
+    call = _RowCall(pool, spec, (prompts, completions, fields), timeout_s, max_lost)
     try:
-        while pending or inflight:
-            while pending and lost < max_lost:
-                i = pending[0]
-                if encoded[0] != i:
-                    try:
-                        encoded = (i, row_request(i))
-                    except Unavailable as e:
-                        replies[pending.popleft()] = Reply("raised", RuntimeError(str(e)))
-                        continue
-                request = encoded[1]
-                try:
-                    worker = pool.acquire(block=not inflight)
-                    if worker is not None:  # a new worker imported the module as it started
-                        pool.ensure_loaded(worker, module)
-                except Unavailable as e:
-                    if inflight:
-                        break
-                    for i in pending:
-                        replies[i] = Reply("raised", RuntimeError(str(e)))
-                    pending.clear()
-                    break
-                if worker is None:
-                    break
-                pending.popleft()
-                try:
-                    worker.send(request)
-                except _Died:
-                    inflight[worker] = (i, 0.0)
-                    lose(worker, i, "died")
-                    continue
-                inflight[worker] = (i, time.monotonic() + timeout_s)
-            if lost >= max_lost:
-                for i in pending:
-                    replies[i] = Reply("skipped")
-                pending.clear()
-            if not inflight:
-                continue
-            wait = min(d for _, d in inflight.values()) - time.monotonic()
-            if pending and lost < max_lost:
-                wait = min(wait, _POLL_S)  # a worker may come free (or finish starting)
-            with selectors.DefaultSelector() as sel:
-                for worker in inflight:
-                    sel.register(worker.fd, selectors.EVENT_READ, worker)
-                ready = [key.data for key, _ in sel.select(max(0.0, wait))]
-            for worker in ready:
-                i, _ = inflight[worker]
-                try:
-                    message = worker.poll()
-                except _Died:
-                    lose(worker, i, "died")
-                    continue
-                if message is None:
-                    continue
-                del inflight[worker]
-                if message[0] == "unavailable":  # cannot happen after the batch call did
-                    pool.release(worker)
-                    replies[i] = Reply("raised", RuntimeError(message[1]))
-                    continue
-                pool.release(worker)
-                replies[i] = _reply(message)
-            now = time.monotonic()
-            for worker, (i, deadline) in list(inflight.items()):
-                if now >= deadline:
-                    lose(worker, i, "timeout")
+        while call.pending or call.inflight:
+            call.send()
+            if call.lost >= max_lost:
+                for i in call.pending:
+                    call.replies[i] = Reply("skipped")
+                call.pending.clear()
+            if call.inflight:
+                call.receive()
     finally:
-        for worker in list(inflight):  # only on an unexpected error: leave no worker busy
+        for worker in list(call.inflight):  # only on an unexpected error: leave no worker busy
             pool.discard(worker)
-    return [r if r is not None else Reply("skipped") for r in replies]
+    return [r if r is not None else Reply("skipped") for r in call.replies]
+
+
+class _RowCall:
+    """One :func:`call_rows`: the completions not yet sent (``pending``), those in flight
+    (``inflight``: worker -> (row, deadline)), the replies so far and the workers lost."""
+
+    def __init__(self, pool: Pool, spec: str, args, timeout_s: float, max_lost: int):
+        self.pool, self.spec, self.args = pool, spec, args
+        self.timeout_s, self.max_lost = timeout_s, max_lost
+        self.origin = registry.origin(spec)
+        self.module = (self.origin.module, self.origin.file)
+        n = len(args[1])
+        self.replies: list[Reply | None] = [None] * n
+        self.pending = collections.deque(range(n))
+        self.inflight: dict[Worker, tuple[int, float]] = {}
+        self.lost = 0
+        self._encoded: tuple[int, bytes] = (-1, b"")  # the next row's request, pickled once
+
+    def _request(self, i: int) -> bytes:
+        """Row ``i``'s request, pickled; raises Unavailable when it cannot be."""
+        if self._encoded[0] != i:
+            prompts, completions, fields = self.args
+            one = slice(i, i + 1)
+            row = {k: v[one] for k, v in fields.items()}
+            request = _request(self.spec, self.origin, prompts[one], completions[one], row)
+            self._encoded = (i, encode(request))
+        return self._encoded[1]
+
+    def _lose(self, worker: Worker, i: int, kind: str) -> None:
+        del self.inflight[worker]
+        self.pool.discard(worker)
+        self.replies[i] = Reply(kind)
+        self.lost += 1
+
+    def send(self) -> None:
+        """Sends pending rows to idle workers, until none is idle (waiting for one only when
+        no row is in flight) or ``max_lost`` workers were lost."""
+        while self.pending and self.lost < self.max_lost:
+            i = self.pending[0]
+            try:
+                request = self._request(i)
+            except Unavailable as e:
+                self.replies[self.pending.popleft()] = Reply("raised", RuntimeError(str(e)))
+                continue
+            try:
+                worker = self.pool.acquire(block=not self.inflight)
+                if worker is not None:  # a new worker imported the module as it started
+                    self.pool.ensure_loaded(worker, self.module)
+            except Unavailable as e:
+                if not self.inflight:
+                    for j in self.pending:
+                        self.replies[j] = Reply("raised", RuntimeError(str(e)))
+                    self.pending.clear()
+                return
+            if worker is None:
+                return
+            self.pending.popleft()
+            try:
+                worker.send(request)
+            except Died:
+                self.inflight[worker] = (i, 0.0)
+                self._lose(worker, i, "died")
+                continue
+            self.inflight[worker] = (i, time.monotonic() + self.timeout_s)
+
+    def receive(self) -> None:
+        """Waits for a reply until the first deadline (or a short poll while rows wait for a
+        worker), records what came, and gives up the rows past their deadline."""
+        wait = min(d for _, d in self.inflight.values()) - time.monotonic()
+        if self.pending and self.lost < self.max_lost:
+            wait = min(wait, _POLL_S)  # a worker may come free (or finish starting)
+        with selectors.DefaultSelector() as sel:
+            for worker in self.inflight:
+                sel.register(worker.fd, selectors.EVENT_READ, worker)
+            ready = [key.data for key, _ in sel.select(max(0.0, wait))]
+        for worker in ready:
+            i, _ = self.inflight[worker]
+            try:
+                message = worker.poll()
+            except Died:
+                self._lose(worker, i, "died")
+                continue
+            if message is None:
+                continue
+            del self.inflight[worker]
+            self.pool.release(worker)
+            if message[0] == "unavailable":  # cannot happen after the batch call did
+                self.replies[i] = Reply("raised", RuntimeError(message[1]))
+            else:
+                self.replies[i] = _reply(message)
+        now = time.monotonic()
+        for worker, (i, deadline) in list(self.inflight.items()):
+            if now >= deadline:
+                self._lose(worker, i, "timeout")

@@ -365,12 +365,44 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResu
     out = {"stdout": bytearray(), "stderr": bytearray()}
     timed_out = truncated = False
     deadline = time.monotonic() + timeout_s
-    # stdin is written as the child takes it, in the same loop that reads its output and
-    # watches the clock: a child that reads nothing, or writes before it reads, blocks
-    # neither the parent nor the deadline.
-    pending = memoryview(stdin.encode("utf-8"))
     try:
-        sel = selectors.DefaultSelector()
+        timed_out, truncated = _exchange(proc, stdin, out, deadline, cap)
+        if not (timed_out or truncated):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        # The process, and anything it left in its session or under its user.
+        _end_run(proc, uid, reaps_child="--kill-child" in cmd)
+        reported = _read_status(status_r)
+        if reported:
+            exit_code = int(reported)
+        elif timed_out or truncated:
+            exit_code = -signal.SIGKILL
+        else:
+            exit_code = proc.returncode
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+    return _result(out, exit_code, timed_out, truncated, timeout_s, cap)
+
+
+def _exchange(proc: subprocess.Popen, stdin: str, out: dict, deadline: float, cap: int):
+    """Feeds ``stdin`` to the child and reads its output into ``out`` until both of its
+    output streams close, the deadline passes or the output passes ``cap`` bytes;
+    -> (timed_out, truncated).
+
+    stdin is written as the child takes it, in the same loop that reads its output and
+    watches the clock: a child that reads nothing, or writes before it reads, blocks
+    neither the parent nor the deadline.
+    """
+    timed_out = truncated = False
+    pending = memoryview(stdin.encode("utf-8"))
+    sel = selectors.DefaultSelector()
+    try:
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
         if pending:
@@ -407,27 +439,13 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResu
                 truncated |= len(chunk) > room
             if truncated:
                 break
-        sel.close()
-        if not (timed_out or truncated):
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
-            except subprocess.TimeoutExpired:
-                timed_out = True
     finally:
-        # The process, and anything it left in its session or under its user.
-        _end_run(proc, uid, reaps_child="--kill-child" in cmd)
-        reported = _read_status(status_r)
-        if reported:
-            exit_code = int(reported)
-        elif timed_out or truncated:
-            exit_code = -signal.SIGKILL
-        else:
-            exit_code = proc.returncode
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        sel.close()
+    return timed_out, truncated
+
+
+def _result(out: dict, exit_code: int, timed_out: bool, truncated: bool, timeout_s, cap):
+    """The run's ToolResult; stderr ends with a line saying why the sandbox killed it."""
     stderr = out["stderr"].decode("utf-8", "replace")
     if timed_out:
         stderr += f"\n[sandbox] killed: wall-clock limit of {timeout_s:g} s reached"
