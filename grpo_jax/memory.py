@@ -478,7 +478,7 @@ def plan_run(
         return est
     # The engine's pool as grpo_jax.paged sizes it, whole on each device (docs/engine.md).
     sampler = run.sampling.sampler()
-    pool = paged.pool_bytes(sampler, _model_config(model_cfg_like), n // run.grpo.G, run.grpo.G)
+    pool = paged.pool_bytes(sampler, as_model_config(model_cfg_like), n // run.grpo.G, run.grpo.G)
     est = dataclasses.replace(est, kv_cache=pool)
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
