@@ -414,11 +414,12 @@ def _advantages(r: Rollouts, total_KxG: np.ndarray) -> np.ndarray:
 
 def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
     """The rollout statistics over every row sampled this step (all rounds)."""
-    cat = lambda key: np.concatenate([x.rows[key] for x in rounds])
+    # Every per-row array in the batch's row order, round after round, so groups stay whole.
+    cat = lambda key: np.concatenate([x.rows[key][x.order] for x in rounds])
     names = rounds[0].names
     errors = sum(x.rows["errors"].sum(axis=0) for x in rounds)
     clipped = sum(x.rows["clipped"].sum(axis=0) for x in rounds)
-    per_reward = {  # each round's rows in the batch's row order, so groups stay whole
+    per_reward = {
         r.scorer.display[k]: np.concatenate([x.rows["per_reward"][k][x.order] for x in rounds])
         for k in names
     }
@@ -434,9 +435,8 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
         G=r.grpo.G,
         invalid_N=cat("invalid"),
     )
-    correct_N = np.concatenate([x.rows["correct"][x.order] for x in rounds])
     for name, _, _ in r.scorer.learned:
-        metrics.update(learned_metrics(name, per_reward[name], correct_N, r.grpo.G))
+        metrics.update(learned_metrics(name, per_reward[name], cat("correct"), r.grpo.G))
     t_sample = sum(x.t_sample for x in rounds)
     sampled_tokens = int(cat("lengths").sum())
     metrics.update(

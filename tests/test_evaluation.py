@@ -57,6 +57,7 @@ def _texts(policy, devices, batch_size, row_keys=True):
     return texts
 
 
+@pytest.mark.slow  # three batch sizes and an 8-device mesh compile ~35 s cold
 def test_per_problem_results_do_not_depend_on_batch_size_or_mesh(policy):
     runs = {
         "batch 4, 1 device": _run(policy, 1, 4),

@@ -1,6 +1,8 @@
 """LLM judges: the expected score against a hand-computed softmax over the score tokens, the
 reference policy as judge without a copy, and the judge's settings."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -22,9 +24,15 @@ def _section(**kw):
     return JudgeSection(batch_size=kw.pop("batch_size", 4), **kw)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, tokens):
+    return nnx.merge(graphdef, params)(tokens)
+
+
 def _softmax_expectation(graphdef, params, tokenizer, text, ids, values):
     tokens = np.asarray(tokenizer(text)["input_ids"], np.int32)[None]
-    logits = np.asarray(nnx.merge(graphdef, params)(tokens), np.float64)[0, -1]
+    # One compiled forward per length (op by op it compiles a hundred small programs).
+    logits = np.asarray(_forward(graphdef, params, tokens), np.float64)[0, -1]
     z = logits[ids] - logits[ids].max()
     p = np.exp(z) / np.exp(z).sum()
     return float(p @ np.asarray(values))
@@ -48,6 +56,8 @@ def test_expected_score_by_hand(tiny_policy, builtin_tokenizer):
     assert np.all((got > 1) & (got < 3)) and np.ptp(got) > 0
 
 
+# An 8-device judge compiles ~20 s cold; the fast tier keeps the hand-computed case.
+@pytest.mark.slow
 def test_yes_no_and_sharded(tiny_policy, builtin_tokenizer):
     graphdef, params = tiny_policy
     section = _section(score_tokens=("Y", "N"), values=(1.0, 0.0), batch_size=8)

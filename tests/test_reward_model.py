@@ -83,6 +83,7 @@ def test_pair_loss_is_bradley_terry_of_the_scores(trained, builtin_tokenizer):
     assert float(acc) == np.mean(r[:3] > r[3:])
 
 
+@pytest.mark.slow  # a transformers round trip: ~40 s cold; the fast tier keeps the Qwen2 parity
 def test_export_loads_in_transformers_and_back(trained, builtin_tokenizer, tmp_path):
     model, heldout, *_ = trained
     out = save_reward_model(model, tmp_path / "rm", tokenizer=builtin_tokenizer)
