@@ -24,8 +24,9 @@ import numpy as np
 from grpo_jax import distributed, multiturn, stats
 from grpo_jax import problems as problems_lib
 from grpo_jax.config import EvalConfig
-from grpo_jax.rollout import PromptEncoder, Rollouts, Scorer, decode
+from grpo_jax.rollout import PromptEncoder, Rollouts, decode
 from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.scorer import Scorer
 
 
 def evaluate_policy(

@@ -40,8 +40,9 @@ from grpo_jax.config import (
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
-from grpo_jax.rollout import Policy, PromptEncoder, Rollouts, Scorer
+from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
 from grpo_jax.sampling import SamplingConfig
+from grpo_jax.scorer import Scorer
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,12 @@
 """Test references as compiled programs: run eagerly, JAX compiles each operation of a model
 or loss on its own, on first sight of each shape, which made up most of some tests' time."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from grpo_jax import scoring
 
@@ -12,6 +15,17 @@ from grpo_jax import scoring
 completion_logps = jax.jit(
     scoring.completion_logps, static_argnums=(0, 6), static_argnames=("chunk_size", "group_size")
 )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scores(graphdef, state, tokens, mask):
+    return nnx.merge(graphdef, state).scores(tokens, mask)
+
+
+def scores(model, tokens, mask):
+    """A reward model's ``scores(tokens, mask)`` as one compiled program per shape."""
+    graphdef, state = nnx.split(model)
+    return _scores(graphdef, state, tokens, mask)
 
 
 def central_differences(f, x, h: float = 1e-6) -> np.ndarray:

@@ -4,7 +4,8 @@ Not part of CI or tests/run.sh: a measurement of how much of the core the tests 
 (docs/testing.md):
 
     nice -n 19 .venv/bin/python tests/mutation.py --seed 0 --max-per-module 30 \
-        --out /tmp/mutation.txt [--rev HEAD] [--modules losses,advantages,sampling]
+        --out /tmp/mutation.txt [--rev HEAD] \
+        [--modules losses,policy_terms,advantages,draw,sampling]
 
 A small AST mutator of its own (JAX compiles a jitted function once per shape and
 configuration, so tools that switch mutants at run time inside one process would not re-trace):
@@ -106,12 +107,27 @@ OLD_NAMES = {
 SOURCES = {
     "losses": ("grpo_jax/losses.py", None),
     "advantages": ("grpo_jax/advantages.py", None),
-    # The distribution and draw of a token, and the recording of its log-probs.
-    "sampling": (
+    # The distribution and draw of a token, and the recording of its log-probs. The draw
+    # moved to grpo_jax/draw.py (shared with the paged engine); at a --rev before that move
+    # name the old file's functions with --modules=sampling_before_draw.
+    "draw": (
+        "grpo_jax/draw.py",
+        {"_min_p_filter", "candidates", "draw", "sample_step", "sample_with"},
+    ),
+    "sampling": ("grpo_jax/sampling.py", {"_write"}),
+    "sampling_before_draw": (
         "grpo_jax/sampling.py",
         {"_min_p_filter", "candidates", "draw", "sample_step", "_draw", "_write"},
     ),
+    # The policy terms (clip, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov), split out of losses.py.
+    "policy_terms": ("grpo_jax/policy_terms.py", None),
 }
+for _mod, _like in (
+    ("draw", "sampling"),
+    ("sampling_before_draw", "sampling"),
+    ("policy_terms", "losses"),
+):
+    TEST_FILES[_mod], ALSO_IMPORTED[_mod] = TEST_FILES[_like], ALSO_IMPORTED[_like]
 
 BINOP_SWAPS = {
     ast.Add: ast.Sub,
@@ -284,7 +300,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-per-module", type=int, default=30)
-    ap.add_argument("--modules", default="losses,advantages,sampling")
+    ap.add_argument("--modules", default="losses,policy_terms,advantages,draw,sampling")
     ap.add_argument("--rev", default="HEAD", help="the commit whose code and tests are measured")
     ap.add_argument("--out", default=None, help="also write the report here")
     ap.add_argument("--timeout-factor", type=float, default=5.0)

@@ -13,7 +13,7 @@ from grpo_jax.config import parse_config
 from grpo_jax.errors import ConfigError
 from grpo_jax.reward_models import JUDGE, Judge
 from grpo_jax.rewards.section import JudgeSection
-from grpo_jax.rollout import Scorer
+from grpo_jax.scorer import Scorer
 from grpo_jax.sharding import make_mesh
 
 RUBRIC = "Q: {question}\nA: {completion}\nScore 1-3: "

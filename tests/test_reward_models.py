@@ -13,6 +13,7 @@ from helpers_hf import (
     make_tiny_hf_checkpoint,
     make_tiny_hf_classifier,
 )
+from helpers_jit import scores as jit_scores
 
 from grpo_jax import rewards
 from grpo_jax.errors import ConfigError
@@ -26,7 +27,7 @@ from grpo_jax.reward_models import (
     load_reward_model,
 )
 from grpo_jax.rewards.section import RewardModelSection
-from grpo_jax.rollout import Scorer
+from grpo_jax.scorer import Scorer
 from grpo_jax.sharding import make_mesh
 
 LENGTHS = (3, 11, 7)  # prompts of different lengths: left padding in every row but one
@@ -51,7 +52,7 @@ def check_parity(path, seed=0):
     rng = np.random.default_rng(seed)
     rows = [rng.integers(3, 320, n) for n in LENGTHS]
     tokens, mask = _left_padded(rows, 16)
-    ours = np.asarray(model.scores(tokens, mask))
+    ours = np.asarray(jit_scores(model, tokens, mask))
     hf = load_hf_classifier(path)
     alone = np.concatenate([hf_classifier_scores(hf, r[None]) for r in rows])
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
@@ -80,6 +81,8 @@ TEXTS = ["Q: 2+2? A: ", "Q: name a prime. A: ", "Q: hi A: "]
 COMPLETIONS = ["4", "seven, surely", "hello there"]
 
 
+# An 8-device mesh compiles its scorer again: ~20 s cold; the fast tier keeps one device's.
+@pytest.mark.slow
 def test_sharded_score_equals_one_device(qwen2_rm):
     """8 fake devices (4 data x 2 fsdp): the same scores as one device (one bucket there)."""
     # Two batches of 8 rows: the first needs the 32 bucket, the second (short rows) 16.
@@ -100,7 +103,7 @@ def test_sharded_score_equals_one_device(qwen2_rm):
     np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     # The texts scored are the prompt followed by the completion, as one model call shows.
     tokens, mask = _left_padded([one.token_lists([TEXTS[1] + COMPLETIONS[1]])[0]], 32)
-    direct = np.asarray(one.model.scores(tokens, mask))[0, 0]
+    direct = np.asarray(jit_scores(one.model, tokens, mask))[0, 0]
     np.testing.assert_allclose(a[0], direct, atol=1e-5)  # row 0 is that text
 
 
@@ -112,7 +115,7 @@ def test_chat_template_and_label(qwen2_rm):
     (text,) = lr.texts(["ignored"], ["4"], ["2+2?"])
     assert text == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
     tokens, mask = _left_padded([lr.token_lists([text])[0]], 64)
-    want = np.asarray(lr.model.scores(tokens, mask))[0, 1]
+    want = np.asarray(jit_scores(lr.model, tokens, mask))[0, 1]
     np.testing.assert_allclose(lr(["ignored"], ["4"], ["2+2?"], group_size=1), [want], atol=1e-5)
     with pytest.raises(ConfigError, match="reward_model.label' = 2 is not a class"):
         LearnedReward.load(_section(qwen2_rm, label=2), None)

@@ -231,7 +231,7 @@ def test_math_verify_failures_are_counted(monkeypatch):
 
 
 def test_scorer_passes_token_lengths_to_training_and_evaluation_scoring():
-    from grpo_jax.rollout import Scorer
+    from grpo_jax.scorer import Scorer
 
     @rewards.register("test_short_is_correct", override=True)
     def short(prompts, completions, *, completion_lengths, **_):
@@ -283,7 +283,7 @@ def test_weight_zero_reward_that_fails_leaves_total_finite_and_is_counted():
 
 
 def test_scorer_correctness_reward_outside_the_specs_that_fails_leaves_total_finite():
-    from grpo_jax.rollout import Scorer
+    from grpo_jax.scorer import Scorer
 
     @rewards.register("test_correct_raises_on_boom", override=True)
     def correct_or_boom(prompts, completions, *, answer, **_):
