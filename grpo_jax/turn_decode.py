@@ -20,8 +20,8 @@ distance, and a sliding window masks exactly what a full forward pass over the
 transcript masks. Keys carry their rotary phase from their position, not their slot,
 so the roll changes nothing else.
 
-The token draw is the single-turn sampler's (``sampling.sample_step``, with its
-stop-sequence check ``sampling.stop_hits`` and the G-fold row repeat
+The token draw is the single-turn sampler's (``draw.sample_with``, with its
+stop-sequence check ``draw.stop_hits`` and the G-fold row repeat
 ``sampling.repeat_rows``). The jitted functions run without explicit shardings (rows
 on whatever devices the inputs sit on).
 """
@@ -38,7 +38,7 @@ from flax import nnx
 
 from grpo_jax.checks import check_range
 from grpo_jax.models.transformer import positions_from_mask
-from grpo_jax.sampling import SamplingConfig, repeat_rows, sample_step, stop_hits
+from grpo_jax.sampling import SamplingConfig, repeat_rows, sample_with, stop_hits
 
 __all__ = [
     "BUDGET",
@@ -200,15 +200,7 @@ def prefill(params, prompt_BxP, pmask_BxP, key, *, graphdef, sampling, cfg, g):
     batch_axes, _ = cache_axes(model, b, s)
     cache = jax.tree.map(lambda c, ax: repeat_rows(c, g, axis=ax), cache, batch_axes)
     key, sub = jax.random.split(key)
-    token_N, logp_N, behavior_N = sample_step(
-        repeat_rows(logits_Bx1xV[:, 0], g),
-        sub,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_p=sampling.min_p,
-        greedy=sampling.greedy,
-    )
+    token_N, logp_N, behavior_N = sample_with(repeat_rows(logits_Bx1xV[:, 0], g), sub, sampling)
     zeros_N = jnp.zeros((n,), jnp.int32)
     st = MTState(
         cache=cache,
@@ -275,15 +267,7 @@ def phase(params, st: MTState, *, graphdef, sampling: SamplingConfig, cfg, key_i
             cache_index=slot,
         )
         key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
-        drawn_N, logp_N, behavior_N = sample_step(
-            logits_Nx1xV[:, 0],
-            sub,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            greedy=sampling.greedy,
-        )
+        drawn_N, logp_N, behavior_N = sample_with(logits_Nx1xV[:, 0], sub, sampling)
         forcing_N = st.forced_pos_N < st.forced_len_N
         forced_N = jnp.take_along_axis(
             st.forced_NxO, jnp.minimum(st.forced_pos_N, st.forced_NxO.shape[1] - 1)[:, None], 1

@@ -83,21 +83,7 @@ class RewardModelSection:
         check_range("reward_model.label", self.label, lo=0, integer=True)
         check_bool("reward_model.chat", self.chat)
         check_range("reward_model.batch_size", self.batch_size, lo=1, integer=True)
-        buckets = self.buckets
-        if isinstance(buckets, int) and not isinstance(buckets, bool):
-            buckets = (buckets,)
-        if isinstance(buckets, str):  # "128,256" from the command line
-            buckets = tuple(b.strip() for b in buckets.split(",") if b.strip())
-            buckets = tuple(int(b) if b.isdigit() else b for b in buckets)
-        buckets = tuple(buckets)
-        for i, b in enumerate(buckets):
-            check_range(f"reward_model.buckets[{i}]", b, lo=1, integer=True)
-        if not buckets or any(a >= b for a, b in zip(buckets, buckets[1:])):
-            raise ConfigError(
-                f"config key 'reward_model.buckets' = {self.buckets!r} must be a non-empty, "
-                "strictly increasing tuple of lengths"
-            )
-        object.__setattr__(self, "buckets", tuple(int(b) for b in buckets))
+        object.__setattr__(self, "buckets", _buckets("reward_model.buckets", self.buckets))
 
 
 DEFAULT_RUBRIC = (
@@ -180,15 +166,27 @@ class JudgeSection:
         object.__setattr__(self, "values", tuple(float(v) for v in values))
         check_bool("judge.chat", self.chat)
         check_range("judge.batch_size", self.batch_size, lo=1, integer=True)
-        b = tuple(self.buckets)
-        for i, x in enumerate(b):
-            check_range(f"judge.buckets[{i}]", x, lo=1, integer=True)
-        if not b or any(x >= y for x, y in zip(b, b[1:])):
-            raise ConfigError(
-                f"config key 'judge.buckets' = {self.buckets!r} must be a non-empty, strictly "
-                "increasing tuple of lengths"
-            )
-        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
+        object.__setattr__(self, "buckets", _buckets("judge.buckets", self.buckets))
+
+
+def _buckets(key: str, value) -> tuple[int, ...]:
+    """A learned reward's prompt-length buckets: one length, a tuple, or "128,256" from the
+    command line; a non-empty, strictly increasing tuple of positive integers."""
+    buckets = value
+    if isinstance(buckets, int) and not isinstance(buckets, bool):
+        buckets = (buckets,)
+    if isinstance(buckets, str):
+        buckets = tuple(b.strip() for b in buckets.split(",") if b.strip())
+        buckets = tuple(int(b) if b.isdigit() else b for b in buckets)
+    buckets = tuple(buckets)
+    for i, b in enumerate(buckets):
+        check_range(f"{key}[{i}]", b, lo=1, integer=True)
+    if not buckets or any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise ConfigError(
+            f"config key '{key}' = {value!r} must be a non-empty, strictly increasing tuple "
+            "of lengths"
+        )
+    return tuple(int(b) for b in buckets)
 
 
 def load_reward_modules(value: Any) -> tuple[str, ...]:
