@@ -26,7 +26,7 @@ from grpo_jax.reward_models import (
     learned_metrics,
     load_reward_model,
 )
-from grpo_jax.rewards.section import RewardModelSection
+from grpo_jax.rewards.section import JudgeSection, RewardModelSection
 from grpo_jax.scorer import Scorer
 from grpo_jax.sharding import make_mesh
 
@@ -318,3 +318,12 @@ def test_a_reward_model_too_big_for_memory_is_refused(qwen2_rm, tiny_model_confi
             learned_bytes=held,
             **kw,
         )
+
+
+def test_buckets_are_checked_alike_for_reward_model_and_judge():
+    assert RewardModelSection(path="p", buckets="16, 32").buckets == (16, 32)
+    assert JudgeSection(buckets=64).buckets == (64,)
+    for section, key in ((RewardModelSection, "reward_model"), (JudgeSection, "judge")):
+        for bad in ((32, 16), (), (0, 8), "16,x"):
+            with pytest.raises(ConfigError, match=f"'{key}.buckets"):
+                section(buckets=bad)
