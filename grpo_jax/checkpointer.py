@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax.checks import flat_keys
 from grpo_jax.errors import AlarmStop, CheckpointError, ConfigError
 from grpo_jax.health import describe_stop
 from grpo_jax.sharding import abstract_like as _abstract
@@ -215,16 +216,6 @@ def _changes_shapes(key: str) -> bool:
     return key.startswith("model.") and key[len("model.") :] not in SAME_SHAPES
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     """Refuses to resume ``ck``'s run with a config that changes what the run computes.
 
@@ -236,7 +227,7 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     saved = _newest_meta(ck).get("config")
     if saved is None:
         return None
-    old, new = _flat(saved), _flat(dict(run.raw))
+    old, new = flat_keys(saved), flat_keys(dict(run.raw))
     # Only keys both configs have: a key one lacks is a setting another version of
     # grpo_jax did not have (its default is what that version did).
     keys = [

@@ -74,3 +74,14 @@ def from_mapping(cls, section: str, mapping: Mapping[str, Any] | None):
     cfg = to_dict(mapping)
     check_known_keys(section, cfg, {f.name for f in dataclasses.fields(cls)})
     return cls(**cfg)
+
+
+def flat_keys(d, prefix: str = "") -> dict:
+    """A nested mapping as one level with dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from grpo_jax import problems, stats
+from grpo_jax.checks import flat_keys
 from grpo_jax.metrics import read_metrics
 
 CURVES = (("rollout/pass_rate", "training pass rate"), ("eval/pass_at_1", "held-out greedy pass@1"))
@@ -131,16 +132,6 @@ def _without_seed(config: dict) -> dict:
     return c
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def group_runs(runs: Sequence[Run], labels: Sequence[str] | None = None) -> list[Group]:
     """Runs grouped by their config without the seed, in the order first seen."""
     by_key: dict[str, list[Run]] = {}
@@ -156,13 +147,13 @@ def group_runs(runs: Sequence[Run], labels: Sequence[str] | None = None) -> list
         g.sort(key=lambda r: r.seed)
     if labels is not None and len(labels) != len(groups):
         raise CompareError(f"--labels names {len(labels)} groups, but the runs form {len(groups)}")
-    base = _flat(_without_seed(groups[0][0].config))
+    base = flat_keys(_without_seed(groups[0][0].config))
     out = []
     for i, g in enumerate(groups):
         if labels is not None:
             label = labels[i]
         else:
-            flat = _flat(_without_seed(g[0].config))
+            flat = flat_keys(_without_seed(g[0].config))
             diff = [
                 f"{k}={flat.get(k)}"
                 for k in sorted(set(base) | set(flat))

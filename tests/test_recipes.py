@@ -17,6 +17,7 @@ import jax
 import pytest
 
 from grpo_jax import runlocal
+from grpo_jax.checks import flat_keys
 from grpo_jax.config import ConfigError, check_batch_layout, parse_config
 from grpo_jax.setup import build_mesh
 from grpo_jax.sharding import batch_shards
@@ -57,16 +58,6 @@ def assets(tmp_path_factory):
         yield root
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 # Keys runlocal may change: where the model and data are, and sizes. Everything else
 # (prompt, chat template use, rewards, loss, estimator, beta, epsilon, lr) is the recipe's.
 RUNLOCAL_KEYS = {
@@ -99,7 +90,9 @@ def test_runlocal_trains(name, assets, tmp_path):
     config = recipes.get_config(f"model={name},runlocal")
     real = recipes.get_config(f"model={name}")
     changed = {
-        k for k, v in _flat(config.to_dict()).items() if _flat(real.to_dict()).get(k, object()) != v
+        k
+        for k, v in flat_keys(config.to_dict()).items()
+        if flat_keys(real.to_dict()).get(k, object()) != v
     }
     assert changed <= RUNLOCAL_KEYS, changed - RUNLOCAL_KEYS
     assert config.model.path == f"tiny:{family}"
