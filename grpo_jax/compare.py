@@ -318,7 +318,7 @@ def markdown(group_table: list[dict], paired_table: list[dict]) -> str:
 
 def _tex(s: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("&", r"\&"), ("%", r"\%"),
-                 ("#", r"\#"), ("@", r"@"), ("$", r"\$")):  # fmt: skip
+                 ("#", r"\#"), ("$", r"\$")):  # fmt: skip
         s = s.replace(a, b)
     return s
 

@@ -201,13 +201,6 @@ def load_hf_classifier(path):
 
 
 def hf_classifier_scores(model, tokens_BxT, attention_mask=None, position_ids=None) -> np.ndarray:
-    """float32 numpy [B, C] of a transformers sequence classifier (``load_hf_classifier``)."""
-    import torch
-
-    kwargs = {"input_ids": torch.as_tensor(np.array(tokens_BxT), dtype=torch.long)}
-    if attention_mask is not None:
-        kwargs["attention_mask"] = torch.as_tensor(np.array(attention_mask), dtype=torch.long)
-    if position_ids is not None:
-        kwargs["position_ids"] = torch.as_tensor(np.array(position_ids), dtype=torch.long)
-    with torch.no_grad():
-        return model(**kwargs, use_cache=False).logits.float().numpy()
+    """float32 numpy [B, C] of a transformers sequence classifier (``load_hf_classifier``): its
+    logits, read as :func:`hf_logits` reads a causal LM's."""
+    return hf_logits(model, tokens_BxT, attention_mask, position_ids)
