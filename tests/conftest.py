@@ -19,14 +19,17 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitte
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_XLA_FLAGS
 ).strip()
-# JAX's persistent compilation cache, outside the checkout, for every program however small:
-# a second run on this machine loads what the first compiled. GRPO_JAX_TEST_XLA_CACHE=0
-# switches it off (a cold run); JAX_COMPILATION_CACHE_DIR points it elsewhere.
+# JAX's persistent compilation cache, outside the checkout, for programs that take 0.5 s or
+# more to compile (whole updates, samplers, training steps): a second run on this machine
+# loads them, and a training run in another test or subprocess reuses them. Not for every
+# program: writing thousands of small ones cost a cold fast tier 18 s (101 s against 83 s
+# without the cache, 80 s with the 0.5 s floor; docs/testing.md). GRPO_JAX_TEST_XLA_CACHE=0
+# switches it off; JAX_COMPILATION_CACHE_DIR points it elsewhere.
 if os.environ.get("GRPO_JAX_TEST_XLA_CACHE", "1") != "0":
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/grpo_jax/tests-xla")
     )
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # LRU, file-locked
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

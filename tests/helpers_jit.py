@@ -22,6 +22,18 @@ def _scores(graphdef, state, tokens, mask):
     return nnx.merge(graphdef, state).scores(tokens, mask)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
+def logits(model, tokens) -> np.ndarray:
+    """``model(tokens)`` as one compiled program per model structure and input shape (eagerly,
+    a forward pass compiles each of its operations on its own)."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_logits(graphdef, state, jnp.asarray(tokens)))
+
+
 def scores(model, tokens, mask):
     """A reward model's ``scores(tokens, mask)`` as one compiled program per shape."""
     graphdef, state = nnx.split(model)

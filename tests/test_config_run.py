@@ -130,7 +130,7 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert not (tmp_path / "wd" / "checkpoints").exists()
 
 
-def test_main_names_an_unknown_key_in_one_line_and_refuses_a_key_given_twice(tmp_path):
+def test_main_names_an_unknown_key_in_one_line(tmp_path):
     out = _main("--config.grpo.GG=3", tmp_path=tmp_path)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [
@@ -138,6 +138,11 @@ def test_main_names_an_unknown_key_in_one_line_and_refuses_a_key_given_twice(tmp
         "(its keys: G, advantage_eps, " + out.stderr.split("advantage_eps, ", 1)[1].rstrip("\n")
     ]
     assert "['" not in out.stderr and "\"'" not in out.stderr  # no Python repr
+    assert not (tmp_path / "wd").exists()
+
+
+@pytest.mark.slow  # four more launches of the command (~2 s each)
+def test_main_names_an_unknown_section_and_refuses_a_key_given_twice(tmp_path):
     out = _main("--config.grpox.beta=1", tmp_path=tmp_path)
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert "the config has no key grpox (its keys: checkpoint," in out.stderr

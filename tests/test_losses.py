@@ -12,6 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from grpo_jax import losses, sharding
 
+# The loss as one compiled program per shape and objective (its settings are static): called
+# eagerly, each of its operations would compile on its own (docs/testing.md).
+grpo_loss = jax.jit(losses.grpo_loss, static_argnums=4)
+
 
 def seed_example():
     """The source document's worked example (docs/objective.md): G = 2, A = [-1, +1], T = 6."""
@@ -29,7 +33,7 @@ def seed_example():
 def test_golden_seed_example_with_clipping():
     logps, old, adv, mask = seed_example()
     # Response 1 alone: every token sits on the flat side of the clip, -0.99 each.
-    loss1, m1 = losses.grpo_loss(
+    loss1, m1 = grpo_loss(
         logps[:1],
         old[:1],
         adv[:1],
@@ -38,7 +42,7 @@ def test_golden_seed_example_with_clipping():
     )
     np.testing.assert_allclose(loss1, 0.99, rtol=1e-6)
     assert float(m1["clip_frac_low"]) == 1.0
-    loss2, _ = losses.grpo_loss(
+    loss2, _ = grpo_loss(
         logps[1:],
         old[1:],
         adv[1:],
@@ -46,7 +50,7 @@ def test_golden_seed_example_with_clipping():
         losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01),
     )
     np.testing.assert_allclose(loss2, -1 / 6, rtol=1e-6)
-    loss, _ = losses.grpo_loss(
+    loss, _ = grpo_loss(
         logps, old, adv, mask, losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01)
     )
     np.testing.assert_allclose(loss, -(-0.99 + 1 / 6) / 2, rtol=1e-6)
@@ -56,9 +60,9 @@ def test_golden_seed_example_with_clipping():
 def test_golden_seed_example_without_clipping():
     logps, old, adv, mask = seed_example()
     off = losses.ObjectiveConfig(epsilon_low=None, epsilon_high=None)
-    loss1, _ = losses.grpo_loss(logps[:1], old[:1], adv[:1], mask[:1], off)
+    loss1, _ = grpo_loss(logps[:1], old[:1], adv[:1], mask[:1], off)
     np.testing.assert_allclose(-loss1, -2 / 9, rtol=1e-6)
-    loss, m = losses.grpo_loss(logps, old, adv, mask, off)
+    loss, m = grpo_loss(logps, old, adv, mask, off)
     np.testing.assert_allclose(-loss, -1 / 36, rtol=1e-5)
     np.testing.assert_allclose(loss, 1 / 36, rtol=1e-5)
     assert float(m["clip_frac_low"]) == 0.0 and float(m["clip_frac_high"]) == 0.0
@@ -80,7 +84,7 @@ def random_batch(seed=0, n=6, t=5, beta_ref=True):
 def test_gradient_matches_finite_differences(reduction, kl):
     logps, old, ref, adv, mask = random_batch()
     with jax.enable_x64(True):
-        f = lambda lp: losses.grpo_loss(
+        f = lambda lp: grpo_loss(
             lp,
             jnp.asarray(old),
             jnp.asarray(adv),
@@ -110,13 +114,13 @@ def test_one_inner_step_equals_reinforce_with_group_baseline():
     adv = np.asarray(group_advantages(jnp.asarray(rewards))).reshape(-1)
     x = jnp.asarray(logps, jnp.float32)
     m = jnp.asarray(mask, jnp.float32)
-    g_grpo = jax.grad(lambda lp: losses.grpo_loss(lp, x, jnp.asarray(adv), m)[0])(x)
+    g_grpo = jax.jit(jax.grad(lambda lp: grpo_loss(lp, x, jnp.asarray(adv), m)[0]))(x)
 
     def reinforce(lp):
         per_seq = (lp * m).sum(1) / m.sum(1)
         return -(jnp.asarray(adv) * per_seq).mean()
 
-    np.testing.assert_allclose(g_grpo, jax.grad(reinforce)(x), atol=1e-7)
+    np.testing.assert_allclose(g_grpo, jax.jit(jax.grad(reinforce))(x), atol=1e-7)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +142,7 @@ def test_kl_estimators_match_numpy(name, value, grad):
     fn = losses.KL_ESTIMATORS[name]
     with jax.enable_x64(True):
         np.testing.assert_allclose(fn(jnp.asarray(lp), jnp.asarray(r)), value(lp, r), rtol=1e-12)
-        g = jax.vmap(jax.grad(fn))(jnp.asarray(lp), jnp.asarray(r))
+        g = jax.jit(jax.vmap(jax.grad(fn)))(jnp.asarray(lp), jnp.asarray(r))
     np.testing.assert_allclose(g, grad(lp, r), rtol=1e-10, atol=1e-12)
     if name != "k1":
         assert np.all(value(lp, r) >= 0)
@@ -204,7 +208,7 @@ def test_entropy_metric():
     np.testing.assert_allclose(losses.token_entropy(jnp.asarray(logits)), want, rtol=1e-5)
     mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
     z = jnp.zeros((2, 3))
-    _, m = losses.grpo_loss(z, z, jnp.ones(2), jnp.asarray(mask), logits_NxTxV=jnp.asarray(logits))
+    _, m = grpo_loss(z, z, jnp.ones(2), jnp.asarray(mask), logits_NxTxV=jnp.asarray(logits))
     np.testing.assert_allclose(m["entropy"], (want * mask).sum() / mask.sum(), rtol=1e-5)
 
 
@@ -214,7 +218,7 @@ def test_reductions_by_hand():
     adv = jnp.array([1.0, -2.0])
     mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], jnp.float32)
     get = lambda r, **kw: float(
-        losses.grpo_loss(z, z, adv, mask, losses.ObjectiveConfig(reduction=r, **kw))[0]
+        grpo_loss(z, z, adv, mask, losses.ObjectiveConfig(reduction=r, **kw))[0]
     )
     np.testing.assert_allclose(get("grpo"), -(1.0 + -2.0) / 2)
     np.testing.assert_allclose(get("token_mean"), -(3 * 1.0 - 2.0) / 4)
@@ -227,7 +231,7 @@ def test_gspo_clips_the_sequence_ratio():
     # Row 0: token log-ratios 0.3 and -0.1 -> s = exp(0.1); with eps 0.05 and A > 0 it clips.
     old = jnp.zeros((1, 2))
     lp = jnp.array([[0.3, -0.1]])
-    loss, m = losses.grpo_loss(
+    loss, m = grpo_loss(
         lp,
         old,
         jnp.array([1.0]),
@@ -246,7 +250,7 @@ def test_fully_masked_rows_give_no_nan():
     logps[2] = 50.0  # Garbage on padding must not leak.
     args = [jnp.asarray(a, jnp.float32) for a in (logps, old, adv, mask)]
     for reduction in losses.REDUCTIONS:
-        f = lambda lp: losses.grpo_loss(
+        f = lambda lp: grpo_loss(
             lp,
             *args[1:],
             losses.ObjectiveConfig(beta=0.1, reduction=reduction),
@@ -256,7 +260,7 @@ def test_fully_masked_rows_give_no_nan():
         assert np.isfinite(loss) and np.all(np.isfinite(g))
         assert all(np.isfinite(v) for v in metrics.values())
     z = jnp.zeros((2, 3))
-    loss, metrics = losses.grpo_loss(z, z, jnp.ones(2), z)
+    loss, metrics = grpo_loss(z, z, jnp.ones(2), z)
     assert float(loss) == 0.0 and all(np.isfinite(v) for v in metrics.values())
 
 
@@ -264,7 +268,7 @@ def test_an_empty_batch_reports_ratio_one_and_no_loss():
     # No real token: ratio_min and ratio_max report no movement (1.0), not +-inf or a fill.
     z = jnp.zeros((2, 3))
     rho_off = jnp.full((2, 3), 0.7)  # log-ratios on padding must not show
-    loss, m = losses.grpo_loss(rho_off, z, jnp.ones(2), z)
+    loss, m = grpo_loss(rho_off, z, jnp.ones(2), z)
     assert float(loss) == 0.0
     assert float(m["ratio_min"]) == 1.0 and float(m["ratio_max"]) == 1.0
     assert float(m["clip_frac_low"]) == 0.0 and float(m["clip_frac_high"]) == 0.0
@@ -273,11 +277,11 @@ def test_an_empty_batch_reports_ratio_one_and_no_loss():
 def test_beta_needs_reference_and_names_are_checked():
     z = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps_NxT"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(beta=0.1))
+        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(beta=0.1))
     with pytest.raises(ValueError, match="reduction 'mean' is not one of"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(reduction="mean"))
+        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(reduction="mean"))
     with pytest.raises(ValueError, match="kl_estimator 'k4' is not one of"):
-        losses.grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(kl_estimator="k4"))
+        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(kl_estimator="k4"))
 
 
 def test_objective_config_from_grpo_is_a_static_argument():
@@ -318,14 +322,12 @@ def test_objective_config_from_grpo_is_a_static_argument():
     logps, old, ref, adv, mask = (jnp.asarray(a, jnp.float32) for a in random_batch(seed=2))
     jitted = jax.jit(losses.grpo_loss, static_argnames="objective")
     got, _ = jitted(logps, old, adv, mask, objective=objective, ref_logps_NxT=ref)
-    want, _ = losses.grpo_loss(logps, old, adv, mask, objective, ref_logps_NxT=ref)
+    want, _ = grpo_loss(logps, old, adv, mask, objective, ref_logps_NxT=ref)
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def _loss_fn(logps, old, adv, mask, ref):
-    return losses.grpo_loss(
-        logps, old, adv, mask, losses.ObjectiveConfig(beta=0.04), ref_logps_NxT=ref
-    )
+    return grpo_loss(logps, old, adv, mask, losses.ObjectiveConfig(beta=0.04), ref_logps_NxT=ref)
 
 
 @pytest.mark.slow

@@ -181,8 +181,9 @@ def _toy_reward(seqs_MxT, support_M):
     return jnp.where(support_M, r, 0.0)
 
 
-def _estimates(theta, t, filters, correction, level, n=200_000):
-    """Per-sample gradients of -loss (one row each) and the batch loss's gradient."""
+def _draws(theta, t, filters, n=200_000):
+    """n sequences drawn from q with their rewards, shared by every correction's estimate:
+    (seqs, full logps, behaviour logps, rewards, mask)."""
     # Each program compiled once (jitted), not op by op: the rows are many, the shapes few.
     sample = jax.jit(lambda th, key: _sample(th, n, t, key, **filters))
     seqs, full, beh = sample(theta, jax.random.key(11))
@@ -190,7 +191,13 @@ def _estimates(theta, t, filters, correction, level, n=200_000):
     reward_fn = jax.jit(lambda th, s: _toy_reward(s, _support(th, s, **filters)))
     rewards = reward_fn(theta, seqs).astype(theta.dtype)
     mask = jnp.ones(seqs.shape, theta.dtype)
-    full, beh = full.astype(theta.dtype), beh.astype(theta.dtype)
+    return seqs, full.astype(theta.dtype), beh.astype(theta.dtype), rewards, mask
+
+
+def _estimates(theta, draws, correction, level):
+    """Per-sample gradients of -loss (one row each) and the batch loss's gradient."""
+    seqs, full, beh, rewards, mask = draws
+    n = seqs.shape[0]
     w, _ = losses.behavior_weights(full, beh, mask, correction=correction, level=level, cap=1e6)
 
     def neg_loss(th, rows_seqs, rows_old, rows_adv, rows_mask, rows_w):
@@ -227,8 +234,15 @@ def _estimates(theta, t, filters, correction, level, n=200_000):
 
 def _exact(theta, t, filters):
     all_seqs = jnp.asarray(list(itertools.product(range(V_TOY), repeat=t)))
-    rewards = _toy_reward(all_seqs, _support(theta, all_seqs, **filters))
-    return jax.grad(lambda th: (jnp.exp(_seq_logps(th, all_seqs).sum(1)) * rewards).sum())(theta)
+
+    @jax.jit  # one program, not the enumeration's operations compiled one by one
+    def grad(theta):
+        rewards = _toy_reward(all_seqs, _support(theta, all_seqs, **filters))
+        return jax.grad(lambda th: (jnp.exp(_seq_logps(th, all_seqs).sum(1)) * rewards).sum())(
+            theta
+        )
+
+    return grad(theta)
 
 
 @pytest.mark.slow
@@ -249,14 +263,15 @@ def test_corrected_gradient_matches_enumeration_and_uncorrected_does_not(t, filt
 def _check_corrected_gradient(t, filters, level):
     theta = _toy_theta().astype(jnp.float64)
     exact = np.asarray(_exact(theta, t, filters))
+    draws = _draws(theta, t, filters)
     for correction in ("tis", "mis"):  # cap 1e6: no weight is cut, both are plain IS
-        batch_grad, mean, se = map(np.asarray, _estimates(theta, t, filters, correction, level))
+        batch_grad, mean, se = map(np.asarray, _estimates(theta, draws, correction, level))
         # The batch loss's gradient is the mean of the per-row ones ...
         np.testing.assert_allclose(batch_grad, mean, rtol=1e-6, atol=1e-9)
         # ... and within sampling error of the exact gradient, component by component.
         z = np.abs(mean - exact) / np.maximum(se, 1e-7)
         assert z.max() < 5.0, (correction, z.max(), mean, exact)
-    _, mean, se = map(np.asarray, _estimates(theta, t, filters, "none", level))
+    _, mean, se = map(np.asarray, _estimates(theta, draws, "none", level))
     z = np.abs(mean - exact) / np.maximum(se, 1e-7)
     assert z.max() > 20.0, z.max()  # visibly biased
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers_gguf import real_gguf, write_tiny_gguf
 from helpers_hf import hf_logits, load_hf_model, make_tiny_hf_checkpoint
+from helpers_jit import logits as jitted_logits
 
 from grpo_jax.models import CheckpointError, convert_gguf, from_gguf, from_pretrained
 from grpo_jax.models.gguf import GGUFFile, cached_conversion, hf_config
@@ -283,13 +286,7 @@ def test_real_config(gemma):
 
 @pytest.fixture(scope="session")
 def gemma_logits(gemma):
-    """The model's logits as one jitted program per input shape (not op by op)."""
-    import jax
-    from flax import nnx
-
-    graphdef, params = nnx.split(gemma)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    return lambda tokens_BxT: np.asarray(forward(params, jnp.asarray(tokens_BxT)))
+    return lambda tokens_BxT: jitted_logits(gemma, tokens_BxT)
 
 
 @pytest.mark.slow
@@ -331,7 +328,6 @@ def test_real_logits_past_the_sliding_window(gemma_logits, gemma_transformers, g
 @pytest.mark.slow
 def test_real_greedy_continuations_equal(gemma, gemma_transformers, gemma_tokenizer):
     import torch
-    from flax import nnx
 
     from grpo_jax import sampling
 
@@ -340,7 +336,6 @@ def test_real_greedy_continuations_equal(gemma, gemma_transformers, gemma_tokeni
     tokens_BxP, mask_BxP = sampling.pad_prompts(ids, pad_id=0, buckets=(32,))
     cfg = sampling.SamplingConfig(max_new_tokens=n, greedy=True, eos_ids=(), prompt_buckets=(32,))
     graphdef, params = nnx.split(gemma)
-    import jax
 
     ours = np.asarray(
         sampling.generate(graphdef, params, tokens_BxP, mask_BxP, jax.random.key(0), cfg).tokens
@@ -454,9 +449,9 @@ def test_real_grpo_step_checkpoint_export_reload(gemma_file, gemma_hf_dir, tmp_p
 
     out = export_hf(workdir, tmp_path / "export")
     tokens = np.array([[2, 818, 5279, 529, 7001, 563]])  # "<bos>The capital of France is"
-    trained = np.asarray(from_pretrained(out)(jnp.asarray(tokens)))
+    trained = jitted_logits(from_pretrained(out), tokens)
     theirs = hf_logits(load_hf_model(out), tokens)
     assert np.abs(trained - theirs).max() < 2e-3
-    before = np.asarray(from_pretrained(gemma_hf_dir)(jnp.asarray(tokens)))
+    before = jitted_logits(from_pretrained(gemma_hf_dir), tokens)
     assert np.abs(trained - before).max() > 1e-3  # The step changed the model.
     assert transformers.AutoTokenizer.from_pretrained(str(out))("x").input_ids[0] == 2

@@ -80,13 +80,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from verl.trainer.config import AlgoConfig
-from verl.trainer.ppo import core_algos as verl_algos
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
-from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from grpo_jax import advantages, losses
+
+torch = AlgoConfig = verl_algos = compute_rollout_correction_weights = None
+ActorConfig = PolicyLossConfig = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verl():
+    """Imports verl when these tests run: it pulls in torch and ray (about 4 s), which every
+    xdist worker would otherwise pay while collecting this file."""
+    global torch, AlgoConfig, verl_algos, compute_rollout_correction_weights
+    global ActorConfig, PolicyLossConfig
+    import torch
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo import core_algos as verl_algos
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 # verl's additive constant in masked_mean, seq-mean-token-mean, geo_mean and masked_whiten.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_jit import logits as jitted_logits
 
 from grpo_jax import config as config_lib
 from grpo_jax import setup as setup_lib
@@ -106,9 +107,9 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
         run, builtin_tokenizer, mesh, tmp_path / "whole" / "checkpoints"
     )
     tokens = np.random.default_rng(0).integers(4, 100, (2, 6)).astype(np.int32)
-    ours = np.asarray(nnx.merge(gd, policy)(tokens))
+    ours = jitted_logits(nnx.merge(gd, policy), tokens)
     out = export_hf(tmp_path / "whole", tmp_path / "merged")
-    np.testing.assert_allclose(np.asarray(from_pretrained(out)(tokens)), ours, atol=1e-5)
+    np.testing.assert_allclose(jitted_logits(from_pretrained(out), tokens), ours, atol=1e-5)
     out = export_hf(tmp_path / "whole", tmp_path / "peft", format="peft")
     written = json.loads((out / "adapter_config.json").read_text())
     assert written["r"] == 2 and written["lora_dropout"] == 0.1
