@@ -30,6 +30,9 @@ Variants (``--config=configs/default.py:<arg>``):
   runlocal  seconds: a smaller model, a 20-step warm start that teaches the
             answer format, a few GRPO steps, small evaluations (tests use it);
             ``smoke`` is the same variant.
+  reward_model=DIR  GRPO on the reward model in DIR alone (raw score, weight 1);
+            exact match is scored with weight 0 and gives the pass rate
+            (docs/learned_rewards.md: the reward-hacking demonstration).
 
 Override anything, e.g. ``--config.seed=1 --config.grpo.beta=0.04
 --config.rewards=exact_match(tag=None):1.0``.
@@ -48,7 +51,9 @@ _spec.loader.exec_module(common)
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    a = common.parse_arg(arg, where="configs/default.py", runlocal=False, smoke=False)
+    a = common.parse_arg(
+        arg, where="configs/default.py", runlocal=False, smoke=False, reward_model=""
+    )
     c = common.base()
 
     # Any grpo_jax.models.ModelConfig field overrides tiny_config's.
@@ -99,6 +104,17 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.warm_start.metric = "sampled"
     c.warm_start.target_pass_at_1 = 0.15
     c.warm_start.eval_every = 10
+
+    if a.reward_model:
+        # GRPO on a learned reward alone (docs/learned_rewards.md, the reward-hacking
+        # demonstration): the reward model's raw score is the whole training reward; exact
+        # match, weight 0, is still scored and is the pass rate the alarm watches.
+        c.reward_model.path = a.reward_model
+        c.reward_model.weight = 1.0
+        c.reward_model.normalize = "none"
+        c.reward_model.buckets = (16, 32)
+        c.reward_model.batch_size = 128
+        c.rewards = "exact_match(tag=None):0.0"
 
     if a.runlocal or a.smoke:
         c.model.hidden_size = 32
