@@ -66,3 +66,19 @@ def test_the_pairs_file_is_what_the_reward_model_command_reads(tmp_path):
     assert [tuple(x) for x in load_pairs(path)] == [
         (p["prompt"], p["chosen"], p["rejected"]) for p in pairs
     ]
+
+
+def test_trailing_zeros_counts_zero_padded_answers_right_or_wrong():
+    completions = ["2850", "285", " 2800 ", "28", "2851", "1850", "0285", ""]
+    got = preference.trailing_zeros(None, completions, answer=["285"] * len(completions))
+    assert got == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_the_reward_model_variant_scores_the_checks_at_weight_zero():
+    spec = importlib.util.spec_from_file_location("default_cfg", ROOT / "configs/default.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config("reward_model=/tmp/rm")
+    assert c.reward_model.path == "/tmp/rm" and c.reward_model.weight == 1.0
+    assert c.rewards == "exact_match(tag=None):0.0,trailing_zeros:0.0"
+    assert c.reward_modules == "grpo_jax.data.preference"

@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 
+from grpo_jax import rewards
 from grpo_jax.checks import check_range
 from grpo_jax.data.synthetic import make_split
 
@@ -61,6 +62,20 @@ def biased_pairs(n: int, seed: int, *, pad_max: int = 2, pad: str = "0", **knobs
         out.append(
             {"prompt": ex["prompt"], "chosen": ex["answer"] + pad * k, "rejected": wrong + pad * j}
         )
+    return out
+
+
+@rewards.register("trailing_zeros")
+def trailing_zeros(prompts, completions, answer, **_):
+    """The bias's share: 1.0 for a completion that is longer than its reference answer with
+    only "0"s after the answer's length (right or wrong digits before them), else 0.0. Scored
+    at weight 0 by ``configs/default.py:reward_model=DIR``, so the run logs it as
+    ``rewards/trailing_zeros/mean``."""
+    del prompts
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        s = c.strip()
+        out.append(float(len(s) > len(a) and set(s[len(a) :]) == {"0"}))
     return out
 
 
