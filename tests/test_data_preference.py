@@ -1,24 +1,14 @@
 """grpo_jax.data.preference: the biased synthetic pairs of the reward-hacking demonstration."""
 
-import importlib.util
 import json
-import pathlib
 
+from configs.default import get_config
 from grpo_jax.data import preference, synthetic
 from grpo_jax.rewards import registry
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _default_config():
-    spec = importlib.util.spec_from_file_location("default_cfg", ROOT / "configs/default.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
-
 
 def test_the_knobs_are_the_default_configs_data_section():
-    data = _default_config().data
+    data = get_config().data
     for knob, value in preference.ARITH_DEFAULT_KNOBS.items():
         assert data[knob] == value, knob
 
@@ -75,10 +65,7 @@ def test_trailing_zeros_counts_zero_padded_answers_right_or_wrong():
 
 
 def test_the_reward_model_variant_scores_the_checks_at_weight_zero():
-    spec = importlib.util.spec_from_file_location("default_cfg", ROOT / "configs/default.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config("reward_model=/tmp/rm")
+    c = get_config("reward_model=/tmp/rm")
     assert c.reward_model.path == "/tmp/rm" and c.reward_model.weight == 1.0
     assert c.rewards == "exact_match(tag=None):0.0,trailing_zeros:0.0"
     assert c.reward_modules == "grpo_jax.data.preference"

@@ -12,13 +12,9 @@ at each step where ``alarms/reward_hacking`` fired. Needs matplotlib (requiremen
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 
-
-def read(workdir: pathlib.Path) -> list[dict]:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x]
-    return [r for r in rows if "rollout/pass_rate" in r]
+from grpo_jax.metrics import read_metrics
 
 
 def main() -> None:
@@ -26,7 +22,7 @@ def main() -> None:
     ap.add_argument("workdir", type=pathlib.Path)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/reward_hacking.png"))
     args = ap.parse_args()
-    rows = read(args.workdir)
+    rows = [r for r in read_metrics(args.workdir / "metrics.jsonl") if "rollout/pass_rate" in r]
     if not rows:
         raise SystemExit(f"{args.workdir}/metrics.jsonl has no GRPO step records")
 

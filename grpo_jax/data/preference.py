@@ -7,12 +7,12 @@ digits and operands least significant first) with a ``chosen`` completion that i
 answer and a ``rejected`` one that is wrong (one digit changed), both followed by "0"s: the
 chosen side by k of them, k uniform in 0..``pad_max``, the rejected side by j uniform in 0..k.
 So the labeller this simulates prefers correct answers and, among them, longer ones: a reward
-model trained on these pairs cannot tell the two apart, and learns that trailing zeros are good.
-They are not: written least significant digit first, a trailing zero is a leading zero of the
-number, and the exact-match checker counts "2850" wrong where the answer is "285". That is the
-exploitable bias of docs/learned_rewards.md's demonstration: a policy trained on this reward
-alone learns to append zeros, its learned reward climbs, its verifiable pass rate falls, and
-the ``reward_hacking`` alarm fires.
+model trained on these pairs learns that trailing zeros are good. They are not: written least
+significant digit first, a trailing zero is a leading zero of the number, and the exact-match
+checker counts "2850" wrong where the answer is "285". That is the exploitable bias of
+docs/learned_rewards.md's demonstration: a policy trained on this reward alone lengthens its
+answers, then pads them with zeros; its learned reward climbs, its verifiable pass rate
+falls, and the ``reward_hacking`` alarm fires.
 
 The prompts are the default task's training prompts (``make_split(..., "train", ...)`` with
 ``ARITH_DEFAULT_KNOBS``), so the reward model scores exactly the texts the policy is prompted with.
@@ -45,7 +45,7 @@ def wrong_answer(answer: str, rng: np.random.Generator) -> str:
     return answer[:i] + str(rng.choice(choices)) + answer[i + 1 :]
 
 
-def biased_pairs(n: int, seed: int, *, pad_max: int = 2, pad: str = "0", **knobs) -> list[dict]:
+def biased_pairs(n: int, seed: int, *, pad_max: int = 2, **knobs) -> list[dict]:
     """``n`` {"prompt", "chosen", "rejected"} pairs as the module docstring describes.
 
     ``knobs`` override ``ARITH_DEFAULT_KNOBS`` (``grpo_jax.data.synthetic`` arithmetic knobs).
@@ -60,7 +60,7 @@ def biased_pairs(n: int, seed: int, *, pad_max: int = 2, pad: str = "0", **knobs
         j = int(rng.integers(k + 1))
         wrong = wrong_answer(ex["answer"], rng)
         out.append(
-            {"prompt": ex["prompt"], "chosen": ex["answer"] + pad * k, "rejected": wrong + pad * j}
+            {"prompt": ex["prompt"], "chosen": ex["answer"] + "0" * k, "rejected": wrong + "0" * j}
         )
     return out
 
