@@ -2,8 +2,8 @@
 
 import logging
 import math
-import threading
 
+import helpers_rewards  # registers the test_* rewards used below
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,42 +14,11 @@ from grpo_jax.config import ConfigError
 from grpo_jax.rewards import symbolic
 from grpo_jax.rewards.scoring import RewardSpec, score
 
-RELEASE = threading.Event()  # lets abandoned "hanging" threads finish at the end
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_hung_threads():
     yield
-    RELEASE.set()
-
-
-@rewards.register("test_raises_on_boom")
-def _raises_on_boom(prompts, completions, **_):
-    if any("boom" in c for c in completions):
-        raise RuntimeError("boom")
-    return [1.0] * len(completions)
-
-
-@rewards.register("test_always_raises")
-def _always_raises(prompts, completions, **_):
-    raise ValueError("broken verifier")
-
-
-@rewards.register("test_hangs_on_hang")
-def _hangs(prompts, completions, **_):
-    if any("hang" in c for c in completions):
-        RELEASE.wait()  # blocks past any deadline in these tests
-    return [0.5] * len(completions)
-
-
-@rewards.register("test_wrong_length")
-def _wrong_length(prompts, completions, **_):
-    return [1.0] * (len(completions) + 1)
-
-
-@rewards.register("test_mixed_values")
-def _mixed(prompts, completions, **_):
-    return [1, None, "abc", float("nan"), np.float32(0.5)][: len(completions)]
+    helpers_rewards.RELEASE.set()
 
 
 def _nan_at(arr):
