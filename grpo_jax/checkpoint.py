@@ -5,9 +5,10 @@ A checkpoint at step s holds three items (four with ``train.max_staleness`` >= 1
   params     the policy parameter pytree (sharded arrays, restored in place)
   opt_state  the optax state
   meta       JSON: step, PRNG key data, data-iterator state, the run config,
-             counters (skipped updates, ...) and the health alarms' history
+             counters (skipped updates, ...), the health alarms' history
              (``Reporter.health_state``: with the alarms that stopped the run,
-             if one did) needed for an exact resume.
+             if one did) and the learned rewards' running-normalisation moments
+             (``Scorer.moments_state``) needed for an exact resume.
   inflight   the batches of steps s + 1 .. s + k, sampled before the save
              (``grpo_jax.pipeline``); meta["inflight"] gives their steps,
              parameter versions, shapes and host-side rollouts.
@@ -133,6 +134,8 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
         no_signal_run = int(meta.get("no_signal_run", 0))
         sampled_tokens = int(meta.get("sampled_tokens", 0))
         health_state = meta.get("health")
+        # Checkpoints written before the moments were saved restore none: they start afresh.
+        s.rollouts.scorer.restore_moments(meta.get("reward_moments", {}))
         if s.records.is_main:
             s.records.writer.truncate(latest)
         s.records.progress.message(
@@ -243,6 +246,7 @@ def save_run(
         "no_signal_run": no_signal_run,
         "sampled_tokens": sampled_tokens,
         "health": health,
+        "reward_moments": s.rollouts.scorer.moments_state(),
     }
     arrays = None
     if inflight is not None:

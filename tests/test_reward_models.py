@@ -135,6 +135,37 @@ def test_normalisation_by_hand():
     assert m.std == pytest.approx(np.std([1.0, 2.0, 6.0, 3.0]))
 
 
+class _WithMoments:
+    """A stand-in learned reward that standardises by its running moments."""
+
+    def __init__(self):
+        self.moments = RunningMoments()
+
+
+def test_the_running_moments_survive_a_checkpoint_bit_for_bit():
+    """What checkpoint.save_run writes (JSON) and a resume restores: the resumed moments
+    then standardise the next batch exactly as the uninterrupted ones do."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(3.0, 2.0, 37), rng.normal(-1.0, 0.5, 16)
+    whole = RunningMoments()
+    whole.add(a)
+    whole.add(b)
+    saved_at = RunningMoments()
+    saved_at.add(a)
+    kw = dict(correct_reward="exact_match", timeout_s=5.0)
+    before = Scorer((), **kw, learned=[(LEARNED, _WithMoments(), 1.0), ("fixed", _Fixed([1]), 1)])
+    before.learned[0][1].moments = saved_at
+    meta = json.loads(json.dumps(before.moments_state()))
+    assert meta == {LEARNED: {"count": 37, "mean": saved_at.mean, "m2": saved_at.m2}}
+    after = Scorer((), **kw, learned=[(LEARNED, _WithMoments(), 1.0)])
+    after.restore_moments(meta)
+    resumed = after.learned[0][1].moments
+    resumed.add(b)
+    assert resumed == whole  # count, mean and m2 equal as floats, not approximately
+    after.restore_moments({})  # an older checkpoint without them leaves the moments alone
+    assert resumed == whole
+
+
 class _Fixed:
     """A stand-in reward model: fixed values, to test how the Scorer combines them."""
 

@@ -67,6 +67,17 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.m2 / self.count) if self.count else 0.0
 
+    def state(self) -> dict:
+        """JSON-ready (a float's repr reads back as the same float): what a checkpoint saves."""
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def restore(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = (
+            int(state["count"]),
+            float(state["mean"]),
+            float(state["m2"]),
+        )
+
 
 def standardize(values_N: np.ndarray, mean, std, eps: float = 1e-6) -> np.ndarray:
     return ((values_N - mean) / (std + eps)).astype(np.float32)

@@ -1,5 +1,6 @@
-"""A whole run with learned rewards: a reward model and the reference policy as judge, both
-weighted into the total, their metrics written, the judge holding the reference's arrays."""
+"""Whole runs with learned rewards: a reward model and the reference policy as judge, both
+weighted into the total, their metrics written, the judge holding the reference's arrays;
+a killed run with the running normalisation resumes exactly."""
 
 import json
 import math
@@ -8,7 +9,9 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_hf import make_tiny_hf_classifier
 
-from grpo_jax.train import train
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.metrics import read_metrics
+from grpo_jax.train import TIMING_PREFIXES, train
 
 
 @pytest.mark.slow
@@ -42,3 +45,49 @@ def test_run_with_a_reward_model_and_the_reference_as_judge(tmp_path):
         assert r["rewards/reward_model/errors"] == 0 and r["rewards/judge/errors"] == 0
         assert 1.0 <= r["rewards/judge/mean"] <= 5.0  # an expected score over "1".."5"
         assert abs(r["rewards/reward_model/mean"]) < 1e-5  # group-standardised: mean 0
+
+
+class _Kill(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_the_running_normalisation_resumes_exactly(tmp_path):
+    """The moments are in the checkpoint: steps 3 and 4 of the resumed run standardise the
+    reward model's scores by the moments of steps 1-2 as the uninterrupted run does (a
+    resume that started them afresh would standardise step 3 by its own batch alone)."""
+    rm = make_tiny_hf_classifier(tmp_path / "rm", "qwen2")
+    cfg = smoke_config(
+        **{
+            **SHORT_RUN,
+            "reward_model.path": str(rm),
+            "reward_model.weight": 0.5,
+            "reward_model.normalize": "running",
+            "reward_model.buckets": (128, 256, 512),
+            "reward_model.batch_size": 8,
+        }
+    )
+    train(cfg, tmp_path / "whole")
+
+    def kill_at_3(step):
+        if step == 3:
+            raise _Kill  # between the checkpoints at 2 and 4: step 3 is redone
+
+    with pytest.raises(_Kill):
+        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    assert ck.all_steps() == [2]
+    assert ck.restore_meta(2)["reward_moments"]["reward_model"]["count"] == 2 * 16
+    ck.close()
+    train(cfg, tmp_path / "killed")
+
+    def deterministic(workdir):
+        records = read_metrics(workdir / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+    whole, resumed = deterministic(tmp_path / "whole"), deterministic(tmp_path / "killed")
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
+    assert [r.get("rewards/reward_model/mean") for r in resumed] == [
+        r.get("rewards/reward_model/mean") for r in whole
+    ]
+    assert resumed == whole
