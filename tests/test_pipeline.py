@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_resume import train_killed_at
 
 from grpo_jax import config as config_lib
 from grpo_jax import pipeline, sources
@@ -233,10 +234,6 @@ def _assert_same_params(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-class _Kill(Exception):
-    pass
-
-
 def _deterministic(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
 
@@ -247,12 +244,8 @@ def test_kill_and_resume_at_k1_equals_the_uninterrupted_run(tmp_path, placement)
     cfg = _config(**{"train.max_staleness": 1}, **PLACEMENTS[placement])
     train(cfg, tmp_path / "whole")
 
-    def kill_at_3(step):
-        if step == 3:
-            raise _Kill  # between the checkpoints at 2 and 4: step 3 is lost
-
-    with pytest.raises(_Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    # Between the checkpoints at 2 and 4: step 3 is lost.
+    train_killed_at(cfg, tmp_path / "killed", 3)
     ck = Checkpointer(tmp_path / "killed" / "checkpoints")
     assert ck.all_steps() == [2]
     meta = ck.restore_meta(2)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_resume import train_killed_at
 
 from grpo_jax import rollout
 from grpo_jax.checkpoint import Checkpointer
@@ -146,15 +147,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     cfg = smoke_config(**{**DYNAMIC, "train.max_staleness": k})
     train(cfg, tmp_path / "whole", stream=io.StringIO())
 
-    class Kill(Exception):
-        pass
-
-    def kill_at_3(step):
-        if step == 3:
-            raise Kill  # after the checkpoint at 2: step 3 is lost and redrawn
-
-    with pytest.raises(Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3, stream=io.StringIO())
+    # After the checkpoint at 2: step 3 is lost and redrawn.
+    train_killed_at(cfg, tmp_path / "killed", 3, stream=io.StringIO())
     train(cfg, tmp_path / "killed", stream=io.StringIO())
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")

@@ -8,6 +8,7 @@ import math
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_hf import make_tiny_hf_classifier
+from helpers_resume import train_killed_at
 
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
@@ -47,10 +48,6 @@ def test_run_with_a_reward_model_and_the_reference_as_judge(tmp_path):
         assert abs(r["rewards/reward_model/mean"]) < 1e-5  # group-standardised: mean 0
 
 
-class _Kill(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_a_killed_run_with_the_running_normalisation_resumes_exactly(tmp_path):
     """The moments are in the checkpoint: steps 3 and 4 of the resumed run standardise the
@@ -69,12 +66,8 @@ def test_a_killed_run_with_the_running_normalisation_resumes_exactly(tmp_path):
     )
     train(cfg, tmp_path / "whole")
 
-    def kill_at_3(step):
-        if step == 3:
-            raise _Kill  # between the checkpoints at 2 and 4: step 3 is redone
-
-    with pytest.raises(_Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    # Between the checkpoints at 2 and 4: step 3 is redone.
+    train_killed_at(cfg, tmp_path / "killed", 3)
     ck = Checkpointer(tmp_path / "killed" / "checkpoints")
     assert ck.all_steps() == [2]
     assert ck.restore_meta(2)["reward_moments"]["reward_model"]["count"] == 2 * 16

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_jit import logits as jitted_logits
+from helpers_resume import train_killed_at
 
 from grpo_jax import config as config_lib
 from grpo_jax import setup as setup_lib
@@ -37,10 +38,6 @@ def _config(**updates):
     return smoke_config(**{**LORA_RUN, **updates, **LORA})
 
 
-class _Kill(Exception):
-    pass
-
-
 def _deterministic(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
 
@@ -49,12 +46,8 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
     cfg = _config()
     train(cfg, tmp_path / "whole")
 
-    def kill_at_3(step):
-        if step == 3:
-            raise _Kill  # between the checkpoints at 2 and 4: step 3 is lost
-
-    with pytest.raises(_Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    # Between the checkpoints at 2 and 4: step 3 is lost.
+    train_killed_at(cfg, tmp_path / "killed", 3)
     train(cfg, tmp_path / "killed")
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")

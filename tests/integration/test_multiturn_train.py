@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import apply_overrides
+from helpers_resume import train_killed_at
 
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
@@ -34,10 +35,6 @@ def _deterministic(records):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
 
 
-class _Kill(Exception):
-    pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1], ids=lambda k: f"max_staleness={k}")
 def test_multiturn_run_resumes_exactly(tmp_path, k):
@@ -53,12 +50,8 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
     samples = (tmp_path / "whole" / "samples" / "step_0000002.txt").read_text()
     assert "guess 0-9:" in samples
 
-    def kill_at_3(step):
-        if step == 3:
-            raise _Kill  # between the checkpoints at 2 and 4: step 3 is lost
-
-    with pytest.raises(_Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    # Between the checkpoints at 2 and 4: step 3 is lost.
+    train_killed_at(cfg, tmp_path / "killed", 3)
     ck = Checkpointer(tmp_path / "killed" / "checkpoints")
     try:
         inflight = [(x["step"], x["version"]) for x in ck.restore_meta(2).get("inflight") or []]

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_resume import train_killed_at
 
 from grpo_jax import losses
 from grpo_jax.checkpoint import Checkpointer
@@ -133,20 +134,12 @@ def test_end_to_end_smoke_run(tmp_path):
     assert again["steps"] == 3
 
 
-class _Kill(Exception):
-    pass
-
-
 def test_resume_after_kill_is_exact(tmp_path, builtin_tokenizer):
     cfg = smoke_config(**SHORT_RUN)
     train(cfg, tmp_path / "whole")
 
-    def kill_at_3(step):
-        if step == 3:
-            raise _Kill  # Between the checkpoints at 2 and 4: step 3 is lost.
-
-    with pytest.raises(_Kill):
-        train(cfg, tmp_path / "killed", step_callback=kill_at_3)
+    # Between the checkpoints at 2 and 4: step 3 is lost.
+    train_killed_at(cfg, tmp_path / "killed", 3)
     ck = Checkpointer(tmp_path / "killed" / "checkpoints")
     assert ck.all_steps() == [2]
     ck.close()

@@ -1,0 +1,22 @@
+"""Kill a training run after a step, for the exact-resume tests of tests/integration/."""
+
+import pytest
+
+from grpo_jax.train import train
+
+
+class Killed(Exception):
+    """Raised out of the training loop by :func:`train_killed_at`'s step callback."""
+
+
+def train_killed_at(config, workdir, step: int, **train_kwargs) -> None:
+    """Trains ``config`` in ``workdir`` and stops it with an exception right after step
+    ``step``'s bookkeeping, as a crash would: no checkpoint of that step is written unless
+    one was due. Rerunning ``train(config, workdir)`` then resumes."""
+
+    def kill(done: int) -> None:
+        if done == step:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(config, workdir, step_callback=kill, **train_kwargs)
