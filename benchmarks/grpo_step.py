@@ -185,15 +185,15 @@ def setup(systems: list[str]) -> None:
 # The shared checkpoint.
 
 
-def build_checkpoint(size: str, out_dir: pathlib.Path, seed: int = 0) -> int:
-    """Saves a random Qwen2 model of ``size`` and the tokenizer; returns its parameter count."""
-    import torch
+def qwen2_config(size: str, **overrides):
+    """The transformers ``Qwen2Config`` of the random model of ``size`` (``SIZES``), over
+    grpo_jax's character tokenizer; ``overrides`` replace or add config fields."""
     import transformers
 
     from grpo_jax.models import builtin_tokenizer
 
     shape = SIZES[size]
-    cfg = transformers.Qwen2Config(
+    fields = dict(
         vocab_size=builtin_tokenizer.VOCAB_SIZE,
         head_dim=shape["hidden_size"] // shape["num_attention_heads"],
         max_position_embeddings=512,
@@ -206,6 +206,17 @@ def build_checkpoint(size: str, out_dir: pathlib.Path, seed: int = 0) -> int:
         torch_dtype="float32",
         **shape,
     )
+    return transformers.Qwen2Config(**{**fields, **overrides})
+
+
+def build_checkpoint(size: str, out_dir: pathlib.Path, seed: int = 0) -> int:
+    """Saves a random Qwen2 model of ``size`` and the tokenizer; returns its parameter count."""
+    import torch
+    import transformers
+
+    from grpo_jax.models import builtin_tokenizer
+
+    cfg = qwen2_config(size)
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     model.save_pretrained(str(out_dir))

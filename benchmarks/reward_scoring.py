@@ -1,9 +1,9 @@
 """Learned-reward scoring: grpo_jax's ``LearnedReward`` against transformers on the same work.
 
 Both systems score the same N texts with the same random Qwen2 sequence classifier
-(``Qwen2Config`` + ``Qwen2ForSequenceClassification`` under ``torch.manual_seed``, one
-label, saved once with grpo_jax's character tokenizer and loaded by both), float32, on
-this machine's CPU, B texts per forward pass:
+(``grpo_step.qwen2_config`` + ``Qwen2ForSequenceClassification`` under
+``torch.manual_seed``, one label, saved once with grpo_jax's character tokenizer and loaded
+by both), float32, on this machine's CPU, B texts per forward pass:
 
 * grpo_jax: ``reward_models.LearnedReward.score_tokens``, the path a training run's
   scorer takes (each batch left-padded to the smallest of ``--buckets`` holding its
@@ -31,35 +31,16 @@ import time
 import numpy as np
 import torch
 import transformers
+from grpo_step import SIZES, qwen2_config
 
 from grpo_jax.models import builtin_tokenizer
 from grpo_jax.reward_models import LearnedReward
 from grpo_jax.rewards.section import RewardModelSection
 
-SIZES = {  # the backbones of benchmarks/grpo_step.py
-    "1m": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512),
-    "20m": dict(
-        hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=1792
-    ),
-}
-
 
 def make_classifier(path: pathlib.Path, size: str, seed: int = 0) -> pathlib.Path:
-    shape = SIZES[size]
-    cfg = transformers.Qwen2Config(
-        vocab_size=builtin_tokenizer.VOCAB_SIZE,
-        num_key_value_heads=2,
-        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=builtin_tokenizer.BOS_ID,
-        eos_token_id=builtin_tokenizer.EOS_ID,
-        pad_token_id=builtin_tokenizer.PAD_ID,
-        num_labels=1,
-        **shape,
-    )
+    """A random one-label Qwen2 classifier on ``grpo_step``'s backbone of ``size``."""
+    cfg = qwen2_config(size, num_labels=1, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = transformers.Qwen2ForSequenceClassification(cfg)
     with torch.no_grad():  # a random head at a scale that gives scores of order one
