@@ -36,6 +36,7 @@ from grpo_step import SIZES, qwen2_config
 from grpo_jax.models import builtin_tokenizer
 from grpo_jax.reward_models import LearnedReward
 from grpo_jax.rewards.section import RewardModelSection
+from grpo_jax.sampling import pad_prompts
 
 
 def make_classifier(path: pathlib.Path, size: str, seed: int = 0) -> pathlib.Path:
@@ -58,21 +59,14 @@ def make_token_lists(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]
     return [rng.integers(first, builtin_tokenizer.VOCAB_SIZE, k).tolist() for k in lengths]
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
 def score_torch(model, token_lists, batch: int, pad_id: int) -> np.ndarray:
     out = []
     with torch.no_grad():
         for start in range(0, len(token_lists), batch):
-            ids, mask = left_pad(token_lists[start : start + batch], pad_id)
+            rows = token_lists[start : start + batch]
+            # Left-padded to the batch's own longest row: one bucket of exactly that width.
+            ids, mask = pad_prompts(rows, pad_id=pad_id, buckets=(max(map(len, rows)),))
+            ids, mask = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask).long()
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
             out.append(logits[:, 0].float().numpy())

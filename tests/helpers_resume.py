@@ -1,8 +1,9 @@
-"""Kill a training run after a step, for the exact-resume tests of tests/integration/."""
+"""Kill a training run after a step, and compare the records of a resumed run with an
+uninterrupted one: for the exact-resume tests."""
 
 import pytest
 
-from grpo_jax.train import train
+from grpo_jax.train import TIMING_PREFIXES, train
 
 
 class Killed(Exception):
@@ -20,3 +21,9 @@ def train_killed_at(config, workdir, step: int, **train_kwargs) -> None:
 
     with pytest.raises(Killed):
         train(config, workdir, step_callback=kill, **train_kwargs)
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    """metrics.jsonl records without their wall-clock fields (``TIMING_PREFIXES``): what
+    a resumed run must reproduce exactly."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]

@@ -13,14 +13,14 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
-from helpers_resume import train_killed_at
+from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax import config as config_lib
 from grpo_jax import pipeline, sources
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.config import ConfigError
 from grpo_jax.metrics import read_metrics
-from grpo_jax.train import TIMING_PREFIXES, train
+from grpo_jax.train import train
 
 
 def test_sampled_version_is_k_behind_and_never_negative():
@@ -234,10 +234,6 @@ def _assert_same_params(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _deterministic(records):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["one_mesh", "split_4_4"])
 def test_kill_and_resume_at_k1_equals_the_uninterrupted_run(tmp_path, placement):
@@ -257,7 +253,7 @@ def test_kill_and_resume_at_k1_equals_the_uninterrupted_run(tmp_path, placement)
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert _deterministic(resumed) == _deterministic(whole)
+    assert without_timings(resumed) == without_timings(whole)
     assert [r.get("pipeline/staleness") for r in resumed] == [None, 0.0, 1.0, 1.0, 1.0]
     like = _params_like(cfg, tmp_path / "whole")
     _assert_same_params(*(_restore(tmp_path / w, like) for w in ("whole", "killed")))
@@ -311,7 +307,7 @@ def test_k0_is_the_on_policy_loop_and_the_first_k1_step_equals_it(tmp_path, monk
     assert (b[1]["pipeline/staleness"], b[1]["pipeline/version"]) == (0.0, 0.0)
     assert (b[2]["pipeline/staleness"], b[2]["pipeline/version"]) == (1.0, 0.0)
     # Steps 0 (the evaluation before training) and 1.
-    assert _without_pipeline_keys(_deterministic(b[:2])) == _deterministic(a[:2])
+    assert _without_pipeline_keys(without_timings(b[:2])) == without_timings(a[:2])
     like = _params_like(on_policy, tmp_path / "k0")
     k0_1, k0_2 = (_restore(tmp_path / "k0", like, step=v, latest=2) for v in (1, 2))
     k1_1, k1_2 = (_restore(tmp_path / "k1", like, step=v, latest=2) for v in (1, 2))

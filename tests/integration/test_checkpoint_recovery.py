@@ -5,6 +5,7 @@ import json
 
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_resume import without_timings
 
 from grpo_jax.checkpoint import CheckpointError
 
@@ -135,7 +136,7 @@ def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp
     the one whose window spans the resume (truncation, steps 1-3) at the same step."""
     from grpo_jax.checkpoint import Checkpointer
     from grpo_jax.metrics import read_metrics
-    from grpo_jax.train import TIMING_PREFIXES, train
+    from grpo_jax.train import train
 
     c = _config(4)
     c.train.max_staleness = 1
@@ -160,13 +161,8 @@ def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp
             train(c, tmp_path / "killed", stream=io.StringIO())
     train(c, tmp_path / "killed", stream=io.StringIO())
 
-    def records(workdir):
-        return [
-            {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)}
-            for r in read_metrics(workdir / "metrics.jsonl")
-        ]
-
-    whole, resumed = records(tmp_path / "whole"), records(tmp_path / "killed")
+    whole = without_timings(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    resumed = without_timings(read_metrics(tmp_path / "killed" / "metrics.jsonl"))
     alarms = {r["step"]: sorted(k for k in r if k.startswith("alarms/")) for r in whole}
     assert {s: a for s, a in alarms.items() if a} == {
         1: ["alarms/entropy_collapse"],

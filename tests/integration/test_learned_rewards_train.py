@@ -8,11 +8,11 @@ import math
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_hf import make_tiny_hf_classifier
-from helpers_resume import train_killed_at
+from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
-from grpo_jax.train import TIMING_PREFIXES, train
+from grpo_jax.train import train
 
 
 @pytest.mark.slow
@@ -74,11 +74,8 @@ def test_a_killed_run_with_the_running_normalisation_resumes_exactly(tmp_path):
     ck.close()
     train(cfg, tmp_path / "killed")
 
-    def deterministic(workdir):
-        records = read_metrics(workdir / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
-
-    whole, resumed = deterministic(tmp_path / "whole"), deterministic(tmp_path / "killed")
+    whole = without_timings(read_metrics(tmp_path / "whole" / "metrics.jsonl"))
+    resumed = without_timings(read_metrics(tmp_path / "killed" / "metrics.jsonl"))
     assert [r["step"] for r in resumed] == [r["step"] for r in whole]
     assert [r.get("rewards/reward_model/mean") for r in resumed] == [
         r.get("rewards/reward_model/mean") for r in whole

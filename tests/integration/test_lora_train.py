@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_jit import logits as jitted_logits
-from helpers_resume import train_killed_at
+from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax import config as config_lib
 from grpo_jax import setup as setup_lib
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
 from grpo_jax.models import lora
-from grpo_jax.train import TIMING_PREFIXES, train
+from grpo_jax.train import train
 
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 
@@ -38,10 +38,6 @@ def _config(**updates):
     return smoke_config(**{**LORA_RUN, **updates, **LORA})
 
 
-def _deterministic(records):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
-
-
 def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_tokenizer):
     cfg = _config()
     train(cfg, tmp_path / "whole")
@@ -52,7 +48,7 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert _deterministic(resumed) == _deterministic(whole)
+    assert without_timings(resumed) == without_timings(whole)
     assert whole[1]["train/kl"] == 0.0 and whole[-1]["train/kl"] > 0.0  # B starts at 0
 
     # The checkpoint holds the adapters (and their optimizer state) and the base's identity.

@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import apply_overrides
-from helpers_resume import train_killed_at
+from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
-from grpo_jax.train import TIMING_PREFIXES, train
+from grpo_jax.train import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -29,10 +29,6 @@ def _config(**overrides):
         "checkpoint.async_save": False,
     }
     return apply_overrides(mod.get_config("runlocal"), {**run, **overrides})
-
-
-def _deterministic(records):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
 
 
 @pytest.mark.slow
@@ -60,7 +56,7 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
     assert inflight == ([(3, 1)] if k else [])
     train(cfg, tmp_path / "killed")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert _deterministic(resumed) == _deterministic(records)
+    assert without_timings(resumed) == without_timings(records)
     staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
     assert [r.get("pipeline/staleness") for r in resumed] == staleness
 

@@ -15,12 +15,12 @@ import jax
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
-from helpers_resume import train_killed_at
+from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax import losses
 from grpo_jax.checkpoint import Checkpointer
 from grpo_jax.metrics import read_metrics
-from grpo_jax.train import TIMING_PREFIXES, NonFiniteError, train
+from grpo_jax.train import NonFiniteError, train
 
 pytestmark = pytest.mark.slow  # every test trains the smoke config end to end
 
@@ -95,10 +95,6 @@ def _like_params(tokenizer):
     return setup_lib.build_model(run, tokenizer, setup_lib.build_mesh(run))[1]
 
 
-def _deterministic(records):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
-
-
 def test_end_to_end_smoke_run(tmp_path):
     wd = tmp_path / "run"
     summary = train(smoke_config(**{"grpo.beta": 0.04}), wd)
@@ -148,7 +144,7 @@ def test_resume_after_kill_is_exact(tmp_path, builtin_tokenizer):
     whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert _deterministic(resumed) == _deterministic(whole)
+    assert without_timings(resumed) == without_timings(whole)
     like = _like_params(builtin_tokenizer)
     a, sa = _final_params(tmp_path / "whole", like)
     b, sb = _final_params(tmp_path / "killed", like)
@@ -249,7 +245,7 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     train(cfg, tmp_path / "plain", stream=io.StringIO())
     ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
-    assert _deterministic(ahead) == _deterministic(plain)
+    assert without_timings(ahead) == without_timings(plain)
 
 
 def test_no_compilation_of_the_update_outlives_its_run(tmp_path, monkeypatch):
