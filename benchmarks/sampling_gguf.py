@@ -51,6 +51,12 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="pin to N cores (0: all)")
     p.add_argument("--cache-dir", default="", help="keep the converted float32 directory here")
+    p.add_argument(
+        "--param-dtype",
+        default="",
+        help="also time grpo_jax sampling with a copy of the weights in this dtype "
+        "(sampling.param_dtype, e.g. bfloat16)",
+    )
     return p.parse_args(argv)
 
 
@@ -165,6 +171,24 @@ def main(argv=None) -> float:
     tps_jax, tps_hf = rows * T / jax_s, rows * T / hf_s
     print(f"grpo_jax:     {tps_jax:8.1f} tokens/s  ({jax_s:.2f} s; first call {first_jax:.1f} s)")
     print(f"transformers: {tps_hf:8.1f} tokens/s  ({hf_s:.2f} s; first call {first_hf:.1f} s)")
+    copy_s = None
+    if args.param_dtype:  # the sampler's copy of the same weights (grpo_jax.sampler_weights)
+        from grpo_jax.sampler_weights import sampler_weights
+
+        w = sampler_weights(graphdef, params, args.param_dtype)
+        copy = jax.block_until_ready(w(params))
+
+        def run_copy(i):
+            out = sampling.generate(
+                w.graphdef, copy, tokens_BxP, mask_BxP, jax.random.key(i), scfg, num_samples=G
+            )
+            jax.block_until_ready(out)
+
+        first_copy, copy_s = best_of(run_copy, args.runs)
+        print(
+            f"grpo_jax, {w.dtype} copy: {rows * T / copy_s:8.1f} tokens/s  ({copy_s:.2f} s; "
+            f"first call {first_copy:.1f} s); {jax_s / copy_s:.2f}x the float32 weights"
+        )
 
     # Where a decode step's time goes, each part alone on the same rows.
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -199,6 +223,14 @@ def main(argv=None) -> float:
         f"bandwidth floor: {n_params * 4 / 1e9:.2f} GB of weights at {bandwidth / 1e9:.1f} GB/s "
         f"(numpy copy) = {floor * 1e3:.0f} ms per step; grpo_jax at {floor / step:.0%} of it"
     )
+    if copy_s is not None:
+        width = jnp.dtype(args.param_dtype).itemsize
+        copy_floor, copy_step = n_params * width / bandwidth, copy_s / T
+        print(
+            f"the {args.param_dtype} copy: {n_params * width / 1e9:.2f} GB = "
+            f"{copy_floor * 1e3:.0f} ms per step at the same bandwidth; grpo_jax "
+            f"{copy_step * 1e3:.0f} ms per step, {copy_step / copy_floor:.2f}x the floor"
+        )
     speedup = tps_jax / tps_hf
     print(f"speedup_vs_transformers={speedup:.2f}")
     tmp.cleanup()

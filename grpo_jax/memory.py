@@ -88,6 +88,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import numpy as np
+
 from grpo_jax import paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
@@ -105,13 +107,23 @@ from grpo_jax.param_tensors import (  # noqa: F401
 from grpo_jax.sharding import LAYOUTS, MESH_AXES
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
-COMPONENTS = ("params", "grads", "optimizer", "reference", "learned", "kv_cache", "activations")
+COMPONENTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "reference",
+    "learned",
+    "sampler_copy",
+    "kv_cache",
+    "activations",
+)
 _NAMES = {
     "params": "parameters",
     "grads": "gradients",
     "optimizer": "optimizer state",
     "reference": "reference parameters",
     "learned": "reward model / judge",
+    "sampler_copy": "sampling copy",
     "kv_cache": "KV cache",
     "activations": "activations",
 }
@@ -139,11 +151,13 @@ class MemoryEstimate:
     num_params: int
     trainable_params: int | None = None  # None: every parameter trains
     learned: int = 0  # a reward model's and a judge's weights (grpo_jax.reward_models)
+    sampler_copy: int = 0  # the sampler's copy in sampling.param_dtype (while it samples)
 
     @property
     def sampling(self) -> int:
-        """Peak while sampling: everything resident plus the KV cache."""
-        return self.params + self.optimizer + self.reference + self.learned + self.kv_cache
+        """Peak while sampling: everything resident plus the sampler's copy and the KV cache."""
+        resident = self.params + self.optimizer + self.reference + self.learned
+        return resident + self.sampler_copy + self.kv_cache
 
     @property
     def training(self) -> int:
@@ -308,18 +322,27 @@ def _state_bytes(tensors, mesh, layout: str, param_bytes: int, beta: float, lora
     float32 adapters are added to params and are all that is trained and has
     gradients; the reference is the base itself (no copy).
     """
-    per_device = sum(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
+    per_device, adapter_numel = _numel_per_device(tensors, mesh, layout, lora_rank, targets)
     params = per_device * param_bytes
     reference = params if beta > 0 else 0
     grads, trained, trainable_params, per_layer = params, params, None, 0
     if lora_rank:
         _check_positive("lora_rank", lora_rank)
         adapters = lora_tensors(tensors, lora_rank, targets)
-        trained = 4 * sum(shard_numel(shape, axes, mesh, layout) for _, shape, axes in adapters)
+        trained = 4 * adapter_numel
         trainable_params = sum(math.prod(shape) for _, shape, _ in adapters)
         params, grads, reference = params + trained, trained, 0
         per_layer = len({n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters})
     return params, grads, trained, reference, trainable_params, per_layer
+
+
+def _numel_per_device(tensors, mesh, layout: str, lora_rank: int, targets) -> tuple[int, int]:
+    """Elements one device holds of the base parameters and of the LoRA adapters (0 without)."""
+    base = sum(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
+    if not lora_rank:
+        return base, 0
+    adapters = lora_tensors(tensors, lora_rank, targets)
+    return base, sum(shard_numel(shape, axes, mesh, layout) for _, shape, axes in adapters)
 
 
 def _activation_bytes(
@@ -419,11 +442,9 @@ def plan(
     item sizes of the config's ``param_dtype`` and ``dtype`` when it has them,
     and ``remat`` to its ``remat``.
     """
-    import numpy as np
-
     for key, field in (("param_bytes", "param_dtype"), ("compute_bytes", "dtype")):
         if key not in kwargs and getattr(model_cfg_like, field, None) is not None:
-            kwargs[key] = _itemsize(np, getattr(model_cfg_like, field))
+            kwargs[key] = _itemsize(getattr(model_cfg_like, field))
     if "remat" not in kwargs and isinstance(getattr(model_cfg_like, "remat", None), bool):
         kwargs["remat"] = model_cfg_like.remat
     for key in ("attention", "attention_block_size"):
@@ -447,43 +468,88 @@ def plan_run(
     start's batch, if bigger); the sampler decodes ``B * G`` rows (or
     ``eval.batch_size``, if bigger); prompts are at most the largest of
     ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
-    Without ``budget_bytes``, the run's ``mesh.memory_budget_gb`` (when > 0) is
-    the budget.
+    With ``sampling.param_dtype`` the sampler's copy of the parameters is
+    counted while sampling, and the rollouts' KV cache is in its dtype
+    (evaluation's, in the model's). On the paged engine the KV cache is the
+    engine's pool. Without ``budget_bytes``, the run's ``mesh.memory_budget_gb``
+    (when > 0) is the budget.
     """
     stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
     if budget_bytes is None and stated_gb > 0:
         budget_bytes = int(stated_gb * 2**30)
     n = run.train.batch_size * run.grpo.G
-    rows = (run.train.minibatch_size or n) // run.optim.grad_accum
-    warm = getattr(run, "warm_start", None)
-    if warm is not None and warm.enabled:
-        rows = max(rows, warm.batch_size)
-    buckets = run.sampling.prompt_buckets
-    on_pages = getattr(run.sampling, "engine", "static") == "paged"
+    kw = _run_kwargs(run, mesh_shape)
     est = plan(
-        model_cfg_like,
-        mesh_shape=mesh_shape,
-        layout=run.mesh.layout,
-        budget_bytes=math.inf if on_pages else budget_bytes,
-        learned_bytes=learned_bytes,
-        batch_rows=rows,
-        sample_rows=max(n, run.eval.batch_size),
-        seq_len=run.sampling.max_new_tokens,
-        prompt_len=max(buckets),
-        beta=run.grpo.beta,
-        logits_chunk=getattr(run.train, "logits_chunk", 0),
-        **_lora_kwargs(run),
+        model_cfg_like, learned_bytes=learned_bytes, sample_rows=max(n, run.eval.batch_size), **kw
     )
-    if not on_pages:
-        return est
-    # The engine's pool as grpo_jax.paged sizes it, whole on each device (docs/engine.md).
-    sampler = run.sampling.sampler()
-    pool = paged.pool_bytes(sampler, as_model_config(model_cfg_like), n // run.grpo.G, run.grpo.G)
-    est = dataclasses.replace(est, kv_cache=pool)
+    copy_dtype = _copy_dtype(run, model_cfg_like)
+    if copy_dtype:
+        lora = _lora_kwargs(run)
+        base, adapters = _numel_per_device(
+            param_tensors(as_model_config(model_cfg_like)),
+            est.mesh_shape,
+            est.layout,
+            lora.get("lora_rank", 0),
+            lora.get("lora_targets", ()),
+        )
+        evals = plan(model_cfg_like, sample_rows=run.eval.batch_size, **kw).kv_cache
+        est = dataclasses.replace(
+            est,
+            sampler_copy=(base + adapters) * _itemsize(copy_dtype),
+            kv_cache=max(_rollout_kv(run, model_cfg_like, mesh_shape), evals),
+        )
+    elif _paged(run):
+        est = dataclasses.replace(est, kv_cache=_rollout_kv(run, model_cfg_like, mesh_shape))
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
     return est
+
+
+def _run_kwargs(run, mesh_shape) -> dict:
+    """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
+    n = run.train.batch_size * run.grpo.G
+    rows = (run.train.minibatch_size or n) // run.optim.grad_accum
+    warm = getattr(run, "warm_start", None)
+    if warm is not None and warm.enabled:
+        rows = max(rows, warm.batch_size)
+    return dict(
+        mesh_shape=mesh_shape,
+        layout=run.mesh.layout,
+        budget_bytes=math.inf,
+        batch_rows=rows,
+        seq_len=run.sampling.max_new_tokens,
+        prompt_len=max(run.sampling.prompt_buckets),
+        beta=run.grpo.beta,
+        logits_chunk=getattr(run.train, "logits_chunk", 0),
+        **_lora_kwargs(run),
+    )
+
+
+def _paged(run) -> bool:
+    return getattr(run.sampling, "engine", "static") == "paged"
+
+
+def _rollout_kv(run, model_cfg_like, mesh_shape) -> int:
+    """Per-device KV bytes of a step's B * G rollouts, in the sampler's compute dtype: the
+    paged engine's pool (whole on each device, docs/engine.md) or the static engine's cache."""
+    n = run.train.batch_size * run.grpo.G
+    copy_dtype = _copy_dtype(run, model_cfg_like)
+    if _paged(run):
+        cfg = as_model_config(model_cfg_like)
+        dtype = copy_dtype or getattr(model_cfg_like, "dtype", None) or "float32"
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+        return paged.pool_bytes(run.sampling.sampler(), cfg, n // run.grpo.G, run.grpo.G)
+    width = {"compute_bytes": _itemsize(copy_dtype)} if copy_dtype else {}
+    kw = _run_kwargs(run, mesh_shape)
+    return plan(model_cfg_like, sample_rows=n, **width, **kw).kv_cache
+
+
+def _copy_dtype(run, model_cfg_like) -> str | None:
+    """``sampling.param_dtype`` when the sampler makes a copy in it (not the model's own)."""
+    dtype = getattr(run.sampling, "param_dtype", "")
+    own = tuple(getattr(model_cfg_like, k, None) or "float32" for k in ("dtype", "param_dtype"))
+    return dtype if dtype and own != (dtype, dtype) else None
 
 
 def _lora_kwargs(run) -> dict:
@@ -504,8 +570,9 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
     and evaluates).
     """
     est = plan_run(run, model_cfg_like, mesh_shape, budget_bytes=math.inf)
-    n = run.train.batch_size * run.grpo.G
-    kv = est.kv_cache * n // max(n, run.eval.batch_size)  # training rows only
+    kv = _rollout_kv(run, model_cfg_like, mesh_shape)  # training rows only
+    if est.sampler_copy:  # the copy in sampling.param_dtype is all it holds of the policy
+        est = dataclasses.replace(est, params=est.sampler_copy, sampler_copy=0)
     est = dataclasses.replace(est, grads=0, optimizer=0, reference=0, activations=0, kv_cache=kv)
     stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
     if budget_bytes is None:
@@ -515,7 +582,7 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
     return est
 
 
-def _itemsize(np, dtype) -> int:
+def _itemsize(dtype) -> int:
     if dtype == "bfloat16":  # numpy has no bfloat16; jax registers it under ml_dtypes.
         return 2
     return np.dtype(dtype).itemsize

@@ -399,10 +399,11 @@ def _first_prompt_tokens(encoder, examples, first_obs) -> tuple[list[list[int]],
     return encoder.token_lists(texts), texts
 
 
-def play(r, env, params, examples, key, *, num_samples: int, greedy: bool = False):
+def play(r, env, params, examples, key, *, num_samples: int, greedy=False, graphdef=None):
     """Resets the run's environments on ``examples`` and plays ``num_samples`` episodes each.
 
-    ``r``: the run's ``rollout.Rollouts``; ``env``: its ``env`` section.
+    ``r``: the run's ``rollout.Rollouts``; ``env``: its ``env`` section;
+    ``graphdef``: the graph ``params`` go with (None: the policy's).
 
     -> (Episodes, prompt texts B, reset error messages).
     """
@@ -434,7 +435,7 @@ def play(r, env, params, examples, key, *, num_samples: int, greedy: bool = Fals
     tok = r.policy.tokenizer
     encode_obs = ObservationEncoder(tok, chat=r.encoder.chat, eos_ids=sampling.eos_ids)
     episodes = run_episodes(
-        r.policy.graphdef,
+        r.policy.graphdef if graphdef is None else graphdef,
         params,
         environments,
         tokens_BxP,
@@ -474,9 +475,12 @@ def collect(r, env, params, examples: list[dict], key: jax.Array):
     _check_single_process()
     G, B = r.grpo.G, r.batch_size
     N = B * G
+    graphdef, params = r.sampler_policy(params)  # the copy in sampling.param_dtype, if any
     jax.block_until_ready(params)
     t0 = time.perf_counter()
-    ep, prompts, reset_errors = play(r, env, params, examples, key, num_samples=G)
+    ep, prompts, reset_errors = play(
+        r, env, params, examples, key, num_samples=G, graphdef=graphdef
+    )
     t1 = time.perf_counter()
     tok = r.policy.tokenizer
     completions = [

@@ -38,6 +38,7 @@ from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.paged import generate_with_stats as paged_generate
 from grpo_jax.reward_models import learned_metrics
+from grpo_jax.sampler_weights import SamplerWeights
 from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.scorer import Scorer
 
@@ -151,6 +152,9 @@ class Rollouts:
       batch_size: B, prompts per step.
       placement: where the batch lives (``grpo_jax.sharding.Placement``).
       message: prints one line on the run's console.
+      sampler_weights: with ``sampling.param_dtype``, the sampler's copy of
+        the policy in that dtype (``grpo_jax.sampler_weights``), else None:
+        the sampler reads the trained parameters.
     """
 
     policy: Policy
@@ -161,10 +165,18 @@ class Rollouts:
     batch_size: int
     placement: sharding_lib.Placement
     message: Callable[[str], None] = print
+    sampler_weights: SamplerWeights | None = None
 
     @property
     def mesh(self):
         return self.placement.mesh
+
+    def sampler_policy(self, params):
+        """(graphdef, params) the sampler decodes with: the copy in ``sampling.param_dtype``
+        (cast from ``params`` unless they already are it), else the policy itself."""
+        if self.sampler_weights is None:
+            return self.policy.graphdef, params
+        return self.sampler_weights.graphdef, self.sampler_weights(params)
 
     @property
     def rows_N(self) -> slice:
@@ -220,14 +232,13 @@ def dispatch_round(
         num_rows=r.batch_size,
         max_new_tokens=r.sampling.max_new_tokens,
     )
+    graphdef, params = r.sampler_policy(params)
     if wait_params:
         # The previous update must finish before sampling anyway; waiting here times each part.
         jax.block_until_ready(params)
     t0 = time.perf_counter()
     engine = paged_generate if r.sampling.engine == "paged" else generate
-    out = engine(
-        r.policy.graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh
-    )
+    out = engine(graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh)
     out, stats = out if r.sampling.engine == "paged" else (out, None)
     return Dispatched(out, list(examples), prompts, prompt_tokens, t0, stats)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from grpo_jax.checks import check_known_keys, check_range, to_dict
 from grpo_jax.errors import ConfigError
+from grpo_jax.models.config import dtype_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,11 @@ class SamplingSection:
       page_size, slots, pages, prefill_chunk: the paged engine's page size
         in tokens, decode slots (0: one per row), pool pages (0: the worst
         case) and prompt tokens per prefill call.
+      param_dtype: "" (default): the sampler reads the trained parameters as
+        they are. "bfloat16" (or "float16", "float32"): it samples with a
+        copy of them in that dtype, computing in it too, made after each
+        update (``grpo_jax.sampler_weights``; docs/engine.md). Evaluation
+        always uses the trained parameters.
     """
 
     max_new_tokens: int
@@ -146,9 +152,13 @@ class SamplingSection:
     slots: int = 0
     pages: int = 0
     prefill_chunk: int = 64
+    param_dtype: str = ""
 
     def __post_init__(self):
         _check_engine(self)
+        if self.param_dtype != "":
+            name = dtype_name("param_dtype", self.param_dtype, section="sampling")
+            object.__setattr__(self, "param_dtype", name)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

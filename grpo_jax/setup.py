@@ -41,6 +41,7 @@ from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
+from grpo_jax.sampler_weights import SamplerWeights, sampler_weights
 from grpo_jax.sampling import SamplingConfig
 from grpo_jax.scorer import Scorer
 
@@ -204,6 +205,27 @@ def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | Non
         return graphdef, lora.with_trainable(lora.join(base, fresh), adapters), lora_run
     finally:
         ck.close()
+
+
+def build_sampler_weights(run: RunConfig, graphdef, params, model_cfg) -> SamplerWeights | None:
+    """The sampler's copy of the policy in ``sampling.param_dtype``; None when that is unset
+    or is already the model's storage and compute dtype (nothing to copy)."""
+    dtype = run.sampling.param_dtype
+    if not dtype or (model_cfg.dtype, model_cfg.param_dtype) == (dtype, dtype):
+        return None
+    return sampler_weights(graphdef, params, dtype)
+
+
+def sampler_dtype_warning(run: RunConfig, copy: SamplerWeights | None) -> str | None:
+    """A warning when the copy's log-probs stand in for pi_old (``grpo.old_logps`` "sampler")."""
+    if copy is None or run.grpo.old_logps != "sampler":
+        return None
+    return (
+        f"WARNING: sampling.param_dtype = {copy.dtype!r} with grpo.old_logps = 'sampler': "
+        f"pi_old's log-probs are then the {copy.dtype} copy's, so the update's first ratio "
+        "is not 1; grpo.old_logps = 'recompute' rescores them with the trained parameters, "
+        "and grpo.behavior_correction = 'tis' weights what the copy drew (docs/engine.md)"
+    )
 
 
 def build_datasets(run: RunConfig, stats: dict | None = None) -> dict[str, list[dict]]:
@@ -553,8 +575,10 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     tokenizer = build_tokenizer(run, workdir)
     data_ = build_data(run, rows_B)
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
-    _print_memory_plan(run, nnx.merge(graphdef, params).config, mesh, samp_mesh, stream)
+    model_cfg = nnx.merge(graphdef, params).config
+    _print_memory_plan(run, model_cfg, mesh, samp_mesh, stream)
     policy = Policy(graphdef=graphdef, tokenizer=tokenizer, lora=lora_run)
+    copy = build_sampler_weights(run, graphdef, params, model_cfg)
     trainer, state = build_trainer(run, policy, params, mesh)
     placement = sharding.Placement(
         mesh=mesh,
@@ -585,6 +609,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
             batch_size=B,
             placement=placement,
             message=progress.message,
+            sampler_weights=copy,
         ),
         trainer=trainer,
         records=Records(
@@ -601,6 +626,9 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     skipped = {k: v for k, v in data_.stats.items() if v}
     if skipped:
         progress.message(f"malformed data rows skipped (data.on_error='skip'): {skipped}")
+    warning = sampler_dtype_warning(run, copy)
+    if warning:
+        progress.message(warning)
     for path in filter(None, kept):
         progress.message(f"starting afresh: the earlier attempt's records are kept as {path}")
     return s, state

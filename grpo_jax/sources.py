@@ -123,7 +123,8 @@ class SingleTurn:
         self._pending = {}
 
     def params(self, params):
-        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh).
+        """The sampler's copy of ``params`` (a device-to-device copy on a split mesh, in
+        ``sampling.param_dtype`` when it is set; on one mesh the rollout casts them).
 
         With several processes JAX moves arrays only between the same device
         sets, so the learner mesh first gathers each array onto every one of
@@ -132,6 +133,8 @@ class SingleTurn:
         """
         if not self.split:
             return params
+        # The copy in sampling.param_dtype, if any, is made before the move: fewer bytes.
+        _, params = self.r.sampler_policy(params)
         if jax.process_count() == 1:
             return jax.device_put(params, self.param_shardings)
         full = self._gather(params)

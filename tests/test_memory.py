@@ -400,3 +400,43 @@ def test_the_documented_qwen_memory_tables_are_what_the_script_prints():
         assert len(rows) == 6
         assert "\n".join(rows) in lora_doc, placement
     assert "\n".join(memory_plans.table("16 fsdp devices, 128 rows")[2:]) in readme
+
+
+def test_the_sampling_copy_is_counted_while_sampling_with_its_kv_cache_in_its_dtype():
+    """sampling.param_dtype = "bfloat16" on the float32 HAND model (172 parameters)."""
+    from grpo_jax import config
+
+    def run_with(param_dtype):
+        return types.SimpleNamespace(
+            grpo=types.SimpleNamespace(G=4, beta=0.0),
+            train=types.SimpleNamespace(batch_size=2, minibatch_size=0),
+            optim=types.SimpleNamespace(grad_accum=1),
+            sampling=config.SamplingSection(
+                max_new_tokens=5, prompt_buckets=(3,), param_dtype=param_dtype
+            ),
+            eval=types.SimpleNamespace(batch_size=2),
+            mesh=types.SimpleNamespace(layout="dp"),
+        )
+
+    mesh = {"data": 1}
+    plain, est = (
+        memory.plan_run(run_with(""), HAND, mesh),
+        memory.plan_run(run_with("bfloat16"), HAND, mesh),
+    )
+    assert (plain.sampler_copy, est.sampler_copy) == (0, 172 * 2)
+    # KV cache, S = 3 + 5 = 8 slots, L = 1, K = 1, Dh = 2: the 8 rollout rows in bfloat16
+    # (2 * 8 * 8 * 2 * 2 = 512) outweigh the 2 evaluation rows, which use the float32
+    # parameters (2 * 2 * 8 * 2 * 4 = 256); without the copy, 8 rows in float32.
+    assert (plain.kv_cache, est.kv_cache) == (2 * 8 * 8 * 2 * 4, 512)
+    assert est.sampling == plain.sampling - 1024 + 512 + 344
+    assert est.training == plain.training  # the copy is dropped after the round
+    assert "sampling copy" in est.table()
+    memory.plan_run(run_with("bfloat16"), HAND, mesh, budget_bytes=est.total)  # fits exactly
+    with pytest.raises(memory.MemoryBudgetError):
+        memory.plan_run(run_with("bfloat16"), HAND, mesh, budget_bytes=est.total - 1)
+    # A model already in bfloat16 is sampled as it is: no copy.
+    bf16 = types.SimpleNamespace(**vars(HAND), dtype="bfloat16", param_dtype="bfloat16")
+    assert memory.plan_run(run_with("bfloat16"), bf16, mesh).sampler_copy == 0
+    # A sampler mesh of its own holds the copy alone, and the rollouts' cache.
+    split = memory.plan_sampler(run_with("bfloat16"), HAND, mesh)
+    assert (split.params, split.sampler_copy, split.kv_cache) == (344, 0, 512)

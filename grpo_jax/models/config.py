@@ -82,13 +82,14 @@ class RopeScaling:
             )
 
 
-def _dtype_name(key: str, value: Any) -> str:
+def dtype_name(key: str, value: Any, section: str = "model") -> str:
+    """``value``'s dtype name, one of ``DTYPES``; a ConfigError naming ``section.key`` if not."""
     try:
         name = jnp.dtype(value).name
     except TypeError:
         name = None
     if name not in DTYPES:
-        raise ConfigError(f"config key 'model.{key}' = {value!r} is not one of {list(DTYPES)}")
+        raise ConfigError(f"config key '{section}.{key}' = {value!r} is not one of {list(DTYPES)}")
     return name
 
 
@@ -174,8 +175,8 @@ class ModelConfig:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
-        set_("dtype", _dtype_name("dtype", self.dtype))
-        set_("param_dtype", _dtype_name("param_dtype", self.param_dtype))
+        set_("dtype", dtype_name("dtype", self.dtype))
+        set_("param_dtype", dtype_name("param_dtype", self.param_dtype))
         if self.layer_types is not None:
             set_("layer_types", tuple(self.layer_types))
         if isinstance(self.eos_token_id, (list, tuple)):

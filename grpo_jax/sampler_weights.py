@@ -1,0 +1,98 @@
+"""The sampler's own copy of the policy's weights in another dtype (``sampling.param_dtype``).
+
+Decoding reads every weight once per token, so its speed is the weights' bytes
+over the memory bandwidth: a bfloat16 copy halves them for a float32 policy.
+
+    w = sampler_weights(graphdef, params, "bfloat16")
+    tokens = generate(w.graphdef, w(params), ...)
+
+``w.graphdef`` is the policy's graph with its ``ModelConfig`` computing and
+storing in that dtype (every module that holds the config gets the new one),
+so the copy runs as a model built in bfloat16 from the start would.
+``w.cast`` is one jitted function: every floating ``nnx.Param`` cast, other
+variables (integer indices) as they are, each output sharded like its input.
+The trained parameters are never changed; the copy is made once per sampling
+round (after the update that produced the parameters) and dropped with it.
+
+What the copy changes is the distribution the sampler draws from: its
+log-probs (``logps``, ``behavior_logps``) are those of the bfloat16 model.
+``grpo.old_logps = "recompute"`` rescores pi_old with the trained parameters,
+and ``grpo.behavior_correction`` ("tis" / "mis") then weights pi_old against
+what was drawn (docs/objective.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerWeights:
+    """A graphdef computing in ``dtype`` and the cast that makes its parameters.
+
+    Attributes:
+      graphdef: the policy's graph, its ``ModelConfig`` with ``dtype`` and
+        ``param_dtype`` set to ``dtype``.
+      dtype: the copy's dtype name ("bfloat16", "float16" or "float32").
+      cast: jitted, params -> the copy (floating ``nnx.Param`` leaves in ``dtype``).
+    """
+
+    graphdef: object
+    dtype: str
+    cast: Callable
+
+    def __call__(self, params):
+        """``params`` as the copy: cast, unless every floating parameter already is."""
+        if all(_is_cast(v, self.dtype) for v in _variables(params)):
+            return params
+        return self.cast(params)
+
+
+def _variables(params):
+    return jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _is_cast(v, dtype: str) -> bool:
+    if not isinstance(v, nnx.Param) or not jnp.issubdtype(v.value.dtype, jnp.floating):
+        return True
+    return v.value.dtype == jnp.dtype(dtype)
+
+
+def _with_dtype(module_cfg: ModelConfig, dtype: str) -> ModelConfig:
+    return dataclasses.replace(module_cfg, dtype=dtype, param_dtype=dtype)
+
+
+def _cast_variable(v, dtype):
+    if isinstance(v, nnx.Param) and jnp.issubdtype(v.value.dtype, jnp.floating):
+        return v.replace(v.value.astype(dtype))
+    return v
+
+
+def sampler_weights(graphdef, params, dtype: str) -> SamplerWeights:
+    """The sampler's copy for ``(graphdef, params)`` (``nnx.split`` of the policy) in ``dtype``.
+
+    ``params`` only lends the graph its structure (nothing is cast here).
+    Raises ValueError when the graph holds no ``ModelConfig``: nothing would
+    compute in ``dtype``.
+    """
+    model = nnx.merge(graphdef, params)
+    replaced = 0
+    for _, module in nnx.iter_modules(model):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, ModelConfig):
+                setattr(module, name, _with_dtype(value, dtype))
+                replaced += 1
+    if not replaced:
+        raise ValueError("sampler_weights: the policy's graph holds no ModelConfig to set")
+    new_graphdef, _ = nnx.split(model)
+    dt = jnp.dtype(dtype)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    cast = jax.jit(lambda p: jax.tree.map(lambda v: _cast_variable(v, dt), p, is_leaf=is_var))
+    return SamplerWeights(graphdef=new_graphdef, dtype=jnp.dtype(dtype).name, cast=cast)
