@@ -8,6 +8,11 @@ parameters visibly, and no warm start. The final checkpoints' parameters must
 agree to float32 rounding, and only process 0 may write the metrics file. With
 ``batch_std`` advantages (one std over the whole batch) this holds only if the
 std is the global batch's, not each host's rows'.
+
+Both runs also evaluate before training, greedy and sampled (pass@2 over 2
+samples a problem), in calls of 8 prompts over 12 problems (the last call
+padded): from the same initial parameters, the per-problem results and the
+figures of ``eval/step_0.jsonl`` must be the same for 2 processes as for 1.
 """
 
 import json
@@ -21,6 +26,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from grpo_jax import problems
+
 pytestmark = pytest.mark.slow  # two multi-process training runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -29,18 +36,31 @@ RUN_ARGS = [
     "--config=configs/default.py:smoke",
     "--config.mesh.num_devices=0",
     "--config.warm_start.enabled=False",
-    "--config.eval.at_start=False",
-    "--config.eval.num_problems=4",
-    "--config.eval.batch_size=4",
-    "--config.eval.num_samples=0",
+    "--config.eval.at_start=True",
+    "--config.eval.every=0",
+    "--config.eval.num_problems=12",
+    "--config.eval.batch_size=8",
+    "--config.eval.num_samples=2",
+    "--config.eval.k=2",
     "--config.sampling.max_new_tokens=16",
     f"--config.train.steps={STEPS}",
     "--config.train.samples_every=0",
     "--config.optim.learning_rate=0.01",
     "--config.optim.warmup_steps=0",
-    "--config.rewards=overlong(max_len=16,buffer=15):1.0",
-    "--config.correct_reward=overlong",
+    # Training's signal is the over-long penalty; "correct" for the evaluation is a parity of
+    # the completion's characters (weight 0): about half of random completions pass it, and
+    # any change of a token flips it, so the results of two evaluations can disagree.
+    "--config.rewards=overlong(max_len=16,buffer=15):1.0,test_char_parity:0.0",
+    "--config.correct_reward=test_char_parity",
 ]
+PARITY_REWARD = """
+from grpo_jax import rewards
+
+
+@rewards.register("test_char_parity")
+def char_parity(prompts, completions, **_):
+    return [float(sum(map(ord, c)) % 2 == 0) for c in completions]
+"""
 
 
 def _without_keys_of(args, overrides):
@@ -51,6 +71,8 @@ def _without_keys_of(args, overrides):
 
 def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> pathlib.Path:
     workdir, logs = tmp_path / name, tmp_path / f"{name}_logs"
+    module = tmp_path / "parity_reward.py"
+    module.write_text(PARITY_REWARD)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
     # This process's XLA flags less its device count, which the launcher sets per process.
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -69,6 +91,7 @@ def _launch(tmp_path, name: str, processes: int, devices: int, extra=()) -> path
         str(processes),
         *_without_keys_of(RUN_ARGS, extra),  # a key given twice is refused
         *extra,
+        f"--config.reward_modules={module}",
         f"--workdir={workdir}",
     ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=480)
@@ -111,7 +134,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert "per-device memory estimate" not in log1
     lines = (multi / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if '"step"' in line]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    assert sorted(set(steps)) == list(range(0, STEPS + 1))  # step 0: the first evaluation
     assert len(steps) == len(set(steps)), "metrics written by more than one process"
     # Each process reads, samples for and scores its own half of every batch ...
     b = json.loads((multi / "config.json").read_text())["train"]["batch_size"]
@@ -125,6 +148,17 @@ def test_two_processes_train_like_one(tmp_path):
         for key in ("rewards/mean", "rollout/length_mean", "rollout/duplicate_frac", "train/loss"):
             if key in rs:
                 assert rm[key] == pytest.approx(rs[key], rel=1e-5, abs=1e-6), (rs["step"], key)
+
+    # The evaluation before training, from the same parameters: the same problems' results.
+    head_multi, prob_multi = problems.read(multi / "eval" / "step_0.jsonl")
+    head_single, prob_single = problems.read(single / "eval" / "step_0.jsonl")
+    assert problems.to_lines(prob_multi) == problems.to_lines(prob_single)
+    assert len(prob_single.ids) == 12 and prob_single.sampled_correct.shape == (1, 12, 2)
+    # Not a comparison of constants: some completions pass the parity check, some fail it.
+    assert 0 < prob_single.sampled_correct.sum() < prob_single.sampled_correct.size
+    assert head_multi["figures"] == head_single["figures"]
+    assert head_multi["record"]["devices"]["process_count"] == 2
+    assert head_single["record"]["devices"]["process_count"] == 1
 
     p_multi, p_single = _final_params(multi), _final_params(single)
     assert p_multi.keys() == p_single.keys() and len(p_multi) > 5
