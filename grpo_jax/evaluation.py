@@ -6,9 +6,10 @@ correct. pass@k draws n = ``eval.num_samples`` completions per problem at
 1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
 Batches have a fixed size (the last one padded) so each sampler compiles once.
 
-:func:`evaluate_policy` is the one evaluator a run calls: :func:`evaluate` for
-single-turn runs, ``grpo_jax.multiturn.evaluate`` (greedy episodes) with an
-environment. The command line is ``grpo_jax.evaluate``.
+:func:`evaluate_policy` is the one evaluator a run calls: :func:`evaluate_problems`
+for single-turn runs, ``grpo_jax.multiturn.evaluate_problems`` (episodes) with an
+environment, both into the same per-problem results and figures. The command line
+is ``grpo_jax.evaluate``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import distributed, multiturn, stats
+from grpo_jax import distributed, multiturn
 from grpo_jax import problems as problems_lib
 from grpo_jax.config import EvalConfig
 from grpo_jax.rollout import PromptEncoder, Rollouts, decode
@@ -45,16 +46,16 @@ def evaluate_policy(
     ``r``: the run's rollout bundle; ``env``: its ``env`` section (``env.name``
     set: episodes against the environment); ``cfg``: an ``eval`` section. Also
     ``perf/{prefix}_s``, the evaluation's wall time. ``on_problems`` receives the
-    single-turn evaluation's per-problem results (``grpo_jax.problems``); a
-    multi-turn evaluation has only its figures, greedy pass@1 with a Wilson interval.
+    per-problem results (``grpo_jax.problems``); a multi-turn evaluation's come from
+    ``grpo_jax.multiturn.evaluate_problems`` (a problem is correct when its episode
+    succeeds), with its episode figures (reward, turns, environment errors) beside.
     """
     t0 = time.perf_counter()
+    k = cfg.k if cfg.num_samples else None
     if env is not None and env.name:
-        out = multiturn.evaluate(r, env, params, examples, key, cfg=cfg, prefix=prefix)
-        n = len(examples)
-        c = round(out[f"{prefix}/pass_at_1"] * n)
-        lo, hi = stats.wilson_interval(c, n)
-        out[f"{prefix}/pass_at_1_lo"], out[f"{prefix}/pass_at_1_hi"] = lo, hi
+        prob, episodes = multiturn.evaluate_problems(r, env, params, examples, key, cfg=cfg)
+        out = problems_lib.figures(prob, k, prefix)
+        out.update({f"{prefix}/{name}": value for name, value in episodes.items()})
     else:
         prob = evaluate_problems(
             r.policy.graphdef,
@@ -67,9 +68,9 @@ def evaluate_policy(
             key=key,
             mesh=r.mesh,
         )
-        out = problems_lib.figures(prob, cfg.k if cfg.num_samples else None, prefix)
-        if on_problems is not None:
-            on_problems(prob)
+        out = problems_lib.figures(prob, k, prefix)
+    if on_problems is not None:
+        on_problems(prob)
     out[f"perf/{prefix}_s"] = time.perf_counter() - t0
     return out
 

@@ -57,6 +57,7 @@ import numpy as np
 from grpo_jax import advantages as adv_lib
 from grpo_jax import distributed, turn_decode
 from grpo_jax import envs as envs_lib
+from grpo_jax import problems as problems_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.errors import ConfigError
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
@@ -551,45 +552,79 @@ def collect(r, env, params, examples: list[dict], key: jax.Array):
     return batch, host
 
 
-def evaluate(r, env, params, examples, key, *, cfg, prefix: str = "eval") -> dict[str, float]:
-    """Held-out episodes: greedy success rate as ``{prefix}/pass_at_1`` and episode statistics.
+def evaluate_problems(r, env, params, examples, key, *, cfg):
+    """Held-out episodes problem by problem -> (``grpo_jax.problems.Problems``, episode figures).
 
-    With ``cfg.num_samples`` > 0 also ``{prefix}/sampled_pass_at_1``: the success rate of
-    that many sampled episodes per example (at the run's temperature).
+    A problem is correct when its episode succeeds; its length is the model's
+    tokens over all turns. Greedy episodes play ``cfg.batch_size`` problems a
+    call, call c from ``fold_in(key, c)``; with ``cfg.num_samples`` = n > 0,
+    seed s of ``cfg.seeds`` plays n sampled episodes per problem, call c from
+    ``fold_in(fold_in(key, 1 + s), c)`` (one key per call, as training's
+    episodes: the sampled results move with ``eval.batch_size``). Episode
+    figures: ``reward_mean``, ``turns_mean`` and ``env_errors`` of the greedy
+    episodes.
     """
     _check_single_process()
     if not examples:
         raise ValueError("evaluate got no examples")
     per_call = max(1, int(cfg.batch_size))
+    greedy = _play_chunks(r, env, params, examples, per_call, key, num_samples=1, greedy=True)
+    reward = greedy["rewards"]
+    episodes = {
+        "reward_mean": float(np.nanmean(reward)) if np.isfinite(reward).any() else 0.0,
+        "turns_mean": float(greedy["turns"].mean()),
+        "env_errors": float(greedy["errors"].sum()),
+    }
+    kw = {}
+    if cfg.num_samples:
+        n, P = int(cfg.num_samples), len(examples)
+        per = max(1, per_call // n)
+        correct, length = [], []
+        for seed in cfg.seeds:
+            got = _play_chunks(
+                r, env, params, examples, per, jax.random.fold_in(key, 1 + seed), num_samples=n
+            )
+            correct.append(got["success"].reshape(P, n))
+            length.append(got["lengths"].reshape(P, n))
+        kw = dict(
+            seeds=tuple(cfg.seeds),
+            sampled_correct=np.stack(correct),
+            sampled_length=np.stack(length),
+        )
+    prob = problems_lib.Problems(
+        ids=tuple(problems_lib.problem_id(e) for e in examples),
+        greedy_correct=greedy["success"],
+        greedy_length=greedy["lengths"],
+        greedy_truncated=greedy["truncated"],
+        **kw,
+    )
+    return prob, episodes
+
+
+def _play_chunks(r, env, params, examples, per_call: int, key, *, num_samples: int, greedy=False):
+    """Episodes of every example in calls of ``per_call`` (the last padded: one shape), call c
+    from ``fold_in(key, c)`` -> per-episode arrays (example-major, ``num_samples`` each)."""
     parts = []
     for c, i in enumerate(range(0, len(examples), per_call)):
         chunk = list(examples[i : i + per_call])
         real = len(chunk)
-        chunk += [chunk[0]] * (per_call - real)  # one shape: no recompilation
+        chunk += [chunk[0]] * (per_call - real)
         ep, _, _ = play(
-            r, env, params, chunk, jax.random.fold_in(key, c), num_samples=1, greedy=True
+            r,
+            env,
+            params,
+            chunk,
+            jax.random.fold_in(key, c),
+            num_samples=num_samples,
+            greedy=greedy,
         )
-        parts.append((ep, real))
-    cat = lambda f: np.concatenate([f(ep)[:real] for ep, real in parts])
-    success, reward = cat(lambda e: e.success_N), cat(lambda e: e.rewards_N)
-    out = {
-        f"{prefix}/pass_at_1": float(success.mean()),
-        f"{prefix}/reward_mean": float(np.nanmean(reward)) if np.isfinite(reward).any() else 0.0,
-        f"{prefix}/turns_mean": float(cat(lambda e: e.turns_N).mean()),
-        f"{prefix}/length_mean": float(cat(lambda e: e.mask_NxT.sum(axis=1)).mean()),
-        f"{prefix}/truncated_frac": float(cat(lambda e: e.truncated_N).mean()),
-        f"{prefix}/env_errors": float(cat(lambda e: e.errors_N).sum()),
-        f"{prefix}/num_problems": float(len(examples)),
+        parts.append((ep, real * num_samples))
+    cat = lambda f: np.concatenate([np.asarray(f(ep))[:rows] for ep, rows in parts])
+    return {
+        "success": cat(lambda e: e.success_N).astype(bool),
+        "rewards": cat(lambda e: e.rewards_N),
+        "turns": cat(lambda e: e.turns_N),
+        "lengths": cat(lambda e: e.mask_NxT.sum(axis=1)).astype(np.int64),
+        "truncated": cat(lambda e: e.truncated_N).astype(bool),
+        "errors": cat(lambda e: e.errors_N),
     }
-    if cfg.num_samples:
-        g = int(cfg.num_samples)
-        per = max(1, per_call // g)
-        hits = []
-        for c, i in enumerate(range(0, len(examples), per)):
-            chunk = list(examples[i : i + per])
-            real = len(chunk)
-            chunk += [chunk[0]] * (per - real)
-            ep, _, _ = play(r, env, params, chunk, jax.random.fold_in(key, 1000 + c), num_samples=g)
-            hits.append(ep.success_N[: real * g])
-        out[f"{prefix}/sampled_pass_at_1"] = float(np.concatenate(hits).mean())
-    return out

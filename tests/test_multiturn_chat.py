@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax import envs, multiturn
-from grpo_jax.config import EnvSection
+from grpo_jax import envs, evaluation, multiturn, problems
+from grpo_jax.config import EnvSection, EvalConfig
 from grpo_jax.models.builtin_tokenizer import EOS_ID, build_tokenizer
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
 from grpo_jax.sampling import SamplingConfig
@@ -238,6 +238,40 @@ def test_tool_use_tag_format_episode():
     )
     ep, _, _ = multiturn.play(*s, params, [EXAMPLE], jax.random.key(0), num_samples=2)
     _check_episodes(ep, transcript, model_mask)
+
+
+def test_a_multiturn_evaluation_gives_per_problem_results(tmp_path):
+    """``evaluation.evaluate_policy`` with an environment: each problem's episode outcome
+    (greedy, and two seeds of two sampled episodes), the figures from them, and a file."""
+    tok = build_tokenizer()
+    result = lambda name: _ids(tok, f'<tool_result name="{name}">391</tool_result>')
+    turns = [_ids(tok, TURNS[0]) + [EOS_ID], _ids(tok, TURNS[1]) + [EOS_ID]]
+    transcript = turns[0] + result("calculator") + turns[1] + result("python")
+    answer = _ids(tok, TURNS[2]) + [EOS_ID]
+    prompt = list(tok(EXAMPLE["prompt"])["input_ids"])
+    (r, env), params = _state(
+        tok, prompt + transcript + answer, chat=False, env=TOOL_USE.format(False), default=EOS_ID
+    )
+    wrong = {**EXAMPLE, "answer": "390"}  # the same episode, now a wrong answer
+    cfg = EvalConfig(batch_size=1, num_samples=2, k=2, seeds=(0, 1))
+    seen = []
+    out = evaluation.evaluate_policy(
+        r, env, params, [EXAMPLE, wrong], jax.random.key(0), cfg=cfg, on_problems=seen.append
+    )
+    (prob,) = seen
+    assert prob.ids == (problems.problem_id(EXAMPLE), problems.problem_id(wrong))
+    assert prob.greedy_correct.tolist() == [True, False]
+    model_tokens = len(turns[0]) + len(turns[1]) + len(answer)
+    assert prob.greedy_length.tolist() == [model_tokens] * 2
+    assert prob.greedy_truncated.tolist() == [False, False]
+    assert prob.seeds == (0, 1)
+    assert prob.sampled_correct.tolist() == [[[True, True], [False, False]]] * 2
+    assert out["eval/pass_at_1"] == 0.5 and out["eval/num_problems"] == 2
+    assert out["eval/pass_at_1_lo"] < 0.5 < out["eval/pass_at_1_hi"]
+    assert out["eval/pass_at_2"] == out["eval/sampled_pass_at_1"] == 0.5
+    assert (out["eval/turns_mean"], out["eval/env_errors"]) == (3.0, 0.0)
+    header, back = problems.read(problems.write(tmp_path / "step_0.jsonl", prob, {"step": 0}))
+    assert header == {"step": 0} and problems.to_lines(back) == problems.to_lines(prob)
 
 
 def test_a_template_that_cannot_continue_ends_the_episode_as_an_error():
