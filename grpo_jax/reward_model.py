@@ -1,7 +1,8 @@
 """Train a reward model on preference pairs with the Bradley-Terry loss.
 
     python -m grpo_jax.reward_model --pairs=pairs.jsonl --out=/tmp/rm [--init=/ckpt] \\
-        [--steps=200] [--batch_size=16] [--learning_rate=1e-4] [--heldout_frac=0.1]
+        [--steps=200] [--batch_size=16] [--learning_rate=1e-4] [--heldout_frac=0.1] \\
+        [--num_devices=0] [--checkpoint_every=100]
 
 ``pairs.jsonl`` holds one ``{"prompt", "chosen", "rejected"}`` object a line
 (``reward_models.training.load_pairs``: a malformed line is an error naming the
@@ -13,6 +14,16 @@ non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)).
 trained further, a causal LM gets a fresh scalar head on its decoder; without it
 the built-in tiny model starts from random weights with the built-in tokenizer.
 
+The model trains on a mesh of ``--num_devices`` devices (0: all), its
+parameters and optimizer state sharded by the policy's "fsdp" layout and each
+batch's pairs split over the devices (``--batch_size`` a multiple of their
+number). Step s draws its pairs from ``default_rng([seed, s])`` alone, so a run
+is the same whatever its checkpoints. Every ``--checkpoint_every`` steps (and
+at the end) the parameters, optimizer state and counters are saved with Orbax
+under ``<out>/checkpoints`` (``grpo_jax.checkpointer``); rerunning the same
+command resumes from the latest one, to the same parameters as a run never
+stopped, and refuses checkpoints of other pairs or settings.
+
 The result is a Hugging Face ``*ForSequenceClassification`` directory
 (``reward_models.training.save_reward_model``) that ``reward_model.path`` and
 transformers load, with ``reward_model.json``: the held-out pairwise accuracy
@@ -21,6 +32,7 @@ and loss before and after training, and the steps' last loss.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import sys
@@ -30,10 +42,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import cli
+from grpo_jax import cli, sharding
+from grpo_jax.checkpointer import Checkpointer
+from grpo_jax.errors import CheckpointError
 from grpo_jax.models import from_pretrained, load_tokenizer, tiny_config
 from grpo_jax.models.builtin_tokenizer import build_tokenizer
 from grpo_jax.models.hf_config import read_config_json
+from grpo_jax.models.partitioning import param_shardings
 from grpo_jax.optimizer import OptimConfig, apply_guarded, init_state, make_optimizer
 from grpo_jax.reward_models import RewardModel, load_reward_model
 from grpo_jax.reward_models.training import (
@@ -84,30 +99,110 @@ def train_pairs(
     label: int = 0,
     log: Callable[[str], None] = print,
     log_every: int = 50,
+    mesh=None,
+    checkpoints=None,
+    checkpoint_every: int = 0,
+    fingerprint: str = "",
+    on_step: Callable[[int], None] | None = None,
 ) -> tuple[RewardModel, list[dict]]:
-    """(the trained model, each step's {"loss", "accuracy", "grad_norm", "finite"})."""
+    """(the trained model, each step's {"loss", "accuracy", "grad_norm", "finite"}).
+
+    ``mesh``: train there (parameters in the "fsdp" layout, pairs split over the
+    batch axes). ``checkpoints``: a directory for Orbax checkpoints, saved every
+    ``checkpoint_every`` steps (0: at the end only) and resumed from when it holds
+    any, if their ``fingerprint`` (what the pairs and settings were) is this one;
+    the steps before a resume come back in the history from the checkpoint.
+    ``on_step`` is called after each step's save (tests stop a run there).
+    """
     tx, _ = make_optimizer(optim, steps)
     graphdef, params = nnx.split(model)
-    state = init_state(params, tx)
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(params, mesh))
+        shards = sharding.batch_shards(mesh)
+        if (2 * batch_size) % shards:
+            raise ValueError(
+                f"--batch_size={batch_size} pairs (2 x {batch_size} rows) must split evenly "
+                f"over the mesh's {shards} batch shards"
+            )
+    state = init_state(params, tx, mesh)
+    ck = Checkpointer(checkpoints, keep=2, async_save=False) if checkpoints else None
+    history, first = [], 1
+    try:
+        if ck is not None and ck.latest_step() is not None:
+            state, history = _resume(ck, state, fingerprint)
+            first = len(history) + 1
+            log(f"resumed from the checkpoint of step {first - 1} in {ck.directory}")
 
-    @jax.jit
-    def step(state, batch):
-        grad_fn = jax.value_and_grad(pair_loss, has_aux=True)
-        (loss, acc), grads = grad_fn(state.params, graphdef, batch, label)
-        state, grad_norm, finite = apply_guarded(state, grads, loss, tx)
-        stats = {"loss": loss, "accuracy": acc, "grad_norm": grad_norm, "finite": finite}
-        return state.replace(step=state.step + 1), stats
+        def step_fn(state, batch):
+            grad_fn = jax.value_and_grad(pair_loss, has_aux=True)
+            (loss, acc), grads = grad_fn(state.params, graphdef, batch, label)
+            state, grad_norm, finite = apply_guarded(state, grads, loss, tx)
+            stats = {"loss": loss, "accuracy": acc, "grad_norm": grad_norm, "finite": finite}
+            return state.replace(step=state.step + 1), stats
 
-    rng = np.random.default_rng(seed)
-    history = []
-    for s in range(1, steps + 1):
-        chunk = [pairs[i] for i in rng.choice(len(pairs), batch_size, replace=True)]
-        state, stats = step(state, encode_pairs(tokenizer, chunk, buckets))
-        history.append({k: float(v) for k, v in jax.device_get(stats).items()})
-        if s % log_every == 0 or s == steps:
-            h = history[-1]
-            log(f"step {s}/{steps}: loss {h['loss']:.4f}, batch accuracy {h['accuracy']:.3f}")
+        # The state leaves each step as it came in: one program for every step, a fresh
+        # start's or a restored one's (a resumed run then computes the same bits).
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        step = (
+            jax.jit(step_fn, out_shardings=(shardings, None))
+            if mesh is not None
+            else jax.jit(step_fn)
+        )
+
+        put = (
+            (lambda b: b)
+            if mesh is None
+            else lambda b: jax.device_put(b, sharding.batch_sharding(mesh))
+        )
+        for s in range(first, steps + 1):
+            rng = np.random.default_rng([seed, s])
+            chunk = [pairs[i] for i in rng.choice(len(pairs), batch_size, replace=True)]
+            state, stats = step(state, put(encode_pairs(tokenizer, chunk, buckets)))
+            history.append({k: float(v) for k, v in jax.device_get(stats).items()})
+            if s % log_every == 0 or s == steps:
+                h = history[-1]
+                log(f"step {s}/{steps}: loss {h['loss']:.4f}, batch accuracy {h['accuracy']:.3f}")
+            if ck is not None and (s == steps or (checkpoint_every and s % checkpoint_every == 0)):
+                _save(ck, s, state, history, fingerprint)
+            if on_step is not None:
+                on_step(s)
+    finally:
+        if ck is not None:
+            ck.close()
     return nnx.merge(graphdef, state.params), history
+
+
+def _counters(state):
+    return {k: getattr(state, k) for k in ("step", "updates", "skipped", "skipped_in_row")}
+
+
+def _save(ck: Checkpointer, s: int, state, history, fingerprint: str) -> None:
+    opt = {"opt_state": state.opt_state, "counters": _counters(state)}
+    meta = {"fingerprint": fingerprint, "history": history}
+    ck.save(s, params=state.params, opt_state=opt, meta=meta)
+    ck.wait()
+
+
+def _resume(ck: Checkpointer, state, fingerprint: str):
+    """(state, history) of the latest checkpoint; CheckpointError if it is another run's."""
+    saved = ck.restore_meta()
+    if saved.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"the checkpoints in {ck.directory} were made with other pairs or settings "
+            "(--pairs, --init, --steps, --batch_size, --learning_rate, --heldout_frac, "
+            "--seed); rerun with the same flags to resume, or use a new --out"
+        )
+    like = {"opt_state": state.opt_state, "counters": _counters(state)}
+    params, opt, meta = ck.restore(params_like=state.params, opt_state_like=like)
+    state = state.replace(params=params, opt_state=opt["opt_state"], **opt["counters"])
+    return state, list(meta["history"])
+
+
+def run_fingerprint(pairs_path, **settings) -> str:
+    """sha256 of the pairs file's bytes and the settings that shape the run."""
+    h = hashlib.sha256(pathlib.Path(pairs_path).read_bytes())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def initial_model(init: str, tokenizer_dir: str, seed: int):
@@ -134,16 +229,41 @@ def train_reward_model(
     learning_rate: float = 1e-4,
     heldout_frac: float = 0.1,
     seed: int = 0,
+    num_devices: int = 0,
+    checkpoint_every: int = 100,
     log: Callable[[str], None] = print,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict:
-    """Trains on ``pairs_path``, writes the model to ``out``; returns reward_model.json's dict."""
+    """Trains on ``pairs_path``, writes the model to ``out``; returns reward_model.json's dict.
+
+    ``num_devices``: the mesh's devices (0: all); ``checkpoint_every``: Orbax
+    checkpoints under ``<out>/checkpoints`` (module doc).
+    """
     train, heldout = split_pairs(load_pairs(pairs_path), heldout_frac, seed)
+    devices = jax.devices()
+    if num_devices > len(devices) or num_devices < 0:
+        raise ValueError(f"--num_devices={num_devices}, but {len(devices)} devices are available")
+    mesh = sharding.make_mesh({"fsdp": -1}, devices[: num_devices or None])
     model, tok = initial_model(init, tokenizer, seed)
     before = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=BUCKETS)
     log(f"{len(train)} pairs to train on, {len(heldout)} held out; before: {before}")
     optim = OptimConfig(learning_rate=learning_rate)
+    settings = dict(init=init, tokenizer=tokenizer, steps=steps, batch_size=batch_size)
+    settings.update(learning_rate=learning_rate, heldout_frac=heldout_frac, seed=seed)
     model, history = train_pairs(
-        model, tok, train, steps=steps, batch_size=batch_size, optim=optim, seed=seed, log=log
+        model,
+        tok,
+        train,
+        steps=steps,
+        batch_size=batch_size,
+        optim=optim,
+        seed=seed,
+        log=log,
+        mesh=mesh,
+        checkpoints=pathlib.Path(out) / "checkpoints",
+        checkpoint_every=checkpoint_every,
+        fingerprint=run_fingerprint(pairs_path, **settings),
+        on_step=on_step,
     )
     after = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=BUCKETS)
     log(f"held-out pairwise accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
@@ -179,6 +299,8 @@ def main(argv):
             learning_rate=F.learning_rate,
             heldout_frac=F.heldout_frac,
             seed=F.seed,
+            num_devices=F.num_devices,
+            checkpoint_every=F.checkpoint_every,
         )
     except (*cli.user_errors(), ValueError) as e:
         return cli.report_user_error(e)
@@ -198,5 +320,9 @@ if __name__ == "__main__":
     flags.DEFINE_float("learning_rate", 1e-4, "Peak learning rate (AdamW).")
     flags.DEFINE_float("heldout_frac", 0.1, "Share of the pairs held out for the accuracy.")
     flags.DEFINE_integer("seed", 0, "Seed of the split, the batches and a fresh head.")
+    flags.DEFINE_integer("num_devices", 0, "Devices of the training mesh (0: all).")
+    flags.DEFINE_integer(
+        "checkpoint_every", 100, "Orbax checkpoint every this many steps (0: at the end only)."
+    )
     flags.mark_flags_as_required(["pairs", "out"])
     app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

@@ -149,3 +149,63 @@ def test_command_trains_and_saves(tmp_path):
     cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--pairs={bad}", f"--out={out}2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "bad.jsonl:1:" in done.stderr
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.slow  # four short trainings of the tiny classifier: ~15 s cold
+def test_a_stopped_training_resumes_to_the_parameters_of_one_never_stopped(
+    builtin_tokenizer, tiny_model_config, tmp_path
+):
+    """On a mesh of 4 devices, checkpoints every 3 of 6 steps; stopped after step 4, the
+    same call resumes from step 3 and ends bit for bit where the run never stopped did."""
+    from grpo_jax import sharding
+    from grpo_jax.checkpointer import Checkpointer
+    from grpo_jax.errors import CheckpointError
+
+    pairs = _pairs(np.random.default_rng(2).integers(0, 50, (40, 2)))
+    mesh = sharding.make_mesh({"fsdp": -1}, jax.devices()[:4])
+    kw = dict(steps=6, batch_size=4, optim=OptimConfig(learning_rate=3e-3), buckets=(32,))
+    kw.update(log=lambda _: None, mesh=mesh, checkpoint_every=3, fingerprint="these pairs")
+    fresh = lambda: RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0))
+    leaves = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+
+    whole, history = train_pairs(
+        fresh(), builtin_tokenizer, pairs, checkpoints=tmp_path / "a", **kw
+    )
+    assert any("fsdp" in str(x.sharding.spec) for x in leaves(whole))  # trained sharded
+
+    def stop(step):
+        if step == 4:
+            raise _Stopped
+
+    with pytest.raises(_Stopped):
+        train_pairs(
+            fresh(), builtin_tokenizer, pairs, checkpoints=tmp_path / "b", on_step=stop, **kw
+        )
+    ck = Checkpointer(tmp_path / "b")
+    assert ck.all_steps() == [3]
+    ck.close()
+    resumed, history_b = train_pairs(
+        fresh(), builtin_tokenizer, pairs, checkpoints=tmp_path / "b", **kw
+    )
+    assert history_b == history and len(history) == 6
+    for a, b in zip(leaves(whole), leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Another run's checkpoints are not resumed from.
+    other = {**kw, "fingerprint": "other pairs"}
+    with pytest.raises(CheckpointError, match="other pairs or settings"):
+        train_pairs(fresh(), builtin_tokenizer, pairs, checkpoints=tmp_path / "b", **other)
+
+    # The same training on one device, without checkpoints: the same model to rounding.
+    one, history_1 = train_pairs(
+        fresh(), builtin_tokenizer, pairs, **{**kw, "mesh": None, "checkpoint_every": 0}
+    )
+    np.testing.assert_allclose(
+        [h["loss"] for h in history_1], [h["loss"] for h in history], rtol=1e-4
+    )
+    for a, b in zip(leaves(whole), leaves(one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
