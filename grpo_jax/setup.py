@@ -254,12 +254,6 @@ def build_encoder(run: RunConfig, tokenizer) -> PromptEncoder:
 def build_scorer(run: RunConfig, mesh=None) -> Scorer:
     """The run's rewards; with ``reward_model.path``, its reward model placed on ``mesh``."""
     learned = []
-    if run.reward_model.path or run.judge.path:
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "config keys 'reward_model.path' and 'judge.path': learned rewards score on "
-                f"one process only for now, and this run has {jax.process_count()}"
-            )
     if run.reward_model.path:
         rm = LearnedReward.load(run.reward_model, mesh, layout=run.mesh.layout)
         learned.append((LEARNED, rm, run.reward_model.weight))

@@ -358,3 +358,44 @@ def test_buckets_are_checked_alike_for_reward_model_and_judge():
         for bad in ((32, 16), (), (0, 8), "16,x"):
             with pytest.raises(ConfigError, match=f"'{key}.buckets"):
                 section(buckets=bad)
+
+
+@pytest.mark.slow  # two processes start JAX and load the model: ~15 s
+def test_two_processes_score_their_rows_as_one_process(qwen2_rm, tmp_path):
+    """Each host scores its own block of rows, with different counts of texts to score
+    and different buckets, and gets the scores one process gives the whole batch; the
+    running moments are the same on both hosts."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from helpers_multihost_rewards import TEXTS
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRPO_JAX_", "SLURM_"))}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), PYTHONPATH=f"{root}:{root / 'tests'}")
+    cmd = ["bash", str(root / "launch" / "local_multiprocess.sh"), "--timeout", "240"]
+    cmd += ["--log-dir", str(tmp_path / "logs"), "--devices-per-process", "2", "2", "--"]
+    cmd += [sys.executable, str(root / "tests" / "helpers_multihost_rewards.py")]
+    cmd += [str(tmp_path), str(qwen2_rm)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"{proc.stderr}\n{logs}"
+
+    one = LearnedReward.load(RewardModelSection(path=str(qwen2_rm), buckets=(16, 32)), None)
+    want = one.score_tokens(one.token_lists(TEXTS))
+    assert np.isnan(want[[1, 3]]).all() and np.isfinite(np.delete(want, [1, 3])).all()
+    moments = RunningMoments()
+    moments.add(want)
+    got = [np.load(tmp_path / f"scores_{i}.npz") for i in (0, 1)]
+    assert [tuple(g["rows"]) for g in got] == [(0, 6), (6, 12)]
+    for g in got:
+        a, b = g["rows"]
+        np.testing.assert_allclose(g["raw"], want[a:b], atol=1e-5, equal_nan=True)
+        np.testing.assert_allclose(
+            g["moments"], [moments.count, moments.mean, moments.m2], rtol=1e-5
+        )
+        normalised = (want[a:b] - moments.mean) / (moments.std + 1e-6)
+        np.testing.assert_allclose(g["values"], normalised, atol=1e-4, equal_nan=True)

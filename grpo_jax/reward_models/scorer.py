@@ -12,6 +12,14 @@ bucket; its rows are split over the mesh's batch axes and the parameters keep
 their layout's shardings, so the scores are those of one device
 (``tests/test_reward_models.py`` checks 8 fake devices against one).
 
+With several processes each host scores its own rows (the rows of the batch
+its devices hold, as it scores its verifiable rewards): every call takes each
+host's next ``batch_size / hosts`` texts into one global batch, the hosts agree
+on the number of calls and on each call's bucket, and each host reads back its
+own rows' scores; the running moments are updated with every host's scores, so
+they are the same on all hosts (``tests/test_reward_models.py``: 2 processes x 2
+devices score as one process).
+
 Containment: a text longer than the largest bucket, or a score that is not
 finite, is NaN: unscored, advantage 0, counted by the caller as an error, as
 for a verifiable reward that fails.
@@ -28,6 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from grpo_jax import distributed
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import CheckpointError, load_tokenizer
 from grpo_jax.reward_models.model import RewardModel, load_reward_model
@@ -102,6 +111,8 @@ def score_in_batches(
     the last one filled with empty rows (one compiled shape per bucket), and split over
     ``mesh``'s batch axes. A row longer than the largest bucket, or a value that is not
     finite, is NaN (and the first counted in a warning naming ``what``'s buckets).
+    With several processes ``token_lists`` are this host's rows and every host calls
+    this together (module doc).
     """
     n = len(token_lists)
     out = np.full(n, np.nan, np.float32)
@@ -115,17 +126,39 @@ def score_in_batches(
             what,
             buckets[-1],
         )
-    for start in range(0, len(fits), batch_size):
-        rows = fits[start : start + batch_size]
-        batch = [token_lists[i] for i in rows]
-        batch += [[pad_id]] * (batch_size - len(batch))  # one shape per bucket
-        tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=buckets)
-        mask[len(rows) :] = False  # the filler rows hold no token
-        if mesh is not None:
-            tokens, mask = jax.device_put((tokens, mask), batch_sharding(mesh))
-        out[rows] = np.asarray(fn(tokens, mask))[: len(rows)]
+    if mesh is not None and jax.process_count() > 1:
+        _score_across_hosts(fn, token_lists, fits, out, pad_id, buckets, batch_size, mesh)
+    else:
+        for start in range(0, len(fits), batch_size):
+            rows = fits[start : start + batch_size]
+            batch = [token_lists[i] for i in rows]
+            batch += [[pad_id]] * (batch_size - len(batch))  # one shape per bucket
+            tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=buckets)
+            mask[len(rows) :] = False  # the filler rows hold no token
+            if mesh is not None:
+                tokens, mask = jax.device_put((tokens, mask), batch_sharding(mesh))
+            out[rows] = np.asarray(fn(tokens, mask))[: len(rows)]
     out[~np.isfinite(out)] = np.nan
     return out
+
+
+def _score_across_hosts(fn, token_lists, fits, out, pad_id, buckets, batch_size, mesh) -> None:
+    """:func:`score_in_batches`' calls with several processes: this host's rows ``fits``
+    (indices of ``token_lists``) into its block of each global batch; scores into ``out``."""
+    block = distributed.host_rows(mesh, batch_size)
+    per = block.stop - block.start  # this host's rows of each call
+    calls = distributed.max_over_hosts(math.ceil(len(fits) / per))
+    for c in range(calls):
+        rows = fits[c * per : (c + 1) * per]
+        batch = [token_lists[i] for i in rows]
+        batch += [[pad_id]] * (per - len(batch))
+        longest = distributed.max_over_hosts(max(len(t) for t in batch))
+        bucket = next(b for b in buckets if b >= longest)  # every host's rows fit it
+        tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=(bucket,))
+        mask[len(rows) :] = False
+        tokens, mask = distributed.global_batch((tokens, mask), mesh, batch_size)
+        mine = distributed.local_rows(fn(tokens, mask), block)
+        out[rows] = np.asarray(mine)[: len(rows)]
 
 
 @dataclasses.dataclass
@@ -217,7 +250,8 @@ class LearnedReward:
         if self.section.normalize == "group":
             return group_standardize(raw, group_size)
         if self.section.normalize == "running":
-            self.moments.add(raw)
+            # Every host's scores, so that the moments are the same on all hosts.
+            self.moments.add(distributed.gather_rows(raw) if jax.process_count() > 1 else raw)
             return standardize(raw, self.moments.mean, self.moments.std)
         return raw
 
