@@ -557,12 +557,11 @@ def evaluate_problems(r, env, params, examples, key, *, cfg):
 
     A problem is correct when its episode succeeds; its length is the model's
     tokens over all turns. Greedy episodes play ``cfg.batch_size`` problems a
-    call, call c from ``fold_in(key, c)``; with ``cfg.num_samples`` = n > 0,
-    seed s of ``cfg.seeds`` plays n sampled episodes per problem, call c from
-    ``fold_in(fold_in(key, 1 + s), c)`` (one key per call, as training's
-    episodes: the sampled results move with ``eval.batch_size``). Episode
-    figures: ``reward_mean``, ``turns_mean`` and ``env_errors`` of the greedy
-    episodes.
+    call; with ``cfg.num_samples`` = n > 0, seed s of ``cfg.seeds`` plays n
+    sampled episodes of problem i from ``fold_in(fold_in(key, 1 + s), i)`` alone
+    (row keys, ``grpo_jax.turn_decode``), so neither depends on
+    ``eval.batch_size``. Episode figures: ``reward_mean``, ``turns_mean`` and
+    ``env_errors`` of the greedy episodes.
     """
     _check_single_process()
     if not examples:
@@ -581,8 +580,9 @@ def evaluate_problems(r, env, params, examples, key, *, cfg):
         per = max(1, per_call // n)
         correct, length = [], []
         for seed in cfg.seeds:
+            seed_key = jax.random.fold_in(key, 1 + seed)
             got = _play_chunks(
-                r, env, params, examples, per, jax.random.fold_in(key, 1 + seed), num_samples=n
+                r, env, params, examples, per, seed_key, num_samples=n, row_keys=True
             )
             correct.append(got["success"].reshape(P, n))
             length.append(got["lengths"].reshape(P, n))
@@ -601,23 +601,23 @@ def evaluate_problems(r, env, params, examples, key, *, cfg):
     return prob, episodes
 
 
-def _play_chunks(r, env, params, examples, per_call: int, key, *, num_samples: int, greedy=False):
+def _play_chunks(
+    r, env, params, examples, per_call: int, key, *, num_samples: int, greedy=False, row_keys=False
+):
     """Episodes of every example in calls of ``per_call`` (the last padded: one shape), call c
-    from ``fold_in(key, c)`` -> per-episode arrays (example-major, ``num_samples`` each)."""
+    from ``fold_in(key, c)``, or with ``row_keys`` example i from ``fold_in(key, i)`` ->
+    per-episode arrays (example-major, ``num_samples`` each)."""
     parts = []
     for c, i in enumerate(range(0, len(examples), per_call)):
         chunk = list(examples[i : i + per_call])
         real = len(chunk)
         chunk += [chunk[0]] * (per_call - real)
-        ep, _, _ = play(
-            r,
-            env,
-            params,
-            chunk,
-            jax.random.fold_in(key, c),
-            num_samples=num_samples,
-            greedy=greedy,
-        )
+        if row_keys:
+            index = jnp.asarray(list(range(i, i + real)) + [i] * (per_call - real))
+            call_key = jax.vmap(lambda j: jax.random.fold_in(key, j))(index)
+        else:
+            call_key = jax.random.fold_in(key, c)
+        ep, _, _ = play(r, env, params, chunk, call_key, num_samples=num_samples, greedy=greedy)
         parts.append((ep, real * num_samples))
     cat = lambda f: np.concatenate([np.asarray(f(ep))[:rows] for ep, rows in parts])
     return {

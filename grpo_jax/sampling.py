@@ -178,12 +178,19 @@ class SampleOutput(NamedTuple):
     behavior_logps: jax.Array | None = None  # float32 [N, T]
 
 
-def _split(key):
+def split_key(key):
     """(carry, sub) of a key, or of each of the [N] row keys."""
     if jnp.ndim(key) == 0:
         return jax.random.split(key)
     keys_Nx2 = jax.vmap(jax.random.split)(key)
     return keys_Nx2[:, 0], keys_Nx2[:, 1]
+
+
+def sample_keys(keys_B, g: int):
+    """[B * G] row keys from one key per prompt: row b*G + g is ``fold_in(keys_B[b], g)``."""
+    samples = jnp.arange(g, dtype=jnp.uint32)
+    keys_BxG = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(samples))(keys_B)
+    return keys_BxG.reshape(-1)
 
 
 def _write(state: DecodeState, drawn, cfg: SamplingConfig) -> DecodeState:
@@ -298,10 +305,8 @@ def _prefill(
         )
     tokens_NxP, mask_NxP = rows(repeat_rows(tokens_BxP, g)), rows(repeat_rows(mask_BxP, g))
     if jnp.ndim(key) == 1:  # row keys: row b*G + g draws from fold_in(key_b, g)
-        samples = jnp.arange(g, dtype=jnp.uint32)
-        key = jax.vmap(lambda k: jax.vmap(lambda i: jax.random.fold_in(k, i))(samples))(key)
-        key = rows(key.reshape(n))
-    key, sub = _split(key)
+        key = rows(sample_keys(key, g))
+    key, sub = split_key(key)
     state = DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens_N=jnp.full((n,), cfg.pad_id, jnp.int32),
@@ -340,7 +345,7 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
             cache=st.cache,
             cache_index=slot,
         )
-        key, sub = _split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
+        key, sub = split_key(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn = sample_with(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
         return _write(st, drawn, cfg)

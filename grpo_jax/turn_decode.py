@@ -22,8 +22,12 @@ so the roll changes nothing else.
 
 The token draw is the single-turn sampler's (``draw.sample_with``, with its
 stop-sequence check ``draw.stop_hits`` and the G-fold row repeat
-``sampling.repeat_rows``). The jitted functions run without explicit shardings (rows
-on whatever devices the inputs sit on).
+``sampling.repeat_rows``). The key is one key for all rows (training's episodes: it
+advances every loop step) or one key per prompt ("row keys", evaluation's: episode g
+of prompt b draws from ``fold_in(key_b, g)``, and its key advances only when it draws
+a token, so its episode depends on nothing but its own key, environment and the
+parameters, not on the other rows of its call). The jitted functions run without
+explicit shardings (rows on whatever devices the inputs sit on).
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from flax import nnx
 
 from grpo_jax.checks import check_range
 from grpo_jax.models.transformer import positions_from_mask
-from grpo_jax.sampling import SamplingConfig, repeat_rows, sample_with, stop_hits
+from grpo_jax.sampling import (
+    SamplingConfig,
+    repeat_rows,
+    sample_keys,
+    sample_with,
+    split_key,
+    stop_hits,
+)
 
 __all__ = [
     "BUDGET",
@@ -109,7 +120,7 @@ class MTState(NamedTuple):
     forced_NxO: jax.Array  # int32: observation tokens queued
     forced_len_N: jax.Array  # int32
     forced_pos_N: jax.Array  # int32
-    key_data: jax.Array  # raw PRNG key data []
+    key_data: jax.Array  # raw PRNG key data: one key [...], or one per row [N, ...]
 
 
 def cache_axes(model, b: int, s: int):
@@ -199,7 +210,9 @@ def prefill(params, prompt_BxP, pmask_BxP, key, *, graphdef, sampling, cfg, g):
     )
     batch_axes, _ = cache_axes(model, b, s)
     cache = jax.tree.map(lambda c, ax: repeat_rows(c, g, axis=ax), cache, batch_axes)
-    key, sub = jax.random.split(key)
+    if jnp.ndim(key) == 1:  # row keys: one per prompt -> one per episode
+        key = sample_keys(key, g)
+    key, sub = split_key(key)
     token_N, logp_N, behavior_N = sample_with(repeat_rows(logits_Bx1xV[:, 0], g), sub, sampling)
     zeros_N = jnp.zeros((n,), jnp.int32)
     st = MTState(
@@ -266,9 +279,13 @@ def phase(params, st: MTState, *, graphdef, sampling: SamplingConfig, cfg, key_i
             cache=st.cache,
             cache_index=slot,
         )
-        key, sub = jax.random.split(jax.random.wrap_key_data(st.key_data, impl=key_impl))
+        key, sub = split_key(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn_N, logp_N, behavior_N = sample_with(logits_Nx1xV[:, 0], sub, sampling)
         forcing_N = st.forced_pos_N < st.forced_len_N
+        key_data = jax.random.key_data(key)
+        if st.key_data.ndim > 1:  # row keys: a row's key advances when it draws a token
+            drew_N = feed_N & ~forcing_N
+            key_data = jnp.where(drew_N[:, None], key_data, st.key_data)
         forced_N = jnp.take_along_axis(
             st.forced_NxO, jnp.minimum(st.forced_pos_N, st.forced_NxO.shape[1] - 1)[:, None], 1
         )[:, 0]
@@ -279,7 +296,7 @@ def phase(params, st: MTState, *, graphdef, sampling: SamplingConfig, cfg, key_i
             end_slot_N=jnp.where(feed_N, slot + 1, st.end_slot_N),
             pos_N=st.pos_N + feed_N.astype(jnp.int32),
             forced_pos_N=st.forced_pos_N + (feed_N & forcing_N).astype(jnp.int32),
-            key_data=jax.random.key_data(key),
+            key_data=key_data,
         )
         st = write_token(st, feed_N, token_N, ~forcing_N, logp_N, behavior_N, cfg, sampling)
         return step + 1, st

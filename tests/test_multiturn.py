@@ -333,3 +333,37 @@ def test_same_key_same_episodes():
     b = _run(graphdef, params, key=3, max_turn_tokens=5)
     np.testing.assert_array_equal(a.tokens_NxT, b.tokens_NxT)
     np.testing.assert_array_equal(a.logps_NxT, b.logps_NxT)
+
+
+def test_row_keys_make_each_episode_independent_of_the_other_rows():
+    """One key per prompt (evaluation's): prompt b's episodes are the same in a call of all
+    four prompts and in a call of two, though rows fall out of step differently in each
+    (a row's key advances only when it draws); one key per call does not give that."""
+    graphdef, params = _model("qwen3")
+    g = 2
+    scripts = [["20 21 22", "23"], ["24"], [], ["25 26", "27 28 29", "30"]]
+    env_of = lambda i: ScriptedEnv(scripts[(i // g + i) % 4])  # row i of the full call
+    cfg = multiturn.MultiTurnConfig(max_tokens=40, max_turns=4, max_obs_tokens=4)
+    sampling = SamplingConfig(max_new_tokens=1, eos_ids=EOS, pad_id=0, prompt_buckets=(8,))
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(4))
+
+    def run(prompts, key, rows):
+        toks, mask = pad_prompts([PROMPTS[b] for b in prompts], pad_id=0, buckets=(8,))
+        return multiturn.run_episodes(
+            graphdef, params, [env_of(i) for i in rows], toks, mask, key, sampling=sampling,
+            cfg=cfg, encode_observation=encode_obs, decode=decode, num_samples=g,
+        )  # fmt: skip
+
+    whole = run([0, 1, 2, 3], keys, range(8))
+    part = run([2, 3], keys[2:], range(4, 8))
+    assert whole.phases > 1 and len(set(whole.lengths_N.tolist())) > 2  # rows out of step
+    np.testing.assert_array_equal(part.tokens_NxT, whole.tokens_NxT[4:])
+    np.testing.assert_array_equal(part.lengths_N, whole.lengths_N[4:])
+    np.testing.assert_allclose(part.logps_NxT, whole.logps_NxT[4:], atol=1e-5, rtol=0)
+    # The G episodes of a prompt still differ from each other.
+    assert (whole.tokens_NxT[4] != whole.tokens_NxT[5]).any()
+    # With one key for the whole call (training's), prompts 2 and 3 play otherwise when
+    # prompts 0 and 1 share their call.
+    key = jax.random.key(7)
+    alone, together = run([2, 3], key, range(4, 8)), run([0, 1, 2, 3], key, range(8))
+    assert (alone.tokens_NxT != together.tokens_NxT[4:]).any()
