@@ -17,8 +17,8 @@ the built-in tiny model starts from random weights with the built-in tokenizer.
 The model trains on a mesh of ``--num_devices`` devices (0: all), its
 parameters and optimizer state sharded by the policy's "fsdp" layout and each
 batch's pairs split over the devices (``--batch_size`` a multiple of their
-number). Step s draws its pairs from ``default_rng([seed, s])`` alone, so a run
-is the same whatever its checkpoints. Every ``--checkpoint_every`` steps (and
+number). The pairs of every step come from one ``default_rng(seed)`` stream,
+which a resumed run replays up to its checkpoint's step. Every ``--checkpoint_every`` steps (and
 at the end) the parameters, optimizer state and counters are saved with Orbax
 under ``<out>/checkpoints`` (``grpo_jax.checkpointer``); rerunning the same
 command resumes from the latest one, to the same parameters as a run never
@@ -154,8 +154,10 @@ def train_pairs(
             if mesh is None
             else lambda b: jax.device_put(b, sharding.batch_sharding(mesh))
         )
+        rng = np.random.default_rng(seed)
+        for _ in range(1, first):  # a resumed run's draws continue where the stopped one's were
+            rng.choice(len(pairs), batch_size, replace=True)
         for s in range(first, steps + 1):
-            rng = np.random.default_rng([seed, s])
             chunk = [pairs[i] for i in rng.choice(len(pairs), batch_size, replace=True)]
             state, stats = step(state, put(encode_pairs(tokenizer, chunk, buckets)))
             history.append({k: float(v) for k, v in jax.device_get(stats).items()})
