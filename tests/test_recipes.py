@@ -389,10 +389,14 @@ def test_gguf_base_model_recipes_parse_and_stop_at_the_next_question():
         run = parse_config(recipes.get_config(arg))
         assert run.sampling.stop == ("\n\nQuestion:",) and not run.prompt.chat
     run = parse_config(recipes.get_config("model=gemma3-270m,words"))
-    assert run.data.options["jsonl_dir"] == "tiny:one_step_problems:2048:96"
+    assert run.data.options["jsonl_dir"] == "tiny:one_step_problems:2048:256"
     assert run.train.batch_size * run.grpo.G == run.train.minibatch_size == 32
     assert run.grpo.beta == 0.0 and run.sampling.prompt_buckets == (160,)
-    assert runlocal._problem_set(run.data.options["jsonl_dir"]) == ("one_step_problems", 2048, 96)
+    assert runlocal._problem_set(run.data.options["jsonl_dir"]) == ("one_step_problems", 2048, 256)
+    # The measured run (docs/evaluation.md): LoRA adapters, 60 steps, every held-out problem.
+    lora = run.model.lora
+    assert (lora.rank, lora.alpha, run.optim.learning_rate) == (16, 32.0, 3e-5)
+    assert (run.train.steps, run.eval.num_problems) == (60, 256)
 
 
 @pytest.mark.parametrize("arg", ["model=qwen2.5-0.5b,words", "model=gemma3-270m,words,runlocal"])
