@@ -27,6 +27,10 @@ def test_two_processes_pipeline_like_one(tmp_path, extra):
         "--config.train.batch_size=8",
         "--config.eval.num_problems=8",
         "--config.eval.batch_size=8",
+        # No evaluation before training, greedy only: test_distributed_train.py checks that
+        # evaluation across processes; this test is about the pipelined training.
+        "--config.eval.at_start=False",
+        "--config.eval.num_samples=0",
         *extra,
     ]
     multi = _launch(tmp_path, "two_by_four", processes=2, devices=4, extra=extra)
