@@ -120,6 +120,7 @@ def main(argv=None) -> dict:
         "paged": grpo_jax_engine(paged_cfg, paged.generate),
     }
     if not a.no_transformers:
+        import _transformers_sampling as transformers_sampling
         import torch
         import transformers
 
@@ -127,19 +128,13 @@ def main(argv=None) -> dict:
             str(work / "hf"), dtype=torch.float32
         )
         hf.eval()
-        input_ids = torch.from_numpy(tokens_BxP.astype(np.int64))
-        attention = torch.from_numpy(mask_BxP.astype(np.int64))
 
         def run_hf(seed):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                out = hf.generate(
-                    input_ids=input_ids, attention_mask=attention, do_sample=True,
-                    temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=a.max_new_tokens,
-                    num_return_sequences=G, eos_token_id=eos_ids, pad_token_id=pad_id,
-                    stop_strings=[STOP], tokenizer=tok,
-                )  # fmt: skip
-            return _lengths_hf(out[:, tokens_BxP.shape[1] :].numpy(), eos_ids, pad_id)
+            out = transformers_sampling.sample(
+                hf, tokens_BxP, mask_BxP, seed, num_samples=G, max_new_tokens=a.max_new_tokens,
+                eos_token_id=eos_ids, pad_token_id=pad_id, stop_strings=[STOP], tokenizer=tok,
+            )  # fmt: skip
+            return _lengths_hf(out[:, tokens_BxP.shape[1] :], eos_ids, pad_id)
 
         engines["transformers"] = run_hf
     n = a.prompts * G

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+import _transformers_sampling as transformers_sampling  # noqa: E402 - beside this file
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,25 +171,13 @@ def main(argv=None) -> float:
         jax.block_until_ready(out)
         assert out.tokens.shape == (n_rows, args.max_new_tokens)
 
-    input_ids = torch.from_numpy(tokens_BxP.astype(np.int64))
-    attention_mask = torch.from_numpy(mask_BxP.astype(np.int64))
-
     def run_hf(i):
-        torch.manual_seed(i)
-        with torch.no_grad():
-            out = hf.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                do_sample=True,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                max_new_tokens=args.max_new_tokens,
-                min_new_tokens=args.max_new_tokens,
-                num_return_sequences=args.num_samples,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+        out = transformers_sampling.sample(
+            hf, tokens_BxP, mask_BxP, i, num_samples=args.num_samples,
+            max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
         assert out.shape == (n_rows, tokens_BxP.shape[1] + args.max_new_tokens), out.shape
 
     print(

@@ -78,6 +78,7 @@ def main(argv=None) -> float:
     if args.threads:
         cores = sorted(os.sched_getaffinity(0))[: args.threads]
         os.sched_setaffinity(0, cores)
+    import _transformers_sampling as transformers_sampling  # beside this file
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -142,24 +143,11 @@ def main(argv=None) -> float:
         )
         jax.block_until_ready(out)
 
-    input_ids = torch.from_numpy(tokens_BxP.astype(np.int64))
-    attention = torch.from_numpy(mask_BxP.astype(np.int64))
-
     def run_hf(i):
-        torch.manual_seed(i)
-        with torch.no_grad():
-            hf.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=T,
-                min_new_tokens=T,
-                num_return_sequences=G,
-                pad_token_id=0,
-            )
+        transformers_sampling.sample(
+            hf, tokens_BxP, mask_BxP, i, num_samples=G, max_new_tokens=T, min_new_tokens=T,
+            pad_token_id=0,
+        )  # fmt: skip
 
     cores = len(os.sched_getaffinity(0))
     print(
