@@ -116,15 +116,7 @@ def train_pairs(
     """
     tx, _ = make_optimizer(optim, steps)
     graphdef, params = nnx.split(model)
-    if mesh is not None:
-        params = jax.device_put(params, param_shardings(params, mesh))
-        shards = sharding.batch_shards(mesh)
-        if (2 * batch_size) % shards:
-            raise ValueError(
-                f"--batch_size={batch_size} pairs (2 x {batch_size} rows) must split evenly "
-                f"over the mesh's {shards} batch shards"
-            )
-    state = init_state(params, tx, mesh)
+    state = init_state(_placed(params, mesh, batch_size), tx, mesh)
     ck = Checkpointer(checkpoints, keep=2, async_save=False) if checkpoints else None
     history, first = [], 1
     try:
@@ -133,22 +125,7 @@ def train_pairs(
             first = len(history) + 1
             log(f"resumed from the checkpoint of step {first - 1} in {ck.directory}")
 
-        def step_fn(state, batch):
-            grad_fn = jax.value_and_grad(pair_loss, has_aux=True)
-            (loss, acc), grads = grad_fn(state.params, graphdef, batch, label)
-            state, grad_norm, finite = apply_guarded(state, grads, loss, tx)
-            stats = {"loss": loss, "accuracy": acc, "grad_norm": grad_norm, "finite": finite}
-            return state.replace(step=state.step + 1), stats
-
-        # The state leaves each step as it came in: one program for every step, a fresh
-        # start's or a restored one's (a resumed run then computes the same bits).
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        step = (
-            jax.jit(step_fn, out_shardings=(shardings, None))
-            if mesh is not None
-            else jax.jit(step_fn)
-        )
-
+        step = _step(graphdef, tx, label, state, mesh)
         put = (
             (lambda b: b)
             if mesh is None
@@ -172,6 +149,40 @@ def train_pairs(
         if ck is not None:
             ck.close()
     return nnx.merge(graphdef, state.params), history
+
+
+def _placed(params, mesh, batch_size: int):
+    """``params`` in the "fsdp" layout on ``mesh`` (as they are without one); a ValueError
+    when a batch's 2 x ``batch_size`` rows do not split over its batch shards."""
+    if mesh is None:
+        return params
+    shards = sharding.batch_shards(mesh)
+    if (2 * batch_size) % shards:
+        raise ValueError(
+            f"--batch_size={batch_size} pairs (2 x {batch_size} rows) must split evenly "
+            f"over the mesh's {shards} batch shards"
+        )
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def _step(graphdef, tx, label: int, state, mesh):
+    """The jitted Bradley-Terry step: (state, batch) -> (state, stats).
+
+    On a mesh the state leaves with the shardings it came in with: one program for
+    every step, a fresh start's or a restored one's (a resumed run computes the same bits).
+    """
+
+    def step_fn(state, batch):
+        grad_fn = jax.value_and_grad(pair_loss, has_aux=True)
+        (loss, acc), grads = grad_fn(state.params, graphdef, batch, label)
+        state, grad_norm, finite = apply_guarded(state, grads, loss, tx)
+        stats = {"loss": loss, "accuracy": acc, "grad_norm": grad_norm, "finite": finite}
+        return state.replace(step=state.step + 1), stats
+
+    if mesh is None:
+        return jax.jit(step_fn)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(step_fn, out_shardings=(shardings, None))
 
 
 def _counters(state):
