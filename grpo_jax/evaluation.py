@@ -19,14 +19,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed, multiturn
 from grpo_jax import problems as problems_lib
 from grpo_jax.config import EvalConfig
 from grpo_jax.rollout import PromptEncoder, Rollouts, decode
-from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.sampling import SamplingConfig, generate, problem_keys
 from grpo_jax.scorer import Scorer
 
 
@@ -102,11 +101,10 @@ def generate_texts(
     for c, start in enumerate(range(0, len(examples), prompts_per_call)):
         chunk = list(examples[start : start + prompts_per_call])
         real = len(chunk)
-        index = list(range(start, start + real)) + [start] * (prompts_per_call - real)
         chunk += [chunk[0]] * (prompts_per_call - real)  # Same shape: no recompilation.
         _, tokens_BxP, mask_BxP = encoder.encode(chunk, max_new_tokens=sampling.max_new_tokens)
         if row_keys:
-            call_key = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(index))
+            call_key = problem_keys(key, start, real, prompts_per_call)
         else:
             call_key = jax.random.fold_in(key, c)
         out = generate(

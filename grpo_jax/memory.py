@@ -93,9 +93,6 @@ import numpy as np
 from grpo_jax import paged
 from grpo_jax.errors import ConfigError
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
-
-# The parameter inventory lived here: param_tensors, param_count, shard_numel and
-# lora_tensors are still importable from this module.
 from grpo_jax.param_tensors import (  # noqa: F401
     as_model_config,
     lora_tensors,
@@ -104,6 +101,10 @@ from grpo_jax.param_tensors import (  # noqa: F401
     shard_numel,
     tensor_ways,
 )
+
+# The parameter inventory lived here: param_tensors, param_count, shard_numel and
+# lora_tensors are still importable from this module.
+from grpo_jax.sampler_weights import copy_dtype
 from grpo_jax.sharding import LAYOUTS, MESH_AXES
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -470,9 +471,10 @@ def plan_run(
     ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
     With ``sampling.param_dtype`` the sampler's copy of the parameters is
     counted while sampling, and the rollouts' KV cache is in its dtype
-    (evaluation's, in the model's). On the paged engine the KV cache is the
-    engine's pool. Without ``budget_bytes``, the run's ``mesh.memory_budget_gb``
-    (when > 0) is the budget.
+    (evaluation's, in the model's). On the paged engine the rollouts' KV cache
+    is the engine's pool. With either, the KV cache counted is the larger of the
+    rollouts' and evaluation's. Without ``budget_bytes``, the run's
+    ``mesh.memory_budget_gb`` (when > 0) is the budget.
     """
     stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
     if budget_bytes is None and stated_gb > 0:
@@ -482,24 +484,16 @@ def plan_run(
     est = plan(
         model_cfg_like, learned_bytes=learned_bytes, sample_rows=max(n, run.eval.batch_size), **kw
     )
-    copy_dtype = _copy_dtype(run, model_cfg_like)
-    if copy_dtype:
-        lora = _lora_kwargs(run)
-        base, adapters = _numel_per_device(
-            param_tensors(as_model_config(model_cfg_like)),
-            est.mesh_shape,
-            est.layout,
-            lora.get("lora_rank", 0),
-            lora.get("lora_targets", ()),
-        )
+    copy = _copy_dtype(run, model_cfg_like)
+    if copy or _paged(run):
+        # The rollouts' cache (in the copy's dtype, or the engine's pool) and evaluation's
+        # (the static sampler on the trained parameters) differ: the larger one counts.
         evals = plan(model_cfg_like, sample_rows=run.eval.batch_size, **kw).kv_cache
         est = dataclasses.replace(
             est,
-            sampler_copy=(base + adapters) * _itemsize(copy_dtype),
             kv_cache=max(_rollout_kv(run, model_cfg_like, mesh_shape), evals),
+            sampler_copy=_copy_bytes(run, model_cfg_like, est) if copy else 0,
         )
-    elif _paged(run):
-        est = dataclasses.replace(est, kv_cache=_rollout_kv(run, model_cfg_like, mesh_shape))
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
@@ -534,22 +528,33 @@ def _rollout_kv(run, model_cfg_like, mesh_shape) -> int:
     """Per-device KV bytes of a step's B * G rollouts, in the sampler's compute dtype: the
     paged engine's pool (whole on each device, docs/engine.md) or the static engine's cache."""
     n = run.train.batch_size * run.grpo.G
-    copy_dtype = _copy_dtype(run, model_cfg_like)
+    copy = _copy_dtype(run, model_cfg_like)
     if _paged(run):
         cfg = as_model_config(model_cfg_like)
-        dtype = copy_dtype or getattr(model_cfg_like, "dtype", None) or "float32"
+        dtype = copy or getattr(model_cfg_like, "dtype", None) or "float32"
         cfg = dataclasses.replace(cfg, dtype=dtype)
         return paged.pool_bytes(run.sampling.sampler(), cfg, n // run.grpo.G, run.grpo.G)
-    width = {"compute_bytes": _itemsize(copy_dtype)} if copy_dtype else {}
+    width = {"compute_bytes": _itemsize(copy)} if copy else {}
     kw = _run_kwargs(run, mesh_shape)
     return plan(model_cfg_like, sample_rows=n, **width, **kw).kv_cache
 
 
 def _copy_dtype(run, model_cfg_like) -> str | None:
     """``sampling.param_dtype`` when the sampler makes a copy in it (not the model's own)."""
-    dtype = getattr(run.sampling, "param_dtype", "")
-    own = tuple(getattr(model_cfg_like, k, None) or "float32" for k in ("dtype", "param_dtype"))
-    return dtype if dtype and own != (dtype, dtype) else None
+    return copy_dtype(getattr(run.sampling, "param_dtype", ""), model_cfg_like)
+
+
+def _copy_bytes(run, model_cfg_like, est: MemoryEstimate) -> int:
+    """Per-device bytes of the sampler's copy: every parameter (the adapters too) in its dtype."""
+    lora = _lora_kwargs(run)
+    base, adapters = _numel_per_device(
+        param_tensors(as_model_config(model_cfg_like)),
+        est.mesh_shape,
+        est.layout,
+        lora.get("lora_rank", 0),
+        lora.get("lora_targets", ()),
+    )
+    return (base + adapters) * _itemsize(_copy_dtype(run, model_cfg_like))
 
 
 def _lora_kwargs(run) -> dict:

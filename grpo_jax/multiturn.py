@@ -62,7 +62,7 @@ from grpo_jax.batch import HostRollout, RolloutBatch
 from grpo_jax.errors import ConfigError
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.rewards.scoring import limit_rewards
-from grpo_jax.sampling import SamplingConfig, pad_prompts
+from grpo_jax.sampling import SamplingConfig, pad_prompts, problem_keys
 from grpo_jax.turn_decode import MultiTurnConfig
 
 # ---------------------------------------------------------------------------
@@ -613,8 +613,7 @@ def _play_chunks(
         real = len(chunk)
         chunk += [chunk[0]] * (per_call - real)
         if row_keys:
-            index = jnp.asarray(list(range(i, i + real)) + [i] * (per_call - real))
-            call_key = jax.vmap(lambda j: jax.random.fold_in(key, j))(index)
+            call_key = problem_keys(key, i, real, per_call)
         else:
             call_key = jax.random.fold_in(key, c)
         ep, _, _ = play(r, env, params, chunk, call_key, num_samples=num_samples, greedy=greedy)

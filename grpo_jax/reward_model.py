@@ -192,8 +192,7 @@ def _counters(state):
 def _save(ck: Checkpointer, s: int, state, history, fingerprint: str) -> None:
     opt = {"opt_state": state.opt_state, "counters": _counters(state)}
     meta = {"fingerprint": fingerprint, "history": history}
-    ck.save(s, params=state.params, opt_state=opt, meta=meta)
-    ck.wait()
+    ck.save(s, params=state.params, opt_state=opt, meta=meta)  # synchronous (async_save=False)
 
 
 def _resume(ck: Checkpointer, state, fingerprint: str):

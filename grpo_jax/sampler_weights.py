@@ -59,10 +59,12 @@ def _variables(params):
     return jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _floating_param(v) -> bool:
+    return isinstance(v, nnx.Param) and jnp.issubdtype(v.value.dtype, jnp.floating)
+
+
 def _is_cast(v, dtype: str) -> bool:
-    if not isinstance(v, nnx.Param) or not jnp.issubdtype(v.value.dtype, jnp.floating):
-        return True
-    return v.value.dtype == jnp.dtype(dtype)
+    return not _floating_param(v) or v.value.dtype == jnp.dtype(dtype)
 
 
 def _with_dtype(module_cfg: ModelConfig, dtype: str) -> ModelConfig:
@@ -70,9 +72,18 @@ def _with_dtype(module_cfg: ModelConfig, dtype: str) -> ModelConfig:
 
 
 def _cast_variable(v, dtype):
-    if isinstance(v, nnx.Param) and jnp.issubdtype(v.value.dtype, jnp.floating):
-        return v.replace(v.value.astype(dtype))
-    return v
+    return v.replace(v.value.astype(dtype)) if _floating_param(v) else v
+
+
+def copy_dtype(requested: str, model_cfg) -> str | None:
+    """The dtype of the sampler's copy: ``requested`` (``sampling.param_dtype``), or None when
+    it is "" or the model already computes and stores in it (nothing to copy).
+
+    ``model_cfg``: a ``ModelConfig`` or any object with ``dtype`` and ``param_dtype``
+    (absent: float32, the memory plan's hand-written configs).
+    """
+    own = tuple(getattr(model_cfg, k, None) or "float32" for k in ("dtype", "param_dtype"))
+    return requested if requested and own != (requested, requested) else None
 
 
 def sampler_weights(graphdef, params, dtype: str) -> SamplerWeights:

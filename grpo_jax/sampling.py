@@ -193,6 +193,14 @@ def sample_keys(keys_B, g: int):
     return keys_BxG.reshape(-1)
 
 
+def problem_keys(key, start: int, count: int, size: int):
+    """[size] prompt keys of a call holding problems start .. start + count - 1 (and
+    ``size - count`` padding copies of the first): problem i's key is ``fold_in(key, i)``,
+    whatever call it falls in (evaluation's row keys)."""
+    index = list(range(start, start + count)) + [start] * (size - count)
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(index))
+
+
 def _write(state: DecodeState, drawn, cfg: SamplingConfig) -> DecodeState:
     """Records step ``state.step``'s draw (tokens, logps, behavior logps); done rows pad."""
     tokens_N, logps_N, behavior_N = drawn

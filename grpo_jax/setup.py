@@ -41,7 +41,7 @@ from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
-from grpo_jax.sampler_weights import SamplerWeights, sampler_weights
+from grpo_jax.sampler_weights import SamplerWeights, copy_dtype, sampler_weights
 from grpo_jax.sampling import SamplingConfig
 from grpo_jax.scorer import Scorer
 
@@ -210,10 +210,8 @@ def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | Non
 def build_sampler_weights(run: RunConfig, graphdef, params, model_cfg) -> SamplerWeights | None:
     """The sampler's copy of the policy in ``sampling.param_dtype``; None when that is unset
     or is already the model's storage and compute dtype (nothing to copy)."""
-    dtype = run.sampling.param_dtype
-    if not dtype or (model_cfg.dtype, model_cfg.param_dtype) == (dtype, dtype):
-        return None
-    return sampler_weights(graphdef, params, dtype)
+    dtype = copy_dtype(run.sampling.param_dtype, model_cfg)
+    return None if dtype is None else sampler_weights(graphdef, params, dtype)
 
 
 def sampler_dtype_warning(run: RunConfig, copy: SamplerWeights | None) -> str | None:

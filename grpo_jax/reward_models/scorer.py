@@ -131,15 +131,21 @@ def score_in_batches(
     else:
         for start in range(0, len(fits), batch_size):
             rows = fits[start : start + batch_size]
-            batch = [token_lists[i] for i in rows]
-            batch += [[pad_id]] * (batch_size - len(batch))  # one shape per bucket
-            tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=buckets)
-            mask[len(rows) :] = False  # the filler rows hold no token
+            tokens, mask = _padded(token_lists, rows, batch_size, pad_id, buckets)
             if mesh is not None:
                 tokens, mask = jax.device_put((tokens, mask), batch_sharding(mesh))
             out[rows] = np.asarray(fn(tokens, mask))[: len(rows)]
     out[~np.isfinite(out)] = np.nan
     return out
+
+
+def _padded(token_lists, rows, size: int, pad_id: int, buckets):
+    """(tokens, mask) of ``rows`` of ``token_lists``, left-padded to the smallest of ``buckets``
+    holding the longest, filled to ``size`` rows with empty ones (one compiled shape a bucket)."""
+    batch = [token_lists[i] for i in rows] + [[pad_id]] * (size - len(rows))
+    tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=buckets)
+    mask[len(rows) :] = False  # the filler rows hold no token
+    return tokens, mask
 
 
 def _score_across_hosts(fn, token_lists, fits, out, pad_id, buckets, batch_size, mesh) -> None:
@@ -150,12 +156,9 @@ def _score_across_hosts(fn, token_lists, fits, out, pad_id, buckets, batch_size,
     calls = distributed.max_over_hosts(math.ceil(len(fits) / per))
     for c in range(calls):
         rows = fits[c * per : (c + 1) * per]
-        batch = [token_lists[i] for i in rows]
-        batch += [[pad_id]] * (per - len(batch))
-        longest = distributed.max_over_hosts(max(len(t) for t in batch))
+        longest = distributed.max_over_hosts(max([len(token_lists[i]) for i in rows] + [1]))
         bucket = next(b for b in buckets if b >= longest)  # every host's rows fit it
-        tokens, mask = pad_prompts(batch, pad_id=pad_id, buckets=(bucket,))
-        mask[len(rows) :] = False
+        tokens, mask = _padded(token_lists, rows, per, pad_id, (bucket,))
         tokens, mask = distributed.global_batch((tokens, mask), mesh, batch_size)
         mine = distributed.local_rows(fn(tokens, mask), block)
         out[rows] = np.asarray(mine)[: len(rows)]
