@@ -112,3 +112,20 @@ def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> Rollout
             for name, dt in dtypes.items()
         }
     )
+
+
+def jsonable(x):
+    """``x`` with numpy arrays and scalars as lists and Python numbers, tuples as lists,
+    dict keys as strings, anything else as its ``str``: what a checkpoint's JSON holds
+    of a batch's host values."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)

@@ -545,6 +545,7 @@ def parse_config(config) -> RunConfig:
             "paged cache runs the unscanned layers"
         )
     k = run.train.max_staleness
+    _check_partial_rollouts(run)
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
         raise ConfigError(
@@ -560,6 +561,32 @@ def parse_config(config) -> RunConfig:
             "sampling with parameters at least one update old"
         )
     return run
+
+
+def _check_partial_rollouts(run: RunConfig) -> None:
+    if not run.sampling.partial_rollouts:
+        return
+    where = "config key 'sampling.partial_rollouts' = True"
+    if run.sampling.engine != "paged":
+        raise ConfigError(
+            f"{where} needs sampling.engine = 'paged' (it is {run.sampling.engine!r}): rows "
+            "carry over between the paged engine's runs"
+        )
+    if not run.train.max_staleness:
+        raise ConfigError(
+            f"{where} needs train.max_staleness >= 1: a carried row's tokens are up to that "
+            "many updates old when its step trains on them"
+        )
+    if run.train.dynamic_sampling or run.mesh.sampler_devices:
+        what = (
+            "train.dynamic_sampling = True"
+            if run.train.dynamic_sampling
+            else f"mesh.sampler_devices = {run.mesh.sampler_devices}"
+        )
+        raise ConfigError(
+            f"{where} does not combine with {what}: partial rollouts sample each step's groups "
+            "on the learner's mesh, in prompt order"
+        )
 
 
 def check_batch_layout(run: RunConfig, shards: int, num_processes: int = 1) -> None:

@@ -526,14 +526,19 @@ def _paged(run) -> bool:
 
 def _rollout_kv(run, model_cfg_like, mesh_shape) -> int:
     """Per-device KV bytes of a step's B * G rollouts, in the sampler's compute dtype: the
-    paged engine's pool (whole on each device, docs/engine.md) or the static engine's cache."""
+    paged engine's pool (whole on each device, docs/engine.md; with partial rollouts, room
+    for the next k steps' prompts too) or the static engine's cache."""
     n = run.train.batch_size * run.grpo.G
     copy = _copy_dtype(run, model_cfg_like)
     if _paged(run):
         cfg = as_model_config(model_cfg_like)
         dtype = copy or getattr(model_cfg_like, "dtype", None) or "float32"
         cfg = dataclasses.replace(cfg, dtype=dtype)
-        return paged.pool_bytes(run.sampling.sampler(), cfg, n // run.grpo.G, run.grpo.G)
+        b = run.train.batch_size
+        if getattr(run.sampling, "partial_rollouts", False):  # the next k steps' groups too
+            groups = (run.train.max_staleness + 1) * b
+            return paged.pool_bytes(run.sampling.sampler(), cfg, groups, run.grpo.G, due=b)
+        return paged.pool_bytes(run.sampling.sampler(), cfg, b, run.grpo.G)
     width = {"compute_bytes": _itemsize(copy)} if copy else {}
     kw = _run_kwargs(run, mesh_shape)
     return plan(model_cfg_like, sample_rows=n, **width, **kw).kv_cache

@@ -80,23 +80,29 @@ class EngineShape(NamedTuple):
     chunk: int  # C
 
 
-def engine_shape(cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt_len: int):
+def engine_shape(
+    cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt_len: int, due: int = 0
+):
     """The :class:`EngineShape` for B prompts of padded length P and G samples each.
 
+    The slots are ``cfg.slots``, by default one per row of the ``due`` groups
+    (0: all B; partial rollouts' later groups fill the slots the due ones free).
     The pool holds ``cfg.pages`` pages plus the scratch page; by default
     (``cfg.pages`` = 0) the worst case: every prompt's pages at once and every
     slot's own pages for T - 1 fed tokens (the last drawn token is never fed).
     """
     n, z, t = num_prompts * num_samples, cfg.page_size, cfg.max_new_tokens
-    slots = min(cfg.slots or n, n)
+    slots = min(cfg.slots or (due or num_prompts) * num_samples, n)
     prompt_pages, own_pages = _ceil_div(prompt_len, z), _ceil_div(t - 1, z)
     pages = 1 + (cfg.pages or num_prompts * prompt_pages + slots * own_pages)
     return EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
 
 
-def pool_bytes(cfg: SamplingConfig, model_cfg, num_prompts: int, num_samples: int) -> int:
+def pool_bytes(
+    cfg: SamplingConfig, model_cfg, num_prompts: int, num_samples: int, due: int = 0
+) -> int:
     """Bytes of the pool :func:`engine_shape` sizes for prompts of the largest bucket."""
-    shape = engine_shape(cfg, num_prompts, num_samples, max(cfg.prompt_buckets))
+    shape = engine_shape(cfg, num_prompts, num_samples, max(cfg.prompt_buckets), due=due)
     return shape.pages * shape.page_size * kv_bytes_per_token(model_cfg)
 
 
@@ -110,26 +116,45 @@ def kv_bytes_per_token(model_cfg) -> int:
 # The jitted calls.
 
 
-def _prefill_chunk(params, pages, tokens_C, start, count, table_M, *, graphdef, z: int):
-    """Writes prompt tokens [start, start + count) (count <= C) into the prompt's pages.
+def _prefill_chunk(params, pages, tokens_C, start, count, table_M, n, shared, *, graphdef, z: int):
+    """Writes tokens at positions [start, start + count) (count <= C) into a row's pages.
 
-    Returns (pages, logits [1, V] of the chunk's last real token).
+    A prompt's chunk: ``n`` = ``shared`` = 0 (slot j of the table holds position
+    j). A carried row's own tokens (partial rollouts): ``n`` its prompt's real
+    tokens, ``shared`` the table entries that are the prompt's pages, as in a
+    decode step. Returns (pages, logits [1, V] of the chunk's last real token).
     """
     model = nnx.merge(graphdef, params)
     c, m = tokens_C.shape[0], table_M.shape[0]
     pos_C = start + jnp.arange(c, dtype=jnp.int32)
     real_C = jnp.arange(c) < count
-    page_C = jnp.where(real_C, jnp.take(table_M, jnp.minimum(pos_C // z, m - 1)), SCRATCH_PAGE)
+    entry_C = jnp.minimum(shared + (pos_C - n) // z, m - 1)
+    page_C = jnp.where(real_C, jnp.take(table_M, entry_C), SCRATCH_PAGE)
     x_1xCxD, pages = model.features_paged(
         tokens_C[None],
         positions_BxT=pos_C[None],
         pages=pages,
-        write=(page_C, pos_C % z),
+        write=(page_C, (pos_C - n) % z),
         table_BxN=table_M[None],
-        pos_BxS=jnp.arange(m * z, dtype=jnp.int32)[None],  # slot j holds position j
+        pos_BxS=_slot_positions(jnp.arange(m * z, dtype=jnp.int32)[None], n, shared * z),
     )
     last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
     return pages, model.logits(last_1x1xD)[:, 0]
+
+
+def _slot_positions(j_RxS, n_Rx1, shared_Rx1, last_Rx1=None):
+    """The position each block-table slot holds (``NO_WINDOW``: none, never visible).
+
+    Slots before ``shared_Rx1`` (the prompt's pages) hold prompt positions j,
+    real below n; the rest hold the row's own tokens from position n on, real up
+    to ``last_Rx1`` (None: all, the causal mask hides those not yet written).
+    """
+    in_prompt = j_RxS < shared_Rx1
+    own_pos = n_Rx1 + j_RxS - shared_Rx1
+    pos = jnp.where(in_prompt, j_RxS, own_pos)
+    own_real = True if last_Rx1 is None else own_pos <= last_Rx1
+    real = jnp.where(in_prompt, j_RxS < n_Rx1, own_real)
+    return jnp.where(real, pos, NO_WINDOW)
 
 
 def _ends(tokens_R, prev_RxL1, count_R, cfg: SamplingConfig):
@@ -162,21 +187,17 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
     """
     model = nnx.merge(graphdef, params)
     s = inputs.table_RxM.shape[1] * z
-    j_S = jnp.arange(s, dtype=jnp.int32)
-    # Slot j < shared rows: prompt position j (real if j < n); after: own token j - shared.
-    shared_Rx1 = (inputs.shared_R * z)[:, None]
-    n_Rx1 = inputs.prompt_len_R[:, None]
-    own_pos_RxS = n_Rx1 + j_S[None] - shared_Rx1
-    in_prompt_RxS = j_S[None] < shared_Rx1
-    pos_RxS = jnp.where(in_prompt_RxS, j_S[None], own_pos_RxS)
-    real_RxS = jnp.where(in_prompt_RxS, j_S[None] < n_Rx1, own_pos_RxS <= inputs.pos_R[:, None])
+    j_RxS = jnp.arange(s, dtype=jnp.int32)[None]
+    pos_RxS = _slot_positions(
+        j_RxS, inputs.prompt_len_R[:, None], (inputs.shared_R * z)[:, None], inputs.pos_R[:, None]
+    )
     x_RxD, pages = model.features_paged(
         inputs.tokens_R[:, None],
         positions_BxT=inputs.pos_R[:, None],
         pages=pages,
         write=(inputs.write_page_R, inputs.write_off_R),
         table_BxN=inputs.table_RxM,
-        pos_BxS=jnp.where(real_RxS, pos_RxS, NO_WINDOW),
+        pos_BxS=pos_RxS,
     )
     draw_key = jax.random.fold_in(key, step)
     tokens_R, logps_R, behavior_R = sample_with(model.logits(x_RxD)[:, 0], draw_key, cfg)
@@ -268,7 +289,8 @@ class EngineStats(NamedTuple):
     """What one engine run did (docs/engine.md's metrics)."""
 
     decode_steps: int  # decode calls
-    prefill_chunks: int  # prefill calls
+    prefill_chunks: int  # prefill calls of prompts
+    extend_chunks: int  # prefill calls of carried rows' own tokens (partial rollouts)
     slot_occupancy: float  # mean occupied slots / slots over decode calls
     row_occupancy: float  # mean occupied rows / rows of the decode calls (packing's waste)
     peak_pages: int  # most pool pages in use at once (scratch excluded)
@@ -278,40 +300,82 @@ class EngineStats(NamedTuple):
     pool_bytes: int  # bytes of the pool's arrays as allocated (the scratch page included)
 
 
-class _Run:
-    """One ``generate`` call's host state; :meth:`run` drives the jitted calls."""
+class Rows(NamedTuple):
+    """The per-row state of an engine run, N rows (row b*G + g: sample g of group b).
 
-    def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape):
+    A fresh run starts from :func:`fresh_rows` (nothing drawn); partial
+    rollouts (``grpo_jax.partial``) pass the rows an earlier run left
+    unfinished, and get them back with the tokens drawn since.
+    """
+
+    tokens_NxT: np.ndarray  # int32: drawn tokens (pad after count)
+    logps_NxT: np.ndarray  # float32: their log-probs at the temperature
+    behavior_NxT: np.ndarray  # float32: and under the distribution drawn from
+    count_N: np.ndarray  # int32: tokens drawn
+    ended_N: np.ndarray  # bool: ended by EOS or a stop sequence
+
+    def finished(self, t: int) -> np.ndarray:
+        return self.ended_N | (self.count_N >= t)
+
+
+def fresh_rows(n: int, t: int, pad_id: int) -> Rows:
+    return Rows(
+        np.full((n, t), pad_id, np.int32),
+        np.zeros((n, t), np.float32),
+        np.zeros((n, t), np.float32),
+        np.zeros(n, np.int32),
+        np.zeros(n, np.bool_),
+    )
+
+
+class _Run:
+    """One engine call's host state; :meth:`run` drives the jitted calls.
+
+    ``due``: the run returns once every row of groups 0 .. due - 1 has
+    finished; the rows of later groups may then be unfinished (or never
+    started), and their state in ``self.rows`` is where they stopped.
+    """
+
+    def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due):
         self.init, self.prefill, self.first, self.decode = fns
         self.params, self.prompts, self.cfg, self.g, self.shape = params, prompts, cfg, g, shape
         self.key_first, self.key_decode = jax.random.split(key)
-        n, t = len(prompts) * g, cfg.max_new_tokens
-        self.tokens_NxT = np.full((n, t), cfg.pad_id, np.int32)
-        self.logps_NxT = np.zeros((n, t), np.float32)
-        self.behavior_NxT = np.zeros((n, t), np.float32)
-        self.count_N = np.zeros(n, np.int32)
-        self.ended_N = np.zeros(n, np.bool_)
+        t, self.due = cfg.max_new_tokens, due
+        self.rows = Rows(*(np.array(x) for x in rows))  # copies: the caller's stay as they were
+        finished_N = self.rows.finished(t)
+        self.due_left = int((~finished_N[: due * g]).sum())  # unfinished rows of due groups
         self.pool = _Pool(shape.pages)
         self.prompt_pages: list[list[int]] = [[] for _ in prompts]
         self.live_B = np.zeros(len(prompts), np.int32)  # samples of each prompt not yet ended
-        self.waiting = collections.deque(range(len(prompts)))  # prompts not yet prefilled
+        # Prompts to prefill: every group with a row still to draw.
+        groups_with_work = ~finished_N.reshape(len(prompts), g).all(axis=1)
+        self.waiting = collections.deque(np.flatnonzero(groups_with_work).tolist())
         self.filling: tuple[int, int] | None = None  # (prompt, tokens written)
         self.ready: collections.deque = collections.deque()  # requests waiting for a slot
         self.slot_req = [-1] * shape.slots
         self.slot_pages: list[list[int]] = [[] for _ in range(shape.slots)]
+        self.slot_written = [0] * shape.slots  # own tokens in the cache (a carried row's)
         self.own_worst = _ceil_div(t - 1, shape.page_size)
         self.longest = max((len(q) for q in cfg.stop_sequences), default=1)
-        self.steps = self.chunks = 0
-        self.occupied = self.rows = 0
+        self.steps = self.chunks = self.extend_chunks = 0
+        self.occupied = self.rows_run = 0
         self.prompt_page_count = 0
+
+    def _to_write(self, s: int) -> int:
+        """Own tokens slot ``s``'s row must still write before it can decode (carried rows)."""
+        return int(self.rows.count_N[self.slot_req[s]]) - 1 - self.slot_written[s]
 
     def run(self) -> None:
         self.pages = self.init(self.params, self.shape.pages)
-        while True:
+        while self.due_left:
             self._admit()
             active = [s for s, r in enumerate(self.slot_req) if r >= 0]
+            extending = [s for s in active if self._to_write(s) > 0]
+            decoding = [s for s in active if s not in extending]
             free = self.shape.slots - len(active)
-            if (self.filling or self.waiting) and (len(self.ready) < free or not active):
+            if extending:
+                self._extend(extending[0])
+            elif (self.filling or self.waiting) and (len(self.ready) < free or not decoding):
                 started = self._prefill()
                 if not started and not active:
                     raise ConfigError(
@@ -319,16 +383,16 @@ class _Run:
                         "the pool cannot hold the next prompt's pages "
                         f"({self.pool.in_use} in use, {self.pool.reserved} reserved)"
                     )
-            if active:
-                self._decode(active)
-            elif not (self.ready or self.filling or self.waiting):
+            if decoding:
+                self._decode(decoding)
+            elif not (extending or self.ready or self.filling or self.waiting):
                 return
 
     def _admit(self) -> None:
         for s, r in enumerate(self.slot_req):
             if r < 0 and self.ready and self.pool.can_reserve(self.own_worst):
                 self.slot_req[s] = self.ready.popleft()
-                self.slot_pages[s] = []
+                self.slot_pages[s], self.slot_written[s] = [], 0
                 self.pool.reserved += self.own_worst
 
     def _prefill(self) -> bool:
@@ -353,37 +417,69 @@ class _Run:
         table_M = np.zeros(self.shape.table, np.int32)
         table_M[: len(pages)] = pages
         self.pages, logits_1xV = self.prefill(
-            self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table_M
-        )
+            self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table_M,
+            np.int32(0), np.int32(0),
+        )  # fmt: skip
         self.chunks += 1
         if start + count < len(prompt):
             self.filling = (b, start + count)
             return True
         self.filling = None
         self.prompt_page_count += len(pages)
-        drawn = jax.device_get(self.first(logits_1xV, self.key_first, np.int32(b)))
-        for g, (tok, lp, beh, end) in enumerate(zip(*drawn)):
-            r = b * self.g + g
-            self._record(r, tok, lp, beh)
-            if end or self.cfg.max_new_tokens == 1:
-                self.ended_N[r] = end
-            else:
+        rows_G = range(b * self.g, (b + 1) * self.g)
+        if self.rows.count_N[rows_G.start] == 0:  # a new group: token 0 of its G samples
+            drawn = jax.device_get(self.first(logits_1xV, self.key_first, np.int32(b)))
+            for r, (tok, lp, beh, end) in zip(rows_G, zip(*drawn)):
+                self._record(r, tok, lp, beh)
+                self.rows.ended_N[r] = end
+                if end or self.cfg.max_new_tokens == 1:
+                    self._finished(r)
+        finished_G = self.rows.finished(self.cfg.max_new_tokens)[rows_G.start : rows_G.stop]
+        for r, fin in zip(rows_G, finished_G):  # rows still drawing (a carried group's too)
+            if not fin:
                 self.ready.append(r)
                 self.live_B[b] += 1
         if self.live_B[b] == 0:
             self.pool.give(pages)
         return True
 
+    def _extend(self, s: int) -> None:
+        """One chunk of a carried row's own tokens (all drawn but the last) into its pages."""
+        z, c = self.shape.page_size, self.shape.chunk
+        r = self.slot_req[s]
+        b, start = r // self.g, self.slot_written[s]
+        count = min(c, self._to_write(s))
+        shared, own = self.prompt_pages[b], self.slot_pages[s]
+        while len(own) * z < start + count:
+            own.append(self.pool.take())
+        tokens_C = np.full(c, self.cfg.pad_id, np.int32)
+        tokens_C[:count] = self.rows.tokens_NxT[r, start : start + count]
+        table_M = np.zeros(self.shape.table, np.int32)
+        table_M[: len(shared) + len(own)] = shared + own
+        n = len(self.prompts[b])
+        self.pages, _ = self.prefill(
+            self.params, self.pages, tokens_C, np.int32(n + start), np.int32(count), table_M,
+            np.int32(n), np.int32(len(shared)),
+        )  # fmt: skip
+        self.slot_written[s] += count
+        self.extend_chunks += 1
+
     def _record(self, r: int, tok, lp, beh) -> None:
-        c = self.count_N[r]
-        self.tokens_NxT[r, c], self.logps_NxT[r, c], self.behavior_NxT[r, c] = tok, lp, beh
-        self.count_N[r] = c + 1
+        c = self.rows.count_N[r]
+        self.rows.tokens_NxT[r, c] = tok
+        self.rows.logps_NxT[r, c], self.rows.behavior_NxT[r, c] = lp, beh
+        self.rows.count_N[r] = c + 1
+
+    def _finished(self, r: int) -> None:
+        if r < self.due * self.g:
+            self.due_left -= 1
 
     def _decode(self, active: list[int]) -> None:
         z, ell = self.shape.page_size, self.longest - 1
         rows = _bucket(len(active), self.shape.slots)
+        count_N, tokens_NxT = self.rows.count_N, self.rows.tokens_NxT
         for s in active:  # a page for the fed token's keys and values where it starts one
-            if (self.count_N[self.slot_req[s]] - 1) % z == 0:
+            if (count_N[self.slot_req[s]] - 1) % z == 0:
                 self.slot_pages[s].append(self.pool.take())
         need = max(len(self.prompt_pages[self.slot_req[s] // self.g]) + len(self.slot_pages[s])
                    for s in active)  # fmt: skip
@@ -402,17 +498,17 @@ class _Run:
         )
         for i, s in enumerate(active):
             r = self.slot_req[s]
-            b, c = r // self.g, int(self.count_N[r])
+            b, c = r // self.g, int(count_N[r])
             shared, own = self.prompt_pages[b], self.slot_pages[s]
             o = c - 1  # the fed token's index among the row's own tokens
-            x.tokens_R[i] = self.tokens_NxT[r, c - 1]
+            x.tokens_R[i] = tokens_NxT[r, c - 1]
             x.pos_R[i] = len(self.prompts[b]) + o
             x.prompt_len_R[i] = len(self.prompts[b])
             x.shared_R[i] = len(shared)
             x.table_RxM[i, : len(shared) + len(own)] = shared + own
             x.write_page_R[i], x.write_off_R[i] = own[o // z], o % z
             if ell:
-                recent = self.tokens_NxT[r, max(0, c - ell) : c]
+                recent = tokens_NxT[r, max(0, c - ell) : c]
                 x.prev_RxL1[i, ell - len(recent) :] = recent
             x.count_R[i] = c
         self.pages, *out = self.decode(
@@ -421,13 +517,15 @@ class _Run:
         tokens_R, logps_R, behavior_R, ends_R = jax.device_get(out)
         self.steps += 1
         self.occupied += len(active)
-        self.rows += rows
+        self.rows_run += rows
         for i, s in enumerate(active):
             r = self.slot_req[s]
+            self.slot_written[s] += 1
             self._record(r, tokens_R[i], logps_R[i], behavior_R[i])
-            if ends_R[i] or self.count_N[r] == self.cfg.max_new_tokens:
-                self.ended_N[r] = ends_R[i]
+            if ends_R[i] or count_N[r] == self.cfg.max_new_tokens:
+                self.rows.ended_N[r] = ends_R[i]
                 self._release(s, r)
+                self._finished(r)
 
     def _release(self, s: int, r: int) -> None:
         own = self.slot_pages[s]
@@ -443,14 +541,55 @@ class _Run:
         return EngineStats(
             decode_steps=self.steps,
             prefill_chunks=self.chunks,
+            extend_chunks=self.extend_chunks,
             slot_occupancy=self.occupied / max(self.steps * self.shape.slots, 1),
-            row_occupancy=self.occupied / max(self.rows, 1),
+            row_occupancy=self.occupied / max(self.rows_run, 1),
             peak_pages=self.pool.peak,
             pool_pages=self.shape.pages - 1,
             page_bytes=page_bytes,
             prompt_pages=self.prompt_page_count,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.pages)),
         )
+
+
+def _check_key(key):
+    if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
+    return key
+
+
+def generate_rows(
+    graphdef: nnx.GraphDef,
+    params,
+    prompts: list[np.ndarray],
+    rows: Rows,
+    key: jax.Array,
+    cfg: SamplingConfig,
+    *,
+    num_samples: int,
+    due: int,
+    mesh=None,
+) -> tuple[Rows, EngineStats]:
+    """Continues ``rows`` (row b*G + g: sample g of ``prompts[b]``, its real tokens)
+    until every row of groups 0 .. due - 1 has finished -> (the rows then, stats).
+
+    A group with nothing drawn starts as in :func:`generate`; a group carried
+    from an earlier call (partial rollouts) has its prompt prefilled again and
+    each unfinished row's drawn tokens (but the last) written after it, with
+    ``params``: the keys and values are this policy's, so the next token is
+    drawn from it given the whole prefix. Later groups use the slots the due
+    ones leave free, and may stop anywhere.
+    """
+    if due < 1 or due > len(prompts):
+        raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
+    width = max(len(p) for p in prompts)
+    shape = engine_shape(cfg, len(prompts), num_samples, width, due=due)
+    fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
+    run = _Run(fns, params, prompts, _check_key(key), cfg, num_samples, shape, rows, due)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        run.run()
+    model_cfg = nnx.merge(graphdef, params).config
+    return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
 
 
 def generate_with_stats(
@@ -483,35 +622,42 @@ def generate_with_stats(
     prompts = [row[m].astype(np.int32) for row, m in zip(tokens_BxP, mask_BxP)]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one real token (prompt_mask_BxP)")
-    if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
     b, p = tokens_BxP.shape
-    shape = engine_shape(cfg, b, num_samples, p)
-    fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
-    run = _Run(fns, params, prompts, key, cfg, num_samples, shape)
-    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        run.run()
-    g = num_samples
-    lengths_N = run.count_N
-    mask_NxT = np.arange(cfg.max_new_tokens)[None] < lengths_N[:, None]
+    g, t = num_samples, cfg.max_new_tokens
+    rows, stats = generate_rows(
+        graphdef,
+        params,
+        prompts,
+        fresh_rows(b * g, t, cfg.pad_id),
+        key,
+        cfg,
+        num_samples=g,
+        due=b,
+        mesh=mesh,
+    )
+    out = output_rows(rows, tokens_BxP, mask_BxP, g, mesh=mesh)
+    return out, stats
+
+
+def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> SampleOutput:
+    """The :class:`SampleOutput` of B groups' finished ``rows`` (B*G of them) for prompts
+    ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch."""
+    t = rows.tokens_NxT.shape[1]
     host = SampleOutput(
-        prompt_tokens=np.repeat(tokens_BxP.astype(np.int32), g, axis=0),
-        prompt_mask=np.repeat(mask_BxP, g, axis=0),
-        tokens=run.tokens_NxT,
-        mask=mask_NxT,
-        logps=run.logps_NxT,
-        lengths=lengths_N,
-        truncated=~run.ended_N,
-        behavior_logps=run.behavior_NxT,
+        prompt_tokens=np.repeat(np.asarray(tokens_BxP, np.int32), g, axis=0),
+        prompt_mask=np.repeat(np.asarray(mask_BxP, bool), g, axis=0),
+        tokens=rows.tokens_NxT,
+        mask=np.arange(t)[None] < rows.count_N[:, None],
+        logps=rows.logps_NxT,
+        lengths=rows.count_N,
+        truncated=~rows.ended_N,
+        behavior_logps=rows.behavior_NxT,
     )
     if mesh is None:
-        out = SampleOutput(*(jnp.asarray(x) for x in host))
-    else:
-        out = SampleOutput(
-            *(distributed.put(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in host)
-        )
-    model_cfg = nnx.merge(graphdef, params).config
-    return out, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
+        return SampleOutput(*(jnp.asarray(x) for x in host))
+    return SampleOutput(
+        *(distributed.put(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in host)
+    )
 
 
 def generate(

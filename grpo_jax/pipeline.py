@@ -59,6 +59,7 @@ import numpy as np
 
 from grpo_jax import batch as batch_lib
 from grpo_jax import sharding as sharding_lib
+from grpo_jax.batch import jsonable
 from grpo_jax.config import ConfigError
 from grpo_jax.sources import InFlight, RolloutSource
 
@@ -126,20 +127,6 @@ _HOST_FIELDS = ("examples", "prompts_n", "completions", "metrics")
 _HOST_INTS = ("completion_tokens", "sampled_tokens", "prompt_tokens")
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.generic):
-        return x.item()
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)
-
-
 def inflight_to_save(queue: list[InFlight]):
     """-> (arrays to save as the checkpoint's "inflight" item, their JSON description).
 
@@ -151,7 +138,7 @@ def inflight_to_save(queue: list[InFlight]):
     for j, f in enumerate(queue):
         fields = {x.name: getattr(f.batch, x.name) for x in dataclasses.fields(f.batch)}
         arrays[str(j)] = fields
-        host = {k: _jsonable(getattr(f.host, k)) for k in _HOST_FIELDS}
+        host = {k: jsonable(getattr(f.host, k)) for k in _HOST_FIELDS}
         host.update({k: int(getattr(f.host, k)) for k in _HOST_INTS})
         host["total_n"] = np.asarray(f.host.total_n, np.float64).tolist()
         info.append(
@@ -168,6 +155,11 @@ def inflight_to_save(queue: list[InFlight]):
 def restore_inflight(checkpointer, mesh, step: int) -> list[InFlight]:
     """The batches in flight when the checkpoint of ``step`` was saved ([] when none)."""
     info = checkpointer.restore_meta(step).get("inflight") or []
+    if isinstance(info, dict):  # grpo_jax.partial's rows in flight
+        raise ConfigError(
+            f"the checkpoint of step {step} holds partial rollouts in flight: resume it with "
+            "sampling.partial_rollouts = True"
+        )
     if not info:
         return []
     rows = lambda ndim: sharding_lib.batch_sharding(mesh, ndim)

@@ -139,6 +139,12 @@ class SamplingSection:
         copy of them in that dtype, computing in it too, made after each
         update (``grpo_jax.sampler_weights``; docs/engine.md). Evaluation
         always uses the trained parameters.
+      partial_rollouts: with ``engine = "paged"`` and ``train.max_staleness``
+        = k >= 1: the engine starts the next k steps' prompts in the slots the
+        step's rows leave free, and rows still unfinished when the step's
+        groups are done carry over to the next step, each token tagged with
+        the parameter version that drew it (``grpo_jax.partial``;
+        docs/engine.md).
     """
 
     max_new_tokens: int
@@ -153,9 +159,15 @@ class SamplingSection:
     pages: int = 0
     prefill_chunk: int = 64
     param_dtype: str = ""
+    partial_rollouts: bool = False
 
     def __post_init__(self):
         _check_engine(self)
+        if not isinstance(self.partial_rollouts, bool):
+            raise ConfigError(
+                f"config key 'sampling.partial_rollouts' = {self.partial_rollouts!r} must be "
+                "True or False"
+            )
         if self.param_dtype != "":
             name = dtype_name("param_dtype", self.param_dtype, section="sampling")
             object.__setattr__(self, "param_dtype", name)

@@ -13,6 +13,8 @@ One protocol serves every kind of run, so ``grpo_jax.train`` has one loop:
   Dynamic      DAPO's dynamic sampling (``rollout.collect_dynamic``): rounds of B
                prompts until B groups have reward signal.
   MultiTurn    episodes against an environment (``multiturn.collect``).
+  Partial      single-turn rounds on the paged engine whose unfinished rows carry
+               over to the next step (``grpo_jax.partial``; ``sampling.partial_rollouts``).
 
 Dynamic and MultiTurn decide what to sample next from what they have sampled,
 so they do a batch's whole work in ``submit``: the parameters they read may be
@@ -34,7 +36,7 @@ from typing import Protocol
 import jax
 
 from grpo_jax import batch as batch_lib
-from grpo_jax import distributed, multiturn, rollout
+from grpo_jax import distributed, multiturn, paged, partial, rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import rollout_batch_shardings
 
@@ -42,6 +44,7 @@ __all__ = [
     "Dynamic",
     "InFlight",
     "MultiTurn",
+    "Partial",
     "RolloutSource",
     "SingleTurn",
     "make_source",
@@ -238,9 +241,66 @@ class MultiTurn(_Eager):
         return multiturn.collect(self.r, self.env, params, self.iterator.next(), key)
 
 
+class Partial:
+    """Partial rollouts (``grpo_jax.partial``): each step's engine run also advances the
+    next k steps' groups, and carries their unfinished rows over.
+
+    The run is synchronous (the paged engine returns when the step's groups are
+    done), so ``submit`` samples and ``take`` decodes and scores. ``to_save`` and
+    ``restore`` carry the groups in flight through a checkpoint.
+    """
+
+    split = False
+
+    def __init__(self, r: rollout.Rollouts, iterator, base_key, *, k: int, on_prompts=None):
+        self.r, self.iterator, self.base_key = r, iterator, base_key
+        self.carry = partial.Carry(r, k)
+        self.on_prompts = on_prompts
+        self._pending = {}
+
+    def params(self, params):
+        return params
+
+    def submit(self, step: int, params, version: int) -> None:
+        r, T = self.r, self.r.sampling.max_new_tokens
+        examples = self.carry.top_up(self.iterator.next)
+        texts, tokens_BxP, mask_BxP = r.encoder.encode(examples, max_new_tokens=T)
+        if self.on_prompts is not None:
+            on_prompts, self.on_prompts = self.on_prompts, None
+            on_prompts(tokens_BxP.shape[1])
+        jax.block_until_ready(params)
+        t0 = time.perf_counter()
+        done, stats = self.carry.sample(params, sample_key(self.base_key, step), version)
+        metrics = self.carry.metrics(done, version)
+        rows = partial.stack_rows(done)
+        out = paged.output_rows(rows, tokens_BxP, mask_BxP, r.grpo.G, mesh=r.mesh)
+        d = rollout.Dispatched(out, examples, texts, int(mask_BxP.sum()), t0, stats)
+        self._pending[step] = (version, d, metrics)
+
+    def take(self, step: int) -> InFlight:
+        version, d, metrics = self._pending.pop(step)
+        rd = rollout.finish_round(self.r, d)
+        batch, host = rollout.batch_from_round(self.r, rd)
+        host = dataclasses.replace(host, metrics={**host.metrics, **metrics})
+        t_sampled = d.t_params_ready + rd.t_sample
+        return InFlight(
+            step, version, batch, host, d.t_params_ready, t_sampled, time.perf_counter()
+        )
+
+    def to_save(self):
+        return self.carry.to_save()
+
+    def restore(self, checkpointer, mesh, step: int) -> None:
+        self.carry.restore(checkpointer, mesh, step)
+
+
 def make_source(run, r: rollout.Rollouts, iterator, base_key, *, on_prompts=None):
     """The source ``run`` asks for: multi-turn with ``env.name``, dynamic with
-    ``train.dynamic_sampling``, else single-turn."""
+    ``train.dynamic_sampling``, partial rollouts with ``sampling.partial_rollouts``,
+    else single-turn."""
+    if run.sampling.partial_rollouts:
+        k = run.train.max_staleness
+        return Partial(r, iterator, base_key, k=k, on_prompts=on_prompts)
     if run.env.name:
         return MultiTurn(r, iterator, base_key, env=run.env)
     if run.train.dynamic_sampling:

@@ -245,7 +245,10 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         health_state=start.health_state,
     )
     update = _Update(s, state, ref_params, start.start_step + 1, run_scoped)
-    k = run.train.max_staleness
+    # Partial rollouts spend the staleness bound on rows carried between the engine's
+    # runs (grpo_jax.partial), so their batches are sampled at their own step.
+    partial = run.sampling.partial_rollouts
+    k = 0 if partial else run.train.max_staleness
     queue = []
     if start.resumed and k:
         queue = pipeline.restore_inflight(
@@ -254,12 +257,15 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
     source = sources.make_source(
         run, s.rollouts, s.data.iterator, s.base_key, on_prompts=update.compile_for
     )
+    if start.resumed and partial:
+        source.restore(s.records.checkpointer, s.placement.mesh, start.start_step)
     pipe = pipeline.Staleness(source, k, last=run.train.steps, queue=queue)
     run_scoped.enter_context(pipe)
     pipe.fill(start.start_step, state.params)
 
     def save(state, step):
-        _save(s, state, step, start=start, report=report, t_start=t_start, inflight=pipe.to_save())
+        inflight = source.to_save() if partial else pipe.to_save()
+        _save(s, state, step, start=start, report=report, t_start=t_start, inflight=inflight)
 
     for step in range(start.start_step + 1, run.train.steps + 1):
         if report.budget_spent():  # train.sampled_tokens_budget
