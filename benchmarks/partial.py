@@ -77,15 +77,24 @@ def main(argv=None) -> None:
         lengths = rng.integers(a.prompt_len // 3, a.prompt_len + 1, b)
         return [rng.integers(a.eos_count, a.vocab, n).astype(np.int32) for n in lengths]
 
+    calls = {"whole": [0, 0, 0], "partial": [0, 0, 0]}  # decode calls, their rows, extensions
+
+    def count(name, st):
+        c = calls[name]
+        c[0] += st.decode_steps
+        c[1] += round(st.decode_steps * st.slot_occupancy * b * g / max(st.row_occupancy, 1e-9))
+        c[2] += st.extend_chunks
+
     def whole(run: int) -> int:
         tokens = 0
         for s in range(a.steps):
             prompts = prompts_of(run, s)
             toks, mask = pad_prompts([p.tolist() for p in prompts], pad_id=0,
                                      buckets=(a.prompt_len,))  # fmt: skip
-            out = paged.generate(
+            out, st = paged.generate_with_stats(
                 graphdef, params, toks, mask, jax.random.key(s), cfg, num_samples=g
             )
+            count("whole", st)
             tokens += int(np.asarray(out.lengths).sum())
         return tokens
 
@@ -94,9 +103,10 @@ def main(argv=None) -> None:
         rows = paged.fresh_rows(len(groups) * g, t, 0)
         tokens = 0
         for s in range(a.steps):
-            rows, _ = paged.generate_rows(
+            rows, st = paged.generate_rows(
                 graphdef, params, groups, rows, jax.random.key(s), cfg, num_samples=g, due=b
             )
+            count("partial", st)
             tokens += int(rows.count_N[: b * g].sum())
             # The step's B groups leave; the next step's new prompts join behind the rest.
             groups = groups[b:] + prompts_of(run, s + k + 1)
@@ -128,6 +138,8 @@ def main(argv=None) -> None:
         f"{time.perf_counter() - t0:.1f}s"
     )
     rates: dict[str, list[float]] = {k: [] for k in modes}
+    for c in calls.values():
+        c[:] = [0, 0, 0]
     for r in range(a.runs):
         for name, fn in modes.items():
             compiled, t0 = paged.compile_count(), time.perf_counter()
@@ -140,7 +152,12 @@ def main(argv=None) -> None:
                   f"{rates[name][-1]:8.1f} tokens/s{note}")  # fmt: skip
     med = {k: statistics.median(v) for k, v in rates.items()}
     for name, v in med.items():
-        print(f"{name}: median {v:.1f} useful completion tokens/s")
+        steps, rows, ext = calls[name]
+        print(
+            f"{name}: median {v:.1f} useful completion tokens/s; over the timed runs "
+            f"{steps} decode calls of {rows / max(steps, 1):.1f} packed rows on average, "
+            f"{ext} prefill calls of carried rows"
+        )
     print(f"partial_vs_whole={med['partial'] / med['whole']:.2f}")
 
 

@@ -534,11 +534,6 @@ def parse_config(config) -> RunConfig:
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
-    if run.sampling.engine == "paged" and run.env.name:
-        raise ConfigError(
-            "config key 'sampling.engine' = 'paged' does not combine with an environment "
-            f"(env.name = {run.env.name!r}) yet: multi-turn rollouts run on the static engine"
-        )
     if run.sampling.engine == "paged" and run.model.scan_layers:
         raise ConfigError(
             "config key 'sampling.engine' = 'paged' needs model.scan_layers = False: the "
@@ -577,11 +572,13 @@ def _check_partial_rollouts(run: RunConfig) -> None:
             f"{where} needs train.max_staleness >= 1: a carried row's tokens are up to that "
             "many updates old when its step trains on them"
         )
-    if run.train.dynamic_sampling or run.mesh.sampler_devices:
+    if run.train.dynamic_sampling or run.mesh.sampler_devices or run.env.name:
         what = (
             "train.dynamic_sampling = True"
             if run.train.dynamic_sampling
             else f"mesh.sampler_devices = {run.mesh.sampler_devices}"
+            if run.mesh.sampler_devices
+            else f"an environment (env.name = {run.env.name!r})"
         )
         raise ConfigError(
             f"{where} does not combine with {what}: partial rollouts sample each step's groups "

@@ -55,11 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import advantages as adv_lib
-from grpo_jax import distributed, turn_decode
+from grpo_jax import distributed, paged_turns, turn_decode
 from grpo_jax import envs as envs_lib
 from grpo_jax import problems as problems_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
-from grpo_jax.errors import ConfigError
 from grpo_jax.metrics import duplicate_flags, rollout_metrics
 from grpo_jax.rewards.scoring import limit_rewards
 from grpo_jax.sampling import SamplingConfig, pad_prompts, problem_keys
@@ -182,59 +181,53 @@ def run_episodes(
       decode: token ids -> text (a model turn, special tokens dropped).
       num_samples: G, episodes per prompt.
     """
-    if sampling.engine != "static":
-        raise ConfigError(
-            f"config key 'sampling.engine' = {sampling.engine!r}: multi-turn episodes run on "
-            "the static engine only (docs/engine.md)"
-        )
     if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     b = np.shape(prompt_tokens_BxP)[0]
     n = b * num_samples
     if len(environments) != n:
         raise ValueError(f"{len(environments)} environments for {n} rows")
-    prefill, phase = turn_decode.compiled(
-        graphdef, sampling, cfg, num_samples, jax.random.key_impl(key)
-    )
-    st = prefill(params, jnp.asarray(prompt_tokens_BxP), jnp.asarray(prompt_mask_BxP), key)
+    if sampling.engine == "paged":
+        mask = np.asarray(prompt_mask_BxP, bool)
+        prompts = [
+            np.asarray(t)[m].astype(np.int32) for t, m in zip(np.asarray(prompt_tokens_BxP), mask)
+        ]
+        eng = paged_turns.TurnEngine(graphdef, params, prompts, key, sampling, cfg, num_samples)
+    else:
+        eng = turn_decode.StaticTurns(
+            graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, sampling, cfg, num_samples
+        )
     book = _Book.empty(n)
     while True:
-        st = phase(params, st)
+        eng.phase()
         book.phases += 1
-        active, reason, length, last_eos, tokens, mask = jax.device_get(
-            (st.active_N, st.reason_N, st.len_N, st.last_eos_N, st.tokens_NxT, st.mask_NxT)
-        )
-        forced = np.zeros((n, cfg.max_obs_tokens), np.int32)
-        forced_len = np.zeros(n, np.int32)
-        new_turn = np.zeros(n, bool)
-        next_active = np.asarray(active).copy()
+        queued = {}
         for i in range(n):
-            if book.done[i] or active[i]:
+            if book.done[i] or eng.active_N[i]:
                 continue  # finished earlier, or still in its turn (the cache filled up)
-            span = slice(int(book.turn_start[i]), int(length[i]))
-            text = decode([int(x) for x, m in zip(tokens[i, span], mask[i, span]) if m])
+            length = int(eng.len_N[i])
+            span = slice(int(book.turn_start[i]), length)
+            ids = [int(x) for x, m in zip(eng.tokens_NxT[i, span], eng.mask_NxT[i, span]) if m]
             ids = book.end_turn(
-                i, text, environments[i], reason[i], bool(last_eos[i]), int(length[i]),
-                cfg=cfg, encode_observation=encode_observation,
+                i, decode(ids), environments[i], eng.reason_N[i], bool(eng.last_eos_N[i]),
+                length, cfg=cfg, encode_observation=encode_observation,
             )  # fmt: skip
-            if ids is not None:  # the observation opens the row's next turn
-                forced[i, : len(ids)] = ids
-                forced_len[i] = len(ids)
-                new_turn[i] = next_active[i] = True
-        if not next_active.any():
+            if ids is None:
+                eng.finish(i)
+            else:  # the observation opens the row's next turn
+                queued[i] = ids
+        if not (queued or eng.active_N.any()):
             break
-        st = _queue_observations(st, next_active, new_turn, forced, forced_len)
-    tokens, mask, logps, behavior, length = jax.device_get(
-        (st.tokens_NxT, st.mask_NxT, st.logps_NxT, st.behavior_NxT, st.len_N)
-    )
+        eng.start_turns(queued)
+    tokens, mask, logps, behavior, length = eng.transcripts()
     return Episodes(
         prompt_tokens_NxP=np.repeat(np.asarray(prompt_tokens_BxP), num_samples, axis=0),
         prompt_mask_NxP=np.repeat(np.asarray(prompt_mask_BxP, bool), num_samples, axis=0),
-        tokens_NxT=np.asarray(tokens),
-        mask_NxT=np.asarray(mask),
-        logps_NxT=np.asarray(logps),
-        behavior_logps_NxT=np.asarray(behavior),
-        lengths_N=np.asarray(length),
+        tokens_NxT=np.array(tokens),
+        mask_NxT=np.array(mask),
+        logps_NxT=np.array(logps),
+        behavior_logps_NxT=np.array(behavior),
+        lengths_N=np.array(length),
         rewards_N=book.rewards,
         success_N=book.success,
         errors_N=book.errors,
@@ -315,24 +308,6 @@ class _Book:
         self.turns[i] += 1
         self.turn_start[i] = length + len(ids)
         return ids
-
-
-def _queue_observations(st, next_active, new_turn, forced, forced_len):
-    """The next phase's state: the rows that go on, the new turns' observations queued.
-
-    A row still in its turn (the cache filled) keeps its queue: the rest of an
-    observation it was writing comes first in the next phase.
-    """
-    n = len(next_active)
-    new_N = jnp.asarray(new_turn)
-    return st._replace(
-        active_N=jnp.asarray(next_active),
-        reason_N=jnp.zeros((n,), jnp.int32),
-        forced_NxO=jnp.where(new_N[:, None], jnp.asarray(forced), st.forced_NxO),
-        forced_len_N=jnp.where(new_N, jnp.asarray(forced_len), st.forced_len_N),
-        forced_pos_N=jnp.where(new_N, 0, st.forced_pos_N),
-        turn_len_N=jnp.where(new_N, 0, st.turn_len_N),
-    )
 
 
 def reset_all(
@@ -606,7 +581,10 @@ def _play_chunks(
 ):
     """Episodes of every example in calls of ``per_call`` (the last padded: one shape), call c
     from ``fold_in(key, c)``, or with ``row_keys`` example i from ``fold_in(key, i)`` ->
-    per-episode arrays (example-major, ``num_samples`` each)."""
+    per-episode arrays (example-major, ``num_samples`` each). Evaluation plays on the static
+    kernel whatever ``sampling.engine`` says: its row keys keep each episode independent of
+    the other rows of its call (the paged engine draws per decode call)."""
+    r = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, engine="static"))
     parts = []
     for c, i in enumerate(range(0, len(examples), per_call)):
         chunk = list(examples[i : i + per_call])

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.checks import check_range
@@ -53,6 +54,7 @@ from grpo_jax.sampling import (
 
 __all__ = [
     "BUDGET",
+    "StaticTurns",
     "RUNNING",
     "TURN_END",
     "MTState",
@@ -315,3 +317,68 @@ def compiled(graphdef, sampling: SamplingConfig, cfg: MultiTurnConfig, g: int, k
         donate_argnums=(1,),
     )
     return jitted_prefill, jitted_phase
+
+
+class StaticTurns:
+    """The static kernel behind the phase interface ``grpo_jax.multiturn`` plays episodes
+    with (``grpo_jax.paged_turns.TurnEngine`` has the same): :meth:`phase`, then the host
+    arrays of the rows (``active_N``: still in their turn, the cache being full;
+    ``reason_N``, ``len_N``, ``last_eos_N``, ``tokens_NxT``, ``mask_NxT``), then
+    :meth:`start_turns` with the observations of the rows that go on."""
+
+    def __init__(self, graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, sampling, cfg, g):
+        self.params, self.o = params, cfg.max_obs_tokens
+        prefill_fn, self._phase = compiled(graphdef, sampling, cfg, g, jax.random.key_impl(key))
+        self.st = prefill_fn(
+            params, jnp.asarray(prompt_tokens_BxP), jnp.asarray(prompt_mask_BxP), key
+        )
+
+    def phase(self) -> None:
+        self.st = self._phase(self.params, self.st)
+        st = self.st
+        (
+            self.active_N,
+            self.reason_N,
+            self.len_N,
+            self.last_eos_N,
+            self.tokens_NxT,
+            self.mask_NxT,
+        ) = (
+            np.asarray(x)
+            for x in jax.device_get(
+                (st.active_N, st.reason_N, st.len_N, st.last_eos_N, st.tokens_NxT, st.mask_NxT)
+            )
+        )
+
+    def finish(self, r: int) -> None:
+        """Row ``r``'s episode is over (its cache rows simply stay idle)."""
+
+    def start_turns(self, queued: dict) -> None:
+        """The next phase: the rows still in their turn go on, and each row of ``queued``
+        (row -> observation ids) starts its next turn with the observation.
+
+        A row still in its turn (the cache filled) keeps its queue: the rest of an
+        observation it was writing comes first in the next phase.
+        """
+        n = len(self.active_N)
+        new_N = np.zeros(n, bool)
+        forced = np.zeros((n, self.o), np.int32)
+        forced_len = np.zeros(n, np.int32)
+        for i, ids in queued.items():
+            new_N[i], forced_len[i] = True, len(ids)
+            forced[i, : len(ids)] = ids
+        st, new = self.st, jnp.asarray(new_N)
+        self.st = st._replace(
+            active_N=jnp.asarray(self.active_N | new_N),
+            reason_N=jnp.zeros((n,), jnp.int32),
+            forced_NxO=jnp.where(new[:, None], jnp.asarray(forced), st.forced_NxO),
+            forced_len_N=jnp.where(new, jnp.asarray(forced_len), st.forced_len_N),
+            forced_pos_N=jnp.where(new, 0, st.forced_pos_N),
+            turn_len_N=jnp.where(new, 0, st.turn_len_N),
+        )
+
+    def transcripts(self):
+        """-> (tokens, model mask, log-probs, behaviour log-probs, lengths) on the host."""
+        st = self.st
+        out = jax.device_get((st.tokens_NxT, st.mask_NxT, st.logps_NxT, st.behavior_NxT, st.len_N))
+        return tuple(np.asarray(x) for x in out)

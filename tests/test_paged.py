@@ -11,7 +11,7 @@ from flax import nnx
 from helpers_hf import FAMILIES, make_tiny_hf_checkpoint
 from scipy import stats
 
-from grpo_jax import config, losses, memory, multiturn, paged, sampling
+from grpo_jax import config, losses, memory, paged, sampling
 from grpo_jax.draw import candidates
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import create_model, from_pretrained, tiny_config
@@ -187,25 +187,11 @@ def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
     assert abs(planned - st.pool_bytes) <= 0.1 * st.pool_bytes, (planned, st.pool_bytes)
 
 
-def test_engine_settings_are_checked_and_multi_turn_refuses_paged():
+def test_engine_settings_are_checked():
     with pytest.raises(ConfigError, match="sampling.engine"):
         SamplingConfig(max_new_tokens=4, engine="vllm")
     with pytest.raises(ConfigError, match="sampling.page_size"):
         SamplingConfig(max_new_tokens=4, engine="paged", page_size=0)
-    cfg = SamplingConfig(max_new_tokens=4, engine="paged")
-    with pytest.raises(ConfigError, match="static engine only"):
-        multiturn.run_episodes(
-            None,
-            None,
-            [],
-            np.zeros((1, 8), np.int32),
-            np.ones((1, 8), bool),
-            jax.random.key(0),
-            sampling=cfg,
-            cfg=None,
-            encode_observation=None,
-            decode=None,
-        )
 
 
 def test_a_pool_too_small_for_a_prompt_is_a_clear_error(policy):

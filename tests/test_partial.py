@@ -190,6 +190,10 @@ def _parse(**updates):
             "does not combine with train.dynamic_sampling",
         ),
         (
+            {"sampling.engine": "paged", "train.max_staleness": 1, "env.name": "guess_number"},
+            "does not combine with an environment",
+        ),
+        (
             {"sampling.engine": "paged", "train.max_staleness": 1, "sampling.partial_rollouts": 1},
             "must be True or False",
         ),  # fmt: skip

@@ -82,3 +82,21 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
         json.loads((tmp_path / "killed" / "summary.json").read_text())["after"]
         == json.loads((tmp_path / "whole" / "summary.json").read_text())["after"]
     )
+
+
+@pytest.mark.slow
+def test_a_multiturn_run_on_the_paged_engine_trains_on_its_own_log_probs(tmp_path):
+    """configs/multiturn.py with sampling.engine = "paged": the episodes play on the paged
+    pool (grpo_jax/paged_turns.py), the first update's ratio is 1 (the trainer rescores the
+    engine's transcripts with the parameters that played them), and evaluation, on the
+    static kernel, gives what the static run's gives before training."""
+    paged = _config(**{"train.steps": 2, "checkpoint.every": 0, "sampling.engine": "paged",
+                       "sampling.page_size": 8})  # fmt: skip
+    static = _config(**{"train.steps": 1, "checkpoint.every": 0})
+    got = train(paged, tmp_path / "paged")
+    want = train(static, tmp_path / "static")
+    records = read_metrics(tmp_path / "paged" / "metrics.jsonl")
+    first = records[1]
+    assert abs(first["train/ratio_max"] - 1.0) < 1e-4 and abs(first["train/ratio_min"] - 1.0) < 1e-4
+    assert first["env/turns_mean"] > 1 and first["env/errors"] == 0
+    assert got["before"] == want["before"]
