@@ -78,10 +78,27 @@ class EngineShape(NamedTuple):
     page_size: int  # Z
     table: int  # M, block-table entries per row: prompt pages then own pages
     chunk: int  # C
+    # The sliding-window layers' pool when pages out of the window are freed (0: they
+    # share the pages above), the scratch page included; the own pages a slot holds there.
+    local_pages: int = 0
+    local_slot_pages: int = 0
+    window: int = 0  # W of those layers
+
+
+def model_window(model_cfg) -> int | None:
+    """The widest sliding window of ``model_cfg``'s layers when it has any, else None."""
+    windows = [model_cfg.window(i) for i in range(model_cfg.num_layers)]
+    windows = [w for w in windows if w is not None]
+    return max(windows) if windows else None
 
 
 def engine_shape(
-    cfg: SamplingConfig, num_prompts: int, num_samples: int, prompt_len: int, due: int = 0
+    cfg: SamplingConfig,
+    num_prompts: int,
+    num_samples: int,
+    prompt_len: int,
+    due: int = 0,
+    window: int | None = None,
 ):
     """The :class:`EngineShape` for B prompts of padded length P and G samples each.
 
@@ -90,20 +107,41 @@ def engine_shape(
     The pool holds ``cfg.pages`` pages plus the scratch page; by default
     (``cfg.pages`` = 0) the worst case: every prompt's pages at once and every
     slot's own pages for T - 1 fed tokens (the last drawn token is never fed).
+
+    ``window``: the model's sliding window W (``model_window``). When a slot
+    can never see all its own pages at once (W + C - 1 tokens span fewer
+    pages than T - 1 do), the sliding-window layers get a pool of their own,
+    from which a page goes back as soon as every row that reads it has moved
+    past it: every prompt's pages plus ceil((W + C - 1) / Z) + 1 pages a slot.
     """
     n, z, t = num_prompts * num_samples, cfg.page_size, cfg.max_new_tokens
     slots = min(cfg.slots or (due or num_prompts) * num_samples, n)
     prompt_pages, own_pages = _ceil_div(prompt_len, z), _ceil_div(t - 1, z)
     pages = 1 + (cfg.pages or num_prompts * prompt_pages + slots * own_pages)
-    return EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
+    shape = EngineShape(slots, pages, z, prompt_pages + max(own_pages, 1), cfg.prefill_chunk)
+    if window is None:
+        return shape
+    held = _ceil_div(window + cfg.prefill_chunk - 1, z) + 1
+    if held >= own_pages:
+        return shape
+    local = 1 + num_prompts * prompt_pages + slots * held
+    return shape._replace(local_pages=min(local, pages), local_slot_pages=held, window=window)
 
 
 def pool_bytes(
     cfg: SamplingConfig, model_cfg, num_prompts: int, num_samples: int, due: int = 0
 ) -> int:
     """Bytes of the pool :func:`engine_shape` sizes for prompts of the largest bucket."""
-    shape = engine_shape(cfg, num_prompts, num_samples, max(cfg.prompt_buckets), due=due)
-    return shape.pages * shape.page_size * kv_bytes_per_token(model_cfg)
+    shape = engine_shape(
+        cfg, num_prompts, num_samples, max(cfg.prompt_buckets), due=due,
+        window=model_window(model_cfg),
+    )  # fmt: skip
+    per_layer = kv_bytes_per_token(model_cfg) // model_cfg.num_layers * shape.page_size
+    local_layers = sum(model_cfg.window(i) is not None for i in range(model_cfg.num_layers))
+    if not shape.local_pages:
+        return shape.pages * per_layer * model_cfg.num_layers
+    global_layers = model_cfg.num_layers - local_layers
+    return (shape.pages * global_layers + shape.local_pages * local_layers) * per_layer
 
 
 def kv_bytes_per_token(model_cfg) -> int:
@@ -116,13 +154,17 @@ def kv_bytes_per_token(model_cfg) -> int:
 # The jitted calls.
 
 
-def _prefill_chunk(params, pages, tokens_C, start, count, table_M, n, shared, *, graphdef, z: int):
+def _prefill_chunk(
+    params, pages, tokens_C, start, count, table_M, n, shared, ltable_M, *, graphdef, z: int
+):
     """Writes tokens at positions [start, start + count) (count <= C) into a row's pages.
 
     A prompt's chunk: ``n`` = ``shared`` = 0 (slot j of the table holds position
     j). A carried row's own tokens (partial rollouts): ``n`` its prompt's real
     tokens, ``shared`` the table entries that are the prompt's pages, as in a
-    decode step. Returns (pages, logits [1, V] of the chunk's last real token).
+    decode step. ``ltable_M``: the sliding-window layers' block table when
+    they have page ids of their own (None: they share ``table_M``). Returns
+    (pages, logits [1, V] of the chunk's last real token).
     """
     model = nnx.merge(graphdef, params)
     c, m = tokens_C.shape[0], table_M.shape[0]
@@ -130,6 +172,9 @@ def _prefill_chunk(params, pages, tokens_C, start, count, table_M, n, shared, *,
     real_C = jnp.arange(c) < count
     entry_C = jnp.minimum(shared + (pos_C - n) // z, m - 1)
     page_C = jnp.where(real_C, jnp.take(table_M, entry_C), SCRATCH_PAGE)
+    local = None
+    if ltable_M is not None:
+        local = (jnp.where(real_C, jnp.take(ltable_M, entry_C), SCRATCH_PAGE), ltable_M[None])
     x_1xCxD, pages = model.features_paged(
         tokens_C[None],
         positions_BxT=pos_C[None],
@@ -137,6 +182,7 @@ def _prefill_chunk(params, pages, tokens_C, start, count, table_M, n, shared, *,
         write=(page_C, (pos_C - n) % z),
         table_BxN=table_M[None],
         pos_BxS=_slot_positions(jnp.arange(m * z, dtype=jnp.int32)[None], n, shared * z),
+        local=local,
     )
     last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
     return pages, model.logits(last_1x1xD)[:, 0]
@@ -198,6 +244,7 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
         write=(inputs.write_page_R, inputs.write_off_R),
         table_BxN=inputs.table_RxM,
         pos_BxS=pos_RxS,
+        local=None if inputs.ltable_RxM is None else (inputs.lwrite_page_R, inputs.ltable_RxM),
     )
     draw_key = jax.random.fold_in(key, step)
     tokens_R, logps_R, behavior_R = sample_with(model.logits(x_RxD)[:, 0], draw_key, cfg)
@@ -217,6 +264,9 @@ class _StepInputs(NamedTuple):
     write_off_R: np.ndarray  # int32: and its slot within that page
     prev_RxL1: np.ndarray  # int32: the L - 1 tokens before the fed one's successor
     count_R: np.ndarray  # int32: tokens drawn so far
+    # The sliding-window layers' own page ids (None: they share the pages above).
+    ltable_RxM: np.ndarray | None = None  # int32: their block table (scratch: out of window)
+    lwrite_page_R: np.ndarray | None = None  # int32: their page of the fed token
 
 
 _JITTED: list = []
@@ -231,8 +281,8 @@ def compile_count() -> int:
 def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int):
     """(init pages, prefill chunk, first draw, decode step) jitted for one model and config."""
     init = jax.jit(
-        lambda params, pages: nnx.merge(graphdef, params).init_pages(pages, z),
-        static_argnums=(1,),
+        lambda params, pages, local: nnx.merge(graphdef, params).init_pages(pages, z, local),
+        static_argnums=(1, 2),
     )
     prefill = jax.jit(
         functools.partial(_prefill_chunk, graphdef=graphdef, z=z), donate_argnums=(1,)
@@ -285,6 +335,76 @@ class _Pool:
                 self.free.append(page)
 
 
+class _Window:
+    """The sliding-window layers' pages when they have a pool of their own (docs/engine.md).
+
+    Every page of the main pool that a row reads (a prompt's page j, a slot's
+    own page k) has a twin here while some row can still see it: a query at
+    position q sees positions q - W + 1 .. q only, so a page whose last
+    position is before q - W + 1 goes back for good once every row reading it
+    has passed it. A prompt's twins are counted by the samples still reading
+    them; a slot's own twins go as soon as its row passes them. A slot reserves
+    the most it can hold at once (``EngineShape.local_slot_pages``), so the pool
+    never runs dry.
+    """
+
+    def __init__(self, shape: EngineShape, num_prompts: int):
+        self.pool = _Pool(shape.local_pages)
+        self.w, self.z, self.worst = shape.window, shape.page_size, shape.local_slot_pages
+        self.prompt: list[list[int]] = [[] for _ in range(num_prompts)]
+        self.own: list[list[int]] = [[] for _ in range(shape.slots)]  # SCRATCH once gone
+        self.passed_prompt = [0] * shape.slots
+        self.passed_own = [0] * shape.slots
+        self.held = [0] * shape.slots
+
+    def admit(self, s: int) -> None:
+        self.pool.reserved += self.worst
+        self.own[s], self.passed_prompt[s], self.passed_own[s], self.held[s] = [], 0, 0, 0
+
+    def prompt_done(self, b: int, readers: int) -> None:
+        """Prompt ``b``'s pages are written and ``readers`` samples will read them."""
+        if readers == 0:
+            self.pool.give(self.prompt[b])
+        for page in self.prompt[b] if readers else ():
+            self.pool.refs[page] = readers
+
+    def take_own(self, s: int) -> None:
+        self.own[s].append(self.pool.take())
+        self.held[s] += 1
+
+    def slide(self, s: int, b: int, n: int, q: int) -> None:
+        """Slot ``s``'s row (prompt ``b`` of ``n`` tokens) queries from position ``q`` on:
+        the pages wholly before q - W + 1 go back."""
+        first = q - self.w + 1
+        prompt, own, z = self.prompt[b], self.own[s], self.z
+        while self.passed_prompt[s] < len(prompt) and (self.passed_prompt[s] + 1) * z <= first:
+            self.pool.give([prompt[self.passed_prompt[s]]])
+            self.passed_prompt[s] += 1
+        while self.passed_own[s] < len(own) and n + (self.passed_own[s] + 1) * z <= first:
+            k = self.passed_own[s]
+            self.pool.give([own[k]])
+            own[k] = SCRATCH_PAGE
+            self.pool.reserved += 1  # the slot's reservation stays whole
+            self.held[s] -= 1
+            self.passed_own[s] += 1
+
+    def release(self, s: int, b: int) -> None:
+        """Slot ``s``'s row ended: its own pages and its reads of the prompt's go back."""
+        self.pool.reserved -= self.worst - self.held[s]
+        self.pool.give([p for p in self.own[s] if p != SCRATCH_PAGE])
+        self.pool.give(self.prompt[b][self.passed_prompt[s] :])
+        self.own[s], self.held[s] = [], 0
+
+    def table(self, s: int, b: int, width: int) -> np.ndarray:
+        """Slot ``s``'s block table in this pool (pages out of its window: scratch)."""
+        prompt = list(self.prompt[b])
+        prompt[: self.passed_prompt[s]] = [SCRATCH_PAGE] * self.passed_prompt[s]
+        out = np.zeros(width, np.int32)
+        entries = prompt + self.own[s]
+        out[: len(entries)] = entries
+        return out
+
+
 class EngineStats(NamedTuple):
     """What one engine run did (docs/engine.md's metrics)."""
 
@@ -298,6 +418,9 @@ class EngineStats(NamedTuple):
     page_bytes: int  # bytes of one page over all layers (keys and values)
     prompt_pages: int  # pages holding prompt tokens, summed over prompts
     pool_bytes: int  # bytes of the pool's arrays as allocated (the scratch page included)
+    # The sliding-window layers' own pool, when pages out of the window are freed (else 0).
+    local_pool_pages: int = 0
+    local_peak_pages: int = 0
 
 
 class Rows(NamedTuple):
@@ -345,6 +468,7 @@ class _Run:
         finished_N = self.rows.finished(t)
         self.due_left = int((~finished_N[: due * g]).sum())  # unfinished rows of due groups
         self.pool = _Pool(shape.pages)
+        self.win = _Window(shape, len(prompts)) if shape.local_pages else None
         self.prompt_pages: list[list[int]] = [[] for _ in prompts]
         self.live_B = np.zeros(len(prompts), np.int32)  # samples of each prompt not yet ended
         # Prompts to prefill: every group with a row still to draw.
@@ -366,7 +490,7 @@ class _Run:
         return int(self.rows.count_N[self.slot_req[s]]) - 1 - self.slot_written[s]
 
     def run(self) -> None:
-        self.pages = self.init(self.params, self.shape.pages)
+        self.pages = self.init(self.params, self.shape.pages, self.shape.local_pages)
         while self.due_left:
             self._admit()
             active = [s for s, r in enumerate(self.slot_req) if r >= 0]
@@ -388,12 +512,19 @@ class _Run:
             elif not (extending or self.ready or self.filling or self.waiting):
                 return
 
+    def _can_reserve(self, pages: int, local: int) -> bool:
+        ok = self.pool.can_reserve(pages)
+        return ok and (self.win is None or self.win.pool.can_reserve(local))
+
     def _admit(self) -> None:
+        local = 0 if self.win is None else self.win.worst
         for s, r in enumerate(self.slot_req):
-            if r < 0 and self.ready and self.pool.can_reserve(self.own_worst):
+            if r < 0 and self.ready and self._can_reserve(self.own_worst, local):
                 self.slot_req[s] = self.ready.popleft()
                 self.slot_pages[s], self.slot_written[s] = [], 0
                 self.pool.reserved += self.own_worst
+                if self.win is not None:
+                    self.win.admit(s)
 
     def _prefill(self) -> bool:
         """One chunk of the prompt being prefilled; False when its pages cannot be reserved."""
@@ -401,10 +532,12 @@ class _Run:
         if self.filling is None:
             b = self.waiting[0]
             need = _ceil_div(len(self.prompts[b]), z)
-            if not self.pool.can_reserve(need):
+            if not self._can_reserve(need, need):
                 return False
             self.waiting.popleft()
             self.pool.reserved += need
+            if self.win is not None:
+                self.win.pool.reserved += need
             self.filling = (b, 0)
         b, start = self.filling
         prompt = self.prompts[b]
@@ -412,13 +545,19 @@ class _Run:
         pages = self.prompt_pages[b]
         while len(pages) * z < start + count:  # pages as the chunk's tokens need them
             pages.append(self.pool.take())
+            if self.win is not None:
+                self.win.prompt[b].append(self.win.pool.take())
         tokens_C = np.full(c, self.cfg.pad_id, np.int32)
         tokens_C[:count] = prompt[start : start + count]
         table_M = np.zeros(self.shape.table, np.int32)
         table_M[: len(pages)] = pages
+        ltable_M = None
+        if self.win is not None:
+            ltable_M = np.zeros(self.shape.table, np.int32)
+            ltable_M[: len(pages)] = self.win.prompt[b]
         self.pages, logits_1xV = self.prefill(
             self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table_M,
-            np.int32(0), np.int32(0),
+            np.int32(0), np.int32(0), ltable_M,
         )  # fmt: skip
         self.chunks += 1
         if start + count < len(prompt):
@@ -441,6 +580,8 @@ class _Run:
                 self.live_B[b] += 1
         if self.live_B[b] == 0:
             self.pool.give(pages)
+        if self.win is not None:
+            self.win.prompt_done(b, int(self.live_B[b]))
         return True
 
     def _extend(self, s: int) -> None:
@@ -450,16 +591,21 @@ class _Run:
         b, start = r // self.g, self.slot_written[s]
         count = min(c, self._to_write(s))
         shared, own = self.prompt_pages[b], self.slot_pages[s]
+        n = len(self.prompts[b])
+        if self.win is not None:
+            self.win.slide(s, b, n, n + start)
         while len(own) * z < start + count:
             own.append(self.pool.take())
+            if self.win is not None:
+                self.win.take_own(s)
         tokens_C = np.full(c, self.cfg.pad_id, np.int32)
         tokens_C[:count] = self.rows.tokens_NxT[r, start : start + count]
         table_M = np.zeros(self.shape.table, np.int32)
         table_M[: len(shared) + len(own)] = shared + own
-        n = len(self.prompts[b])
+        ltable_M = None if self.win is None else self.win.table(s, b, self.shape.table)
         self.pages, _ = self.prefill(
             self.params, self.pages, tokens_C, np.int32(n + start), np.int32(count), table_M,
-            np.int32(n), np.int32(len(shared)),
+            np.int32(n), np.int32(len(shared)), ltable_M,
         )  # fmt: skip
         self.slot_written[s] += count
         self.extend_chunks += 1
@@ -478,9 +624,16 @@ class _Run:
         z, ell = self.shape.page_size, self.longest - 1
         rows = _bucket(len(active), self.shape.slots)
         count_N, tokens_NxT = self.rows.count_N, self.rows.tokens_NxT
+        win = self.win
         for s in active:  # a page for the fed token's keys and values where it starts one
-            if (count_N[self.slot_req[s]] - 1) % z == 0:
+            r = self.slot_req[s]
+            b, o = r // self.g, int(count_N[r]) - 1
+            if win is not None:  # first the pages that fall out of the window
+                win.slide(s, b, len(self.prompts[b]), len(self.prompts[b]) + o)
+            if o % z == 0:
                 self.slot_pages[s].append(self.pool.take())
+                if win is not None:
+                    win.take_own(s)
         need = max(len(self.prompt_pages[self.slot_req[s] // self.g]) + len(self.slot_pages[s])
                    for s in active)  # fmt: skip
         m = _bucket(need, self.shape.table)
@@ -495,10 +648,15 @@ class _Run:
             write_off_R=np.zeros(rows, np.int32),
             prev_RxL1=np.full((rows, ell), pad, np.int32),
             count_R=np.zeros(rows, np.int32),
+            ltable_RxM=None if win is None else np.zeros((rows, m), np.int32),
+            lwrite_page_R=None if win is None else np.zeros(rows, np.int32),
         )
         for i, s in enumerate(active):
             r = self.slot_req[s]
             b, c = r // self.g, int(count_N[r])
+            if win is not None:
+                x.ltable_RxM[i] = win.table(s, b, m)
+                x.lwrite_page_R[i] = win.own[s][(c - 1) // z]
             shared, own = self.prompt_pages[b], self.slot_pages[s]
             o = c - 1  # the fed token's index among the row's own tokens
             x.tokens_R[i] = tokens_NxT[r, c - 1]
@@ -533,6 +691,8 @@ class _Run:
         self.pool.give(own)
         self.slot_req[s], self.slot_pages[s] = -1, []
         b = r // self.g
+        if self.win is not None:
+            self.win.release(s, b)
         self.live_B[b] -= 1
         if self.live_B[b] == 0:
             self.pool.give(self.prompt_pages[b])
@@ -549,6 +709,8 @@ class _Run:
             page_bytes=page_bytes,
             prompt_pages=self.prompt_page_count,
             pool_bytes=sum(x.nbytes for x in jax.tree.leaves(self.pages)),
+            local_pool_pages=max(self.shape.local_pages - 1, 0),
+            local_peak_pages=0 if self.win is None else self.win.pool.peak,
         )
 
 
@@ -583,12 +745,13 @@ def generate_rows(
     if due < 1 or due > len(prompts):
         raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
     width = max(len(p) for p in prompts)
-    shape = engine_shape(cfg, len(prompts), num_samples, width, due=due)
+    model_cfg = nnx.merge(graphdef, params).config
+    window = model_window(model_cfg)
+    shape = engine_shape(cfg, len(prompts), num_samples, width, due=due, window=window)
     fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
     run = _Run(fns, params, prompts, _check_key(key), cfg, num_samples, shape, rows, due)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()
-    model_cfg = nnx.merge(graphdef, params).config
     return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
 
 

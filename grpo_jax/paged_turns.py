@@ -90,7 +90,7 @@ class TurnEngine:
         self.steps = self.prefill_chunks = self.extend_chunks = 0
         self.longest = max((len(q) for q in sampling.stop_sequences), default=1)
         self.eos = np.asarray(sampling.eos_ids, np.int32)
-        self.pages = self.init(params, self.pool.size)
+        self.pages = self.init(params, self.pool.size, 0)
 
     @property
     def active_N(self) -> np.ndarray:
@@ -204,7 +204,7 @@ class TurnEngine:
         table[: len(pages)] = pages
         self.pages, logits_1xV = self.prefill(
             self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table,
-            np.int32(0), np.int32(0),
+            np.int32(0), np.int32(0), None,
         )  # fmt: skip
         self.prefill_chunks += 1
         if start + count < len(prompt):
@@ -229,7 +229,7 @@ class TurnEngine:
         n, shared = len(self.prompts[r // self.g]), len(self.prompt_pages[r // self.g])
         self.pages, _ = self.prefill(
             self.params, self.pages, tokens_C, np.int32(n + start), np.int32(count),
-            self._table(r, self.table), np.int32(n), np.int32(shared),
+            self._table(r, self.table), np.int32(n), np.int32(shared), None,
         )  # fmt: skip
         self.written_N[r] += count
         self.extend_chunks += 1

@@ -40,19 +40,26 @@ def llama():
     return _model("llama")
 
 
+BUDGETS = [
+    dict(max_turn_tokens=6),  # turns cut at 6 tokens, or by an EOS
+    # A short transcript: rows run out of slots mid-turn, or their next observation would
+    # not fit (the episode ends truncated).
+    dict(max_tokens=14, max_turn_tokens=5),
+    dict(max_turns=2, max_turn_tokens=6),  # the turn budget ends episodes that would go on
+]
+
+
 @pytest.mark.parametrize(
-    "budgets",
+    "budgets, slots",  # slots 0: one per row; 3: rows queue for slots between turns
     [
-        dict(max_turn_tokens=6),  # turns cut at 6 tokens, or by an EOS
-        # A short transcript: rows run out of slots mid-turn, or their next observation
-        # would not fit (the episode ends truncated).
-        dict(max_tokens=14, max_turn_tokens=5),
-        dict(
-            max_turns=2, max_turn_tokens=6
-        ),  # the turn budget ends episodes the environment would go on with
+        (BUDGETS[0], 0),
+        (BUDGETS[1], 3),
+        pytest.param(BUDGETS[2], 0, marks=pytest.mark.slow),
+        pytest.param(BUDGETS[0], 3, marks=pytest.mark.slow),
+        pytest.param(BUDGETS[1], 0, marks=pytest.mark.slow),
+        pytest.param(BUDGETS[2], 3, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("slots", [0, 3])  # one slot per row; fewer: rows queue for slots
 def test_greedy_episodes_equal_the_static_kernels(llama, budgets, slots):
     graphdef, params = llama
     greedy = dict(greedy=True, stop_sequences=((9, 9),))

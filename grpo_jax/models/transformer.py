@@ -292,15 +292,23 @@ class Transformer(nnx.Module):
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
         )
 
-    def init_pages(self, num_pages: int, page_size: int) -> dict:
+    def init_pages(self, num_pages: int, page_size: int, local_pages: int = 0) -> dict:
         """A zeroed paged KV cache: ``{"k": L x [pages, Z, K, Dh], "v": the same}`` in
-        the compute dtype (:class:`grpo_jax.models.attention.PagedKV`)."""
+        the compute dtype (:class:`grpo_jax.models.attention.PagedKV`). With
+        ``local_pages``, the sliding-window layers' pools have that many pages (their
+        own page ids: :meth:`features_paged`'s ``local``)."""
         cfg = self.config
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in range(cfg.num_layers))
+
+        def pool(i):
+            n = local_pages if local_pages and cfg.window(i) is not None else num_pages
+            return jnp.zeros((n, page_size, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
+
+        zeros = lambda: tuple(pool(i) for i in range(cfg.num_layers))
         return {"k": zeros(), "v": zeros()}
 
-    def features_paged(self, tokens_BxT, *, positions_BxT, pages, write, table_BxN, pos_BxS):
+    def features_paged(
+        self, tokens_BxT, *, positions_BxT, pages, write, table_BxN, pos_BxS, local=None
+    ):
         """(:meth:`features` [B, T, D], updated pages) of T tokens per row over a paged cache.
 
         Token t of row b is stored at (page, slot) ``write[0][b * T + t]``,
@@ -308,7 +316,10 @@ class Transformer(nnx.Module):
         ``table_BxN[b]``, whose slots hold the tokens at positions
         ``pos_BxS[b]``: those up to its own position (and within the window
         of a sliding-window layer) are visible; ``pages`` as
-        :meth:`init_pages`. Attention is the gather-based einsum path
+        :meth:`init_pages`. ``local``: (write pages, block tables) of the
+        sliding-window layers when their pools have page ids of their own
+        (the same slots and positions; a page out of every row's window may be
+        gone from them). Attention is the gather-based einsum path
         (``grpo_jax.models.attention.paged_attention``) whatever
         ``cfg.attention`` says.
         """
@@ -324,7 +335,10 @@ class Transformer(nnx.Module):
             cos, sin = tables[kind[i]]
             # The queries' positions and the window; the keys' visibility is by pos_BxS.
             mask = AttnMask(positions_BxT, None, cfg.window(i), None)
-            pool = PagedKV(pages["k"][i], pages["v"][i], *write, table_BxN, pos_BxS)
+            page_M, table = write[0], table_BxN
+            if local is not None and cfg.window(i) is not None:
+                page_M, table = local
+            pool = PagedKV(pages["k"][i], pages["v"][i], page_M, write[1], table, pos_BxS)
             x_BxTxD, pool = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
             ks.append(pool.k)
             vs.append(pool.v)
