@@ -37,7 +37,9 @@ implementation; nothing downstream reads a pad's output).
                queries sit in consecutive slots from a known offset
                (``AttnMask.q_offset``): the uncached forward pass, the sampler's
                prefill and the update's prompt-once scoring. A one-token decode
-               step runs ``einsum`` (its scores are [B, H, 1, S], linear in S);
+               step runs ``einsum`` (its scores are [B, H, 1, S], linear in S),
+               on the paged engine the Pallas paged decode kernel
+               (``paged_decode_attention``);
                several tokens written at a traced slot (a multi-turn
                observation) run ``blockwise``.
 """
@@ -128,6 +130,97 @@ def paged_attention(
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
+
+
+def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, softcap):
+    """One query per row over a paged cache, as a Pallas kernel that reads each row's
+    pages through its block table (``model.attention = "splash"``'s decode step on the
+    paged engine; docs/engine.md). Equal to :func:`paged_attention` on the gathered
+    rows. Compiled for the TPU on a TPU backend; elsewhere run by Pallas's interpreter.
+
+    Grid (rows, KV heads, table entries): the block table is prefetched as scalars,
+    so entry j of row b fetches page ``table[b, j]`` of that head's keys and values
+    ([Z, Dh] blocks) and folds it into an online softmax (running max, normaliser
+    and weighted sum in scratch), written out after the last entry.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    B, K, G, Dh = q_BxKxGxDh.shape
+    Z = kv.k.shape[1]
+    M = kv.table_BxN.shape[1]
+    k_pos = kv.pos_BxS.reshape(B, M, 1, Z).astype(jnp.int32)
+    per_page = lambda b, h, j, table, q_pos: (table[b, j], 0, h, 0)
+    per_row = lambda b, h, j, table, q_pos: (b, h, 0, 0)
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(B, K, M),
+        in_specs=[
+            pl.BlockSpec((None, None, G, Dh), per_row),
+            pl.BlockSpec((None, Z, None, Dh), per_page),
+            pl.BlockSpec((None, Z, None, Dh), per_page),
+            pl.BlockSpec((None, None, 1, Z), lambda b, h, j, table, q_pos: (b, j, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, G, Dh), per_row),
+        scratch_shapes=[
+            pltpu.VMEM((G, 1), jnp.float32),
+            pltpu.VMEM((G, 1), jnp.float32),
+            pltpu.VMEM((G, Dh), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M
+    )
+    call = pl.pallas_call(
+        kernel,
+        grid_spec=grid,
+        out_shape=jax.ShapeDtypeStruct((B, K, G, Dh), q_BxKxGxDh.dtype),
+        interpret=jax.default_backend() != "tpu",
+    )
+    table = kv.table_BxN.astype(jnp.int32)
+    return call(table, q_pos_B.astype(jnp.int32), q_BxKxGxDh, kv.k, kv.v, k_pos)
+
+
+def _paged_decode_kernel(
+    table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, o_ref, m_sc, l_sc, acc_sc, *,
+    scale, window, softcap, entries,
+):  # fmt: skip
+    from jax.experimental import pallas as pl
+
+    b, j = pl.program_id(0), pl.program_id(2)
+    del table_ref  # read by the index maps only
+
+    @pl.when(j == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    q_GxDh = q_ref[...].astype(jnp.float32)
+    contract = lambda a, b_, dims: jax.lax.dot_general(
+        a, b_, (dims, ((), ())), preferred_element_type=jnp.float32
+    )
+    scores_GxZ = _cap(contract(q_GxDh, k_ref[...].astype(jnp.float32), ((1,), (1,))) * scale,
+                      softcap)  # fmt: skip
+    dist_1xZ = q_pos_ref[b] - k_pos_ref[...]
+    ok_1xZ = dist_1xZ >= 0
+    if window is not None:
+        ok_1xZ &= dist_1xZ < window
+    scores_GxZ = jnp.where(ok_1xZ, scores_GxZ, MASKED)
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, scores_GxZ.max(axis=-1, keepdims=True))
+    p_GxZ = jnp.where(ok_1xZ, jnp.exp(scores_GxZ - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_sc[...] = alpha * l_sc[...] + p_GxZ.sum(axis=-1, keepdims=True)
+    acc_sc[...] = alpha * acc_sc[...] + contract(
+        p_GxZ, v_ref[...].astype(jnp.float32), ((1,), (0,))
+    )
+    m_sc[...] = m_new
+
+    @pl.when(j == entries - 1)
+    def _():
+        norm = l_sc[...]
+        o_ref[...] = (acc_sc[...] / jnp.where(norm == 0, 1.0, norm)).astype(o_ref.dtype)
 
 
 def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:

@@ -71,6 +71,13 @@ def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> 
         offset += size
 
 
+def _one_device() -> bool:
+    """Whether the trace runs under no mesh of several devices (a Pallas call is not
+    partitioned by XLA: on a mesh the paged decode step keeps the gather path)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def _project(x_MxD: jax.Array, w_DxHxDh: jax.Array) -> jax.Array:
     """x @ W for a [D, heads, head_dim] weight, as one 2-D matmul: [M, heads * head_dim]."""
     return x_MxD @ w_DxHxDh.reshape(w_DxHxDh.shape[0], -1)
@@ -193,6 +200,16 @@ class Attention(nnx.Module):
             kv_cache = kv_cache.write(
                 k_BxTxKxDh.reshape(B * T, K, Dh), v_BxTxKxDh.reshape(B * T, K, Dh)
             )
+            if T == 1 and cfg.attention == "splash" and _one_device():
+                out_BxKxGxDh = attn_lib.paged_decode_attention(
+                    q_BxTxHxDh.reshape(B, K, G, Dh),
+                    kv_cache,
+                    mask.q_slot_BxT[:, 0],
+                    mask.window,
+                    cfg.attn_scale,
+                    cfg.attn_logit_softcap,
+                )
+                return self._out(out_BxKxGxDh[:, None], w), kv_cache
             k_BxSxKxDh, v_BxSxKxDh = kv_cache.gather()
             out_BxTxKxGxDh = attn_lib.paged_attention(
                 q_BxTxHxDh.reshape(B, T, K, G, Dh),
