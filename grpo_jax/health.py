@@ -39,6 +39,9 @@ healthy run quiet):
                           reward (``rewards/reward_model/mean``, else
                           ``rewards/judge/mean``) rose by > ``hack_rise_min``
                           (mean of the window's second half minus its first)
+                          and by more than ``hack_rise_z`` standard errors of
+                          that difference (the step-to-step noise of the
+                          learned reward's mean within each half)
                           while the check ``hack_check`` (default
                           ``rollout/pass_rate``, the verifiable correctness; or
                           a second reward's ``rewards/<name>/mean``) rose by no
@@ -273,15 +276,21 @@ def _hacking(h, cfg, out):
     if len(rows) < cfg.hack_window:
         return
     half = len(rows) // 2
-    rise = _mean([a for a, _ in rows[half:]]) - _mean([a for a, _ in rows[:half]])
+    first, second = [a for a, _ in rows[:half]], [a for a, _ in rows[half:]]
+    rise = _mean(second) - _mean(first)
     check = _mean([b for _, b in rows[half:]]) - _mean([b for _, b in rows[:half]])
-    if rise > cfg.hack_rise_min and check <= cfg.hack_flat_max:
+    # The standard error of the rise: the learned reward's step-to-step noise in each half.
+    se = math.sqrt(
+        statistics.variance(first) / len(first) + statistics.variance(second) / len(second)
+    )
+    if rise > cfg.hack_rise_min and rise > cfg.hack_rise_z * se and check <= cfg.hack_flat_max:
         out(
             "reward_hacking",
-            f"{key} rose by {rise:.4g} (> health.hack_rise_min {cfg.hack_rise_min}) over the "
-            f"last {len(rows)} steps while {cfg.hack_check} changed by {check:+.4g} "
-            f"(<= health.hack_flat_max {cfg.hack_flat_max}): the policy may be exploiting "
-            "the learned reward",
+            f"{key} rose by {rise:.4g} (> health.hack_rise_min {cfg.hack_rise_min}, and "
+            f"{rise / se if se else math.inf:.3g} standard errors > health.hack_rise_z "
+            f"{cfg.hack_rise_z}) over the last {len(rows)} steps while {cfg.hack_check} "
+            f"changed by {check:+.4g} (<= health.hack_flat_max {cfg.hack_flat_max}): the "
+            "policy may be exploiting the learned reward",
         )
 
 
@@ -393,6 +402,8 @@ class HealthConfig:
       pass_drop_min: ... with a held-out pass@1 drop above this.
       hack_window: steps of the learned reward and its check compared (two halves).
       hack_rise_min: a learned-reward rise above this (its own units) ...
+      hack_rise_z: ... and above this many standard errors of the rise (the halves'
+        step-to-step spread; 0: no such test) ...
       hack_flat_max: ... with the check rising by no more than this fires.
       hack_check: the metric that checks the learned reward.
       mismatch_window: recent steps of a log-prob mismatch.
@@ -426,6 +437,7 @@ class HealthConfig:
     pass_drop_min: float = 0.02
     hack_window: int = 20
     hack_rise_min: float = 0.1
+    hack_rise_z: float = 3.0
     hack_flat_max: float = 0.0
     hack_check: str = "rollout/pass_rate"
     mismatch_window: int = 10
@@ -464,6 +476,7 @@ class HealthConfig:
             "mismatch_growth",
             "mismatch_min",
             "hack_rise_min",
+            "hack_rise_z",
         ):
             check_range(f"health.{key}", getattr(self, key), lo=0.0)
         check_range("health.hack_window", self.hack_window, lo=2, integer=True)

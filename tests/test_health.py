@@ -4,6 +4,7 @@ import dataclasses
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from grpo_jax.config import ConfigError, HealthConfig, parse_config
@@ -378,3 +379,21 @@ def test_reward_hacking_quiet_when_the_check_rises_too_or_the_reward_is_flat():
         40, **{"rewards/reward_model/mean": rising, "rewards/exact_match/mean": lambda s: 0.4}
     )
     assert _only(diagnose(h, cfg), "reward_hacking")
+
+
+def test_reward_hacking_needs_a_rise_beyond_the_learned_rewards_own_noise():
+    """A rise of 0.11 (above hack_rise_min) made of step-to-step noise of sd 0.15 is no alarm;
+    the same noise around a rise of 0.6 is. The z-test is what tells them apart: with
+    hack_rise_z = 0 the noisy one fires too (the false alarms of docs/learned_rewards.md's
+    weight sweep, replayed there)."""
+    noise = np.random.default_rng(0).normal(0.0, 0.15, 20)
+    # Each half of the 20-step window centred, so the halves' means are exactly 0.11 apart.
+    base = np.concatenate([noise[:10] - noise[:10].mean(), noise[10:] - noise[10:].mean()])
+    noisy = lambda s: -8.5 + base[s - 1] + (0.11 if s > 10 else 0.0)
+    flat = lambda s: 0.4
+    h = _hacking_history(20, noisy, flat)
+    assert diagnose(h, CFG) == []
+    assert _only(diagnose(h, HealthConfig(hack_rise_z=0.0)), "reward_hacking")
+    climbing = lambda s: -8.5 + base[s - 1] + 0.06 * s
+    alarm = _only(diagnose(_hacking_history(20, climbing, flat), CFG), "reward_hacking")
+    assert "standard errors > health.hack_rise_z 3.0" in alarm.message
