@@ -268,6 +268,24 @@ class _StepInputs(NamedTuple):
     ltable_RxM: np.ndarray | None = None  # int32: their block table (scratch: out of window)
     lwrite_page_R: np.ndarray | None = None  # int32: their page of the fed token
 
+    @classmethod
+    def empty(cls, rows: int, m: int, ell: int, pad: int, local: bool = False):
+        """R rows pointing at the scratch page, M table entries, L - 1 recent tokens."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)
+        return cls(
+            tokens_R=np.full(rows, pad, np.int32),
+            pos_R=zeros(rows),
+            prompt_len_R=zeros(rows),
+            shared_R=zeros(rows),
+            table_RxM=zeros(rows, m),
+            write_page_R=zeros(rows),
+            write_off_R=zeros(rows),
+            prev_RxL1=np.full((rows, ell), pad, np.int32),
+            count_R=zeros(rows),
+            ltable_RxM=zeros(rows, m) if local else None,
+            lwrite_page_R=zeros(rows) if local else None,
+        )
+
 
 _JITTED: list = []
 
@@ -333,6 +351,26 @@ class _Pool:
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 self.free.append(page)
+
+
+def prompt_chunk(
+    prefill, params, pages, prompt, start, count, chunk, pad_id, width, page_ids, local_ids=None
+):
+    """Prompt tokens [start, start + count) through the jitted prefill call, into the
+    pages ``page_ids`` (and ``local_ids`` of the sliding-window layers' pool, if any)
+    -> (pages, logits [1, V] of the chunk's last real token)."""
+    tokens_C = np.full(chunk, pad_id, np.int32)
+    tokens_C[:count] = prompt[start : start + count]
+    table_M = np.zeros(width, np.int32)
+    table_M[: len(page_ids)] = page_ids
+    ltable_M = None
+    if local_ids is not None:
+        ltable_M = np.zeros(width, np.int32)
+        ltable_M[: len(local_ids)] = local_ids
+    return prefill(
+        params, pages, tokens_C, np.int32(start), np.int32(count), table_M, np.int32(0),
+        np.int32(0), ltable_M,
+    )  # fmt: skip
 
 
 class _Window:
@@ -547,17 +585,10 @@ class _Run:
             pages.append(self.pool.take())
             if self.win is not None:
                 self.win.prompt[b].append(self.win.pool.take())
-        tokens_C = np.full(c, self.cfg.pad_id, np.int32)
-        tokens_C[:count] = prompt[start : start + count]
-        table_M = np.zeros(self.shape.table, np.int32)
-        table_M[: len(pages)] = pages
-        ltable_M = None
-        if self.win is not None:
-            ltable_M = np.zeros(self.shape.table, np.int32)
-            ltable_M[: len(pages)] = self.win.prompt[b]
-        self.pages, logits_1xV = self.prefill(
-            self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table_M,
-            np.int32(0), np.int32(0), ltable_M,
+        local = None if self.win is None else self.win.prompt[b]
+        self.pages, logits_1xV = prompt_chunk(
+            self.prefill, self.params, self.pages, prompt, start, count, c, self.cfg.pad_id,
+            self.shape.table, pages, local,
         )  # fmt: skip
         self.chunks += 1
         if start + count < len(prompt):
@@ -638,19 +669,7 @@ class _Run:
                    for s in active)  # fmt: skip
         m = _bucket(need, self.shape.table)
         pad = self.cfg.pad_id
-        x = _StepInputs(
-            tokens_R=np.full(rows, pad, np.int32),
-            pos_R=np.zeros(rows, np.int32),
-            prompt_len_R=np.zeros(rows, np.int32),
-            shared_R=np.zeros(rows, np.int32),
-            table_RxM=np.zeros((rows, m), np.int32),
-            write_page_R=np.zeros(rows, np.int32),
-            write_off_R=np.zeros(rows, np.int32),
-            prev_RxL1=np.full((rows, ell), pad, np.int32),
-            count_R=np.zeros(rows, np.int32),
-            ltable_RxM=None if win is None else np.zeros((rows, m), np.int32),
-            lwrite_page_R=None if win is None else np.zeros(rows, np.int32),
-        )
+        x = _StepInputs.empty(rows, m, ell, pad, local=win is not None)
         for i, s in enumerate(active):
             r = self.slot_req[s]
             b, c = r // self.g, int(count_N[r])

@@ -198,13 +198,9 @@ class TurnEngine:
         pages = self.prompt_pages[b]
         while len(pages) * z < start + count:
             pages.append(self.pool.take())
-        tokens_C = np.full(c, self.sampling.pad_id, np.int32)
-        tokens_C[:count] = prompt[start : start + count]
-        table = np.zeros(self.table, np.int32)
-        table[: len(pages)] = pages
-        self.pages, logits_1xV = self.prefill(
-            self.params, self.pages, tokens_C, np.int32(start), np.int32(count), table,
-            np.int32(0), np.int32(0), None,
+        self.pages, logits_1xV = paged.prompt_chunk(
+            self.prefill, self.params, self.pages, prompt, start, count, c,
+            self.sampling.pad_id, self.table, pages,
         )  # fmt: skip
         self.prefill_chunks += 1
         if start + count < len(prompt):
@@ -244,17 +240,7 @@ class TurnEngine:
         need = max(shared_of(self.slot_row[s]) + len(self.row_pages[self.slot_row[s]])
                    for s in active)  # fmt: skip
         m = paged._bucket(need, self.table)
-        x = paged._StepInputs(
-            tokens_R=np.full(rows, pad, np.int32),
-            pos_R=np.zeros(rows, np.int32),
-            prompt_len_R=np.zeros(rows, np.int32),
-            shared_R=np.zeros(rows, np.int32),
-            table_RxM=np.zeros((rows, m), np.int32),
-            write_page_R=np.zeros(rows, np.int32),
-            write_off_R=np.zeros(rows, np.int32),
-            prev_RxL1=np.full((rows, ell), pad, np.int32),
-            count_R=np.zeros(rows, np.int32),
-        )
+        x = paged._StepInputs.empty(rows, m, ell, pad)
         for i, s in enumerate(active):
             r = self.slot_row[s]
             o, n = int(self.written_N[r]), len(self.prompts[r // self.g])
