@@ -19,6 +19,16 @@ tail of the prompt's last page is masked out (a key is visible by its
 position, not by its slot), so no page is copied on write. A prompt's pages
 return to the pool when its last sample ends.
 
+A sliding-window layer never reads a key more than W - 1 positions back: when
+a slot could never see all its own pages at once, those layers get a pool of
+their own (``_Window``), whose page goes back as soon as every row reading it
+has moved past it, while the global layers keep the main pool.
+
+``generate_rows`` continues rows an earlier call left unfinished (partial
+rollouts, ``grpo_jax.partial``): it prefills their prompt again and writes
+their drawn tokens into pages of their own, with the parameters it is given,
+and returns once the ``due`` groups are done, whatever the others' state.
+
 Scheduling is a host loop over jitted calls of static shapes (one compiled
 program per shape): each turn admits waiting requests into free slots, runs at
 most one prefill chunk of the next prompt when fewer requests wait than slots
