@@ -90,7 +90,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from grpo_jax import paged
+from grpo_jax import paged_pool
 from grpo_jax.errors import ConfigError
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
 from grpo_jax.param_tensors import (  # noqa: F401
@@ -537,8 +537,8 @@ def _rollout_kv(run, model_cfg_like, mesh_shape) -> int:
         b = run.train.batch_size
         if getattr(run.sampling, "partial_rollouts", False):  # the next k steps' groups too
             groups = (run.train.max_staleness + 1) * b
-            return paged.pool_bytes(run.sampling.sampler(), cfg, groups, run.grpo.G, due=b)
-        return paged.pool_bytes(run.sampling.sampler(), cfg, b, run.grpo.G)
+            return paged_pool.pool_bytes(run.sampling.sampler(), cfg, groups, run.grpo.G, due=b)
+        return paged_pool.pool_bytes(run.sampling.sampler(), cfg, b, run.grpo.G)
     width = {"compute_bytes": _itemsize(copy)} if copy else {}
     kw = _run_kwargs(run, mesh_shape)
     return plan(model_cfg_like, sample_rows=n, **width, **kw).kv_cache

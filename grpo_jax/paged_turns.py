@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import paged
+from grpo_jax import paged, paged_pool
 from grpo_jax.errors import ConfigError
 from grpo_jax.sampling import SamplingConfig
 from grpo_jax.turn_decode import BUDGET, RUNNING, TURN_END, MultiTurnConfig
@@ -61,11 +61,11 @@ class TurnEngine:
         n = self.n = len(prompts) * g
         self.z, self.t = z, t
         self.slots = min(sampling.slots or n, n)
-        self.own_worst = paged._ceil_div(t - 1, z)
-        prompt_pages = paged._ceil_div(max(len(p) for p in prompts), z)
+        self.own_worst = paged_pool.ceil_div(t - 1, z)
+        prompt_pages = paged_pool.ceil_div(max(len(p) for p in prompts), z)
         self.table = prompt_pages + self.own_worst  # block-table entries of a row, at most
         worst = len(prompts) * prompt_pages + n * self.own_worst
-        self.pool = paged._Pool(1 + (sampling.pages or worst))
+        self.pool = paged_pool.Pool(1 + (sampling.pages or worst))
         self.init, self.prefill, self.first, self.decode = paged._compiled(graphdef, sampling, g, z)
         self.key_first, self.key_decode = jax.random.split(key)
         pad = sampling.pad_id
@@ -186,7 +186,7 @@ class TurnEngine:
         z, c = self.z, self.sampling.prefill_chunk
         if self.filling is None:
             b = self.waiting[0]
-            need = paged._ceil_div(len(self.prompts[b]), z)
+            need = paged_pool.ceil_div(len(self.prompts[b]), z)
             if not self.pool.can_reserve(need):
                 return False
             self.waiting.popleft()
@@ -232,14 +232,14 @@ class TurnEngine:
 
     def _decode(self, active: list[int]) -> None:
         z, ell, pad = self.z, self.longest - 1, self.sampling.pad_id
-        rows = paged._bucket(len(active), self.slots)
+        rows = paged_pool.bucket(len(active), self.slots)
         for s in active:  # a page for the fed token where it starts one
             r = self.slot_row[s]
             self._pages_for(r, int(self.written_N[r]) + 1)
         shared_of = lambda r: len(self.prompt_pages[r // self.g])
         need = max(shared_of(self.slot_row[s]) + len(self.row_pages[self.slot_row[s]])
                    for s in active)  # fmt: skip
-        m = paged._bucket(need, self.table)
+        m = paged_pool.bucket(need, self.table)
         x = paged._StepInputs.empty(rows, m, ell, pad)
         for i, s in enumerate(active):
             r = self.slot_row[s]

@@ -11,7 +11,7 @@ from flax import nnx
 from helpers_hf import FAMILIES, make_tiny_hf_checkpoint
 from scipy import stats
 
-from grpo_jax import config, losses, memory, paged, sampling
+from grpo_jax import config, losses, memory, paged, paged_pool, sampling
 from grpo_jax.draw import candidates
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import create_model, from_pretrained, tiny_config
@@ -181,7 +181,7 @@ def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
     static_prompt = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) * p // (p + t)
     assert st.prompt_pages == 2  # one page per prompt, read by its 4 samples
     assert st.prompt_pages * st.page_bytes * g <= static_prompt
-    assert st.page_bytes == paged.kv_bytes_per_token(MODEL_CFG) * z
+    assert st.page_bytes == paged_pool.kv_bytes_per_token(MODEL_CFG) * z
     run = _run(len(prompts), g, t, p, page_size=z)
     planned = memory.plan_run(run, MODEL_CFG, MESH).kv_cache
     assert abs(planned - st.pool_bytes) <= 0.1 * st.pool_bytes, (planned, st.pool_bytes)

@@ -196,31 +196,11 @@ class Attention(nnx.Module):
         if kv_cache is None:  # Keys and values [B, S, K, Dh], S = T.
             k_spec = "bskh"
             k_kv, v_kv = k_BxTxKxDh, v_BxTxKxDh
-        elif isinstance(kv_cache, attn_lib.PagedKV):  # Write into the pages, gather the rows.
+        elif isinstance(kv_cache, attn_lib.PagedKV):  # Write into the pages, then attend.
             kv_cache = kv_cache.write(
                 k_BxTxKxDh.reshape(B * T, K, Dh), v_BxTxKxDh.reshape(B * T, K, Dh)
             )
-            if T == 1 and cfg.attention == "splash" and _one_device():
-                out_BxKxGxDh = attn_lib.paged_decode_attention(
-                    q_BxTxHxDh.reshape(B, K, G, Dh),
-                    kv_cache,
-                    mask.q_slot_BxT[:, 0],
-                    mask.window,
-                    cfg.attn_scale,
-                    cfg.attn_logit_softcap,
-                )
-                return self._out(out_BxKxGxDh[:, None], w), kv_cache
-            k_BxSxKxDh, v_BxSxKxDh = kv_cache.gather()
-            out_BxTxKxGxDh = attn_lib.paged_attention(
-                q_BxTxHxDh.reshape(B, T, K, G, Dh),
-                k_BxSxKxDh,
-                v_BxSxKxDh,
-                mask.q_slot_BxT,  # the queries' positions
-                kv_cache.pos_BxS,
-                mask.window,
-                cfg.attn_scale,
-                cfg.attn_logit_softcap,
-            )
+            out_BxTxKxGxDh = self._paged(q_BxTxHxDh.reshape(B, T, K, G, Dh), kv_cache, mask)
             return self._out(out_BxTxKxGxDh, w), kv_cache
         else:  # Update this layer's slabs in place.
             k_spec = "bksh"
@@ -242,6 +222,24 @@ class Attention(nnx.Module):
         q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, G, Dh)
         out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask, layout)
         return self._out(out_BxTxKxGxDh, w), kv_cache
+
+    def _paged(self, q_BxTxKxGxDh, kv: attn_lib.PagedKV, mask):
+        """Attention over a paged cache: the Pallas decode kernel for one query per row with
+        ``attention = "splash"`` on one device, else the gather path."""
+        cfg = self.cfg
+        B, T, K, G, Dh = q_BxTxKxGxDh.shape
+        scale, softcap = cfg.attn_scale, cfg.attn_logit_softcap
+        if T == 1 and cfg.attention == "splash" and _one_device():
+            out_BxKxGxDh = attn_lib.paged_decode_attention(
+                q_BxTxKxGxDh[:, 0], kv, mask.q_slot_BxT[:, 0], mask.window, scale, softcap
+            )
+            return out_BxKxGxDh[:, None]
+        k_BxSxKxDh, v_BxSxKxDh = kv.gather()
+        return attn_lib.paged_attention(
+            q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh,
+            mask.q_slot_BxT,  # the queries' positions
+            kv.pos_BxS, mask.window, scale, softcap,
+        )  # fmt: skip
 
     def _out(self, out_BxTxKxGxDh, w):
         """The output projection (and bias) of the heads' attention outputs: [B, T, D]."""
