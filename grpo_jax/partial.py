@@ -69,7 +69,8 @@ def stack_rows(groups: list[Group]) -> paged.Rows:
 class Carry:
     """The groups of the next k + 1 steps, in prompt order (module doc).
 
-    ``sample(params, key, version, draw)`` runs the engine once and returns the
+    ``top_up(draw)`` reads the data iterator up to k + 1 steps' groups;
+    ``sample(params, key, version)`` then runs the engine once and returns the
     step's B groups, finished; the rest stay here for the next step.
     """
 
