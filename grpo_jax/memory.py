@@ -93,6 +93,9 @@ import numpy as np
 from grpo_jax import paged_pool
 from grpo_jax.errors import ConfigError
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
+
+# The parameter inventory lived here: param_tensors, param_count, shard_numel and
+# lora_tensors are still importable from this module.
 from grpo_jax.param_tensors import (  # noqa: F401
     as_model_config,
     lora_tensors,
@@ -101,9 +104,6 @@ from grpo_jax.param_tensors import (  # noqa: F401
     shard_numel,
     tensor_ways,
 )
-
-# The parameter inventory lived here: param_tensors, param_count, shard_numel and
-# lora_tensors are still importable from this module.
 from grpo_jax.sampler_weights import copy_dtype
 from grpo_jax.sharding import LAYOUTS, MESH_AXES
 

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import advantages as adv_lib
-from grpo_jax import distributed, paged_turns, turn_decode
+from grpo_jax import distributed, paged, paged_turns, turn_decode
 from grpo_jax import envs as envs_lib
 from grpo_jax import problems as problems_lib
 from grpo_jax.batch import HostRollout, RolloutBatch
@@ -188,10 +188,7 @@ def run_episodes(
     if len(environments) != n:
         raise ValueError(f"{len(environments)} environments for {n} rows")
     if sampling.engine == "paged":
-        mask = np.asarray(prompt_mask_BxP, bool)
-        prompts = [
-            np.asarray(t)[m].astype(np.int32) for t, m in zip(np.asarray(prompt_tokens_BxP), mask)
-        ]
+        prompts = paged.real_prompts(prompt_tokens_BxP, prompt_mask_BxP)
         eng = paged_turns.TurnEngine(graphdef, params, prompts, key, sampling, cfg, num_samples)
     else:
         eng = turn_decode.StaticTurns(

@@ -245,23 +245,23 @@ def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int):
 # The host side: the page pool, the queue, the slots.
 
 
-def prompt_chunk(
-    prefill, params, pages, prompt, start, count, chunk, pad_id, width, page_ids, local_ids=None
-):
-    """Prompt tokens [start, start + count) through the jitted prefill call, into the
-    pages ``page_ids`` (and ``local_ids`` of the sliding-window layers' pool, if any)
-    -> (pages, logits [1, V] of the chunk's last real token)."""
+def write_chunk(
+    prefill, params, pages, tokens, pos, chunk, pad_id, width, page_ids, *, n=0, shared=0,
+    local_ids=None,
+):  # fmt: skip
+    """``tokens`` (at most ``chunk``) at positions pos, pos + 1, ... through the jitted
+    prefill call, into a row's pages ``page_ids`` (its block table; ``local_ids``: the
+    sliding-window layers' own, if any). A prompt's chunk: ``n`` = ``shared`` = 0; a row's
+    own tokens: ``n`` its prompt's length, ``shared`` its prompt's pages in the table ->
+    (pages, logits [1, V] of the chunk's last token)."""
+    count = len(tokens)
     tokens_C = np.full(chunk, pad_id, np.int32)
-    tokens_C[:count] = prompt[start : start + count]
-    table_M = np.zeros(width, np.int32)
-    table_M[: len(page_ids)] = page_ids
-    ltable_M = None
-    if local_ids is not None:
-        ltable_M = np.zeros(width, np.int32)
-        ltable_M[: len(local_ids)] = local_ids
+    tokens_C[:count] = tokens
+    table = lambda ids: np.pad(np.asarray(ids, np.int32), (0, width - len(ids)))
+    ltable_M = None if local_ids is None else table(local_ids)
     return prefill(
-        params, pages, tokens_C, np.int32(start), np.int32(count), table_M, np.int32(0),
-        np.int32(0), ltable_M,
+        params, pages, tokens_C, np.int32(pos), np.int32(count), table(page_ids),
+        np.int32(n), np.int32(shared), ltable_M,
     )  # fmt: skip
 
 
@@ -408,9 +408,9 @@ class _Run:
             if self.win is not None:
                 self.win.prompt[b].append(self.win.pool.take())
         local = None if self.win is None else self.win.prompt[b]
-        self.pages, logits_1xV = prompt_chunk(
-            self.prefill, self.params, self.pages, prompt, start, count, c, self.cfg.pad_id,
-            self.shape.table, pages, local,
+        self.pages, logits_1xV = write_chunk(
+            self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
+            self.cfg.pad_id, self.shape.table, pages, local_ids=local,
         )  # fmt: skip
         self.chunks += 1
         if start + count < len(prompt):
@@ -451,14 +451,11 @@ class _Run:
             own.append(self.pool.take())
             if self.win is not None:
                 self.win.take_own(s)
-        tokens_C = np.full(c, self.cfg.pad_id, np.int32)
-        tokens_C[:count] = self.rows.tokens_NxT[r, start : start + count]
-        table_M = np.zeros(self.shape.table, np.int32)
-        table_M[: len(shared) + len(own)] = shared + own
-        ltable_M = None if self.win is None else self.win.table(s, b, self.shape.table)
-        self.pages, _ = self.prefill(
-            self.params, self.pages, tokens_C, np.int32(n + start), np.int32(count), table_M,
-            np.int32(n), np.int32(len(shared)), ltable_M,
+        local = None if self.win is None else self.win.table(s, b, self.shape.table)
+        self.pages, _ = write_chunk(
+            self.prefill, self.params, self.pages, self.rows.tokens_NxT[r, start : start + count],
+            n + start, c, self.cfg.pad_id, self.shape.table, shared + own, n=n,
+            shared=len(shared), local_ids=local,
         )  # fmt: skip
         self.slot_written[s] += count
         self.extend_chunks += 1
@@ -555,10 +552,20 @@ class _Run:
         )
 
 
-def _check_key(key):
+def as_key(key):
+    """A typed PRNG key (a raw ``jax.random.PRNGKey`` is wrapped)."""
     if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)  # A raw jax.random.PRNGKey.
+        key = jax.random.wrap_key_data(key)
     return key
+
+
+def real_prompts(tokens_BxP, mask_BxP) -> list[np.ndarray]:
+    """Each left-padded prompt's real tokens (int32), the form the engines take."""
+    tokens_BxP, mask_BxP = np.asarray(tokens_BxP), np.asarray(mask_BxP, bool)
+    prompts = [row[m].astype(np.int32) for row, m in zip(tokens_BxP, mask_BxP)]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one real token (prompt_mask_BxP)")
+    return prompts
 
 
 def generate_rows(
@@ -571,6 +578,7 @@ def generate_rows(
     *,
     num_samples: int,
     due: int,
+    width: int | None = None,
     mesh=None,
 ) -> tuple[Rows, EngineStats]:
     """Continues ``rows`` (row b*G + g: sample g of ``prompts[b]``, its real tokens)
@@ -581,16 +589,20 @@ def generate_rows(
     each unfinished row's drawn tokens (but the last) written after it, with
     ``params``: the keys and values are this policy's, so the next token is
     drawn from it given the whole prefix. Later groups use the slots the due
-    ones leave free, and may stop anywhere.
+    ones leave free, and may stop anywhere. ``width``: the prompts' padded
+    width the engine's sizes follow (default: the smallest prompt bucket that
+    holds the longest).
     """
     if due < 1 or due > len(prompts):
         raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
-    width = max(len(p) for p in prompts)
+    if width is None:  # the prompt bucket: the same shapes (and programs) step after step
+        longest = max(len(p) for p in prompts)
+        width = min((b for b in cfg.prompt_buckets if b >= longest), default=longest)
     model_cfg = nnx.merge(graphdef, params).config
     window = model_window(model_cfg)
     shape = engine_shape(cfg, len(prompts), num_samples, width, due=due, window=window)
     fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
-    run = _Run(fns, params, prompts, _check_key(key), cfg, num_samples, shape, rows, due)
+    run = _Run(fns, params, prompts, as_key(key), cfg, num_samples, shape, rows, due)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()
     return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
@@ -623,9 +635,7 @@ def generate_with_stats(
             "config key 'sampling.engine' = 'paged' runs in one process; use 'static' on a "
             "mesh that spans hosts"
         )
-    prompts = [row[m].astype(np.int32) for row, m in zip(tokens_BxP, mask_BxP)]
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one real token (prompt_mask_BxP)")
+    prompts = real_prompts(tokens_BxP, mask_BxP)
     b, p = tokens_BxP.shape
     g, t = num_samples, cfg.max_new_tokens
     rows, stats = generate_rows(
@@ -637,6 +647,7 @@ def generate_with_stats(
         cfg,
         num_samples=g,
         due=b,
+        width=p,
         mesh=mesh,
     )
     out = output_rows(rows, tokens_BxP, mask_BxP, g, mesh=mesh)

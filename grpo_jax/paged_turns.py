@@ -50,8 +50,7 @@ class TurnEngine:
     def __init__(
         self, graphdef, params, prompts, key, sampling: SamplingConfig, cfg: MultiTurnConfig, g
     ):
-        if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(key)
+        key = paged.as_key(key)
         if jnp.ndim(key) != 0:  # row keys (evaluation's) are the static kernel's
             raise ValueError("the paged engine plays episodes with one key, not row keys")
         self.params, self.prompts, self.sampling, self.cfg, self.g = (
@@ -87,7 +86,7 @@ class TurnEngine:
         self.ready: collections.deque = collections.deque()  # rows whose turn may start
         self.slot_row = [-1] * self.slots
         self.playing = n  # rows whose turn has not ended in this phase
-        self.steps = self.prefill_chunks = self.extend_chunks = 0
+        self.steps = 0
         self.longest = max((len(q) for q in sampling.stop_sequences), default=1)
         self.eos = np.asarray(sampling.eos_ids, np.int32)
         self.pages = self.init(params, self.pool.size, 0)
@@ -198,11 +197,10 @@ class TurnEngine:
         pages = self.prompt_pages[b]
         while len(pages) * z < start + count:
             pages.append(self.pool.take())
-        self.pages, logits_1xV = paged.prompt_chunk(
-            self.prefill, self.params, self.pages, prompt, start, count, c,
+        self.pages, logits_1xV = paged.write_chunk(
+            self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
             self.sampling.pad_id, self.table, pages,
         )  # fmt: skip
-        self.prefill_chunks += 1
         if start + count < len(prompt):
             self.filling = (b, start + count)
             return True
@@ -220,15 +218,14 @@ class TurnEngine:
         c = self.sampling.prefill_chunk
         start, count = int(self.written_N[r]), min(c, self._to_write(r))
         self._pages_for(r, start + count)
-        tokens_C = np.full(c, self.sampling.pad_id, np.int32)
-        tokens_C[:count] = self.tokens_NxT[r, start : start + count]
-        n, shared = len(self.prompts[r // self.g]), len(self.prompt_pages[r // self.g])
-        self.pages, _ = self.prefill(
-            self.params, self.pages, tokens_C, np.int32(n + start), np.int32(count),
-            self._table(r, self.table), np.int32(n), np.int32(shared), None,
+        b = r // self.g
+        n, shared = len(self.prompts[b]), self.prompt_pages[b]
+        self.pages, _ = paged.write_chunk(
+            self.prefill, self.params, self.pages, self.tokens_NxT[r, start : start + count],
+            n + start, c, self.sampling.pad_id, self.table, shared + self.row_pages[r], n=n,
+            shared=len(shared),
         )  # fmt: skip
         self.written_N[r] += count
-        self.extend_chunks += 1
 
     def _decode(self, active: list[int]) -> None:
         z, ell, pad = self.z, self.longest - 1, self.sampling.pad_id

@@ -96,12 +96,12 @@ class Carry:
             for ex, row, m in zip(examples, tokens_BxP, mask_BxP, strict=True)
         ]
 
-    def top_up(self, draw) -> list[dict]:
+    def top_up(self, draw) -> list[Group]:
         """Reads batches of B examples with ``draw()`` until k + 1 steps' groups are here
-        -> the examples of the next step's groups."""
+        -> the next step's groups."""
         while len(self.groups) < self.width:
             self.groups += self._new_groups(list(draw()))
-        return [x.example for x in self.groups[: self.r.batch_size]]
+        return self.groups[: self.r.batch_size]
 
     def sample(self, params, key: jax.Array, version: int) -> tuple[list[Group], object]:
         """-> (the step's B groups, finished; the engine's EngineStats), sampled by

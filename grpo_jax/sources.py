@@ -39,6 +39,7 @@ from grpo_jax import batch as batch_lib
 from grpo_jax import distributed, multiturn, paged, partial, rollout
 from grpo_jax import sharding as sharding_lib
 from grpo_jax.batch import rollout_batch_shardings
+from grpo_jax.sampling import pad_prompts
 
 __all__ = [
     "Dynamic",
@@ -263,8 +264,13 @@ class Partial:
 
     def submit(self, step: int, params, version: int) -> None:
         r, T = self.r, self.r.sampling.max_new_tokens
-        examples = self.carry.top_up(self.iterator.next)
-        texts, tokens_BxP, mask_BxP = r.encoder.encode(examples, max_new_tokens=T)
+        head = self.carry.top_up(self.iterator.next)
+        examples, texts = [x.example for x in head], r.encoder.texts([x.example for x in head])
+        # The prompt tokens the engine samples with (a restored group's as saved), padded.
+        tokens_BxP, mask_BxP = pad_prompts(
+            [x.prompt.tolist() for x in head], pad_id=r.encoder.pad_id,
+            buckets=r.encoder.buckets, max_new_tokens=T,
+        )  # fmt: skip
         if self.on_prompts is not None:
             on_prompts, self.on_prompts = self.on_prompts, None
             on_prompts(tokens_BxP.shape[1])
