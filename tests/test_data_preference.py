@@ -2,8 +2,12 @@
 
 import json
 
+import numpy as np
+import pytest
+
 from configs.default import get_config
 from grpo_jax.data import preference, synthetic
+from grpo_jax.errors import ConfigError
 from grpo_jax.rewards import registry
 
 
@@ -69,3 +73,54 @@ def test_the_reward_model_variant_scores_the_checks_at_weight_zero():
     assert c.reward_model.path == "/tmp/rm" and c.reward_model.weight == 1.0
     assert c.rewards == "exact_match(tag=None):0.0,trailing_zeros:0.0"
     assert c.reward_modules == "grpo_jax.data.preference"
+
+
+def _kinds(pairs, answers):
+    """(both right: (k, j), right vs wrong: (k, j)) zero counts of each pair."""
+    same, mixed = [], []
+    for p in pairs:
+        answer = answers[p["prompt"]]
+        k, j = len(p["chosen"]) - len(answer), len(p["rejected"]) - len(answer)
+        assert p["chosen"] == answer + "0" * k  # the chosen side is always right
+        core = p["rejected"][: len(answer)]
+        assert p["rejected"] == core + "0" * j
+        (same if core == answer else mixed).append((k, j))
+    return same, mixed
+
+
+def test_both_right_pairs_follow_the_labellers_taste_for_length():
+    problems = synthetic.make_split(
+        "arithmetic", "train", 2000, 5, **preference.ARITH_DEFAULT_KNOBS
+    )
+    answers = {p["prompt"]: p["answer"] for p in problems}
+    pairs = preference.biased_pairs(2000, seed=5, pad_max=2, both_right=0.3, taste=0.75)
+    same, mixed = _kinds(pairs, answers)
+    assert 520 < len(same) < 680, len(same)  # a share of 0.3 of 2000 (sd 20)
+    assert all(k != j and max(k, j) <= 2 for k, j in same)
+    longer = sum(k > j for k, j in same) / len(same)
+    assert 0.68 < longer < 0.82, longer  # taste 0.75 (sd 0.018)
+    assert all(0 <= j <= k for k, j in mixed)  # the rejected side never longer
+    # The share's own streams: without it the pairs are those the option did not exist for.
+    assert preference.biased_pairs(50, seed=5) == preference.biased_pairs(50, seed=5, taste=0.3)
+
+
+def test_independent_padding_says_nothing_about_the_choice():
+    problems = synthetic.make_split(
+        "arithmetic", "train", 2000, 6, **preference.ARITH_DEFAULT_KNOBS
+    )
+    answers = {p["prompt"]: p["answer"] for p in problems}
+    pairs = preference.biased_pairs(2000, seed=6, independent_pad=True)
+    same, mixed = _kinds(pairs, answers)
+    assert not same and len(mixed) == 2000
+    ks, js = np.array(mixed).T
+    assert abs(np.mean(ks > js) - np.mean(js > ks)) < 0.05  # each side as often the longer
+    assert set(ks) == set(js) == {0, 1, 2}
+
+
+def test_both_right_needs_room_for_zeros():
+    with pytest.raises(ConfigError, match="pad_max"):
+        preference.biased_pairs(10, seed=0, pad_max=0, both_right=0.5)
+    with pytest.raises(ConfigError, match="both_right"):
+        preference.biased_pairs(10, seed=0, both_right=1.5)
+    with pytest.raises(ConfigError, match="taste"):
+        preference.biased_pairs(10, seed=0, taste=-0.1)

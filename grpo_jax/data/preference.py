@@ -29,6 +29,7 @@ import numpy as np
 from grpo_jax import rewards
 from grpo_jax.checks import check_range
 from grpo_jax.data.synthetic import make_split
+from grpo_jax.errors import ConfigError
 
 # configs/default.py's data section (the prompts a reward model for that run must score).
 ARITH_DEFAULT_KNOBS = dict(
@@ -45,22 +46,54 @@ def wrong_answer(answer: str, rng: np.random.Generator) -> str:
     return answer[:i] + str(rng.choice(choices)) + answer[i + 1 :]
 
 
-def biased_pairs(n: int, seed: int, *, pad_max: int = 2, **knobs) -> list[dict]:
+def biased_pairs(
+    n: int,
+    seed: int,
+    *,
+    pad_max: int = 2,
+    both_right: float = 0.0,
+    taste: float = 1.0,
+    independent_pad: bool = False,
+    **knobs,
+) -> list[dict]:
     """``n`` {"prompt", "chosen", "rejected"} pairs as the module docstring describes.
 
+    A seeded share ``both_right`` of them compares two right answers instead, followed by
+    different numbers of "0"s (0..``pad_max``): the labeller picks the longer one with
+    probability ``taste``, else the shorter. That is the taste for length shown where
+    correctness cannot explain the choice, and ``taste`` < 1 makes it a mild one: a
+    Bradley-Terry model of these pairs rates a longer right answer logit(taste) higher.
+    With ``independent_pad`` the two sides of a right-vs-wrong pair get 0..``pad_max`` zeros
+    each, independently, so there the zeros say nothing about the choice. Without it the
+    rejected side gets at most as many as the chosen one (the pairs this module always made).
     ``knobs`` override ``ARITH_DEFAULT_KNOBS`` (``grpo_jax.data.synthetic`` arithmetic knobs).
     """
     check_range("n", n, lo=1, integer=True)
     check_range("pad_max", pad_max, lo=0, integer=True)
+    check_range("both_right", both_right, lo=0.0, hi=1.0)
+    check_range("taste", taste, lo=0.0, hi=1.0)
+    if both_right > 0 and pad_max < 1:
+        raise ConfigError(
+            "both_right > 0 needs pad_max >= 1: two right answers differ only by their zeros"
+        )
     problems = make_split("arithmetic", "train", n, seed, **{**ARITH_DEFAULT_KNOBS, **knobs})
     rng = np.random.default_rng([seed, 0xB1A5])
+    # Streams of their own, so both_right = 0 gives the pairs it gave before it existed.
+    extra = np.random.default_rng([seed, 0x2B07])
+    same_N, longer_N = extra.random(n) < both_right, extra.random(n) < taste
     out = []
-    for ex in problems:
-        k = int(rng.integers(pad_max + 1))
-        j = int(rng.integers(k + 1))
-        wrong = wrong_answer(ex["answer"], rng)
+    for ex, same, longer in zip(problems, same_N, longer_N, strict=True):
+        answer = ex["answer"]
+        if same:
+            k, j = (int(x) for x in extra.choice(pad_max + 1, size=2, replace=False))
+            k, j = (max(k, j), min(k, j)) if longer else (min(k, j), max(k, j))
+            rejected = answer
+        else:
+            k = int(rng.integers(pad_max + 1))
+            j = int(rng.integers(pad_max + 1 if independent_pad else k + 1))
+            rejected = wrong_answer(answer, rng)
         out.append(
-            {"prompt": ex["prompt"], "chosen": ex["answer"] + "0" * k, "rejected": wrong + "0" * j}
+            {"prompt": ex["prompt"], "chosen": answer + "0" * k, "rejected": rejected + "0" * j}
         )
     return out
 
@@ -92,7 +125,15 @@ def main(argv) -> int:
 
     del argv
     F = flags.FLAGS
-    path = write_pairs(biased_pairs(F.n, F.seed, pad_max=F.pad_max), F.out)
+    pairs = biased_pairs(
+        F.n,
+        F.seed,
+        pad_max=F.pad_max,
+        both_right=F.both_right,
+        taste=F.taste,
+        independent_pad=F.independent_pad,
+    )
+    path = write_pairs(pairs, F.out)
     print(f"{F.n} pairs written to {path}")
     return 0
 
@@ -103,6 +144,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", None, "Output JSONL file.")
     flags.DEFINE_integer("n", 4000, "Pairs (distinct training problems).")
     flags.DEFINE_integer("pad_max", 2, "Most trailing zeros on the chosen side.")
+    flags.DEFINE_float("both_right", 0.0, "Share of pairs of two right answers, the longer chosen.")
+    flags.DEFINE_float("taste", 1.0, "Chance the labeller picks the longer of two right answers.")
+    flags.DEFINE_bool("independent_pad", False, "Pad both sides of a right-vs-wrong pair freely.")
     flags.DEFINE_integer("seed", 0, "Seed of the problems and the padding.")
     flags.mark_flags_as_required(["out"])
     app.run(main, argv=sys.argv)
