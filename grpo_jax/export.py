@@ -1,6 +1,7 @@
 """Export a trained policy as a Hugging Face model directory.
 
     python -m grpo_jax.export --workdir=/tmp/grpo_tiny --out=/tmp/grpo_tiny_hf [--step=200]
+    python -m grpo_jax.export --workdir=/tmp/grpo_tiny --out=/tmp/grpo_tiny_sft --warm_start
 
 Restores the parameters of a checkpoint of a training workdir (the latest by
 default) and writes config.json, generation_config.json, model.safetensors and
@@ -66,11 +67,19 @@ FORMATS = ("merged", "peft")
 
 
 def export_hf(
-    workdir, out, *, step: int | None = None, dtype=None, format: str = "merged"
+    workdir,
+    out,
+    *,
+    step: int | None = None,
+    dtype=None,
+    format: str = "merged",
+    warm_start: bool = False,
 ) -> pathlib.Path:
     """Writes checkpoint ``step`` (latest when None) of ``workdir`` as a HF directory ``out``.
 
     ``format`` "peft" (LoRA runs only) writes the adapters as PEFT loads them.
+    ``warm_start``: the warm-started policy GRPO began from (``<workdir>/warm_start``, a
+    LoRA run's base) instead of a checkpoint, e.g. to start a reward model from it.
     """
     # Inside the function on purpose: JAX, Flax and the model code are heavy, and the
     # command imports them only after cli.quiet() (main below); grpo_jax.cli and
@@ -80,10 +89,12 @@ def export_hf(
     from grpo_jax import models, runlocal
     from grpo_jax.config import parse_config
     from grpo_jax.models import lora
-    from grpo_jax.setup import build_mesh, build_tokenizer, restore_policy
+    from grpo_jax.setup import build_mesh, build_tokenizer, restore_policy, restore_warm_start
 
     if format not in FORMATS:
         raise ExportError(f"--format={format!r} is not one of {list(FORMATS)}")
+    if warm_start and (step is not None or format != "merged"):
+        raise ExportError("--warm_start exports the warm start alone: no --step, no --format=peft")
 
     workdir = pathlib.Path(workdir)
     config_path = workdir / "config.json"
@@ -93,10 +104,16 @@ def export_hf(
     run = runlocal.resolve(parse_config(json.loads(config_path.read_text())))
     tokenizer = build_tokenizer(run, workdir)
     mesh = build_mesh(run)
+    out = pathlib.Path(out)
+    if warm_start:
+        if not run.warm_start.enabled:
+            raise ExportError(f"--warm_start: the run in {workdir} has no warm start")
+        graphdef, params = restore_warm_start(run, tokenizer, mesh, workdir)
+        models.save_pretrained(nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer)
+        return _mark(out, workdir, "warm_start", format)
     graphdef, params, lora_run = restore_policy(run, tokenizer, mesh, workdir / "checkpoints", step)
     if lora_run is None and format == "peft":
         raise ExportError(f"--format=peft: the run in {workdir} has no LoRA adapters (model.lora)")
-    out = pathlib.Path(out)
     if format == "peft":
         base_model = lora_run.base_path
         if run.warm_start.enabled or not base_model or base_model.endswith(".gguf"):
@@ -112,6 +129,11 @@ def export_hf(
         if lora_run is not None:  # W + s A B: a plain model of the base's architecture
             graphdef, params = lora_run.base_graphdef, lora.merged(params, lora_run.cfg.scale)
         models.save_pretrained(nnx.merge(graphdef, params), out, dtype=dtype, tokenizer=tokenizer)
+    return _mark(out, workdir, step, format)
+
+
+def _mark(out: pathlib.Path, workdir: pathlib.Path, step, format: str) -> pathlib.Path:
+    """Writes the marker that says what was exported, and from where."""
     source = {"workdir": str(workdir.resolve()), "step": step, "format": format}
     (out / MARKER).write_text(json.dumps(source, indent=2) + "\n")
     return out
@@ -124,7 +146,13 @@ def main(argv):
     cli.quiet()
     FLAGS = flags.FLAGS
     try:
-        path = export_hf(FLAGS.workdir, FLAGS.out, step=FLAGS.step, format=FLAGS.format)
+        path = export_hf(
+            FLAGS.workdir,
+            FLAGS.out,
+            step=FLAGS.step,
+            format=FLAGS.format,
+            warm_start=FLAGS.warm_start,
+        )
     except (ExportError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -140,6 +168,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_enum(
         "format", "merged", ["merged", "peft"], "LoRA runs: merged weights or PEFT adapters."
+    )
+    flags.DEFINE_bool(
+        "warm_start", False, "Export the warm-started policy (<workdir>/warm_start) instead."
     )
     flags.mark_flags_as_required(["workdir", "out"])
     app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

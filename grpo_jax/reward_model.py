@@ -2,17 +2,21 @@
 
     python -m grpo_jax.reward_model --pairs=pairs.jsonl --out=/tmp/rm [--init=/ckpt] \\
         [--steps=200] [--batch_size=16] [--learning_rate=1e-4] [--heldout_frac=0.1] \\
-        [--num_devices=0] [--checkpoint_every=100]
+        [--num_devices=0] [--checkpoint_every=100] [--buckets=64,128,256,512,1024]
+    python -m grpo_jax.reward_model --pairs=tfds:NAME --split=train --data_dir=/data/tfds \\
+        [--fields=prompt,chosen,rejected] --out=/tmp/rm ...
 
-``pairs.jsonl`` holds one ``{"prompt", "chosen", "rejected"}`` object a line
-(``reward_models.training.load_pairs``: a malformed line is an error naming the
-file and line). A seeded share ``heldout_frac`` of the pairs is held out; the
-rest train the model, ``batch_size`` pairs drawn at random per step, with the
-project's optimizer (``grpo_jax.optimizer``: global-norm clipping, AdamW, the
-non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)).
-``--init`` is a Hugging Face checkpoint: a ``*ForSequenceClassification`` one is
-trained further, a causal LM gets a fresh scalar head on its decoder; without it
-the built-in tiny model starts from random weights with the built-in tokenizer.
+``pairs.jsonl`` holds one ``{"prompt", "chosen", "rejected"}`` object a line;
+``tfds:NAME`` reads split ``--split`` of a TFDS dataset prepared in ``--data_dir``, with
+no download (``grpo_jax.data.pairs.load_pairs``: a malformed line or row is an error
+naming the file or dataset and the line or row; ``--fields`` names the prompt's, chosen
+and rejected features when they are called otherwise). A seeded share ``heldout_frac`` of
+the pairs is held out; the rest train the model, ``batch_size`` pairs drawn at random per
+step, with the project's optimizer (``grpo_jax.optimizer``: global-norm clipping, AdamW,
+the non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)). ``--init`` is
+a Hugging Face checkpoint: a ``*ForSequenceClassification`` one is trained further, a
+causal LM gets a fresh scalar head on its decoder; without it the built-in tiny model
+starts from random weights with the built-in tokenizer.
 
 The model trains on a mesh of ``--num_devices`` devices (0: all), its
 parameters and optimizer state sharded by the policy's "fsdp" layout and each
@@ -44,6 +48,7 @@ from flax import nnx
 
 from grpo_jax import cli, sharding
 from grpo_jax.checkpointer import Checkpointer
+from grpo_jax.data.pairs import PAIR_KEYS, TFDS_PREFIX, load_pairs
 from grpo_jax.errors import CheckpointError
 from grpo_jax.models import from_pretrained, load_tokenizer, tiny_config
 from grpo_jax.models.builtin_tokenizer import build_tokenizer
@@ -54,7 +59,6 @@ from grpo_jax.reward_models import RewardModel, load_reward_model
 from grpo_jax.reward_models.training import (
     encode_pairs,
     from_causal_lm,
-    load_pairs,
     pair_loss,
     save_reward_model,
 )
@@ -210,11 +214,22 @@ def _resume(ck: Checkpointer, state, fingerprint: str):
     return state, list(meta["history"])
 
 
-def run_fingerprint(pairs_path, **settings) -> str:
-    """sha256 of the pairs file's bytes and the settings that shape the run."""
-    h = hashlib.sha256(pathlib.Path(pairs_path).read_bytes())
+def run_fingerprint(pairs_path, pairs=None, **settings) -> str:
+    """sha256 of the pairs (a file's bytes; a dataset's ``pairs`` themselves) and the
+    settings that shape the run."""
+    if str(pairs_path).startswith(TFDS_PREFIX):
+        h = hashlib.sha256(json.dumps([str(pairs_path), *pairs]).encode())
+    else:
+        h = hashlib.sha256(pathlib.Path(pairs_path).read_bytes())
     h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()
+
+
+def _check_buckets(buckets) -> tuple[int, ...]:
+    buckets = tuple(buckets)
+    if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
+        raise ValueError(f"--buckets={list(buckets)} must be positive token counts")
+    return tuple(sorted(buckets))
 
 
 def initial_model(init: str, tokenizer_dir: str, seed: int):
@@ -243,25 +258,35 @@ def train_reward_model(
     seed: int = 0,
     num_devices: int = 0,
     checkpoint_every: int = 100,
+    buckets: Sequence[int] = BUCKETS,
+    split: str = "train",
+    data_dir: str | None = None,
+    fields: Sequence[str] = PAIR_KEYS,
     log: Callable[[str], None] = print,
     on_step: Callable[[int], None] | None = None,
 ) -> dict:
     """Trains on ``pairs_path``, writes the model to ``out``; returns reward_model.json's dict.
 
     ``num_devices``: the mesh's devices (0: all); ``checkpoint_every``: Orbax
-    checkpoints under ``<out>/checkpoints`` (module doc).
+    checkpoints under ``<out>/checkpoints`` (module doc). ``buckets``: the padded lengths
+    of a batch (the smallest that holds its longest text). ``split``, ``data_dir`` and
+    ``fields``: how ``pairs_path`` is read (``grpo_jax.data.pairs.load_pairs``).
     """
-    train, heldout = split_pairs(load_pairs(pairs_path), heldout_frac, seed)
+    buckets = _check_buckets(buckets)
+    pairs = load_pairs(pairs_path, split=split, data_dir=data_dir, fields=fields)
+    train, heldout = split_pairs(pairs, heldout_frac, seed)
     devices = jax.devices()
     if num_devices > len(devices) or num_devices < 0:
         raise ValueError(f"--num_devices={num_devices}, but {len(devices)} devices are available")
     mesh = sharding.make_mesh({"fsdp": -1}, devices[: num_devices or None])
     model, tok = initial_model(init, tokenizer, seed)
-    before = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=BUCKETS)
+    before = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=buckets)
     log(f"{len(train)} pairs to train on, {len(heldout)} held out; before: {before}")
     optim = OptimConfig(learning_rate=learning_rate)
     settings = dict(init=init, tokenizer=tokenizer, steps=steps, batch_size=batch_size)
     settings.update(learning_rate=learning_rate, heldout_frac=heldout_frac, seed=seed)
+    if buckets != BUCKETS:  # only then: checkpoints from before the flag keep resuming
+        settings.update(buckets=buckets)
     model, history = train_pairs(
         model,
         tok,
@@ -270,18 +295,20 @@ def train_reward_model(
         batch_size=batch_size,
         optim=optim,
         seed=seed,
+        buckets=buckets,
         log=log,
         mesh=mesh,
         checkpoints=pathlib.Path(out) / "checkpoints",
         checkpoint_every=checkpoint_every,
-        fingerprint=run_fingerprint(pairs_path, **settings),
+        fingerprint=run_fingerprint(pairs_path, pairs, **settings),
         on_step=on_step,
     )
-    after = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=BUCKETS)
+    after = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=buckets)
     log(f"held-out pairwise accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
     out = save_reward_model(model, out, tokenizer=tok)
     summary = {
-        "pairs": str(pairs_path),
+        "pairs": str(pairs_path)
+        + (f"[{split}]" if str(pairs_path).startswith(TFDS_PREFIX) else ""),
         "train_pairs": len(train),
         "heldout_pairs": len(heldout),
         "steps": steps,
@@ -313,6 +340,10 @@ def main(argv):
             seed=F.seed,
             num_devices=F.num_devices,
             checkpoint_every=F.checkpoint_every,
+            buckets=[int(b) for b in F.buckets],
+            split=F.split,
+            data_dir=F.data_dir or None,
+            fields=F.fields,
         )
     except (*cli.user_errors(), ValueError) as e:
         return cli.report_user_error(e)
@@ -336,5 +367,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer(
         "checkpoint_every", 100, "Orbax checkpoint every this many steps (0: at the end only)."
     )
+    flags.DEFINE_list("buckets", [str(b) for b in BUCKETS], "Padded text lengths (tokens).")
+    flags.DEFINE_string("split", "train", "The split of a tfds:NAME dataset (TFDS slicing works).")
+    flags.DEFINE_string("data_dir", "", "The TFDS data_dir of a tfds:NAME dataset ('': TFDS's).")
+    flags.DEFINE_list("fields", list(PAIR_KEYS), "The prompt's, chosen and rejected fields.")
     flags.mark_flags_as_required(["pairs", "out"])
     app.run(main, argv=sys.argv, flags_parser=cli.parse_flags)

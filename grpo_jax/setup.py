@@ -207,6 +207,15 @@ def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | Non
         ck.close()
 
 
+def restore_warm_start(run: RunConfig, tokenizer, mesh, workdir):
+    """(graphdef, params) of the warm-started policy cached in ``<workdir>/warm_start``: the
+    whole model, or a LoRA run's base (the warm start trains the base before the adapters)."""
+    graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
+    if lora_run is not None:
+        graphdef, params = lora_run.base_graphdef, lora.split(params)[0]
+    return graphdef, sft.restore_cache(workdir, params)
+
+
 def build_sampler_weights(run: RunConfig, graphdef, params, model_cfg) -> SamplerWeights | None:
     """The sampler's copy of the policy in ``sampling.param_dtype``; None when that is unset
     or is already the model's storage and compute dtype (nothing to copy)."""

@@ -143,8 +143,6 @@ def _cache_paths(workdir) -> tuple[pathlib.Path, pathlib.Path]:
 
 def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
     """(params, info) from the cache when its fingerprint is ``fp`` (or one of them), else None."""
-    import orbax.checkpoint as ocp
-
     params_dir, info_path = _cache_paths(workdir)
     if not info_path.exists() or not params_dir.exists():
         return None
@@ -159,9 +157,19 @@ def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
             fps[0],
         )
         return None
+    return restore_cache(workdir, params_like), info
+
+
+def restore_cache(workdir, params_like):
+    """The parameters cached in ``<workdir>/warm_start``, whatever config made them (the
+    caller checks the fingerprint when it matters); FileNotFoundError when there are none."""
+    import orbax.checkpoint as ocp
+
+    params_dir, info_path = _cache_paths(workdir)
+    if not info_path.exists() or not params_dir.exists():
+        raise FileNotFoundError(f"{info_path.parent} holds no complete warm start")
     with ocp.StandardCheckpointer() as ck:
-        params = ck.restore(params_dir, sharding.abstract_like(params_like))
-    return params, info
+        return ck.restore(params_dir, sharding.abstract_like(params_like))
 
 
 def save_cache(workdir, params, info: Mapping) -> None:

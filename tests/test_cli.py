@@ -213,3 +213,43 @@ def test_compilation_cache_is_written_then_read_by_a_relaunch(tmp_path):
     for program in ("jit__prefill", "jit__decode", "jit_update"):
         assert program in hits, (program, hits)
     assert sorted(p.name for p in cache.iterdir()) == written
+
+
+def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path):
+    """--warm_start exports <workdir>/warm_start, not a checkpoint: the policy before GRPO
+    (what a reward model starts from, docs/learned_rewards.md)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from grpo_jax import sft
+    from grpo_jax.config import parse_config
+    from grpo_jax.export import ExportError, export_hf
+    from grpo_jax.models import from_pretrained
+    from grpo_jax.setup import build_mesh, build_policy, build_tokenizer
+    from grpo_jax.train import train
+
+    run = tmp_path / "run"
+    c = get_config("smoke")
+    c.train.steps = 0
+    c.eval.at_start = False
+    c.warm_start.min_steps = c.warm_start.max_steps = 4
+    train(c, run, stream=io.StringIO())
+    out = export_hf(run, tmp_path / "sft", warm_start=True)
+    assert json.loads((out / "export.json").read_text())["step"] == "warm_start"
+    exported = nnx.state(from_pretrained(out), nnx.Param)
+    cached = sft.restore_cache(run, exported)
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(cached), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # ... which the warm start's four steps moved away from the run's initial parameters.
+    parsed = parse_config(c)
+    tokenizer = build_tokenizer(parsed, run)
+    _, initial, _ = build_policy(parsed, tokenizer, build_mesh(parsed))
+    assert not all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(initial), strict=True)
+    )
+    with pytest.raises(ExportError, match="has no warm start"):
+        export_hf(workdir, tmp_path / "none", warm_start=True)
+    with pytest.raises(ExportError, match="no --step"):
+        export_hf(run, tmp_path / "both", warm_start=True, step=1)

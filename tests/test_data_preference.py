@@ -52,7 +52,7 @@ def test_the_bias_is_wrong_under_the_default_checker():
 
 
 def test_the_pairs_file_is_what_the_reward_model_command_reads(tmp_path):
-    from grpo_jax.reward_models.training import load_pairs
+    from grpo_jax.data.pairs import load_pairs
 
     pairs = preference.biased_pairs(20, seed=1)
     path = preference.write_pairs(pairs, tmp_path / "sub" / "pairs.jsonl")

@@ -1,5 +1,6 @@
 """Training a reward model: the Bradley-Terry loss and gradient by hand, held-out accuracy on
-synthetic pairs, the JSONL errors, and the export that transformers and the loader read."""
+synthetic pairs, the command (JSONL and TFDS pairs), and the export that transformers and the
+loader read. (Reading the pairs: tests/test_data_pairs.py.)"""
 
 import json
 import math
@@ -14,14 +15,12 @@ from flax import nnx
 from helpers_hf import hf_classifier_scores, load_hf_classifier
 from helpers_jit import scores as jit_scores
 
-from grpo_jax.errors import MalformedRowError
 from grpo_jax.optimizer import OptimConfig
 from grpo_jax.reward_model import evaluate_pairs, split_pairs, train_pairs
 from grpo_jax.reward_models import RewardModel, load_reward_model
 from grpo_jax.reward_models.training import (
     bradley_terry,
     encode_pairs,
-    load_pairs,
     pair_loss,
     save_reward_model,
 )
@@ -108,25 +107,6 @@ def test_export_loads_in_transformers_and_back(trained, builtin_tokenizer, tmp_p
     ]
 
 
-def test_malformed_rows_name_file_and_line(tmp_path):
-    good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
-    cases = {
-        "not valid JSON": "{oops",
-        "expected a JSON object": "[1, 2]",
-        "needs string fields .*; missing or not a string: \\['rejected'\\]": json.dumps(
-            {"prompt": "p", "chosen": "a", "rejected": 3}
-        ),
-    }
-    for i, (problem, line) in enumerate(cases.items()):
-        path = tmp_path / f"pairs{i}.jsonl"
-        path.write_text(f"{good}\n\n{line}\n")
-        with pytest.raises(MalformedRowError, match=f"pairs{i}.jsonl:3: {problem}"):
-            load_pairs(path)
-    ok = tmp_path / "ok.jsonl"
-    ok.write_text(good + "\n")
-    assert load_pairs(ok) == [("p", "a", "b")]
-
-
 @pytest.mark.slow
 def test_command_trains_and_saves(tmp_path):
     rng = np.random.default_rng(1)
@@ -149,6 +129,25 @@ def test_command_trains_and_saves(tmp_path):
     cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--pairs={bad}", f"--out={out}2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "bad.jsonl:1:" in done.stderr
+
+
+@pytest.mark.slow  # two launches of the command
+def test_command_trains_on_a_prepared_tfds_dataset(tmp_path):
+    import helpers_tfds
+
+    data_dir = helpers_tfds.prepare(tmp_path / "tfds")
+    out = tmp_path / "rm"
+    cmd = [sys.executable, "-m", "grpo_jax.reward_model", "--pairs=tfds:tiny_prefs"]
+    cmd += [f"--data_dir={data_dir}", "--fields=question,response_j,response_k"]
+    cmd += [f"--out={out}", "--steps=2", "--batch_size=4", "--heldout_frac=0.25"]
+    done = subprocess.run([*cmd, "--buckets=16,32"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "reward_model.json").read_text())
+    assert summary["pairs"] == "tfds:tiny_prefs[train]"
+    assert (summary["train_pairs"], summary["heldout_pairs"]) == (9, 3)  # the 12 train rows
+    done = subprocess.run([*cmd, "--split=dev"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "split 'dev'" in done.stderr.strip().splitlines()[-1]
 
 
 class _Stopped(Exception):

@@ -1,6 +1,6 @@
 """Training a reward model on preference pairs: the data, the Bradley-Terry loss, the export.
 
-    pairs = load_pairs("pairs.jsonl")        # [(prompt, chosen, rejected), ...]
+    pairs = grpo_jax.data.pairs.load_pairs("pairs.jsonl")   # [(prompt, chosen, rejected), ...]
     loss, acc = pair_loss(params, graphdef, batch, label=0)
     save_reward_model(model, "/out/rm", tokenizer=tok)   # transformers reads it, and we do
 
@@ -16,7 +16,6 @@ A pair counts as right (pairwise accuracy) when r_c > r_r.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import jax
@@ -24,47 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.errors import MalformedRowError
 from grpo_jax.models import ModelConfig, Transformer
 from grpo_jax.models.hf import param_path
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.safetensors_io import write_checkpoint
 from grpo_jax.reward_models.model import RewardModel, reward_table
 from grpo_jax.sampling import pad_prompts
-
-PAIR_KEYS = ("prompt", "chosen", "rejected")
-
-
-def load_pairs(path: str | os.PathLike) -> list[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) of each line of a JSONL file; blank lines are skipped.
-
-    Raises MalformedRowError naming the file and line for a line that is not a
-    JSON object with string ``prompt``, ``chosen`` and ``rejected``; ValueError
-    for a file with no pairs.
-    """
-    path = pathlib.Path(path)
-    pairs = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MalformedRowError(path, lineno, f"not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise MalformedRowError(path, lineno, f"expected a JSON object, got {row!r:.60}")
-            missing = [k for k in PAIR_KEYS if not isinstance(row.get(k), str)]
-            if missing:
-                raise MalformedRowError(
-                    path,
-                    lineno,
-                    f"needs string fields {list(PAIR_KEYS)}; missing or not a string: {missing}",
-                )
-            pairs.append(tuple(row[k] for k in PAIR_KEYS))
-    if not pairs:
-        raise ValueError(f"{path}: no preference pairs")
-    return pairs
 
 
 def bradley_terry(r_chosen_B: jax.Array, r_rejected_B: jax.Array) -> jax.Array:
