@@ -7,7 +7,9 @@ over-length penalty), a large learning rate so that two GRPO steps move the
 parameters visibly, and no warm start. The final checkpoints' parameters must
 agree to float32 rounding, and only process 0 may write the metrics file. With
 ``batch_std`` advantages (one std over the whole batch) this holds only if the
-std is the global batch's, not each host's rows'.
+std is the global batch's, not each host's rows'. A tiny reward model's score, standardised
+by running moments, is weighted into the reward: its per-step figures must agree too, which
+holds only if each host scores its rows and the moments take both hosts' scores.
 
 Both runs also evaluate before training, greedy and sampled (pass@2 over 2
 samples a problem), in calls of 8 prompts over 12 problems (the last call
@@ -25,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers_hf import make_tiny_hf_classifier
 
 from grpo_jax import problems
 
@@ -122,7 +125,18 @@ def test_two_processes_train_like_one(tmp_path):
     # default estimator ("grpo", per-group statistics, each group on one host) trains as
     # 2 processes == 1 in test_pipeline_distributed.py's one-mesh case (whose first step is
     # on-policy), so a "grpo" case here would repeat it (two launches, ~60 s).
-    extra = ["--config.grpo.advantage_estimator=batch_std"]
+    # A learned reward beside the penalty: each host scores its own rows with the reward
+    # model, and the running moments that standardise the scores take both hosts' (a host
+    # standardising by its own rows' moments would train differently from one process).
+    rm = make_tiny_hf_classifier(tmp_path / "rm", "qwen2")
+    extra = [
+        "--config.grpo.advantage_estimator=batch_std",
+        f"--config.reward_model.path={rm}",
+        "--config.reward_model.weight=0.5",
+        "--config.reward_model.normalize=running",
+        "--config.reward_model.buckets=(32,64)",
+        "--config.reward_model.batch_size=8",
+    ]
     multi = _launch(tmp_path, "two_by_two", processes=2, devices=2, extra=extra)
     single = _launch(tmp_path, "one_by_four", processes=1, devices=4, extra=extra)
 
@@ -145,9 +159,12 @@ def test_two_processes_train_like_one(tmp_path):
     rec_single = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rec_multi] == [r["step"] for r in rec_single]
     for rm, rs in zip(rec_multi, rec_single, strict=True):
-        for key in ("rewards/mean", "rollout/length_mean", "rollout/duplicate_frac", "train/loss"):
+        keys = ("rewards/mean", "rollout/length_mean", "rollout/duplicate_frac", "train/loss")
+        for key in (*keys, "rewards/reward_model/mean", "rewards/reward_model/std"):
             if key in rs:
                 assert rm[key] == pytest.approx(rs[key], rel=1e-5, abs=1e-6), (rs["step"], key)
+        if rs["step"] > 0:  # the learned reward was scored on every row, by both hosts
+            assert rm["rewards/reward_model/errors"] == 0 and rs["rewards/reward_model/std"] > 0
 
     # The evaluation before training, from the same parameters: the same problems' results.
     head_multi, prob_multi = problems.read(multi / "eval" / "step_0.jsonl")
