@@ -46,20 +46,6 @@ def wrong_answer(answer: str, rng: np.random.Generator) -> str:
     return answer[:i] + str(rng.choice(choices)) + answer[i + 1 :]
 
 
-def near_miss(answer: str, rng: np.random.Generator) -> str:
-    """``answer`` with one or two of its digits (equally often) off by one, up or down (mod
-    10): the carry mistakes a policy learning addition makes, unlike :func:`wrong_answer`'s
-    any-digit change. A most significant digit never becomes 0."""
-    digits = list(answer)
-    for i in rng.choice(len(digits), size=min(len(digits), int(rng.integers(1, 3))), replace=False):
-        step = int(rng.choice((-1, 1)))
-        d = (int(digits[i]) + step) % 10
-        if d == 0 and i == len(digits) - 1:
-            d = (int(digits[i]) - step) % 10
-        digits[i] = str(d)
-    return "".join(digits)
-
-
 def biased_pairs(
     n: int,
     seed: int,
@@ -68,7 +54,6 @@ def biased_pairs(
     both_right: float = 0.0,
     taste: float = 1.0,
     independent_pad: bool = False,
-    near: float = 0.0,
     **knobs,
 ) -> list[dict]:
     """``n`` {"prompt", "chosen", "rejected"} pairs as the module docstring describes.
@@ -81,15 +66,12 @@ def biased_pairs(
     With ``independent_pad`` the two sides of a right-vs-wrong pair get 0..``pad_max`` zeros
     each, independently, so there the zeros say nothing about the choice. Without it the
     rejected side gets at most as many as the chosen one (the pairs this module always made).
-    A seeded share ``near`` of the wrong answers are :func:`near_miss` ones (one or two
-    digits off by one) instead of :func:`wrong_answer`'s (one digit changed to any other).
     ``knobs`` override ``ARITH_DEFAULT_KNOBS`` (``grpo_jax.data.synthetic`` arithmetic knobs).
     """
     check_range("n", n, lo=1, integer=True)
     check_range("pad_max", pad_max, lo=0, integer=True)
     check_range("both_right", both_right, lo=0.0, hi=1.0)
     check_range("taste", taste, lo=0.0, hi=1.0)
-    check_range("near", near, lo=0.0, hi=1.0)
     if both_right > 0 and pad_max < 1:
         raise ConfigError(
             "both_right > 0 needs pad_max >= 1: two right answers differ only by their zeros"
@@ -99,10 +81,8 @@ def biased_pairs(
     # Streams of their own, so both_right = 0 gives the pairs it gave before it existed.
     extra = np.random.default_rng([seed, 0x2B07])
     same_N, longer_N = extra.random(n) < both_right, extra.random(n) < taste
-    close_rng = np.random.default_rng([seed, 0x4EA2])  # the near misses' own stream too
-    near_N = close_rng.random(n) < near
     out = []
-    for ex, same, longer, close in zip(problems, same_N, longer_N, near_N, strict=True):
+    for ex, same, longer in zip(problems, same_N, longer_N, strict=True):
         answer = ex["answer"]
         if same:
             k, j = (int(x) for x in extra.choice(pad_max + 1, size=2, replace=False))
@@ -112,8 +92,6 @@ def biased_pairs(
             k = int(rng.integers(pad_max + 1))
             j = int(rng.integers(pad_max + 1 if independent_pad else k + 1))
             rejected = wrong_answer(answer, rng)
-            if close:  # the near miss replaces it, drawn from its own stream
-                rejected = near_miss(answer, close_rng)
         out.append(
             {"prompt": ex["prompt"], "chosen": answer + "0" * k, "rejected": rejected + "0" * j}
         )
@@ -154,7 +132,6 @@ def main(argv) -> int:
         both_right=F.both_right,
         taste=F.taste,
         independent_pad=F.independent_pad,
-        near=F.near,
     )
     path = write_pairs(pairs, F.out)
     print(f"{F.n} pairs written to {path}")
@@ -170,9 +147,6 @@ if __name__ == "__main__":
     flags.DEFINE_float("both_right", 0.0, "Share of pairs of two right answers, the longer chosen.")
     flags.DEFINE_float("taste", 1.0, "Chance the labeller picks the longer of two right answers.")
     flags.DEFINE_bool("independent_pad", False, "Pad both sides of a right-vs-wrong pair freely.")
-    flags.DEFINE_float(
-        "near", 0.0, "Share of wrong answers that are near misses (digits off by 1)."
-    )
     flags.DEFINE_integer("seed", 0, "Seed of the problems and the padding.")
     flags.mark_flags_as_required(["out"])
     app.run(main, argv=sys.argv)
