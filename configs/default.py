@@ -31,8 +31,10 @@ Variants (``--config=configs/default.py:<arg>``):
             answer format, a few GRPO steps, small evaluations (tests use it);
             ``smoke`` is the same variant.
   reward_model=DIR  GRPO on the reward model in DIR alone (raw score, weight 1);
-            exact match and the share of zero-padded answers are scored with
-            weight 0 (docs/learned_rewards.md: the reward-hacking demonstration).
+            exact match and three shares of the bias (answers longer than the
+            reference, right answers followed by anything, answers padded with
+            zeros) are scored with weight 0 (docs/learned_rewards.md: the
+            reward-hacking demonstration).
 
 Override anything, e.g. ``--config.seed=1 --config.grpo.beta=0.04
 --config.rewards=exact_match(tag=None):1.0``.
@@ -114,9 +116,13 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.reward_model.normalize = "none"
         c.reward_model.buckets = (16, 32)
         c.reward_model.batch_size = 128
-        # Weight 0 too: the share of completions padded with zeros (the pairs' bias).
+        # Weight 0 too, the bias's shares: completions longer than their answer (the
+        # labeller's taste), right answers followed by anything, answers padded with zeros
+        # (the pairs' own examples of it).
         c.reward_modules = "grpo_jax.data.preference"
-        c.rewards = "exact_match(tag=None):0.0,trailing_zeros:0.0"
+        c.rewards = (
+            "exact_match(tag=None):0.0,longer_answer:0.0,padded_answer:0.0,trailing_zeros:0.0"
+        )
 
     if a.runlocal or a.smoke:
         c.model.hidden_size = 32

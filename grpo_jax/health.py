@@ -435,7 +435,7 @@ class HealthConfig:
     reward_window: int = 10
     reward_rise_min: float = 0.05
     pass_drop_min: float = 0.02
-    hack_window: int = 20
+    hack_window: int = 40
     hack_rise_min: float = 0.1
     hack_rise_z: float = 3.0
     hack_flat_max: float = 0.0

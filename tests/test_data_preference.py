@@ -68,10 +68,19 @@ def test_trailing_zeros_counts_zero_padded_answers_right_or_wrong():
     assert got == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 
 
+def test_padded_and_longer_answers():
+    completions = ["2850", "285", " 28511 ", "28", "2851", "1850", "0285", "", "285a"]
+    got = preference.padded_answer(None, completions, answer=["285"] * len(completions))
+    assert got == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    longer = preference.longer_answer(None, completions, answer=["285"] * len(completions))
+    assert longer == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+
+
 def test_the_reward_model_variant_scores_the_checks_at_weight_zero():
     c = get_config("reward_model=/tmp/rm")
     assert c.reward_model.path == "/tmp/rm" and c.reward_model.weight == 1.0
-    assert c.rewards == "exact_match(tag=None):0.0,trailing_zeros:0.0"
+    shares = "longer_answer:0.0,padded_answer:0.0,trailing_zeros:0.0"
+    assert c.rewards == f"exact_match(tag=None):0.0,{shares}"
     assert c.reward_modules == "grpo_jax.data.preference"
 
 

@@ -352,31 +352,32 @@ def _hacking_history(n, learned, check, key="rewards/reward_model/mean"):
 
 
 def test_reward_hacking_fires_when_the_learned_reward_rises_and_the_check_does_not():
-    rising = lambda s: 0.02 * s  # +0.2 between the window's halves (20 steps)
+    assert CFG.hack_window == 40  # the halves below are 20 steps each
+    rising = lambda s: 0.01 * s  # +0.2 between the window's halves
     # The check falls: fires, naming both numbers.
     alarm = _only(
-        diagnose(_hacking_history(40, rising, lambda s: 0.6 - 0.005 * s), CFG), "reward_hacking"
+        diagnose(_hacking_history(80, rising, lambda s: 0.6 - 0.0025 * s), CFG), "reward_hacking"
     )
     assert "rewards/reward_model/mean rose by 0.2" in alarm.message
     assert "rollout/pass_rate changed by -0.05" in alarm.message
     # The check stays flat: fires too; the judge's reward is watched as well.
     flat = lambda s: 0.5
-    assert _only(diagnose(_hacking_history(40, rising, flat), CFG), "reward_hacking")
-    judged = _hacking_history(40, rising, flat, key="rewards/judge/mean")
+    assert _only(diagnose(_hacking_history(80, rising, flat), CFG), "reward_hacking")
+    judged = _hacking_history(80, rising, flat, key="rewards/judge/mean")
     assert "rewards/judge/mean" in _only(diagnose(judged, CFG), "reward_hacking").message
 
 
 def test_reward_hacking_quiet_when_the_check_rises_too_or_the_reward_is_flat():
-    rising = lambda s: 0.02 * s
-    assert diagnose(_hacking_history(40, rising, lambda s: 0.2 + 0.01 * s), CFG) == []
-    assert diagnose(_hacking_history(40, lambda s: 1.0, lambda s: 0.6 - 0.005 * s), CFG) == []
+    rising = lambda s: 0.01 * s
+    assert diagnose(_hacking_history(80, rising, lambda s: 0.2 + 0.005 * s), CFG) == []
+    assert diagnose(_hacking_history(80, lambda s: 1.0, lambda s: 0.6 - 0.0025 * s), CFG) == []
     # Fewer records than the window, or no learned reward at all: quiet.
-    assert diagnose(_hacking_history(15, rising, lambda s: 0.5), CFG) == []
-    assert diagnose(_healthy(40, **{"rollout/pass_rate": lambda s: 0.5}), CFG) == []
+    assert diagnose(_hacking_history(CFG.hack_window - 1, rising, lambda s: 0.5), CFG) == []
+    assert diagnose(_healthy(80, **{"rollout/pass_rate": lambda s: 0.5}), CFG) == []
     # A second reward as the check (health.hack_check).
     cfg = HealthConfig(hack_check="rewards/exact_match/mean")
     h = _healthy(
-        40, **{"rewards/reward_model/mean": rising, "rewards/exact_match/mean": lambda s: 0.4}
+        80, **{"rewards/reward_model/mean": rising, "rewards/exact_match/mean": lambda s: 0.4}
     )
     assert _only(diagnose(h, cfg), "reward_hacking")
 
@@ -386,14 +387,15 @@ def test_reward_hacking_needs_a_rise_beyond_the_learned_rewards_own_noise():
     the same noise around a rise of 0.6 is. The z-test is what tells them apart: with
     hack_rise_z = 0 the noisy one fires too (the false alarms of docs/learned_rewards.md's
     weight sweep, replayed there)."""
+    cfg = HealthConfig(hack_window=20)  # the window of the weight sweep's runs
     noise = np.random.default_rng(0).normal(0.0, 0.15, 20)
     # Each half of the 20-step window centred, so the halves' means are exactly 0.11 apart.
     base = np.concatenate([noise[:10] - noise[:10].mean(), noise[10:] - noise[10:].mean()])
     noisy = lambda s: -8.5 + base[s - 1] + (0.11 if s > 10 else 0.0)
     flat = lambda s: 0.4
     h = _hacking_history(20, noisy, flat)
-    assert diagnose(h, CFG) == []
-    assert _only(diagnose(h, HealthConfig(hack_rise_z=0.0)), "reward_hacking")
+    assert diagnose(h, cfg) == []
+    assert _only(diagnose(h, HealthConfig(hack_window=20, hack_rise_z=0.0)), "reward_hacking")
     climbing = lambda s: -8.5 + base[s - 1] + 0.06 * s
-    alarm = _only(diagnose(_hacking_history(20, climbing, flat), CFG), "reward_hacking")
+    alarm = _only(diagnose(_hacking_history(20, climbing, flat), cfg), "reward_hacking")
     assert "standard errors > health.hack_rise_z 3.0" in alarm.message

@@ -19,6 +19,14 @@ from grpo_jax import health
 from grpo_jax.metrics import read_metrics
 
 
+def _number(text: str) -> int | float:
+    """An int where the text is one (window lengths are counts), else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def fired_at(records, cfg: health.HealthConfig, alarm: str) -> list[int]:
     seen, out = None, []
     steps = [r for r in records if r.get("step", 0) >= 1]
@@ -35,9 +43,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("workdirs", nargs="+")
     p.add_argument("--alarm", default="reward_hacking")
-    p.add_argument("--set", action="append", default=[], help="health key=value (a float)")
+    p.add_argument("--set", action="append", default=[], help="health key=value (a number)")
     a = p.parse_args(argv)
-    overrides = {k: float(v) for k, v in (s.split("=", 1) for s in a.set)}
+    overrides = {k: _number(v) for k, v in (s.split("=", 1) for s in a.set)}
     cfg = dataclasses.replace(health.HealthConfig(), **overrides)
     for w in a.workdirs:
         print(w, fired_at(read_metrics(f"{w}/metrics.jsonl"), cfg, a.alarm))

@@ -1,12 +1,16 @@
-"""The figure of docs/learned_rewards.md's reward-hacking demonstration, from a run's metrics.
+"""The figure of docs/learned_rewards.md's reward-hacking demonstration, from runs' metrics.
 
-    python docs/figures/reward_hacking.py WORKDIR [--out=docs/reward_hacking.png]
+    python docs/figures/reward_hacking.py WORKDIR [WORKDIR ...] [--out=docs/reward_hacking.png]
 
-Three panels over GRPO steps: the learned reward (``rewards/reward_model/mean``), the true
-check (``rollout/pass_rate``: exact match, scored at weight 0), and the length the reward
-model's bias favours (``rollout/length_mean``, tokens), with ``rewards/trailing_zeros/mean``
-(the share of zero-padded answers, the pairs' own bias) on its right axis; a vertical line
-at each step where ``alarms/reward_hacking`` fired. Needs matplotlib (requirements-test.txt).
+Three panels over GRPO steps, one line per run (a seed, say), each a moving mean over
+``--smooth`` steps: the learned reward (``rewards/reward_model/mean``); the true check, the
+exact-match pass rate of the step's samples (``rollout/pass_rate``, scored at weight 0) with
+the held-out greedy pass@1 of each evaluation as points with their 95% intervals; and the
+bias, the share of completions longer than their reference answer
+(``rewards/longer_answer/mean``), with the share that are the right answer followed by more
+characters (``rewards/padded_answer/mean``) dashed. A vertical line marks each step
+where ``alarms/reward_hacking`` fired, in the run's colour. Needs matplotlib
+(requirements-test.txt).
 """
 
 from __future__ import annotations
@@ -14,47 +18,80 @@ from __future__ import annotations
 import argparse
 import pathlib
 
+import numpy as np
+
 from grpo_jax.metrics import read_metrics
+
+
+def smooth(values, width: int) -> np.ndarray:
+    """Mean of each value and the ``width - 1`` before it (fewer at the start)."""
+    x = np.asarray(values, dtype=float)
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(i - width, 0)
+    return (c[i] - c[lo]) / (i - lo)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workdir", type=pathlib.Path)
+    ap.add_argument("workdirs", type=pathlib.Path, nargs="+")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/reward_hacking.png"))
+    ap.add_argument("--smooth", type=int, default=5, help="steps in each moving mean")
     args = ap.parse_args()
-    rows = [r for r in read_metrics(args.workdir / "metrics.jsonl") if "rollout/pass_rate" in r]
-    if not rows:
-        raise SystemExit(f"{args.workdir}/metrics.jsonl has no GRPO step records")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    alarms = [r["step"] for r in rows if r.get("alarms/reward_hacking")]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    panels = [
-        ("rewards/reward_model/mean", "learned reward (reward model's score)"),
-        ("rollout/pass_rate", "true check: exact-match pass rate"),
-        ("rollout/length_mean", "completion length (tokens) and zero padding"),
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    for n, workdir in enumerate(args.workdirs):
+        records = read_metrics(workdir / "metrics.jsonl")
+        rows = [r for r in records if "rollout/pass_rate" in r]
+        if not rows:
+            raise SystemExit(f"{workdir}/metrics.jsonl has no GRPO step records")
+        color, label = f"C{n}", workdir.name
+        steps = [r["step"] for r in rows]
+        series = lambda key: smooth([r.get(key, np.nan) for r in rows], args.smooth)  # noqa: E731
+        axes[0].plot(steps, series("rewards/reward_model/mean"), color=color, label=label)
+        axes[1].plot(steps, series("rollout/pass_rate"), color=color, label=f"{label}: samples")
+        evals = [r for r in records if "eval/pass_at_1" in r]
+        axes[1].errorbar(
+            [r["step"] for r in evals],
+            [r["eval/pass_at_1"] for r in evals],
+            yerr=[
+                [r["eval/pass_at_1"] - r["eval/pass_at_1_lo"] for r in evals],
+                [r["eval/pass_at_1_hi"] - r["eval/pass_at_1"] for r in evals],
+            ],
+            fmt="o",
+            color=color,
+            ms=4,
+            capsize=2,
+            label=f"{label}: held-out greedy",
+        )
+        axes[2].plot(steps, series("rewards/longer_answer/mean"), color=color, label=label)
+        axes[2].plot(steps, series("rewards/padded_answer/mean"), color=color, ls="--", lw=1)
+        for s in (r["step"] for r in rows if r.get("alarms/reward_hacking")):
+            for ax in axes:
+                ax.axvline(s, color=color, alpha=0.5, lw=1, ls=":")
+        alarms = [r["step"] for r in rows if r.get("alarms/reward_hacking")]
+        print(f"{workdir}: {len(rows)} steps; reward_hacking alarms at {alarms}")
+    titles = [
+        ("learned reward (reward model's score)", "rewards/reward_model/mean"),
+        ("true check: exact-match pass@1", "pass rate"),
+        ("the bias: longer than the answer (dashed: right + more)", "share of completions"),
     ]
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        ax.plot(steps, [r.get(key, float("nan")) for r in rows])
-        for s in alarms:
-            ax.axvline(s, color="red", alpha=0.6, lw=1)
-        ax.set(title=title, xlabel="GRPO step", ylabel=key)
+    for ax, (title, ylabel) in zip(axes, titles, strict=True):
+        ax.set(title=title, xlabel="GRPO step", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    right = axes[2].twinx()
-    right.plot(steps, [r.get("rewards/trailing_zeros/mean", 0.0) for r in rows], color="C2")
-    right.set_ylabel("share zero-padded (C2)")
-    right.set_ylim(0, 1)
-    if alarms:
-        axes[0].text(alarms[0], axes[0].get_ylim()[1], f" alarm, step {alarms[0]}", va="top")
+    axes[1].set_ylim(0, 1)
+    axes[2].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
-    print(f"{args.out} written ({len(rows)} steps; reward_hacking alarms at {alarms})")
+    print(f"{args.out} written")
 
 
 if __name__ == "__main__":
