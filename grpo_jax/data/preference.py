@@ -156,14 +156,18 @@ def main(argv) -> int:
 
     del argv
     F = flags.FLAGS
-    pairs = biased_pairs(
-        F.n,
-        F.seed,
-        pad_max=F.pad_max,
-        both_right=F.both_right,
-        taste=F.taste,
-        independent_pad=F.independent_pad,
-    )
+    try:
+        pairs = biased_pairs(
+            F.n,
+            F.seed,
+            pad_max=F.pad_max,
+            both_right=F.both_right,
+            taste=F.taste,
+            independent_pad=F.independent_pad,
+        )
+    except ConfigError as e:  # a setting out of range: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     path = write_pairs(pairs, F.out)
     print(f"{F.n} pairs written to {path}")
     return 0
