@@ -54,7 +54,7 @@ def main() -> None:
         steps = [r["step"] for r in rows]
         series = lambda key: smooth([r.get(key, np.nan) for r in rows], args.smooth)  # noqa: E731
         axes[0].plot(steps, series("rewards/reward_model/mean"), color=color, label=label)
-        axes[1].plot(steps, series("rollout/pass_rate"), color=color, label=f"{label}: samples")
+        axes[1].plot(steps, series("rollout/pass_rate"), color=color)
         evals = [r for r in records if "eval/pass_at_1" in r]
         axes[1].errorbar(
             [r["step"] for r in evals],
@@ -67,7 +67,6 @@ def main() -> None:
             color=color,
             ms=4,
             capsize=2,
-            label=f"{label}: held-out greedy",
         )
         axes[2].plot(steps, series("rewards/longer_answer/mean"), color=color, label=label)
         axes[2].plot(steps, series("rewards/padded_answer/mean"), color=color, ls="--", lw=1)
@@ -79,7 +78,7 @@ def main() -> None:
     titles = [
         ("learned reward (reward model's score)", "rewards/reward_model/mean"),
         ("true check: exact-match pass@1", "pass rate"),
-        ("the bias: longer than the answer (dashed: right + more)", "share of completions"),
+        ("the bias: longer than the answer", "share (dashed: right answer + more)"),
     ]
     for ax, (title, ylabel) in zip(axes, titles, strict=True):
         ax.set(title=title, xlabel="GRPO step", ylabel=ylabel)
@@ -87,7 +86,9 @@ def main() -> None:
     axes[1].set_ylim(0, 1)
     axes[2].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
-    axes[1].legend(fontsize=7)
+    axes[1].plot([], [], color="grey", label="samples (moving mean)")
+    axes[1].errorbar([], [], yerr=[], fmt="o", color="grey", ms=4, label="held-out greedy, 95% CI")
+    axes[1].legend(fontsize=8)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
