@@ -118,7 +118,8 @@ def test_command_trains_and_saves(tmp_path):
     out = tmp_path / "rm"
     cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--pairs={pairs}", f"--out={out}"]
     cmd += ["--steps=40", "--batch_size=8", "--learning_rate=1e-3", "--heldout_frac=0.2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # The texts ("12+34=<answer>46</answer>") fit 32 tokens: half the default smallest bucket.
+    done = subprocess.run([*cmd, "--buckets=32"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "reward_model.json").read_text())
     assert summary["heldout_pairs"] == 12 and summary["train_pairs"] == 48
