@@ -215,9 +215,11 @@ def test_compilation_cache_is_written_then_read_by_a_relaunch(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == written
 
 
-def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path, lora_rank):
     """--warm_start exports <workdir>/warm_start, not a checkpoint: the policy before GRPO
-    (what a reward model starts from, docs/learned_rewards.md)."""
+    (what a reward model starts from, docs/learned_rewards.md); for a LoRA run, the base the
+    warm start trained, with no adapters."""
     import jax
     import numpy as np
     from flax import nnx
@@ -234,6 +236,7 @@ def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path):
     c.train.steps = 0
     c.eval.at_start = False
     c.warm_start.min_steps = c.warm_start.max_steps = 4
+    c.model.lora.rank = lora_rank
     train(c, run, stream=io.StringIO())
     out = export_hf(run, tmp_path / "sft", warm_start=True)
     assert json.loads((out / "export.json").read_text())["step"] == "warm_start"
@@ -244,7 +247,13 @@ def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path):
     # ... which the warm start's four steps moved away from the run's initial parameters.
     parsed = parse_config(c)
     tokenizer = build_tokenizer(parsed, run)
-    _, initial, _ = build_policy(parsed, tokenizer, build_mesh(parsed))
+    _, initial, lora_run = build_policy(parsed, tokenizer, build_mesh(parsed))
+    if lora_rank:
+        from grpo_jax.models import lora
+
+        names = ["/".join(map(str, path)) for path, _ in exported.flat_state()]
+        assert lora_run is not None and not any("lora" in n for n in names), names
+        initial = lora.split(initial)[0]
     assert not all(
         np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(initial), strict=True)
