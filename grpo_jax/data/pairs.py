@@ -111,7 +111,7 @@ def load_tfds_pairs(
     except tfds.core.registered.DatasetNotFoundError:
         raise ConfigError(
             f"tfds:{name} is neither prepared in {folder} nor a dataset TFDS knows; "
-            "prepare it where it can be built (tfds build NAME --file_format=array_record) "
+            f"prepare it where it can be built (tfds build {name} --file_format=array_record) "
             "and set --data_dir to that folder or a copy of it"
         ) from None
     if not builder.is_prepared():
