@@ -63,17 +63,11 @@ def biased_pairs(
     independent_pad: bool = False,
     **knobs,
 ) -> list[dict]:
-    """``n`` {"prompt", "chosen", "rejected"} pairs as the module docstring describes.
-
-    A seeded share ``both_right`` of them compares two right answers instead, followed by
-    different numbers of "0"s (0..``pad_max``): the labeller picks the longer one with
-    probability ``taste``, else the shorter. That is the taste for length shown where
-    correctness cannot explain the choice, and ``taste`` < 1 makes it a mild one: a
-    Bradley-Terry model of these pairs rates a longer right answer logit(taste) higher.
-    With ``independent_pad`` the two sides of a right-vs-wrong pair get 0..``pad_max`` zeros
-    each, independently, so there the zeros say nothing about the choice. Without it the
-    rejected side gets at most as many as the chosen one (the pairs this module always made).
-    ``knobs`` override ``ARITH_DEFAULT_KNOBS`` (``grpo_jax.data.synthetic`` arithmetic knobs).
+    """``n`` {"prompt", "chosen", "rejected"} pairs, the two kinds the module docstring
+    describes: a seeded share ``both_right`` of two right answers (the longer chosen with
+    probability ``taste``), the rest right against wrong (``independent_pad``: their zeros
+    drawn independently). ``knobs`` override ``ARITH_DEFAULT_KNOBS``
+    (``grpo_jax.data.synthetic`` arithmetic knobs).
     """
     check_range("n", n, lo=1, integer=True)
     check_range("pad_max", pad_max, lo=0, integer=True)
@@ -105,42 +99,37 @@ def biased_pairs(
     return out
 
 
+def _share(completions, answer, biased) -> list[float]:
+    """1.0 for each completion (stripped) that ``biased(completion, its answer)`` holds of."""
+    return [float(biased(c.strip(), a)) for c, a in zip(completions, answer, strict=True)]
+
+
+# The bias's shares, each scored at weight 0 by ``configs/default.py:reward_model=DIR``, so
+# the run logs them as ``rewards/<name>/mean``.
+
+
 @rewards.register("trailing_zeros")
 def trailing_zeros(prompts, completions, answer, **_):
-    """The bias's share: 1.0 for a completion that is longer than its reference answer with
-    only "0"s after the answer's length (right or wrong digits before them), else 0.0. Scored
-    at weight 0 by ``configs/default.py:reward_model=DIR``, so the run logs it as
-    ``rewards/trailing_zeros/mean``."""
+    """The pairs' own examples of the bias: a completion longer than its reference answer with
+    only "0"s after the answer's length (right or wrong digits before them)."""
     del prompts
-    out = []
-    for c, a in zip(completions, answer, strict=True):
-        s = c.strip()
-        out.append(float(len(s) > len(a) and set(s[len(a) :]) == {"0"}))
-    return out
+    return _share(completions, answer, lambda s, a: len(s) > len(a) and set(s[len(a) :]) == {"0"})
 
 
 @rewards.register("padded_answer")
 def padded_answer(prompts, completions, answer, **_):
-    """The bias's share, as a policy exploits it: 1.0 for a completion that is its reference
-    answer followed by more characters (zeros or any others), else 0.0. A reward model taught
-    that a longer right answer is better can pay for any tail, not only the pairs' zeros.
-    Scored at weight 0 by ``configs/default.py:reward_model=DIR``, so the run logs it as
-    ``rewards/padded_answer/mean``."""
+    """The bias as a policy exploits it: a completion that is its reference answer followed
+    by more characters (zeros or any others). A reward model taught that a longer right
+    answer is better can pay for any tail, not only the pairs' zeros."""
     del prompts
-    out = []
-    for c, a in zip(completions, answer, strict=True):
-        s = c.strip()
-        out.append(float(len(s) > len(a) and s.startswith(a)))
-    return out
+    return _share(completions, answer, lambda s, a: len(s) > len(a) and s.startswith(a))
 
 
 @rewards.register("longer_answer")
 def longer_answer(prompts, completions, answer, **_):
-    """The labeller's taste as a share: 1.0 for a completion longer than its reference answer
-    (whatever its characters, right or wrong), else 0.0. Scored at weight 0 by
-    ``configs/default.py:reward_model=DIR`` (``rewards/longer_answer/mean``)."""
+    """The labeller's taste: a completion longer than its reference answer, right or wrong."""
     del prompts
-    return [float(len(c.strip()) > len(a)) for c, a in zip(completions, answer, strict=True)]
+    return _share(completions, answer, lambda s, a: len(s) > len(a))
 
 
 def write_pairs(pairs: list[dict], path) -> pathlib.Path:
