@@ -92,11 +92,14 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None
     ``trained``: the part of ``params`` the optimizer updates (LoRA's adapters,
     ``grpo_jax.models.lora.trainable``); None: all of them.
 
-    The optimizer moments inherit the parameters' shardings and scalars are
-    replicated, so the state that goes in has the shardings of the state that
-    comes out of the jitted step (a mismatch would compile the step twice).
+    Each optimizer moment is made with the sharding of the parameter it follows
+    (:func:`opt_state_shardings`) and the optimizer's scalars are replicated, so
+    the state that goes in has the shardings of the state that comes out of the
+    jitted step (a mismatch would compile the step twice).
     """
-    opt_state = jax.jit(tx.init)(params if trained is None else trained)
+    target = params if trained is None else trained
+    out = None if mesh is None else opt_state_shardings(tx, target, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=out)(target)
     # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
     zeros = [jnp.zeros((), jnp.int32) for _ in range(4)]
     state = TrainState(params, opt_state, *zeros)
@@ -107,6 +110,25 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None
             state,
         )
     return state
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params, mesh):
+    """The shardings of ``tx.init(params)``: each moment its parameter's, the rest replicated.
+
+    ``tx.init`` never reads the parameters' values (the moments are zeros of their
+    shape), so a plain ``jax.jit(tx.init)`` drops them as inputs, makes the zeros on one
+    device and replicates every moment: 8 bytes per parameter on every device, which
+    defeats fsdp. The shardings are given explicitly instead, mapped over the copies of
+    the parameter tree inside the state (``optax.tree_map_params``).
+    """
+    rep = NamedSharding(mesh, P())
+    param_sh = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else rep, params
+    )
+    abstract = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(
+        tx, lambda _, sh: sh, abstract, param_sh, transform_non_params=lambda _: rep
+    )
 
 
 def lr_schedule(cfg: OptimConfig, total_updates: int) -> optax.Schedule:

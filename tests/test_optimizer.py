@@ -100,3 +100,99 @@ def test_apply_guarded_applies_a_finite_update_and_skips_a_nonfinite_one():
     assert bool(finite) and not _leaves_equal(state.params, before[0])
     assert (int(state.updates), int(state.skipped), int(state.skipped_in_row)) == (2, 2, 0)
     assert int(state.step) == 0  # the caller's counter
+
+
+def _moments_follow_params(state):
+    """Every Adam moment has the sharding of the parameter it belongs to."""
+    mu_nu = [s for s in jax.tree.leaves(state.opt_state, is_leaf=_is_adam) if _is_adam(s)]
+    assert len(mu_nu) == 1
+    param_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state.params))
+    for moments in (mu_nu[0].mu, mu_nu[0].nu):
+        moment_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, moments))
+        assert moment_sh == param_sh
+
+
+def _is_adam(x):
+    return isinstance(x, optax.ScaleByAdamState)
+
+
+def _device_bytes(tree, device):
+    """Bytes of ``tree``'s arrays that ``device`` holds."""
+    return sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for s in x.addressable_shards
+        if s.device == device
+    )
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 8}, {"data": 2, "fsdp": 4}])
+def test_fsdp_moments_are_sharded_like_their_parameters(axes, tiny_model_config, tmp_path):
+    """With an fsdp layout each device holds its share of the moments, not all of them: after
+    init, after an update and after a restore from a checkpoint. ``tx.init`` never reads the
+    parameters' values, so a plain ``jax.jit(tx.init)`` made the moments on one device and
+    replicated them (8 bytes per parameter on every device). The memory plan, which assumes
+    sharded moments, must count the bytes a device really holds."""
+    from flax import nnx
+    from test_update import rollout_batch
+
+    from grpo_jax import memory, sharding
+    from grpo_jax import update as upd
+    from grpo_jax.checkpointer import Checkpointer
+    from grpo_jax.config import GRPOConfig
+    from grpo_jax.models import create_model
+
+    mesh = sharding.make_mesh(axes)
+    cfg = tiny_model_config
+    graphdef, params = nnx.split(create_model(cfg, seed=0, mesh=mesh, layout="fsdp"))
+    tx, schedule = optimizer.make_optimizer(OptimConfig(learning_rate=1e-2), 4)
+    state = optimizer.init_state(params, tx, mesh)
+    _moments_follow_params(state)
+    # The test means something only if fsdp shards the large parameters.
+    sharded = [x for x in jax.tree.leaves(state.params) if not x.sharding.is_fully_replicated]
+    assert len(sharded) >= 5
+
+    dev = mesh.devices.flat[0]
+    est = memory.estimate(
+        cfg, mesh_shape=mesh.shape, layout="fsdp", batch_rows=8, seq_len=3, prompt_len=4, beta=0
+    )
+    assert est.optimizer == _device_bytes(state.opt_state, dev) - _device_bytes(
+        [x for x in jax.tree.leaves(state.opt_state) if x.ndim == 0], dev
+    )
+    assert est.params == _device_bytes(state.params, dev)
+
+    n, p, t = 8, 4, 3
+    rng = np.random.default_rng(1)
+    rows = dict(
+        prompt_tokens=rng.integers(4, cfg.vocab_size, (n, p)).astype(np.int32),
+        prompt_mask=np.ones((n, p), bool),
+        tokens=rng.integers(4, cfg.vocab_size, (n, t)).astype(np.int32),
+        mask=np.ones((n, t), bool),
+    )
+    batch = rollout_batch(graphdef, params, rows, rng.normal(size=n).astype(np.float32))
+    step = upd.jit_update(
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grpo=GRPOConfig(G=4),
+        minibatch_size=0,
+        grad_accum=1,
+        batch_shards=sharding.batch_shards(mesh),
+        track_update=False,
+        logits_chunk=0,
+        share_prompts=False,
+        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        batch_shardings=upd.rollout_batch_shardings(mesh),
+        ref_shardings=None,
+        replicated=sharding.replicated(mesh),
+    )
+    state, _ = step(state, batch, jax.random.key(0), None)
+    assert int(state.updates) == 1
+    _moments_follow_params(state)
+
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(1, params=state.params, opt_state=state.opt_state, meta={})
+    _, opt_state, _ = ck.restore(1, params_like=state.params, opt_state_like=state.opt_state)
+    _moments_follow_params(state.replace(opt_state=opt_state))
+    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(state.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
