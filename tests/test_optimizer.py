@@ -196,3 +196,25 @@ def test_fsdp_moments_are_sharded_like_their_parameters(axes, tiny_model_config,
     _moments_follow_params(state.replace(opt_state=opt_state))
     for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(state.opt_state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lora_moments_are_sharded_like_their_adapters(tiny_model_config):
+    """With LoRA the optimizer follows the adapters alone, each moment laid out as its adapter."""
+    from flax import nnx
+
+    from grpo_jax import sharding
+    from grpo_jax.config import LoRAConfig
+    from grpo_jax.models import create_model, lora
+
+    mesh = sharding.make_mesh({"fsdp": 8})
+    gd, params = nnx.split(create_model(tiny_model_config, seed=0, mesh=mesh, layout="fsdp"))
+    cfg = LoRAConfig(rank=8, alpha=8.0)
+    _, params, _ = lora.attach_params(gd, params, cfg, jax.random.key(1), mesh=mesh)
+    tx, _ = optimizer.make_optimizer(OptimConfig(), 4)
+    trained = lora.trainable(params)
+    state = optimizer.init_state(params, tx, mesh, trained=trained)
+    adam = [s for s in jax.tree.leaves(state.opt_state, is_leaf=_is_adam) if _is_adam(s)][0]
+    adapter_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, trained))
+    assert any(not sh.is_fully_replicated for sh in adapter_sh)
+    for moments in (adam.mu, adam.nu):
+        assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, moments)) == adapter_sh
