@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.special
 import scipy.stats
 
 from grpo_jax import problems, stats
@@ -154,3 +155,55 @@ def test_figures_pool_seeds_with_problems_as_unit():
     assert f["eval/num_seeds"] == 2
     with pytest.raises(ValueError, match="sampled_correct has shape"):
         problems.Problems(("a",), np.ones(1, bool), np.ones(1), np.zeros(1, bool), (0,), sc, sc)
+
+
+def test_clopper_pearson_at_a_million_trials_against_scipy():
+    """The ends come from the regularized incomplete beta function, not from an n-long
+    binomial table per bisection step: a million trials agree with scipy to 1e-10."""
+    n = 1_000_000
+    for c, conf in [(0, 0.95), (1, 0.95), (37, 0.95), (500_000, 0.95), (999_990, 0.99), (n, 0.9)]:
+        ci = scipy.stats.binomtest(c, n).proportion_ci(conf, method="exact")
+        got = stats.clopper_pearson_interval(c, n, conf)
+        assert got == pytest.approx((ci.low, ci.high), abs=1e-10, rel=1e-9), (c, conf)
+
+
+def test_regularized_incomplete_beta_against_scipy():
+    for a, b in [(0.5, 0.5), (1.0, 3.0), (7.0, 2.0), (37.0, 999_964.0), (5e5, 5e5 + 1)]:
+        for x in (1e-6, 3.7e-5, 0.01, 0.3, 0.4999, 0.5, 0.7, 0.999):
+            want = scipy.special.betainc(a, b, x)
+            assert stats.betainc(a, b, x) == pytest.approx(want, abs=1e-13, rel=1e-9), (a, b, x)
+
+
+def test_counts_must_be_integers():
+    with pytest.raises(ValueError, match=r"successes = 2\.5 must be an integer count"):
+        stats.wilson_interval(2.5, 4)
+    with pytest.raises(ValueError, match="successes = True must be an integer count"):
+        stats.clopper_pearson_interval(True, 4)
+    with pytest.raises(ValueError, match=r"n = 4\.5 must be an integer"):
+        stats.wilson_interval(2, 4.5)
+    with pytest.raises(ValueError, match="successes=-1, n=4"):
+        stats.clopper_pearson_interval(-1, 4)
+    # Integer-valued numbers of any type count alike.
+    assert stats.wilson_interval(np.int64(2), 4) == stats.wilson_interval(2.0, 4.0)
+    assert stats.wilson_interval(2.0, 4) == stats.wilson_interval(2, 4)
+
+
+def test_nan_correctness_is_unscored_and_refused():
+    # NaN is a result nobody scored: never a pass, never a fail.
+    with pytest.raises(ValueError, match=r"unscored \(NaN\) result at problem 0, sample 0"):
+        stats.pass_at_k_values(np.array([[np.nan, 0.0]]), 1)
+    with pytest.raises(ValueError, match="problem 1, sample 1 is 0.5"):
+        stats.pass_at_k_values(np.array([[1.0, 0.0], [0.0, 0.5]]), 1)
+    np.testing.assert_array_equal(stats.pass_at_k_values(np.array([[1.0, 0.0]]), 1), [0.5])
+    with pytest.raises(ValueError, match=r"b_correct has an unscored \(NaN\) result at problem 2"):
+        stats.mcnemar_exact(np.ones(3, bool), np.array([1.0, 0.0, np.nan]))
+    with pytest.raises(ValueError, match="a_correct: problem 0 is 2.0"):
+        stats.mcnemar_exact(np.array([2.0]), np.array([1.0]))
+    assert stats.mcnemar_exact(np.array([1.0, 0.0]), np.array([0, 0]))["only_a"] == 1
+
+
+def test_bootstrap_refuses_non_finite_values():
+    with pytest.raises(ValueError, match=r"problem 1 is nan \(unscored\)"):
+        stats.bootstrap_interval(np.array([0.5, np.nan, 1.0]))
+    with pytest.raises(ValueError, match="problem 0 is -inf"):
+        stats.paired_bootstrap_interval(np.array([np.inf, 0.0]), np.zeros(2))
