@@ -100,33 +100,111 @@ def unknown_key(config, key: str) -> str | None:
     return None
 
 
-def _load_config(argv):
-    """The ConfigDict that ``argv``'s ``--config=file.py[:arg]`` names, or None."""
+def config_spec(argv) -> str | None:
+    """The ``file.py[:arg]`` of ``argv``'s ``--config=...`` (or ``--config ...``), or None."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        name, sep, value = a.lstrip("-").partition("=")
+        if not a.startswith("-") or name != "config":
+            continue
+        if sep:
+            return value
+        return argv[i + 1] if i + 1 < len(argv) else ""
+    return None
+
+
+def load_config_file(spec: str):
+    """The ConfigDict of ``spec`` (``file.py[:arg]``), as ``--config=spec`` would build it.
+
+    Raises ConfigError with one line naming the problem: a missing file, a directory, a
+    file that is not Python or defines no ``get_config``, an argument ``get_config``
+    refuses (its message), or any other error of the file's code (its type, message and
+    the file's line; ``--verbose`` shows the traceback).
+    """
     import importlib.util
     import pathlib
+    import traceback
 
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None:
-        return None
-    path, _, arg = spec.partition(":")
+    path, sep, arg = spec.partition(":")
+    file = pathlib.Path(path)
+    where = f"--config={spec}"
+    if not path:
+        raise ConfigError(f"{where} names no config file (--config=configs/default.py)")
+    if file.is_dir():
+        raise ConfigError(f"{where}: {path} is a directory, not a config file (configs/*.py)")
+    if not file.exists():
+        raise ConfigError(f"{where}: config file {path} does not exist")
     try:
-        module_spec = importlib.util.spec_from_file_location("_cli_config", pathlib.Path(path))
+        module_spec = importlib.util.spec_from_file_location("_cli_config", file)
+        if module_spec is None:
+            raise ConfigError(f"{where}: {path} is not a Python file (configs/*.py)")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
-        return module.get_config(arg or None)
-    except Exception:  # absl reported the file already, or will
+        if not callable(getattr(module, "get_config", None)):
+            raise ConfigError(f"{where}: {path} defines no get_config(arg) function")
+        return module.get_config(*([arg] if sep else []))
+    except ConfigError:
+        raise
+    except SyntaxError as e:
+        raise ConfigError(f"{where}: {e.filename}:{e.lineno}: {e.msg}") from e
+    except (ValueError, TypeError, KeyError) as e:  # get_config refused its argument
+        raise ConfigError(f"{where}: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - the config file's own code failed
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(file)]
+        line = f" ({path}, line {frames[-1].lineno})" if frames else ""
+        raise ConfigError(
+            f"{where}: {type(e).__name__}: {_one_line(e)}{line}; --verbose shows the traceback"
+        ) from e
+
+
+def _one_line(e: BaseException) -> str:
+    return "; ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
+
+
+def _load_config(argv):
+    """The ConfigDict that ``argv``'s ``--config=file.py[:arg]`` names, or None."""
+    spec = config_spec(argv)
+    if spec is None:
         return None
+    try:
+        return load_config_file(spec)
+    except ConfigError:  # reported where the flags are parsed
+        return None
+
+
+def _config_problem(argv) -> str | None:
+    """One line saying why ``argv``'s ``--config`` cannot be loaded, or None if it can."""
+    spec = config_spec(argv)
+    if spec is None:
+        return None
+    try:
+        load_config_file(spec)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _fail(message: str, argv) -> None:
+    """Prints ``message`` (one line) and exits with USER_ERROR; under --verbose the
+    traceback of the exception being handled comes first."""
+    import traceback
+
+    if "--verbose" in argv and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    sys.exit(USER_ERROR)
 
 
 def parse_flags(argv):
     """absl's flag parsing, with a flag or config-key typo as one line (exit 2) and --help as 0.
 
-    A config key given twice is refused too (absl would keep the last value silently),
-    except a tuple's, whose repeated flags are its items.
+    A config file that is missing, or that fails to build its config, is one line too
+    (:func:`load_config_file`). A config key given twice is refused (absl would keep the
+    last value silently), except a tuple's: its later value replaces the earlier one (a
+    tuple is given whole, ``--config.eval.seeds="(0,1,2)"``).
     For ``app.run(main, flags_parser=cli.parse_flags)``.
     """
-    import sys
-
     from absl import flags
 
     FLAGS = flags.FLAGS
@@ -134,36 +212,78 @@ def parse_flags(argv):
         print(FLAGS.main_module_help(), file=sys.stdout)
         sys.exit(0)
     keys = override_keys(argv[1:])
+    repeated = {k for k in keys if keys.count(k) > 1}
+    if repeated:
+        # absl joins a tuple's repeated flags into one tuple; keep the last one alone.
+        config = _load_config(argv[1:])
+        argv = keep_last(argv, {k for k in repeated if isinstance(_get(config, k), tuple)})
+        keys = override_keys(argv[1:])
     try:
         rest = FLAGS(argv)
-    except flags.Error as e:
-        message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
-        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
-        sys.exit(USER_ERROR)
-    except (AttributeError, KeyError):  # a config override naming no key
+    except Exception as e:
+        problem = _config_problem(argv[1:])  # the file itself, before what overrides it
+        if problem:
+            _fail(f"config error: {problem}", argv)
+        if isinstance(e, flags.Error):
+            message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
+            _fail(f"error: {message} (--help lists the flags)", argv)
+        if not isinstance(e, (AttributeError, KeyError)):
+            raise
+        # A config override naming no key.
         config = _load_config(argv[1:])
         why = [(k, unknown_key(config, k)) for k in keys] if config is not None else []
         bad = [f"--config.{k} names no config key: {w}" for k, w in why if w]
-        print(
+        _fail(
             f"config error: {bad[0]}"
             if bad
             else "config error: one of the overrides names no config key: "
             + " ".join(f"--config.{k}" for k in keys),
-            file=sys.stderr,
+            argv,
         )
-        sys.exit(USER_ERROR)
     config = FLAGS["config"].value if "config" in FLAGS else None
-    twice = sorted(
-        {k for k in keys if keys.count(k) > 1 and not isinstance(_get(config, k), tuple)}
-    )
+    if config is not None and not _loaded(config):
+        # config_flags defers a file it could not read to the first use of the config.
+        problem = _config_problem(argv[1:]) or f"--config={config_spec(argv[1:])} cannot be read"
+        _fail(f"config error: {problem}", argv)
+    twice = sorted(k for k in set(keys) if keys.count(k) > 1)
     if twice:
-        print(
+        _fail(
             f"config error: config key {', '.join(twice)} is given more than once on the "
             "command line; give each key once",
-            file=sys.stderr,
+            argv,
         )
-        sys.exit(USER_ERROR)
     return rest
+
+
+def _loaded(config) -> bool:
+    """False for the stand-in config_flags keeps for a file it could not load."""
+    try:
+        config.keys  # noqa: B018 - the stand-in raises on any attribute
+    except OSError:
+        return False
+    return True
+
+
+def keep_last(argv, keys) -> list[str]:
+    """``argv`` without the earlier ``--config.<key>`` overrides of each of ``keys`` (with
+    their values, when given as the next argument)."""
+    last = {}
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        for k in override_keys([a]):
+            last[k] = i
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        ks = override_keys([a]) if "--" not in argv[:i] else []
+        if ks and ks[0] in keys and last[ks[0]] != i:
+            skip = "=" not in a  # "--config.key value": the value goes too
+            continue
+        out.append(a)
+    return out
 
 
 def _get(config, key: str):

@@ -37,12 +37,20 @@ class SweepError(ValueError):
 
 
 def load_config_module(path: str):
+    """The module of config file ``path``; SweepError, one line, when it cannot be loaded."""
     file = pathlib.Path(path)
+    if file.is_dir():
+        raise SweepError(f"config file {path!r} is a directory, not a config file (configs/*.py)")
     if not file.is_file():
         raise SweepError(f"config file {path!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"_sweep_config_{file.stem}", file)
+    if spec is None:
+        raise SweepError(f"config file {path!r} is not a Python file (configs/*.py)")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise SweepError(f"config file {e.filename}:{e.lineno}: {e.msg}") from e
     return module
 
 

@@ -288,3 +288,118 @@ def test_export_and_evaluate_flag_errors_are_one_line_with_exit_status_2(module,
     assert "FATAL" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "name, text, arg, message",
+    [
+        (None, None, "", "config file {dir}/nope.py does not exist"),
+        ("", None, "", "{dir} is a directory, not a config file"),
+        ("bad.py", "def get_config(arg=None):\n    return {\n", "", "bad.py:2: "),
+        ("none.py", "X = 1\n", "", "none.py defines no get_config(arg) function"),
+        (
+            "typo.py",
+            "def get_config(arg=None):\n    return undefined_name\n",
+            "",
+            "NameError: name 'undefined_name' is not defined ({dir}/typo.py, line 2); --verbose",
+        ),
+    ],
+)
+def test_a_config_file_that_cannot_load_is_one_line(tmp_path, name, text, arg, message):
+    from grpo_jax.cli import load_config_file
+
+    path = tmp_path / "nope.py" if name is None else tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config_file(f"{path}{arg}")
+    assert len(str(info.value).splitlines()) == 1, str(info.value)
+    assert message.format(dir=tmp_path) in str(info.value)
+
+
+def test_a_config_variant_the_file_does_not_have_is_its_own_message():
+    from grpo_jax.cli import load_config_file
+
+    with pytest.raises(ConfigError) as info:
+        load_config_file("configs/default.py:smokey")
+    assert str(info.value) == (
+        "--config=configs/default.py:smokey: configs/default.py: unknown argument 'smokey' in "
+        "'smokey'; known: ['reward_model', 'runlocal', 'smoke']"
+    )
+    assert (
+        load_config_file("configs/default.py:smoke").train.steps == get_config("smoke").train.steps
+    )
+
+
+def test_keep_last_drops_the_earlier_overrides_of_a_key_with_their_values():
+    from grpo_jax.cli import keep_last
+
+    argv = ["main", "--config=c.py", "--config.a=(9,)", "--config.b=1", "--config.a", "(16,32)"]
+    assert keep_last(argv, {"a"}) == [
+        "main",
+        "--config=c.py",
+        "--config.b=1",
+        "--config.a",
+        "(16,32)",
+    ]
+    argv = ["main", "--config.a", "(9,)", "--config.a=(16,32)", "--", "--config.a=1"]
+    assert keep_last(argv, {"a"}) == ["main", "--config.a=(16,32)", "--", "--config.a=1"]
+    assert keep_last(argv, set()) == argv
+
+
+# What a command does with --config: absl's parsing through grpo_jax.cli.parse_flags.
+_PARSE = """
+import sys
+from absl import flags
+from ml_collections import config_flags
+from grpo_jax import cli
+config_flags.DEFINE_config_file("config", None, "", lock_config=True)
+cli.parse_flags(sys.argv)
+print(tuple(flags.FLAGS.config.sampling.prompt_buckets))
+"""
+
+
+def _parse(*args):
+    return subprocess.run(
+        [sys.executable, "-c", _PARSE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow  # four launches (~2 s each)
+def test_config_file_errors_on_the_command_line_are_one_line_with_exit_status_2(tmp_path):
+    for spec, message in [
+        ("configs/nope.py", "config file configs/nope.py does not exist"),
+        ("configs", "configs is a directory, not a config file"),
+        ("configs/default.py:smokey", "unknown argument 'smokey' in 'smokey'; known: ["),
+    ]:
+        proc = _parse(f"--config={spec}")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"config error: --config={spec}: "), lines
+        assert message in lines[0] and len(lines[0]) < 200, lines
+    proc = _parse("--config", "configs/nope.py", "--config.seed=1")  # the space-separated spelling
+    assert proc.stderr.strip() == (
+        "config error: --config=configs/nope.py: config file configs/nope.py does not exist"
+    )
+
+
+@pytest.mark.slow  # two launches (~2 s each)
+def test_a_tuple_key_given_twice_takes_the_later_value():
+    key = "--config.sampling.prompt_buckets"
+    proc = _parse("--config=configs/default.py:smoke", f"{key}=(9,)", f"{key}=(16,32)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(16, 32)"
+    proc = _parse("--config=configs/default.py:smoke", key, "(9,)", f"{key}=(16,)")
+    assert proc.stdout.strip() == "(16,)", proc.stderr
+
+
+def test_sweep_names_a_directory_given_as_its_config(tmp_path, capsys):
+    from grpo_jax import sweep
+
+    assert sweep.main(["--config=configs", f"--workdir_root={tmp_path}"]) == 2
+    assert capsys.readouterr().err == (
+        "sweep error: config file 'configs' is a directory, not a config file (configs/*.py)\n"
+    )
+    (tmp_path / "bad.py").write_text("def sweep(arg=None):\n    return [\n")
+    assert sweep.main([f"--config={tmp_path / 'bad.py'}", f"--workdir_root={tmp_path}"]) == 2
+    assert capsys.readouterr().err.startswith(f"sweep error: config file {tmp_path / 'bad.py'}:2: ")
