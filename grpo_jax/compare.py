@@ -43,6 +43,10 @@ from grpo_jax.checks import flat_keys
 from grpo_jax.metrics import read_metrics
 
 CURVES = (("rollout/pass_rate", "training pass rate"), ("eval/pass_at_1", "held-out greedy pass@1"))
+MISSING_MATPLOTLIB = (
+    "no curves.png: the figures need matplotlib, an optional dependency; install it with "
+    "pip install -e '.[plots]' in the grpo_jax checkout (or pip install 'matplotlib>=3.8,<4')"
+)
 
 
 class CompareError(ValueError):
@@ -76,15 +80,30 @@ class Group:
 # Loading.
 
 
-def _eval_file(workdir: pathlib.Path, which: str) -> pathlib.Path | None:
+def _summary_eval_files(workdir: pathlib.Path) -> dict | None:
+    """``summary.json``'s ``eval_files`` (None without a summary); CompareError if unreadable."""
     summary = workdir / "summary.json"
-    if summary.is_file():
-        name = (json.loads(summary.read_text()).get("eval_files") or {}).get(which)
+    if not summary.is_file():
+        return None
+    try:
+        files = json.loads(summary.read_text(encoding="utf-8")).get("eval_files")
+    except (ValueError, AttributeError) as e:  # not UTF-8, not JSON, not an object
+        raise CompareError(f"{summary}: not a run summary ({e})") from None
+    return files if isinstance(files, dict) else {}
+
+
+def _eval_file(workdir: pathlib.Path, which: str) -> pathlib.Path | None:
+    files_of = _summary_eval_files(workdir)
+    if files_of is not None:
+        name = files_of.get(which)
         if name:
             return workdir / name
         if which == "before":
             return None
-    files = sorted((workdir / "eval").glob("step_*.jsonl"), key=lambda p: int(p.stem[5:]))
+    files = sorted(
+        (f for f in (workdir / "eval").glob("step_*.jsonl") if f.stem[5:].isdigit()),
+        key=lambda p: int(p.stem[5:]),
+    )
     if not files:
         raise CompareError(
             f"{workdir} has no evaluation files (eval/step_<N>.jsonl): a run made before "
@@ -96,7 +115,8 @@ def _eval_file(workdir: pathlib.Path, which: str) -> pathlib.Path | None:
 
 
 def load_run(path: str | pathlib.Path) -> Run:
-    """A workdir's or an evaluation file's :class:`Run`; CompareError naming what is missing."""
+    """A workdir's or an evaluation file's :class:`Run`; CompareError naming what is missing,
+    ValueError naming the file and line of a damaged evaluation file."""
     path = pathlib.Path(path)
     if not path.exists():
         raise CompareError(f"{path} does not exist (give training workdirs or eval/*.jsonl files)")
@@ -113,10 +133,19 @@ def load_run(path: str | pathlib.Path) -> Run:
     rec = header.get("record")
     if not rec:
         raise CompareError(f"{after_path} has no record of the run (header 'record')")
+    try:
+        seed, config = rec["seeds"]["seed"], json.loads(rec["config"])
+        if isinstance(seed, bool) or not isinstance(seed, int) or not isinstance(config, dict):
+            raise TypeError(f"seed {seed!r}, config {type(config).__name__}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CompareError(
+            f"{after_path}:1: the header's record has no readable seed and config "
+            f"('record': {{'seeds': {{'seed': <int>}}, 'config': <JSON text>}}; {e!r})"
+        ) from None
     return Run(
         name=str(path),
-        seed=int(rec["seeds"]["seed"]),
-        config=json.loads(rec["config"]),
+        seed=seed,
+        config=config,
         after=after,
         after_header=header,
         before=before,
@@ -376,8 +405,17 @@ def curves(group: Group, key: str) -> tuple[np.ndarray, np.ndarray] | None:
     for r in group.runs:
         if r.workdir is None:
             return None
-        recs = read_metrics(r.workdir / "metrics.jsonl")
-        series.append({rec["step"]: rec[key] for rec in recs if key in rec})
+        path = r.workdir / "metrics.jsonl"
+        try:
+            recs = read_metrics(path)
+        except UnicodeDecodeError as e:
+            raise CompareError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        ok = lambda rec: (
+            isinstance(rec, dict)
+            and isinstance(rec.get("step"), int)
+            and isinstance(rec.get(key), (int, float))
+        )
+        series.append({rec["step"]: rec[key] for rec in recs if ok(rec)})
     steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
     if not steps:
         return None
@@ -389,8 +427,8 @@ def plot(groups: Sequence[Group], path: pathlib.Path) -> pathlib.Path | None:
     data = {key: [(g, curves(g, key)) for g in groups] for key, _ in CURVES}
     if not any(c is not None for v in data.values() for _, c in v):
         return None
-    # Optional and heavy: only the figures need matplotlib (requirements-test.txt lists it,
-    # as for the notebooks; not a runtime dependency).
+    # Optional and heavy: only the figures need matplotlib, the "plots" extra of
+    # pyproject.toml (pip install -e ".[plots]"); not a runtime dependency.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -451,13 +489,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = [s.strip() for s in a.labels.split(",")] if a.labels else None
     try:
         groups, group_table, paired_table = compare(a.runs, labels)
-    except (CompareError, FileNotFoundError, ValueError) as e:
+    except (CompareError, ValueError, OSError) as e:  # damaged files: ValueError naming them
         print(f"error: {e}", file=sys.stderr)
         return 2
     md = markdown(group_table, paired_table)
     print(md, end="")
-    if a.out:
-        out = pathlib.Path(a.out)
+    if not a.out:
+        return 0
+    out = pathlib.Path(a.out)
+    try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(md)
         (out / "compare.tex").write_text(latex(group_table, paired_table))
@@ -467,8 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             fig = plot(groups, out / "curves.png")
         except ImportError:
             fig = None
-            print("no curves.png: the figures need matplotlib (pip install matplotlib)")
-        print(f"wrote {out / 'compare.md'}, {out / 'compare.tex'}" + (f", {fig}" if fig else ""))
+            print(MISSING_MATPLOTLIB)
+    except CompareError as e:  # a damaged metrics.jsonl; the tables are written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = e.filename or out
+        print(f"error: cannot write --out={a.out}: {e.strerror or e} ({where})", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'compare.md'}, {out / 'compare.tex'}" + (f", {fig}" if fig else ""))
     return 0
 
 

@@ -20,6 +20,11 @@ line per problem:
 
   {"index": 0, "id": "3f1c...", "greedy": {"correct": true, "length": 4,
    "truncated": false}, "sampled": [{"seed": 0, "correct": [...], "length": [...]}]}
+
+:func:`read` checks every field: a correctness or truncation flag is a JSON bool
+or the number 0 or 1 (a string such as "false", or NaN, an unscored result, is
+refused), a length a count, and every problem has the same seeds and samples. A
+bad line, a truncated or binary file is one ValueError naming the file and line.
 """
 
 from __future__ import annotations
@@ -159,39 +164,163 @@ def write(path: str | pathlib.Path, prob: Problems, header: Mapping) -> pathlib.
 
 
 def read(path: str | pathlib.Path) -> tuple[dict, Problems]:
-    """(header, problems) of a file :func:`write` wrote; ValueError naming what is wrong."""
+    """(header, problems) of a file :func:`write` wrote; ValueError naming the file, the line
+    and what is wrong (not UTF-8, not JSON, a field of the wrong type, fewer problems than the
+    header counts: a truncated file)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no evaluation file {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows or "header" not in rows[0]:
+    rows, linenos = [], []
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at column "
+                f"{e.start + 1}): not an evaluation file, or a damaged one"
+            ) from None
+        try:
+            rows.append(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{lineno}: not JSON ({e.msg}, column {e.colno}): a truncated or damaged "
+                "evaluation file"
+            ) from None
+        linenos.append(lineno)
+    if not rows or not isinstance(rows[0], dict) or not isinstance(rows[0].get("header"), dict):
         raise ValueError(f"{path} is not an evaluation file: its first line has no 'header'")
-    return rows[0]["header"], from_lines(rows[1:], where=str(path))
+    header = rows[0]["header"]
+    prob = from_lines(rows[1:], where=str(path), linenos=linenos[1:])
+    figures_ = header.get("figures")
+    counted = [
+        v
+        for k, v in (figures_.items() if isinstance(figures_, dict) else ())
+        if k.endswith("/num_problems") and isinstance(v, (int, float))
+    ]
+    if counted and counted[0] != len(prob.ids):
+        raise ValueError(
+            f"{path} holds {len(prob.ids)} problems, but its header counts {counted[0]:g}: a "
+            "truncated evaluation file"
+        )
+    return header, prob
 
 
-def from_lines(lines: Sequence[Mapping], where: str = "evaluation") -> Problems:
+def _bool(value, what: str) -> bool:
+    """A correctness or truncation flag: a JSON bool, or the number 0 or 1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    why = " (NaN: unscored)" if isinstance(value, float) and value != value else ""
+    raise ValueError(f"{what} is {json.dumps(value)}{why}, not true/false (or 0/1)")
+
+
+def _count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} is {json.dumps(value)}, not a token count")
+    return value
+
+
+def _problem(line):
+    """(id, greedy (correct, length, truncated), sampled [(seed, corrects, lengths)] or None)
+    of one problem's line, each field checked."""
+    if not isinstance(line, dict):
+        raise ValueError(f"the line is a JSON {type(line).__name__}, not a problem's object")
+    pid, g = line.get("id"), line.get("greedy")
+    if not isinstance(pid, str):
+        raise ValueError(f"'id' is {json.dumps(pid)}, not a string")
+    if not isinstance(g, dict):
+        raise ValueError(f"'greedy' is {json.dumps(g)}, not an object")
+    greedy = (
+        _bool(g.get("correct"), "greedy 'correct'"),
+        _count(g.get("length"), "greedy 'length'"),
+        _bool(g.get("truncated"), "greedy 'truncated'"),
+    )
+    if "sampled" not in line:
+        return pid, greedy, None
+    sampled = line["sampled"]
+    if (
+        not isinstance(sampled, list)
+        or not sampled
+        or not all(isinstance(x, dict) for x in sampled)
+    ):
+        raise ValueError(f"'sampled' is {json.dumps(sampled)[:80]}, not a list of seeds' objects")
+    out = []
+    for x in sampled:
+        seed, c, ln = x.get("seed"), x.get("correct"), x.get("length")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"a sampled 'seed' is {json.dumps(seed)}, not an integer")
+        if not isinstance(c, list) or not isinstance(ln, list) or not c or len(c) != len(ln):
+            raise ValueError(
+                f"seed {seed}'s 'correct' and 'length' must be lists of one value per sample, "
+                f"got {json.dumps(c)[:40]} and {json.dumps(ln)[:40]}"
+            )
+        corrects = [_bool(v, f"seed {seed}'s 'correct'[{j}]") for j, v in enumerate(c)]
+        lengths = [_count(v, f"seed {seed}'s 'length'[{j}]") for j, v in enumerate(ln)]
+        out.append((seed, corrects, lengths))
+    counts = {len(c) for _, c, _ in out}
+    if len(counts) > 1:
+        raise ValueError(
+            f"its seeds have {'/'.join(str(len(c)) for _, c, _ in out)} samples (seed "
+            f"{'/'.join(str(seed) for seed, _, _ in out)}): every seed needs the same number"
+        )
+    return pid, greedy, out
+
+
+def from_lines(
+    lines: Sequence[Mapping], where: str = "evaluation", linenos: Sequence[int] | None = None
+) -> Problems:
+    """The :class:`Problems` of a file's problem lines (``linenos``: their line numbers, for
+    the messages); ValueError naming the line (or problem), the field and its value. Every
+    problem has the first one's seeds and number of samples per seed."""
     if not lines:
         raise ValueError(f"{where} holds no problems")
-    g = [line["greedy"] for line in lines]
+    parsed = []
+    for i, line in enumerate(lines):
+        try:
+            pid, greedy, sampled = _problem(line)
+            if parsed:
+                _same_sampling(parsed[0], (pid, greedy, sampled), i)
+        except ValueError as e:
+            at = f"{where}:{linenos[i]}" if linenos is not None else f"{where}, problem {i}"
+            raise ValueError(f"{at}: {e}") from None
+        parsed.append((pid, greedy, sampled))
     kw = {}
-    if "sampled" in lines[0]:
-        seeds = tuple(s["seed"] for s in lines[0]["sampled"])
-        for line in lines:
-            if tuple(s["seed"] for s in line["sampled"]) != seeds:
-                raise ValueError(f"{where}: problem {line['index']} has other seeds than {seeds}")
+    first = parsed[0][2]
+    if first is not None:
         kw = dict(
-            seeds=seeds,
-            sampled_correct=np.array(
-                [[s["correct"] for s in line["sampled"]] for line in lines], bool
-            ).transpose(1, 0, 2),
-            sampled_length=np.array(
-                [[s["length"] for s in line["sampled"]] for line in lines], np.int64
-            ).transpose(1, 0, 2),
+            seeds=tuple(seed for seed, _, _ in first),
+            sampled_correct=np.array([[c for _, c, _ in s] for _, _, s in parsed], bool),
+            sampled_length=np.array([[ln for _, _, ln in s] for _, _, s in parsed], np.int64),
         )
+        kw["sampled_correct"] = kw["sampled_correct"].transpose(1, 0, 2)
+        kw["sampled_length"] = kw["sampled_length"].transpose(1, 0, 2)
     return Problems(
-        ids=tuple(line["id"] for line in lines),
-        greedy_correct=np.array([x["correct"] for x in g], bool),
-        greedy_length=np.array([x["length"] for x in g], np.int64),
-        greedy_truncated=np.array([x["truncated"] for x in g], bool),
+        ids=tuple(pid for pid, _, _ in parsed),
+        greedy_correct=np.array([g[0] for _, g, _ in parsed], bool),
+        greedy_length=np.array([g[1] for _, g, _ in parsed], np.int64),
+        greedy_truncated=np.array([g[2] for _, g, _ in parsed], bool),
         **kw,
     )
+
+
+def _same_sampling(first, this, i: int) -> None:
+    """Problem ``i`` has the first problem's seeds and, per seed, its number of samples."""
+    (pid0, _, s0), (pid, _, s) = first, this
+    if (s0 is None) != (s is None):
+        has, lacks = (f"problem {i} ({pid})", "the first") if s0 is None else ("the first", "it")
+        raise ValueError(f"{has} has sampled results and {lacks} has none")
+    if s0 is None:
+        return
+    seeds0, seeds = [x[0] for x in s0], [x[0] for x in s]
+    if seeds != seeds0:
+        raise ValueError(f"problem {i} ({pid}) has seeds {seeds}, the first problem {seeds0}")
+    counts0, counts = [len(x[1]) for x in s0], [len(x[1]) for x in s]
+    if counts != counts0:
+        raise ValueError(
+            f"problem {i} ({pid}) has {'/'.join(map(str, counts))} samples (seed "
+            f"{'/'.join(map(str, seeds))}), the first problem ({pid0}) "
+            f"{'/'.join(map(str, counts0))}: every problem needs the same number of samples"
+        )

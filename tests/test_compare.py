@@ -1,6 +1,8 @@
 """grpo_jax.compare on tiny synthetic runs: pooling by seed, paired tables, errors."""
 
 import json
+import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -116,3 +118,89 @@ def test_errors_name_the_problem(runs, tmp_path, capsys):
         compare.compare([str(runs[0]), str(runs[0])])
     with pytest.raises(compare.CompareError, match="--labels names 1 groups"):
         compare.compare([str(runs[0]), str(runs[1])], labels=["x"])
+
+
+def _one_line_error(capsys, argv) -> str:
+    """compare's stderr for ``argv``: exit status 2 and one line, no traceback."""
+    assert compare.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+def _lines(path):
+    return path.read_text().splitlines(keepends=True)
+
+
+def test_correctness_must_be_a_bool_or_0_1(runs, capsys):
+    path = runs[0] / "eval" / "step_4.jsonl"
+    lines = _lines(path)
+    row = json.loads(lines[2])
+    for bad, shown in [("false", '"false"'), (float("nan"), "NaN"), (2, "2")]:
+        row["greedy"]["correct"] = bad
+        path.write_text("".join([*lines[:2], json.dumps(row) + "\n", *lines[3:]]))
+        err = _one_line_error(capsys, [path])
+        assert f"{path}:3: greedy 'correct' is {shown}" in err, err
+    # A sample's correctness, named with its seed and position.
+    row = json.loads(lines[2])
+    row["sampled"][0]["correct"][1] = "true"
+    path.write_text("".join([*lines[:2], json.dumps(row) + "\n", *lines[3:]]))
+    err = _one_line_error(capsys, [path])
+    assert f"{path}:3: seed 0's 'correct'[1] is \"true\"" in err
+    # 0 and 1 are read as false and true.
+    row = json.loads(lines[2])
+    row["greedy"]["correct"] = int(row["greedy"]["correct"])
+    row["sampled"][0]["correct"] = [int(x) for x in row["sampled"][0]["correct"]]
+    path.write_text("".join([*lines[:2], json.dumps(row) + "\n", *lines[3:]]))
+    _, back = problems.read(path)
+    np.testing.assert_array_equal(back.greedy_correct, np.asarray(G_A, bool))
+
+
+def test_damaged_evaluation_files_are_named_with_their_line(runs, tmp_path, capsys):
+    path = runs[0] / "eval" / "step_4.jsonl"
+    lines = _lines(path)
+    # Cut in the middle of the last line (a copy that stopped short).
+    path.write_text("".join(lines[:-1]) + lines[-1][:25])
+    assert f"{path}:9: not JSON" in _one_line_error(capsys, [runs[0]])
+    # Cut between lines: fewer problems than the header counts.
+    path.write_text("".join(lines[:5]))
+    assert f"{path} holds 4 problems, but its header counts 8" in _one_line_error(capsys, [path])
+    # Binary.
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    assert f"{path}:1: not UTF-8 text" in _one_line_error(capsys, [path])
+    # Ragged: one problem with 3 samples where the others have 2.
+    row = json.loads(lines[4])
+    row["sampled"][0]["correct"].append(True)
+    row["sampled"][0]["length"].append(3)
+    path.write_text("".join([*lines[:4], json.dumps(row) + "\n", *lines[5:]]))
+    err = _one_line_error(capsys, [path])
+    assert f"{path}:5: problem 3 (s0p3) has 3 samples (seed 0), the first problem (s0p0) 2" in err
+    # A header whose record is not one.
+    head = json.loads(lines[0])
+    head["header"]["record"]["seeds"] = "zero"
+    path.write_text("".join([json.dumps(head) + "\n", *lines[1:]]))
+    assert f"{path}:1: the header's record" in _one_line_error(capsys, [path])
+
+
+def test_out_that_cannot_be_written_is_one_line(runs, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = _one_line_error(capsys, [*runs, f"--out={blocker / 'sub'}"])
+    assert f"cannot write --out={blocker / 'sub'}" in err
+    assert blocker.read_text() == ""  # nothing there was touched
+
+
+def test_without_matplotlib_compare_says_how_to_install_it(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    out = tmp_path / "out"
+    assert compare.main([*map(str, runs), f"--out={out}"]) == 0
+    said = capsys.readouterr().out
+    assert "pip install -e '.[plots]'" in said and (out / "compare.md").is_file()
+    assert not (out / "curves.png").exists()
+
+
+def test_the_plots_extra_is_declared():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in extras["optional-dependencies"]["plots"])
