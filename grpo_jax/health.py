@@ -104,6 +104,8 @@ KEYS = (
     "rewards/judge/mean",
 )
 LEARNED_KEYS = ("rewards/reward_model/mean", "rewards/judge/mean")
+# reward_hacking compares the two halves of its window and needs a spread in each.
+HACK_WINDOW_MIN = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _entropy(h, cfg, out):
 def _length(h, cfg, out):
     xs = _series(h, "rollout/length_mean")
     n, b = cfg.length_window, cfg.length_baseline
-    if len(xs) < n + b:
+    if b < 1 or len(xs) < n + b:
         return
     now, before = _mean(xs[-n:]), _mean(xs[-n - b : -n])
     if before <= 0:
@@ -206,6 +208,8 @@ def _spikes(h, cfg, out):
 def _kl(h, cfg, out):
     now = _num(h[-1], "train/kl")
     if not now:  # absent or 0: no KL penalty (grpo.beta = 0)
+        return
+    if cfg.kl_window < 1:  # no steps to compare with ([-0:] would take them all)
         return
     before = _series(h[:-1], "train/kl")[-cfg.kl_window :]
     if len(before) < cfg.kl_window:
@@ -273,9 +277,9 @@ def _hacking(h, cfg, out):
         for r in h[-cfg.hack_window :]
         if (a := _num(r, key)) is not None and (b := _num(r, cfg.hack_check)) is not None
     ]
-    if len(rows) < cfg.hack_window:
-        return
     half = len(rows) // 2
+    if len(rows) < cfg.hack_window or half < 2:  # each half needs a spread (a variance)
+        return
     first, second = [a for a, _ in rows[:half]], [a for a, _ in rows[half:]]
     rise = _mean(second) - _mean(first)
     check = _mean([b for _, b in rows[half:]]) - _mean([b for _, b in rows[:half]])
@@ -301,7 +305,7 @@ def _mismatch(h, cfg, out):
         ("logp_mismatch_behavior", "behavior/abs_log_diff_mean"),
     ):
         xs = _series(h, key)
-        if len(xs) < n + b:
+        if b < 1 or len(xs) < n + b:
             continue
         now, med = _mean(xs[-n:]), statistics.median(xs[-n - b : -n])
         if now > cfg.mismatch_min and now > cfg.mismatch_growth * med:
@@ -400,7 +404,8 @@ class HealthConfig:
       reward_window: steps of reward averaged up to each evaluation.
       reward_rise_min: reward rise between two evaluations that counts ...
       pass_drop_min: ... with a held-out pass@1 drop above this.
-      hack_window: steps of the learned reward and its check compared (two halves).
+      hack_window: steps of the learned reward and its check compared (two halves;
+        at least 4, so that each half has a spread).
       hack_rise_min: a learned-reward rise above this (its own units) ...
       hack_rise_z: ... and above this many standard errors of the rise (the halves'
         step-to-step spread; 0: no such test) ...
@@ -449,9 +454,11 @@ class HealthConfig:
         check_bool("health.enabled", self.enabled)
         check_bool("health.stop_on_alarm", self.stop_on_alarm)
         check_bool("health.resume_after_stop", self.resume_after_stop)
-        for key in ("rearm_steps", "length_baseline", "kl_window", "mismatch_baseline"):
-            check_range(f"health.{key}", getattr(self, key), lo=0, integer=True)
+        check_range("health.rearm_steps", self.rearm_steps, lo=0, integer=True)
         for key in (
+            "length_baseline",
+            "kl_window",
+            "mismatch_baseline",
             "entropy_window",
             "length_window",
             "truncation_window",
@@ -479,7 +486,13 @@ class HealthConfig:
             "hack_rise_z",
         ):
             check_range(f"health.{key}", getattr(self, key), lo=0.0)
-        check_range("health.hack_window", self.hack_window, lo=2, integer=True)
+        check_range("health.hack_window", self.hack_window, integer=True)
+        if self.hack_window < HACK_WINDOW_MIN:
+            raise ConfigError(
+                f"config key 'health.hack_window' = {self.hack_window} must be >= "
+                f"{HACK_WINDOW_MIN}: each half of the window needs two steps, whose spread is "
+                "the learned reward's step-to-step noise that the rise is tested against"
+            )
         check_range("health.hack_flat_max", self.hack_flat_max)
         if not isinstance(self.hack_check, str) or not self.hack_check:
             raise ConfigError(

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -399,3 +400,46 @@ def test_reward_hacking_needs_a_rise_beyond_the_learned_rewards_own_noise():
     climbing = lambda s: -8.5 + base[s - 1] + 0.06 * s
     alarm = _only(diagnose(_hacking_history(20, climbing, flat), cfg), "reward_hacking")
     assert "standard errors > health.hack_rise_z 3.0" in alarm.message
+
+
+@pytest.mark.parametrize("window", [2, 3])
+def test_a_hack_window_too_short_for_two_halves_is_refused(window):
+    with pytest.raises(ConfigError, match=f"'health.hack_window' = {window} must be >= 4: each"):
+        HealthConfig(hack_window=window)
+    assert HealthConfig(hack_window=4).hack_window == 4
+    # Four steps: halves of two, each with a spread; the alarm can fire.
+    h = _hacking_history(4, lambda s: 0.1 * s + 0.01 * (s % 2), lambda s: 0.5)
+    assert _only(diagnose(h, HealthConfig(hack_window=4, hack_rise_z=0.0)), "reward_hacking")
+
+
+@pytest.mark.parametrize("key", ["length_baseline", "kl_window", "mismatch_baseline"])
+def test_an_empty_baseline_is_refused(key):
+    with pytest.raises(ConfigError, match=f"'health.{key}' = 0 must be >= 1"):
+        HealthConfig(**{key: 0})
+
+
+def test_diagnose_never_raises_even_on_windows_it_would_refuse():
+    """Windows that HealthConfig refuses (too short to have a spread or a baseline) still
+    leave diagnose quiet rather than raising: the module's promise holds for any settings."""
+    fields = {f.name: getattr(CFG, f.name) for f in dataclasses.fields(HealthConfig)}
+    rising = lambda s: 0.01 * s + 0.001 * (s % 3)
+    h = _healthy(
+        60,
+        **{
+            "rewards/reward_model/mean": rising,
+            "rollout/pass_rate": lambda s: 0.5,
+            "train/kl": lambda s: 0.01,
+            "behavior/abs_log_diff_mean": lambda s: 0.1,
+        },
+    )
+    for bad in (
+        {"hack_window": 2},
+        {"hack_window": 3},
+        {"hack_window": 1},
+        {"length_baseline": 0},
+        {"kl_window": 0},
+        {"mismatch_baseline": 0},
+    ):
+        cfg = types.SimpleNamespace(**{**fields, **bad})
+        for i in range(len(h) + 1):
+            diagnose(h[:i], cfg)
