@@ -133,3 +133,47 @@ def test_both_right_needs_room_for_zeros():
         preference.biased_pairs(10, seed=0, both_right=1.5)
     with pytest.raises(ConfigError, match="taste"):
         preference.biased_pairs(10, seed=0, taste=-0.1)
+
+
+def test_more_pairs_than_training_problems_are_refused_before_any_is_drawn():
+    most = preference.training_problems()  # each pair is a distinct training problem
+    assert 0.89 * 900**2 < most < 0.91 * 900**2  # the training split's 90% of 3-digit sums
+    for n in (most + 1, 100_000_000):
+        with pytest.raises(ConfigError, match=f"n = {n} is more than the {most:,} training"):
+            preference.check_settings(n, pad_max=2, both_right=0.0, taste=1.0)
+    preference.check_settings(most, pad_max=2, both_right=0.0, taste=1.0)
+
+
+def test_out_must_be_a_file_in_a_writable_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"--out={tmp_path} is a directory; give a file name"):
+        preference.check_out(tmp_path)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'f'} is a file, not a directory"):
+        preference.check_out(tmp_path / "f" / "pairs.jsonl")
+    assert preference.check_out(tmp_path / "new" / "pairs.jsonl") == tmp_path / "new/pairs.jsonl"
+
+
+@pytest.mark.slow  # four launches of the command
+def test_the_command_refuses_bad_flags_in_one_line_with_exit_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "grpo_jax.data.preference", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    for args, message in [
+        ([f"--out={tmp_path}"], f"error: --out={tmp_path} is a directory"),
+        ([f"--out={tmp_path}/p.jsonl", "--n=abc"], "error: flag --n=abc: invalid literal"),
+        ([f"--out={tmp_path}/p.jsonl", "--m=3"], "error: Unknown command line flag 'm'"),
+        ([f"--out={tmp_path}/p.jsonl", "--n=100000000"], "error: n = 100000000 is more than"),
+    ]:
+        proc = run(*args)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), lines
+    assert not (tmp_path / "p.jsonl").exists()

@@ -28,6 +28,7 @@ run: ``longer_answer``, ``padded_answer`` and ``trailing_zeros``.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from grpo_jax import rewards
 from grpo_jax.checks import check_range
-from grpo_jax.data.synthetic import make_split
+from grpo_jax.data.synthetic import make_split, split_of, write_number
 from grpo_jax.errors import ConfigError
 
 # configs/default.py's data section (the prompts a reward model for that run must score).
@@ -69,14 +70,7 @@ def biased_pairs(
     drawn independently). ``knobs`` override ``ARITH_DEFAULT_KNOBS``
     (``grpo_jax.data.synthetic`` arithmetic knobs).
     """
-    check_range("n", n, lo=1, integer=True)
-    check_range("pad_max", pad_max, lo=0, integer=True)
-    check_range("both_right", both_right, lo=0.0, hi=1.0)
-    check_range("taste", taste, lo=0.0, hi=1.0)
-    if both_right > 0 and pad_max < 1:
-        raise ConfigError(
-            "both_right > 0 needs pad_max >= 1: two right answers differ only by their zeros"
-        )
+    check_settings(n, pad_max=pad_max, both_right=both_right, taste=taste, **knobs)
     problems = make_split("arithmetic", "train", n, seed, **{**ARITH_DEFAULT_KNOBS, **knobs})
     rng = np.random.default_rng([seed, 0xB1A5])
     # Streams of their own, so both_right = 0 gives the pairs it gave before it existed.
@@ -97,6 +91,58 @@ def biased_pairs(
             {"prompt": ex["prompt"], "chosen": answer + "0" * k, "rejected": rejected + "0" * j}
         )
     return out
+
+
+def check_settings(n: int, *, pad_max: int, both_right: float, taste: float, **knobs) -> None:
+    """ConfigError, naming the setting, for what :func:`biased_pairs` would refuse, before any
+    pair is drawn: among them more pairs than the task has training problems."""
+    check_range("n", n, lo=1, integer=True)
+    check_range("pad_max", pad_max, lo=0, integer=True)
+    check_range("both_right", both_right, lo=0.0, hi=1.0)
+    check_range("taste", taste, lo=0.0, hi=1.0)
+    if both_right > 0 and pad_max < 1:
+        raise ConfigError(
+            "both_right > 0 needs pad_max >= 1: two right answers differ only by their zeros"
+        )
+    if not knobs:  # the default task: its training split counted once, in about 2 s
+        most = training_problems() if n > 100_000 else n
+        if n > most:
+            raise ConfigError(
+                f"n = {n} is more than the {most:,} training problems of the default task "
+                "(3-digit addition), and each pair is a distinct one; lower n"
+            )
+
+
+# The number of training problems of the default task (the most pairs), once counted.
+_TRAINING_PROBLEMS: list[int] = []
+
+
+def training_problems() -> int:
+    """The distinct training problems of ``ARITH_DEFAULT_KNOBS``' task: every pair of
+    3-digit numbers whose prompt ``grpo_jax.data.synthetic.split_of`` puts in "train"."""
+    if not _TRAINING_PROBLEMS:
+        k = ARITH_DEFAULT_KNOBS
+        assert (k["n_operands"], k["min_digits"], k["max_digits"], k["ops"]) == (2, 3, 3, "+")
+        numbers = [write_number(a, k["reverse_operands"]) for a in range(100, 1000)]
+        _TRAINING_PROBLEMS.append(
+            sum(split_of(f"arithmetic:{a}+{b}=", 0.1) == "train" for a in numbers for b in numbers)
+        )
+    return _TRAINING_PROBLEMS[0]
+
+
+def check_out(path) -> pathlib.Path:
+    """``path`` as a file the pairs can be written to; ConfigError naming it otherwise."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--out={path} is a directory; give a file name (pairs.jsonl)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out={path}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"--out={path}: {parent} is not writable")
+            break
+    return path
 
 
 def _share(completions, answer, biased) -> list[float]:
@@ -145,21 +191,36 @@ def main(argv) -> int:
 
     del argv
     F = flags.FLAGS
-    try:
-        pairs = biased_pairs(
-            F.n,
-            F.seed,
-            pad_max=F.pad_max,
-            both_right=F.both_right,
-            taste=F.taste,
-            independent_pad=F.independent_pad,
-        )
-    except ConfigError as e:  # a setting out of range: one line, no traceback
+    settings = dict(pad_max=F.pad_max, both_right=F.both_right, taste=F.taste)
+    try:  # every setting checked before the pairs are drawn (a minute for 700,000)
+        check_settings(F.n, **settings)
+        out = check_out(F.out)
+        if F.n > 100_000:
+            print(f"drawing {F.n:,} pairs of distinct problems", flush=True)
+        pairs = biased_pairs(F.n, F.seed, independent_pad=F.independent_pad, **settings)
+        path = write_pairs(pairs, out)
+    except (ConfigError, OSError) as e:  # one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = write_pairs(pairs, F.out)
     print(f"{F.n} pairs written to {path}")
     return 0
+
+
+def parse_flags(argv):
+    """absl's parsing, with a bad flag as one line and exit status 2 (as the other
+    commands, ``grpo_jax.cli.parse_flags``, which this layer may not import)."""
+    from absl import flags
+
+    FLAGS = flags.FLAGS
+    if any(a in ("--help", "-help", "-h", "--helpshort", "-?") for a in argv[1:]):
+        print(FLAGS.main_module_help())
+        sys.exit(0)
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
+        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
@@ -173,4 +234,4 @@ if __name__ == "__main__":
     flags.DEFINE_bool("independent_pad", False, "Pad both sides of a right-vs-wrong pair freely.")
     flags.DEFINE_integer("seed", 0, "Seed of the problems and the padding.")
     flags.mark_flags_as_required(["out"])
-    app.run(main, argv=sys.argv)
+    app.run(main, argv=sys.argv, flags_parser=parse_flags)
