@@ -2,6 +2,7 @@
 reference policy as judge without a copy, and the judge's settings."""
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -112,3 +113,39 @@ def test_judge_settings_are_checked(builtin_tokenizer, tiny_policy):
     c.grpo.beta = 0.0
     with pytest.raises(ConfigError, match="grpo.beta > 0"):
         parse_config(c)
+
+
+def test_a_reward_model_checkpoint_is_refused_as_judge(
+    tmp_path, builtin_tokenizer, tiny_model_config
+):
+    """A *ForSequenceClassification checkpoint (score.weight, no LM head) would load as a causal
+    LM through its tied embedding, its head ignored: refused, naming the setting to use."""
+    from grpo_jax.reward_models import RewardModel
+    from grpo_jax.reward_models.training import save_reward_model
+
+    rm = RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0))
+    path = save_reward_model(rm, tmp_path / "rm", tokenizer=builtin_tokenizer)
+    with pytest.raises(ConfigError, match="is a reward-model checkpoint") as e:
+        Judge.load(_section(path=str(path)))
+    assert "reward_model.path" in str(e.value) and "\n" not in str(e.value)
+    # The head alone is enough to tell: a config.json that claims a causal LM is refused too.
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="'score.weight'"):
+        Judge.load(_section(path=str(path)))
+
+
+def test_score_tokens_are_each_listed_once(tiny_policy):
+    with pytest.raises(ConfigError, match="lists '2' twice"):
+        JudgeSection(score_tokens=("1", "2", "2", "3"))
+    with pytest.raises(ConfigError, match="lists 'Y' twice"):
+        JudgeSection(score_tokens=("Y", "N", "Y"), values=(1.0, 0.0, 1.0))
+
+    class OneId:  # a tokenizer that gives two different texts one token
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [7]}
+
+    graphdef, params = tiny_policy
+    with pytest.raises(ConfigError, match="'1' and '2' are both token 7"):
+        Judge(_section(score_tokens=("1", "2")), graphdef, params, OneId())

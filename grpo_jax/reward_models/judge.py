@@ -31,6 +31,8 @@ from flax import nnx
 
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import from_pretrained, load_tokenizer
+from grpo_jax.models.hf import open_checkpoint
+from grpo_jax.reward_models.model import SCORE
 from grpo_jax.reward_models.scorer import score_in_batches
 from grpo_jax.rewards.section import JudgeSection
 from grpo_jax.sharding import batch_shards
@@ -50,6 +52,23 @@ def _judge_fn(graphdef, params, tokens_BxT, mask_BxT, ids_K, values_K):
     x_BxTxD = model.features(tokens_BxT, mask_BxT=mask_BxT)
     logits_BxV = model.logits(x_BxTxD[:, -1:])[:, 0]  # left padding: the next token's logits
     return expected_score(logits_BxV, ids_K, values_K)
+
+
+def _refuse_reward_model(path: str) -> None:
+    """ConfigError when ``path`` is a ``*ForSequenceClassification`` checkpoint (its ``score``
+    head, or its config.json's architecture, says so): from_pretrained would load its decoder
+    as a causal LM whose logits come through the tied embedding, its head ignored."""
+    directory, hf, _, ckpt, _, _ = open_checkpoint(path)
+    archs = [a for a in hf.get("architectures") or () if isinstance(a, str)]
+    classifier = [a for a in archs if a.endswith("ForSequenceClassification")]
+    if SCORE in ckpt or classifier:
+        what = f"architecture {classifier[0]}" if classifier else f"tensor {SCORE!r}"
+        raise ConfigError(
+            f"config key 'judge.path' = {str(directory)!r} is a reward-model checkpoint ({what}), "
+            "not a causal language model whose next-token logits a judge reads: give it as "
+            "reward_model.path (weight: reward_model.weight), or set judge.path to a causal-LM "
+            "checkpoint or to 'reference'"
+        )
 
 
 @dataclasses.dataclass
@@ -82,6 +101,7 @@ class Judge:
         """The judge of ``section.path`` (unbound for "reference")."""
         if section.path == REFERENCE:
             return cls(section=section, mesh=mesh)
+        _refuse_reward_model(section.path)
         graphdef, params = nnx.split(from_pretrained(section.path, mesh=mesh, layout=layout))
         tokenizer = load_tokenizer(section.tokenizer or section.path)
         return cls(section, graphdef, params, tokenizer, mesh)
@@ -95,7 +115,7 @@ class Judge:
 
     def score_ids(self) -> list[int]:
         """Each score token's id; ConfigError unless each is exactly one token."""
-        out = []
+        out, text_of = [], {}
         for text in self.section.score_tokens:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) != 1:
@@ -103,6 +123,13 @@ class Judge:
                     f"config key 'judge.score_tokens': {text!r} is {len(ids)} tokens of the "
                     f"judge's tokenizer ({ids}); each score token must be exactly one"
                 )
+            if int(ids[0]) in text_of:
+                raise ConfigError(
+                    f"config key 'judge.score_tokens': {text_of[int(ids[0])]!r} and {text!r} are "
+                    f"both token {ids[0]} of the judge's tokenizer; each score token must be "
+                    "another token (one would count twice)"
+                )
+            text_of[int(ids[0])] = text
             out.append(int(ids[0]))
         return out
 

@@ -104,7 +104,7 @@ class JudgeSection:
       rubric: the judge's prompt, a template with ``{question}`` (the example's
         prompt) and ``{completion}``.
       score_tokens: the texts whose next-token probabilities are the judge's
-        verdict; each must be one token of the judge's tokenizer.
+        verdict; each must be one token of the judge's tokenizer, each listed once.
       values: each score token's value (default: the tokens read as numbers);
         the reward is sum_k p_k values_k, p the softmax over the score tokens' logits.
       chat: put the rubric in a user turn of the judge tokenizer's chat template.
@@ -147,6 +147,12 @@ class JudgeSection:
         if not tokens or not all(isinstance(t, str) and t for t in tokens):
             raise ConfigError(
                 f"config key 'judge.score_tokens' = {self.score_tokens!r} must be non-empty strings"
+            )
+        twice = next((t for i, t in enumerate(tokens) if t in tokens[:i]), None)
+        if twice is not None:
+            raise ConfigError(
+                f"config key 'judge.score_tokens' = {tokens!r} lists {twice!r} twice; list each "
+                "score token once (a duplicate would count its probability twice)"
             )
         values = tuple(self.values)
         if not values:
