@@ -19,6 +19,11 @@ Batches have a fixed size (the last one padded) so each sampler compiles once.
 Every figure has its 95% interval (``grpo_jax.problems``); ``--output`` adds the
 record of what ran (``grpo_jax.record``, with the checkpoint's path) and
 ``--problems=PATH`` writes the per-problem results that ``grpo_jax.compare`` reads.
+
+The sampled completions draw from the key the run's own evaluation at the
+checkpoint's step drew from (``grpo_jax.evaluation.eval_key``), so a run's
+checkpoint of step s gives the figures of its ``eval/step_<s>.jsonl``, problem by
+problem. A Hugging Face directory has no step: it draws from step 0's key.
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ from grpo_jax import cli
 
 cli.quiet()  # before the imports of JAX, Orbax and transformers below
 
-import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from grpo_jax import models, problems, record, runlocal  # noqa: E402
+from grpo_jax.checkpointer import Checkpointer  # noqa: E402
 from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
-from grpo_jax.evaluation import evaluate_problems  # noqa: E402
+from grpo_jax.evaluation import eval_key, evaluate_problems  # noqa: E402
 from grpo_jax.setup import (  # noqa: E402
     build_datasets,
     build_encoder,
@@ -63,6 +68,12 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 
 def load_policy(run, checkpoint: str | pathlib.Path, mesh):
     """(graphdef, params, tokenizer) of a workdir / checkpoint dir / step dir / HF directory."""
+    return load_policy_at(run, checkpoint, mesh)[:3]
+
+
+def load_policy_at(run, checkpoint: str | pathlib.Path, mesh):
+    """(graphdef, params, tokenizer, step) of a workdir (its latest step), a checkpoint dir
+    (latest step), a step dir or a Hugging Face directory (step None)."""
     path = pathlib.Path(checkpoint)
     if _workdir_of(path) is None and _is_hf_dir(path):
         model = models.from_pretrained(str(path), mesh=mesh, layout=run.mesh.layout)
@@ -70,7 +81,7 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
             tokenizer = models.load_tokenizer(path)  # Exports carry their tokenizer.
         else:
             tokenizer = build_tokenizer(run, path)
-        return (*nnx.split(model), tokenizer)
+        return (*nnx.split(model), tokenizer, None)
     step = None
     if (path / "checkpoints").is_dir():
         workdir, ckdir = path, path / "checkpoints"
@@ -83,9 +94,17 @@ def load_policy(run, checkpoint: str | pathlib.Path, mesh):
             f"--checkpoint={str(checkpoint)!r} is neither a training workdir, a checkpoint "
             "directory, a checkpoint step nor a Hugging Face model directory"
         )
+    if step is None:  # the latest, named: the evaluation key follows it
+        ck = Checkpointer(ckdir)
+        try:
+            step = ck.latest_step()
+        finally:
+            ck.close()
+        if step is None:
+            raise FileNotFoundError(f"--checkpoint={str(checkpoint)!r}: no checkpoint in {ckdir}")
     tokenizer = build_tokenizer(run, workdir)
     graphdef, params, _ = restore_policy(run, tokenizer, mesh, ckdir, step)  # LoRA: base + adapters
-    return graphdef, params, tokenizer
+    return graphdef, params, tokenizer, step
 
 
 def _set(value):
@@ -132,24 +151,16 @@ def run_config_for(checkpoint, config=None):
     return run
 
 
-def main(argv):
-    del argv
-    cli.quiet()  # again: absl's app.run set its own log levels after the import
-    FLAGS = flags.FLAGS
+def evaluate_checkpoint(checkpoint, config=None, message=lambda text: None):
+    """(problems, figures, record, file header) of ``checkpoint`` (``--checkpoint``) evaluated
+    with ``config`` (None: the run's own), sampled from the run's evaluation key of its step
+    (the header's ``step``; None for a Hugging Face directory, which draws from step 0's)."""
     t0 = time.perf_counter()
-
-    def message(text):  # progress on stderr: stdout holds the results alone
-        print(f"evaluate: {text}", file=sys.stderr, flush=True)
-
-    try:
-        run = runlocal.resolve(run_config_for(FLAGS.checkpoint, FLAGS.config))
-        mesh = build_mesh(run)
-        message(f"loading {FLAGS.checkpoint}")
-        graphdef, params, tokenizer = load_policy(run, FLAGS.checkpoint, mesh)
-        examples = eval_examples(run, build_datasets(run))
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run = runlocal.resolve(run_config_for(checkpoint, config))
+    mesh = build_mesh(run)
+    message(f"loading {checkpoint}")
+    graphdef, params, tokenizer, step = load_policy_at(run, checkpoint, mesh)
+    examples = eval_examples(run, build_datasets(run))
     message(
         f"{len(examples)} problems, loaded in {time.perf_counter() - t0:.0f}s; the first "
         "batch also compiles the sampler"
@@ -162,22 +173,42 @@ def main(argv):
         scorer=build_scorer(run),
         sampling=tokenizer_sampling(run, tokenizer),
         cfg=run.eval,
-        key=jax.random.key(run.seed),
+        key=eval_key(run.seed, 0 if step is None else step),
         mesh=mesh,
         message=message,
     )
     k = run.eval.k if run.eval.num_samples else None
-    out = problems.figures(prob, k)
     rec = record.run_record(run, examples)
-    rec["checkpoint"] = str(FLAGS.checkpoint)
+    rec["checkpoint"] = str(checkpoint)
+    header = {
+        "step": step,
+        "k": k,
+        "num_samples": run.eval.num_samples,
+        "temperature": run.eval.temperature,
+        "seeds": list(run.eval.seeds),
+    }
+    return prob, problems.figures(prob, k), rec, header
+
+
+def main(argv):
+    del argv
+    cli.quiet()  # again: absl's app.run set its own log levels after the import
+    FLAGS = flags.FLAGS
+
+    def message(text):  # progress on stderr: stdout holds the results alone
+        print(f"evaluate: {text}", file=sys.stderr, flush=True)
+
+    try:
+        prob, out, rec, header = evaluate_checkpoint(FLAGS.checkpoint, FLAGS.config, message)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)
     if FLAGS.output:
         pathlib.Path(FLAGS.output).write_text(json.dumps({**out, "record": rec}, indent=2) + "\n")
     if FLAGS.problems:
-        header = {"k": k, "num_samples": run.eval.num_samples, "seeds": list(run.eval.seeds)}
-        header.update(figures=out, record=rec)
-        problems.write(FLAGS.problems, prob, header)
+        problems.write(FLAGS.problems, prob, {**header, "figures": out, "record": rec})
     return 0
 
 

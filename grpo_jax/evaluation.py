@@ -10,6 +10,9 @@ Batches have a fixed size (the last one padded) so each sampler compiles once.
 for single-turn runs, ``grpo_jax.multiturn.evaluate_problems`` (episodes) with an
 environment, both into the same per-problem results and figures. The command line
 is ``grpo_jax.evaluate``.
+
+A run's evaluation at step s draws from :func:`eval_key` (seed, s), and so does
+``grpo_jax.evaluate`` on that step's checkpoint: it reproduces the run's figures.
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ from grpo_jax.config import EvalConfig
 from grpo_jax.rollout import PromptEncoder, Rollouts, decode
 from grpo_jax.sampling import SamplingConfig, generate, problem_keys
 from grpo_jax.scorer import Scorer
+
+# Folded into the run's key to give the evaluations a stream of their own (setup's eval_key).
+EVAL_STREAM = 0x5EED
+
+
+def eval_base_key(seed: int) -> jax.Array:
+    """The run's evaluation key, ``fold_in(key(seed), EVAL_STREAM)`` (``Setup.eval_key``)."""
+    return jax.random.fold_in(jax.random.key(seed), EVAL_STREAM)
+
+
+def eval_key(seed: int, step: int) -> jax.Array:
+    """The key of the run's evaluation at ``step``: ``fold_in(eval_base_key(seed), step)``."""
+    return jax.random.fold_in(eval_base_key(seed), step)
 
 
 def evaluate_policy(

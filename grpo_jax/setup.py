@@ -37,6 +37,7 @@ from grpo_jax.config import (
     check_batch_layout,
     check_known_keys,
 )
+from grpo_jax.evaluation import eval_base_key
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
@@ -622,7 +623,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         ),
         data=data_,
         base_key=base_key,
-        eval_key=jax.random.fold_in(base_key, 0x5EED),
+        eval_key=eval_base_key(run.seed),
     )
     skipped = {k: v for k, v in data_.stats.items() if v}
     if skipped:

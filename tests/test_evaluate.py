@@ -1,6 +1,7 @@
 """Evaluation: pass@1 / pass@k plumbing with canned completions, checkpoint and HF export parity."""
 
 import functools
+import io
 import json
 import os
 import subprocess
@@ -177,3 +178,32 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     cli = json.loads((tmp_path / "eval.json").read_text())
     assert cli["eval/pass_at_1"] == a["eval/pass_at_1"]
     assert cli["eval/num_problems"] == 8
+
+
+@pytest.mark.slow  # a smoke run (warm start, 2 steps) and two evaluations: ~40 s
+def test_a_runs_checkpoint_evaluates_as_the_run_did(tmp_path, monkeypatch):
+    """python -m grpo_jax.evaluate on a run's final checkpoint gives the run's own evaluation
+    of that step, problem by problem and sample by sample: the same key derivation."""
+    from grpo_jax import problems
+    from grpo_jax.train import train
+
+    c = get_config("smoke")
+    c.train.steps = 2
+    c.eval.num_problems = 8
+    c.eval.num_samples = 4
+    wd = tmp_path / "wd"
+    train(c, wd, stream=io.StringIO())
+    ran_header, ran = problems.read(wd / "eval" / "step_2.jsonl")
+
+    prob, figures, _, header = ev.evaluate_checkpoint(wd)
+    assert header["step"] == 2 == ran_header["step"]
+    np.testing.assert_array_equal(prob.greedy_correct, ran.greedy_correct)
+    np.testing.assert_array_equal(prob.sampled_correct, ran.sampled_correct)
+    np.testing.assert_array_equal(prob.sampled_length, ran.sampled_length)
+    assert figures == ran_header["figures"]
+    # The warm-started policy ends its samples at varied lengths: another key moves them,
+    # so the equality above can fail (key(seed) is what the command drew from before).
+    assert len(np.unique(ran.sampled_length)) > 1
+    monkeypatch.setattr(ev, "eval_key", lambda seed, step: jax.random.key(seed))
+    other, _, _, _ = ev.evaluate_checkpoint(wd)
+    assert not np.array_equal(other.sampled_length, ran.sampled_length)
