@@ -207,3 +207,8 @@ def test_bootstrap_refuses_non_finite_values():
         stats.bootstrap_interval(np.array([0.5, np.nan, 1.0]))
     with pytest.raises(ValueError, match="problem 0 is -inf"):
         stats.paired_bootstrap_interval(np.array([np.inf, 0.0]), np.zeros(2))
+
+
+def test_ragged_sample_counts_name_the_problem():
+    with pytest.raises(ValueError, match="problem 2 has 3, problem 0 has 2"):
+        stats.pass_at_k_values([[1, 0], [0, 0], [1, 0, 1]], 1)
