@@ -10,11 +10,12 @@
 ``tfds:NAME`` reads split ``--split`` of a TFDS dataset prepared in ``--data_dir``, with
 no download (``grpo_jax.data.pairs.load_pairs``: a malformed line or row is an error
 naming the file or dataset and the line or row; ``--fields`` names the prompt's, chosen
-and rejected features when they are called otherwise). A seeded share ``heldout_frac`` of
-the pairs is held out; the rest train the model, ``batch_size`` pairs drawn at random per
-step, with the project's optimizer (``grpo_jax.optimizer``: global-norm clipping, AdamW,
-the non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)). ``--init`` is
-a Hugging Face checkpoint: a ``*ForSequenceClassification`` one is trained further, a
+and rejected features when they are called otherwise). The flags, and every pair's length
+against what the model reads (``check_pairs``), are checked before any work. A seeded share
+``heldout_frac`` of the pairs is held out; the rest train the model, ``batch_size`` pairs
+drawn at random per step, with the project's optimizer (``grpo_jax.optimizer``: global-norm
+clipping, AdamW, the non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)).
+``--init`` is a Hugging Face checkpoint: a ``*ForSequenceClassification`` one is trained further, a
 causal LM gets a fresh scalar head on its decoder; without it the built-in tiny model
 starts from random weights with the built-in tokenizer.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -48,10 +50,10 @@ from flax import nnx
 
 from grpo_jax import cli, sharding
 from grpo_jax.checkpointer import Checkpointer
-from grpo_jax.data.pairs import PAIR_KEYS, TFDS_PREFIX, load_pairs
+from grpo_jax.data.pairs import PAIR_KEYS, TFDS_PREFIX, check_lengths, load_pairs
 from grpo_jax.errors import CheckpointError
 from grpo_jax.models import from_pretrained, load_tokenizer, tiny_config
-from grpo_jax.models.builtin_tokenizer import build_tokenizer
+from grpo_jax.models.builtin_tokenizer import build_tokenizer, is_builtin, warn_missing_characters
 from grpo_jax.models.hf_config import read_config_json
 from grpo_jax.models.partitioning import param_shardings
 from grpo_jax.optimizer import OptimConfig, apply_guarded, init_state, make_optimizer
@@ -160,13 +162,17 @@ def _placed(params, mesh, batch_size: int):
     when a batch's 2 x ``batch_size`` rows do not split over its batch shards."""
     if mesh is None:
         return params
+    _check_split(batch_size, mesh)
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def _check_split(batch_size: int, mesh) -> None:
     shards = sharding.batch_shards(mesh)
     if (2 * batch_size) % shards:
         raise ValueError(
             f"--batch_size={batch_size} pairs (2 x {batch_size} rows) must split evenly "
             f"over the mesh's {shards} batch shards"
         )
-    return jax.device_put(params, param_shardings(params, mesh))
 
 
 def _step(graphdef, tx, label: int, state, mesh):
@@ -225,6 +231,61 @@ def run_fingerprint(pairs_path, pairs=None, **settings) -> str:
     return h.hexdigest()
 
 
+def check_settings(
+    out,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    heldout_frac: float,
+    seed: int,
+    num_devices: int,
+    checkpoint_every: int,
+) -> None:
+    """A ValueError naming the flag of a setting the command cannot use, before any work."""
+    for flag, value, least in [
+        ("steps", steps, 1),
+        ("batch_size", batch_size, 1),
+        ("seed", seed, 0),
+        ("num_devices", num_devices, 0),
+        ("checkpoint_every", checkpoint_every, 0),
+    ]:
+        if value < least:
+            raise ValueError(f"--{flag}={value} must be >= {least}")
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"--learning_rate={learning_rate} must be a number > 0")
+    if not 0.0 < heldout_frac < 1.0:
+        raise ValueError(f"--heldout_frac={heldout_frac} must lie strictly between 0 and 1")
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out={out} is a file; the reward model is written as a directory")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out={out}: {parent} is a file, not a directory")
+            break
+
+
+def check_pairs(pairs, tokenizer, model: RewardModel, buckets) -> None:
+    """A MalformedRowError naming the file and line of a pair longer than the reward model
+    reads (the largest of ``buckets``, or the model's context); a warning naming the
+    characters the built-in tokenizer lacks and the pairs they came from."""
+    context = model.config.max_position_embeddings
+    limit = min(buckets[-1], context)
+    why = (
+        f"tokens of the largest of --buckets={','.join(map(str, buckets))}"
+        if buckets[-1] <= context
+        else "positions of the model's context"
+    )
+    check_lengths(pairs, tokenizer, limit, why)
+    if is_builtin(tokenizer):
+        warn_missing_characters(
+            (text, f"{getattr(p, 'path', 'pairs')}:{getattr(p, 'lineno', i + 1)}")
+            for i, p in enumerate(pairs)
+            for text in p
+        )
+
+
 def _check_buckets(buckets) -> tuple[int, ...]:
     buckets = tuple(buckets)
     if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
@@ -272,6 +333,16 @@ def train_reward_model(
     of a batch (the smallest that holds its longest text). ``split``, ``data_dir`` and
     ``fields``: how ``pairs_path`` is read (``grpo_jax.data.pairs.load_pairs``).
     """
+    check_settings(
+        out,
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        heldout_frac=heldout_frac,
+        seed=seed,
+        num_devices=num_devices,
+        checkpoint_every=checkpoint_every,
+    )
     buckets = _check_buckets(buckets)
     pairs = load_pairs(pairs_path, split=split, data_dir=data_dir, fields=fields)
     train, heldout = split_pairs(pairs, heldout_frac, seed)
@@ -279,7 +350,9 @@ def train_reward_model(
     if num_devices > len(devices) or num_devices < 0:
         raise ValueError(f"--num_devices={num_devices}, but {len(devices)} devices are available")
     mesh = sharding.make_mesh({"fsdp": -1}, devices[: num_devices or None])
+    _check_split(batch_size, mesh)
     model, tok = initial_model(init, tokenizer, seed)
+    check_pairs(pairs, tok, model, buckets)
     before = evaluate_pairs(model, tok, heldout, batch_size=batch_size, buckets=buckets)
     log(f"{len(train)} pairs to train on, {len(heldout)} held out; before: {before}")
     optim = OptimConfig(learning_rate=learning_rate)

@@ -2,6 +2,7 @@
 what is wrong (grpo_jax/data/pairs.py)."""
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,58 @@ def test_a_prepared_folder_reads_without_the_code_that_built_it(tfds_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     first = _want(helpers_tfds.rows(helpers_tfds.TRAIN))[0]
     assert done.stdout.strip().splitlines()[-1] == f"{helpers_tfds.TRAIN} {first}"
+
+
+def _write(path, rows):
+    path.write_text(
+        "".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), r))) + "\n" for r in rows)
+    )
+    return path
+
+
+def test_a_directory_is_not_reported_as_missing(tmp_path):
+    with pytest.raises(IsADirectoryError, match=f"file {tmp_path} is a directory; give a JSONL"):
+        load_pairs(tmp_path)
+
+
+def test_each_pair_keeps_its_file_and_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n\n' * 2)
+    assert [(p.path, p.lineno) for p in load_pairs(path)] == [(str(path), 1), (str(path), 3)]
+
+
+def test_pairs_whose_chosen_is_their_rejected_are_kept_with_one_warning(tmp_path, caplog):
+    rows = [("1+1=", "2", "3"), ("1+2=", "3", "3"), ("2+2=", "4", "5"), ("2+3=", "5", "5")]
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.data.pairs"):
+        assert load_pairs(path) == rows
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 4 pairs have the same chosen and rejected text (line(s) 2, 4); they are "
+        "kept, add nothing to the loss and count as wrong in the pairwise accuracy"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.data.pairs"):
+        load_pairs(_write(tmp_path / "distinct.jsonl", rows[:1]))
+    assert not caplog.records
+
+
+def test_a_pair_longer_than_the_limit_names_its_line(tmp_path, builtin_tokenizer):
+    from grpo_jax.data.pairs import check_lengths
+
+    path = _write(tmp_path / "pairs.jsonl", [("1+1=", "2", "3"), ("1+2=", "3", "4" * 60)])
+    pairs = load_pairs(path)
+    check_lengths(pairs, builtin_tokenizer, 65, "tokens")  # <bos> + 4 + 60 characters
+    with pytest.raises(
+        MalformedRowError, match=r"pairs.jsonl:2: prompt \+ rejected is 65 tokens \(64 char"
+    ):
+        check_lengths(pairs, builtin_tokenizer, 64, "tokens of the largest bucket")
+    # Five million characters: refused from the text's head, without tokenizing them all.
+    huge = _write(
+        tmp_path / "huge.jsonl", [("1+1=", "2", "3")] * 3 + [("1+1=", "x" * 5_000_000, "3")]
+    )
+    with pytest.raises(
+        MalformedRowError,
+        match=r"huge.jsonl:4: prompt \+ chosen is over [0-9,]+ tokens \(5,000,004 characters\), "
+        "more than the 1024 tokens of --buckets",
+    ):
+        check_lengths(load_pairs(huge), builtin_tokenizer, 1024, "tokens of --buckets")

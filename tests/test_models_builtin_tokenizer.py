@@ -58,3 +58,22 @@ def test_the_tokenizer_folder_appears_whole(tmp_path, monkeypatch):
     assert [p.name for p in target.parent.iterdir()] == ["tokenizer"]  # no leftovers
     bt.ensure_tokenizer(target)  # a second host finds it whole and writes nothing
     assert len(written) == 1
+
+
+def test_characters_it_lacks_are_named_once_with_where_they_came_from(tmp_path, caplog):
+    import logging
+
+    tok = AutoTokenizer.from_pretrained(str(bt.save_tokenizer(tmp_path / "tok")))
+    assert bt.is_builtin(tok) and bt.is_builtin(bt.build_tokenizer())
+    texts = [("12+3=15", "a:1"), ("café ✓", "a:2"), ("né\t", "a:3"), ("ok", "a:4")]
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.models.builtin_tokenizer"):
+        assert bt.warn_missing_characters(texts) == {"é": "a:2", "✓": "a:2", "\t": "a:3"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "the built-in tokenizer has no token for 3 character(s) of its input, which it reads as "
+        "<unk>: 'é' (2 text(s), first a:2), '✓' (1 text(s), first a:2), '\\t' (1 text(s), "
+        "first a:3)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.models.builtin_tokenizer"):
+        assert bt.warn_missing_characters([("12+3=15\n", "a:1")]) == {}
+    assert not caplog.records

@@ -209,3 +209,83 @@ def test_a_stopped_training_resumes_to_the_parameters_of_one_never_stopped(
     )
     for a, b in zip(leaves(whole), leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"batch_size": 0}, "--batch_size=0 must be >= 1"),
+        ({"batch_size": -3}, "--batch_size=-3 must be >= 1"),
+        ({"steps": 0}, "--steps=0 must be >= 1"),
+        ({"learning_rate": float("nan")}, "--learning_rate=nan must be a number > 0"),
+        ({"learning_rate": 0.0}, "--learning_rate=0.0 must be a number > 0"),
+        ({"heldout_frac": 1.0}, "--heldout_frac=1.0 must lie strictly between 0 and 1"),
+        ({"seed": -1}, "--seed=-1 must be >= 0"),
+        ({"checkpoint_every": -1}, "--checkpoint_every=-1 must be >= 0"),
+        ({"out": "file"}, "--out={tmp}/file is a file; the reward model is written as a directory"),
+        ({"out": "file/rm"}, "--out={tmp}/file/rm: {tmp}/file is a file, not a directory"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(tmp_path, monkeypatch, changes, message):
+    from grpo_jax import reward_model
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the pairs were read before the settings were checked")
+
+    monkeypatch.setattr(reward_model, "load_pairs", no_work)
+    (tmp_path / "file").write_text("")
+    kwargs = {**changes, "out": tmp_path / changes.get("out", "rm")}
+    with pytest.raises(ValueError) as info:
+        reward_model.train_reward_model(tmp_path / "pairs.jsonl", log=print, **kwargs)
+    assert str(info.value) == message.format(tmp=tmp_path)
+
+
+def test_pairs_are_checked_against_what_the_model_reads(tmp_path, builtin_tokenizer, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from grpo_jax.data.pairs import load_pairs
+    from grpo_jax.errors import MalformedRowError
+    from grpo_jax.reward_model import check_pairs
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [("1+1=", "2", "3"), ("1+2=", "3", "4" * 40), ("2+2=", "4 ✓", "5")]
+    path.write_text(
+        "".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), r))) + "\n" for r in rows)
+    )
+    pairs = load_pairs(path)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=40))
+    with pytest.raises(
+        MalformedRowError,
+        match=r"pairs.jsonl:2: prompt \+ rejected is 45 tokens .* more than the 32 tokens of the "
+        r"largest of --buckets=16,32$",
+    ):
+        check_pairs(pairs, builtin_tokenizer, model, (16, 32))
+    with pytest.raises(
+        MalformedRowError, match=r"more than the 40 positions of the model's context"
+    ):
+        check_pairs(pairs, builtin_tokenizer, model, (16, 64))
+    wide = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    with caplog.at_level(logging.WARNING):
+        check_pairs(pairs, builtin_tokenizer, wide, (64,))  # every pair fits
+    assert any(f"'✓' (1 text(s), first {path}:3)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow  # three launches of the command
+def test_command_refuses_bad_flags_and_pairs_in_one_line_with_exit_status_2(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [(f"{a}+1=", str(a + 1), str(a)) for a in range(10)] + [("1+1=", "2" * 5000, "3")]
+    pairs.write_text(
+        "".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), r))) + "\n" for r in rows)
+    )
+    cmd = [sys.executable, "-m", "grpo_jax.reward_model", f"--out={tmp_path / 'rm'}"]
+    for args, message in [
+        ([f"--pairs={pairs}", "--batch_size=0"], "error: --batch_size=0 must be >= 1"),
+        ([f"--pairs={tmp_path}"], f"error: preference pairs file {tmp_path} is a directory"),
+        ([f"--pairs={pairs}", "--buckets=16,32"], f"error: {pairs}:11: prompt + chosen is over"),
+    ]:
+        done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), lines
+    assert not (tmp_path / "rm").exists()

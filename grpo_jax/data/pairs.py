@@ -15,22 +15,37 @@ either source when they are not called prompt, chosen and rejected.
 
 Every problem is an error that names it: a malformed line or row (file or
 ``tfds:NAME[split]`` and its line or row index), a field that is missing or not text, a
-dataset that is not prepared, a split it does not have, no pairs at all.
+dataset that is not prepared, a split it does not have, no pairs at all. Each pair keeps
+where it was read (``Pair.path``, ``Pair.lineno``), so :func:`check_lengths` names the line
+of a pair too long for the model that reads it. A pair whose chosen and rejected texts are
+the same is kept, with one warning naming its lines: it adds nothing to the loss (its two
+scores are equal) and counts as wrong in the pairwise accuracy.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Sequence
 
 from grpo_jax.errors import ConfigError, MalformedRowError
 
+log = logging.getLogger(__name__)
+
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 TFDS_PREFIX = "tfds:"
 
-Pair = tuple[str, str, str]
+
+class Pair(tuple):
+    """(prompt, chosen, rejected), a tuple that also holds ``where`` it was read
+    (``path`` and ``lineno``: a file and its line, or ``tfds:NAME[split]`` and a row index)."""
+
+    def __new__(cls, texts, path: str = "", lineno: int = 0):
+        self = super().__new__(cls, texts)
+        self.path, self.lineno = str(path), lineno
+        return self
 
 
 def load_pairs(
@@ -43,8 +58,61 @@ def load_pairs(
     """(prompt, chosen, rejected) of every row of ``source`` (module docstring)."""
     fields = _check_fields(fields)
     if isinstance(source, str) and source.startswith(TFDS_PREFIX):
-        return load_tfds_pairs(source[len(TFDS_PREFIX) :], split, data_dir, fields)
-    return load_jsonl_pairs(source, fields)
+        pairs = load_tfds_pairs(source[len(TFDS_PREFIX) :], split, data_dir, fields)
+    else:
+        pairs = load_jsonl_pairs(source, fields)
+    warn_ties(pairs)
+    return pairs
+
+
+def warn_ties(pairs: Sequence[Pair]) -> list[Pair]:
+    """The pairs whose chosen and rejected texts are the same, with one warning naming them."""
+    ties = [p for p in pairs if p[1] == p[2]]
+    if ties:
+        path = getattr(ties[0], "path", "the pairs")
+        lines = ", ".join(str(getattr(p, "lineno", "?")) for p in ties[:10])
+        more = f" and {len(ties) - 10} more" if len(ties) > 10 else ""
+        log.warning(
+            "%s: %d of %d pairs have the same chosen and rejected text (%s %s%s); they are "
+            "kept, add nothing to the loss and count as wrong in the pairwise accuracy",
+            path,
+            len(ties),
+            len(pairs),
+            "row(s)" if path.startswith(TFDS_PREFIX) else "line(s)",
+            lines,
+            more,
+        )
+    return ties
+
+
+def check_lengths(pairs: Sequence[Pair], tokenizer, limit: int, why: str) -> None:
+    """MalformedRowError naming the first pair whose prompt + chosen or prompt + rejected is
+    longer than ``limit`` tokens of ``tokenizer`` (as the reward model reads them: special
+    tokens added), with ``why`` (what sets the limit)."""
+    # A text of many characters is tokenized by its head first: 5,000,000 characters take
+    # half a minute, and a head already over the limit settles it.
+    head = 16 * limit + 64
+    chunk = 512
+    for start in range(0, len(pairs), chunk):
+        batch = pairs[start : start + chunk]
+        texts = [p + c for p, c, _ in batch] + [p + r for p, _, r in batch]
+        counts = _token_counts(tokenizer, [t[:head] for t in texts])
+        for k, text in enumerate(texts):
+            if counts[k] <= limit and len(text) > head:  # a long text with few tokens
+                counts[k] = _token_counts(tokenizer, [text])[0]
+            if counts[k] > limit:
+                pair, side = batch[k % len(batch)], ("chosen", "rejected")[k // len(batch)]
+                n = f"{counts[k]:,} tokens" if len(text) <= head else f"over {counts[k]:,} tokens"
+                raise MalformedRowError(
+                    getattr(pair, "path", "pairs"),
+                    getattr(pair, "lineno", start + k % len(batch) + 1),
+                    f"prompt + {side} is {n} ({len(text):,} characters), more than the "
+                    f"{limit} {why}",
+                )
+
+
+def _token_counts(tokenizer, texts) -> list[int]:
+    return [len(x) for x in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 
 def _check_fields(fields) -> tuple[str, str, str]:
@@ -60,6 +128,10 @@ def _check_fields(fields) -> tuple[str, str, str]:
 def load_jsonl_pairs(path: str | os.PathLike, fields: Sequence[str] = PAIR_KEYS) -> list[Pair]:
     """The pairs of a JSONL file; MalformedRowError names the file and line of a bad one."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"preference pairs file {path} is a directory; give a JSONL file (or tfds:NAME)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"preference pairs file {path} not found")
     pairs = []
@@ -80,7 +152,7 @@ def load_jsonl_pairs(path: str | os.PathLike, fields: Sequence[str] = PAIR_KEYS)
                     lineno,
                     f"needs string fields {list(fields)}; missing or not a string: {missing}",
                 )
-            pairs.append(tuple(row[k] for k in fields))
+            pairs.append(Pair([row[k] for k in fields], path, lineno))
     if not pairs:
         raise ValueError(f"{path}: no preference pairs")
     return pairs
@@ -157,4 +229,4 @@ def _tfds_pair(row, fields, where: str, index: int) -> Pair:
                 where, index, f"feature {f!r} is {type(value).__name__}, not text"
             )
         out.append(value)
-    return tuple(out)
+    return Pair(out, where, index)

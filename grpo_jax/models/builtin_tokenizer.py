@@ -12,13 +12,18 @@ Ids are fixed (a vocabulary is part of a model's identity):
   0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. ' ' .. '~' (ASCII 32-126), '\\n'
 
 Encoding with ``add_special_tokens=True`` prepends ``<bos>`` (as Llama's
-tokenizer does); decoding joins characters with nothing between them.
+tokenizer does); decoding joins characters with nothing between them. Any other
+character (a letter with an accent, a tab, an emoji) is read as ``<unk>``:
+:func:`warn_missing_characters` says which, and where they came from.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import pathlib
+from collections.abc import Iterable
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = tuple(chr(i) for i in range(32, 127)) + ("\n",)
@@ -27,6 +32,44 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 
 # A minimal chat template: each message's content on its own line, no roles.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+log = logging.getLogger(__name__)
+_CHARSET = frozenset(CHARS)
+
+
+def is_builtin(tokenizer) -> bool:
+    """Whether ``tokenizer`` has this vocabulary (built here, or loaded from its saved files)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None or len(tokenizer) != VOCAB_SIZE:
+        return False
+    return get_vocab() == {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+
+
+def warn_missing_characters(texts: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """One warning naming the characters of ``texts`` ((text, where it came from) pairs)
+    that the tokenizer lacks and reads as ``<unk>``, each with the first place it was seen
+    and how many texts hold it; returns {character: first place}, empty when none."""
+    first: dict[str, str] = {}
+    texts_with = collections.Counter()
+    for text, where in texts:
+        for ch in dict.fromkeys(text):  # in order of appearance: the same message every run
+            if ch not in _CHARSET:
+                first.setdefault(ch, where)
+                texts_with[ch] += 1
+    if first:
+        common = [ch for ch, _ in texts_with.most_common()]
+        shown = ", ".join(
+            f"{ch!r} ({texts_with[ch]} text(s), first {first[ch]})" for ch in common[:8]
+        )
+        more = f" and {len(common) - 8} more" if len(common) > 8 else ""
+        log.warning(
+            "the built-in tokenizer has no token for %d character(s) of its input, which it "
+            "reads as <unk>: %s%s",
+            len(common),
+            shown,
+            more,
+        )
+    return first
 
 
 def build_tokenizer():
