@@ -307,12 +307,7 @@ class Reporter:
         self.no_signal_run = self.no_signal_run + 1 if no_signal else 0
         n = self.no_signal_run
         if cfg.no_signal_steps and n and n % cfg.no_signal_steps == 0:
-            self.loud(
-                f"step {step}: no group has had any reward variance for {n} steps "
-                "in a row, so every advantage is 0 and GRPO is not learning. The policy "
-                f"solves all or none of each group (pass rate {m['rollout/pass_rate']:.2f});"
-                " warm-start longer, make the task easier or raise grpo.G / temperature"
-            )
+            self.loud(_no_signal_message(step, n, m))
         if cfg.samples_every and step % cfg.samples_every == 0 and cfg.num_samples_logged:
             self.records.writer.write_samples(step, self._samples(host, cfg.num_samples_logged))
 
@@ -328,3 +323,26 @@ class Reporter:
             }
             for i in range(min(n, len(host.completions)))
         ]
+
+
+def _no_signal_message(step: int, n: int, m: dict) -> str:
+    """Why no group has had reward variance for ``n`` steps: the policy (all or none of each
+    group solved), or the rewards, when no completion of step ``step`` has one."""
+    if m.get("rewards/unscored_frac", 0.0) < 1.0:
+        return (
+            f"step {step}: no group has had any reward variance for {n} steps "
+            "in a row, so every advantage is 0 and GRPO is not learning. The policy "
+            f"solves all or none of each group (pass rate {m['rollout/pass_rate']:.2f});"
+            " warm-start longer, make the task easier or raise grpo.G / temperature"
+        )
+    failing = [
+        k.split("/")[1]
+        for k, v in m.items()
+        if k.count("/") == 2 and k.endswith("/unscored_frac") and v >= 1.0
+    ]
+    return (
+        f"step {step}: no group has had any reward variance for {n} steps in a row because "
+        "no completion has a reward: every one is unscored (NaN), so every advantage is 0 and "
+        f"GRPO is not learning. The rewards fail, not the policy: {', '.join(failing)} scored "
+        "nothing this step (rewards/<name>/errors; the warnings above say why)"
+    )

@@ -194,23 +194,71 @@ def test_scorer_adds_the_learned_reward_by_weight():
     assert result.metrics()[f"rewards/{LEARNED}/errors"] == 1
 
 
-def test_nan_scores_are_contained(qwen2_rm, tmp_path):
-    """A reward model whose weights hold NaN scores NaN (unscored), and does not raise."""
+def test_nan_scores_are_contained(qwen2_rm, tmp_path, caplog):
+    """A reward model whose weights hold NaN scores NaN (unscored), does not raise, and says
+    so in one warning, at its first batch."""
     lr = LearnedReward.load(_section(qwen2_rm), None)
     state = nnx.state(lr.model, nnx.Param)
     state["score"][...] = state["score"][...] * np.nan
     nnx.update(lr.model, state)
     lr.__post_init__()
-    out = lr(TEXTS, COMPLETIONS, TEXTS, group_size=3)
+    with caplog.at_level("WARNING", logger="grpo_jax.reward_models.scorer"):
+        out = lr(TEXTS, COMPLETIONS, TEXTS, group_size=3)
+        assert np.isnan(lr(TEXTS, COMPLETIONS, TEXTS, group_size=3)).all()
     assert np.isnan(out).all()
+    assert [r.getMessage()[:68] for r in caplog.records] == [
+        "reward_model: 3 of 3 scores are not finite (NaN or inf), so those co"
+    ]
+    assert repr(str(qwen2_rm)) in caplog.records[0].getMessage()
 
 
-def test_too_long_text_is_unscored(qwen2_rm):
+def test_a_step_whose_rewards_are_all_unscored_blames_the_rewards_not_the_policy():
+    from types import SimpleNamespace
+
+    from grpo_jax.config import HealthConfig, TrainConfig
+    from grpo_jax.metrics import rollout_metrics
+    from grpo_jax.report import Reporter
+
+    said = []
+    records = SimpleNamespace(progress=SimpleNamespace(message=said.append))
+    run = SimpleNamespace(train=TrainConfig(no_signal_steps=2), health=HealthConfig())
+    rep = Reporter(run, records)
+    nan_N, zero_N = np.full(4, np.nan), np.zeros(4)
+    for total_N, per_reward in [
+        (nan_N, {"exact_match": zero_N, LEARNED: nan_N}),
+        (zero_N, {"exact_match": zero_N}),
+    ]:
+        said.clear()
+        m = rollout_metrics(
+            total_N=total_N,
+            per_reward=per_reward,
+            errors={LEARNED: int(np.isnan(total_N).sum())},
+            correct_N=zero_N.astype(bool),
+            lengths_N=zero_N + 3,
+            truncated_N=zero_N.astype(bool),
+            duplicate_N=zero_N.astype(bool),
+            G=2,
+        )
+        host = SimpleNamespace(metrics=m)
+        for step in (1, 2):
+            rep._rollout_alarms(step, host)
+        assert len(said) == 1 and "step 2: no group has had any reward variance" in said[0]
+        if np.isnan(total_N).all():
+            assert "every one is unscored (NaN)" in said[0]
+            assert "The rewards fail, not the policy: reward_model scored nothing" in said[0]
+            assert "warm-start longer" not in said[0]
+        else:
+            assert "warm-start longer" in said[0] and "unscored" not in said[0]
+
+
+def test_too_long_text_is_unscored(qwen2_rm, caplog):
     lr = LearnedReward.load(
         RewardModelSection(path=str(qwen2_rm), buckets=(16,), batch_size=2), None
     )
-    out = lr(["Q: "] * 2, ["x", "y" * 40], ["Q"] * 2, group_size=1)
+    with caplog.at_level("WARNING", logger="grpo_jax.reward_models.scorer"):
+        out = lr(["Q: "] * 2, ["x", "y" * 40], ["Q"] * 2, group_size=1)
     assert np.isfinite(out[0]) and np.isnan(out[1])
+    assert "not finite" not in caplog.text and "exceed reward_model.buckets" in caplog.text
 
 
 def test_bad_checkpoints_are_refused(qwen2_rm, tmp_path):

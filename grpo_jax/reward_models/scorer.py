@@ -22,7 +22,9 @@ devices score as one process).
 
 Containment: a text longer than the largest bucket, or a score that is not
 finite, is NaN: unscored, advantage 0, counted by the caller as an error, as
-for a verifiable reward that fails.
+for a verifiable reward that fails. Scores that are not finite (the model's
+weights damaged or diverged) are said in one warning, at the first batch that
+has them.
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ class LearnedReward:
     section: RewardModelSection
     mesh: jax.sharding.Mesh | None = None
     moments: RunningMoments = dataclasses.field(default_factory=RunningMoments)
+    warned_nonfinite: bool = False
 
     def __post_init__(self):
         s = self.section
@@ -237,7 +240,7 @@ class LearnedReward:
         def fn(tokens, mask):
             return self._jit(self._graphdef, self._params, tokens, mask)[:, s.label]
 
-        return score_in_batches(
+        out = score_in_batches(
             fn,
             token_lists,
             pad_id=self.pad_id,
@@ -246,6 +249,20 @@ class LearnedReward:
             mesh=self.mesh,
             what="reward_model",
         )
+        fits = np.array([len(t) <= s.buckets[-1] for t in token_lists], bool)
+        bad = int((fits & np.isnan(out)).sum())
+        if bad and not self.warned_nonfinite:
+            self.warned_nonfinite = True
+            log.warning(
+                "reward_model: %d of %d scores are not finite (NaN or inf), so those "
+                "completions are unscored (advantage 0): the reward model at %r gives no "
+                "number for them, its weights damaged or diverged; rewards/reward_model/errors "
+                "counts them each step (warned once)",
+                bad,
+                int(fits.sum()),
+                s.path,
+            )
+        return out
 
     def __call__(self, prompts, completions, questions, *, group_size: int) -> np.ndarray:
         """float32[N]: each completion's reward, normalised as ``section.normalize`` says."""
