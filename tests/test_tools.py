@@ -136,9 +136,11 @@ def test_network_socket_is_refused(unharmed):
     assert r.exit_code == 1 and "socket" in r.stderr and "not allowed" in r.stderr
 
 
-@pytest.mark.skipif(sandbox.network_isolation() != "namespace", reason="no network namespace")
+@pytest.mark.skipif(
+    sandbox.network_isolation("hooks") != "namespace", reason="no network namespace"
+)
 def test_network_namespace_has_no_route():
-    # Below the audit hook: the namespace itself has no network at all.
+    # Below the audit hook: unshare's namespace itself has no network at all.
     code = (
         "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
         "except OSError as e:\n    print(e.errno)"
@@ -278,7 +280,10 @@ def _boot_as_nobody(code: str) -> subprocess.CompletedProcess:
         for path in (work, main):
             os.chown(path, 65534, 65534)
         limits = {"cpu_s": 5, "memory_bytes": 2**30, "file_bytes": 2**20, "nproc": 64}
-        cmd = [*_AS_NOBODY_IN_A_NAMESPACE, _python_for_nobody(), "-I", str(sandbox._BOOT)]
+        # The boot script's text, as run_python passes it: nobody may not be able to read
+        # the checkout (a clone in a folder only its owner can read).
+        boot = sandbox._BOOT.read_text()
+        cmd = [*_AS_NOBODY_IN_A_NAMESPACE, _python_for_nobody(), "-I", "-c", boot]
         cmd += [work, str(main), json.dumps(limits)]
         return subprocess.run(cmd, capture_output=True, text=True, cwd=work, timeout=30)
     finally:

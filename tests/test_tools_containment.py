@@ -135,23 +135,27 @@ def _boot_without_hook(tmp_path) -> str:
     return str(boot)
 
 
+# A python, the one program the kernel sandbox has: it sleeps, then writes outside.
 _DAEMON = (
-    "import os\nprint(os.getuid(), flush=True)\nif os.fork() == 0:\n    os.setsid()\n"
+    "import os, sys\nprint(os.getuid(), flush=True)\nif os.fork() == 0:\n    os.setsid()\n"
     "    if os.fork() == 0:\n"
-    "        os.execv('/bin/sh', ['sh', '-c', 'sleep 0.7; echo escaped > {out}; : {token}'])\n"
+    '        late = \'import sys, time; time.sleep(0.7); open(sys.argv[1], "w").write("x")\'\n'
+    "        os.execv(sys.executable, [sys.executable, '-c', late, {out!r}, '{token}'])\n"
     "    os._exit(0)\n"
 )
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sandbox_name", ["kernel", "hooks"])
 @pytest.mark.parametrize("ending", ["exits", "times out"])
-def test_every_process_of_a_run_dies_with_it(ending, tmp_path, outside):
+def test_every_process_of_a_run_dies_with_it(ending, sandbox_name, tmp_path, outside):
     # Below the hook: a detached daemon (new session, parent gone) ends with the run.
     token = uuid.uuid4().hex
-    code = _DAEMON.format(out=outside, token=token)
+    code = _DAEMON.format(out=str(outside), token=token)
     if ending == "times out":
         code += "import time\ntime.sleep(30)\n"
-    r = _sandboxed(code, boot=_boot_without_hook(tmp_path), timeout_s=0.5)
+    boot = _boot_without_hook(tmp_path)
+    r = _sandboxed(code, boot=boot, timeout_s=0.5, sandbox=sandbox_name)
     assert r["timed_out"] is (ending == "times out"), r
     assert not _processes_with(token), r
     uid = int(r["stdout"].split()[0])
@@ -249,3 +253,143 @@ def test_the_whole_standard_library_imports():
     )
     r = _sandboxed(code, timeout_s=5)
     assert r["stdout"] == "7\n", r["stderr"]
+
+
+@pytest.fixture
+def outsides():
+    """A fresh name in each folder of the host that every user may write to (the shared
+    temporary directory, /var/tmp, /dev/shm); whatever is made there is removed afterwards."""
+    import tempfile
+
+    token = uuid.uuid4().hex
+    folders = {tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"}
+    paths = [
+        pathlib.Path(d, f"grpo_outside_{token}")
+        for d in sorted(folders)
+        if os.path.isdir(d) and os.access(d, os.W_OK)
+    ]
+    yield paths
+    for base in paths:
+        for p in base.parent.glob(base.name + "*"):
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            else:
+                p.unlink()
+
+
+def _made(paths) -> list[str]:
+    return sorted(str(p) for base in paths for p in base.parent.glob(base.name + "*"))
+
+
+# Escape 1 of issue 47: the original _imp.create_builtin from the closure of the wrapper
+# that guards it gives a fresh posix module, whose mkfifo and mknod raise no audit event.
+_FRESH_POSIX = """
+import _imp, importlib.machinery as m, stat
+orig = _imp.create_builtin.__closure__[0].cell_contents
+posix = orig(m.ModuleSpec("posix", m.BuiltinImporter))
+_imp.exec_builtin(posix)
+print("fresh posix", posix.mkfifo.__name__, flush=True)
+for base in {paths!r} + ["made_inside"]:
+    for kind, make in (
+        ("fifo", lambda p: posix.mkfifo(p)),
+        ("file", lambda p: posix.mknod(p, stat.S_IFREG | 0o600)),
+    ):
+        try:
+            make(base + "_" + kind)
+            print("made", base + "_" + kind)
+        except OSError as e:
+            print("not made", kind, e.errno)
+"""
+
+# Escape 2: _posixsubprocess loaded under another name passes the hook's exact-name check,
+# and its fork_exec raises no audit event: /bin/sh writes outside and starts a python
+# without the hook, which reads /etc/passwd and the checkout's README.md.
+_ANY_PROGRAM = """
+import _imp, importlib.machinery as m, os, sys
+spec = m.PathFinder.find_spec("_posixsubprocess")
+ps = _imp.create_dynamic(m.ModuleSpec("x._posixsubprocess", None, origin=spec.origin))
+print("loaded", ps.fork_exec.__name__, flush=True)
+reader = "print(open('/etc/passwd').read()); print(open({readme!r}).read())"
+script = "for f in {paths_text}; do echo escaped > $f; done; "
+script += sys.executable + ' -c "' + reader + '"'
+for exe in ("/bin/sh", "/usr/bin/sh"):
+    args = [exe.encode(), b"-c", script.encode()]
+    r, w = os.pipe()
+    head = (args, [exe.encode()], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w, True, False)
+    for tail in ((-1, -1, None, -1, -1, None, True), (-1, -1, None, -1, -1, None),
+                 (-1, None, -1, -1, None)):
+        try:
+            pid = ps.fork_exec(*head, *tail)
+        except TypeError:
+            continue
+        except OSError as e:
+            print("not started", exe, e.errno)
+            break
+        os.close(w)
+        failed = os.read(r, 200)
+        print("exit", exe, os.waitpid(pid, 0)[1], failed, flush=True)
+        break
+"""
+
+
+@pytest.mark.parametrize("hook", ["with the hook", "hook left out"])
+def test_a_fresh_posix_makes_nothing_outside(hook, outsides, tmp_path):
+    code = _FRESH_POSIX.format(paths=[str(p) for p in outsides])
+    boot = _boot_without_hook(tmp_path) if hook == "hook left out" else None
+    r = _sandboxed(code, boot=boot, timeout_s=5)
+    assert _made(outsides) == [], r
+    assert "made" not in r["stdout"].replace("not made", ""), r
+    if boot:  # the route itself works; the kernel refuses each file
+        assert "fresh posix mkfifo" in r["stdout"], r
+        assert r["stdout"].count("not made") == 2 * (len(outsides) + 1), r
+
+
+@pytest.mark.parametrize("hook", ["with the hook", "hook left out"])
+def test_a_renamed_posixsubprocess_starts_nothing_that_reaches_out(hook, outsides, tmp_path):
+    readme = pathlib.Path(_ROOT, "README.md")
+    code = _ANY_PROGRAM.format(readme=str(readme), paths_text=" ".join(str(p) for p in outsides))
+    boot = _boot_without_hook(tmp_path) if hook == "hook left out" else None
+    r = _sandboxed(code, boot=boot, timeout_s=5)
+    time.sleep(0.2)
+    assert _made(outsides) == [], r
+    passwd = pathlib.Path("/etc/passwd").read_text().splitlines()[0]
+    assert passwd not in r["stdout"] and readme.read_text().splitlines()[2] not in r["stdout"], r
+    if boot:
+        assert "loaded fork_exec" in r["stdout"], r
+
+
+_LOOK_AROUND = """
+import os
+print("visible", sorted(p for p in {paths!r} if os.path.exists(p)))
+if {walk!r}:
+    writable = []
+    for d, dirs, _ in os.walk("/"):
+        if d.startswith(("/proc", "/sys")) or d.count("/") >= 6:
+            dirs[:] = []
+        try:
+            fd = os.open(os.path.join(d, ".probe"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except OSError:
+            continue
+        os.close(fd)
+        os.unlink(os.path.join(d, ".probe"))
+        writable.append(d)
+    print("writable", writable, os.getcwd())
+"""
+
+
+@pytest.mark.parametrize("hook", ["with the hook", "hook left out"])
+def test_nothing_of_the_host_is_visible_or_writable(hook, outsides, tmp_path):
+    # Files every user may read, the checkout, a fresh file in each world-writable folder.
+    for p in outsides:
+        p.write_text("host file")
+    readme = pathlib.Path(_ROOT, "README.md")
+    checkout = [str(readme), grpo_jax.__file__, str(pathlib.Path(_ROOT, "pyproject.toml"))]
+    paths = ["/etc/passwd", "/etc/hostname", *checkout, str(tmp_path)]
+    paths += [str(p) for p in outsides]
+    boot = _boot_without_hook(tmp_path) if hook == "hook left out" else None
+    code = _LOOK_AROUND.format(paths=paths, walk=bool(boot))
+    r = _sandboxed(code, boot=boot, timeout_s=20, outer=60)
+    assert r["exit_code"] == 0 and "visible []\n" in r["stdout"], r
+    if boot:  # below the hook: the run's own directory is the one place it may write
+        written = r["stdout"].split("writable ", 1)[1].split()
+        assert written[0] == f"[{written[1]!r}]", r

@@ -8,7 +8,8 @@
     tools.format_results(tools.run_tool_calls(calls))
 
 docs/multiturn.md describes the tool-call format, the sandbox's limits and what
-enforces each.
+enforces each (the kernel, through bubblewrap, by default; ``sandbox="hooks"`` names the
+weaker sandbox of Python audit hooks).
 """
 
 from grpo_jax.tools.calculator import CalculatorError, calculate
@@ -23,10 +24,19 @@ from grpo_jax.tools.registry import (
     result_text,
     run_tool_calls,
 )
-from grpo_jax.tools.sandbox import ToolResult, network_isolation, run_python
+from grpo_jax.tools.sandbox import (
+    SANDBOXES,
+    SandboxUnavailable,
+    ToolResult,
+    network_isolation,
+    run_python,
+    sandbox_mode,
+)
 
 __all__ = [
+    "SANDBOXES",
     "CalculatorError",
+    "SandboxUnavailable",
     "Tool",
     "ToolCall",
     "ToolResult",
@@ -40,4 +50,5 @@ __all__ = [
     "result_text",
     "run_python",
     "run_tool_calls",
+    "sandbox_mode",
 ]

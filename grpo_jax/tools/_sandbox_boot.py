@@ -1,13 +1,15 @@
-"""Started by ``grpo_jax.tools.sandbox.run_python`` as the sandboxed interpreter's script.
+"""Run by ``grpo_jax.tools.sandbox.run_python`` as the sandboxed interpreter's program.
 
-    python -I _sandbox_boot.py <workdir> <code file> <limits json>
+    python -I -c "<this file's text>" <workdir> <code file> <limits json>
 
 Runs in the child before the user's code: lowers its own resource limits, drops root to
-the user id the parent chose for this run (making the Python installation readable to it
-first), removes the os functions that make files without an audit event (``mkfifo``,
-``mknod``), installs an audit hook (PEP 578) that refuses processes, sockets, native code,
-directory descriptors and file access outside the working directory, then runs the code
-as a fresh ``__main__`` module. Only the standard library is imported here.
+the user id the parent chose for this run (under ``unshare``, making the Python
+installation readable to it first), removes the os functions that make files without an
+audit event (``mkfifo``, ``mknod``), installs an audit hook (PEP 578) that refuses
+processes, sockets, native code, directory descriptors and file access outside the working
+directory, then runs the code as a fresh ``__main__`` module. Only the standard library is
+imported here. Under the kernel sandbox (bubblewrap) the hook gives ordinary attempts a
+clear error; the wall is the kernel's (docs/multiturn.md).
 
 What the hook decides must not be changeable by the code it judges, which runs in the
 same interpreter: the hook keeps its policy in frozen values bound when it is installed
@@ -72,16 +74,14 @@ def _is_real_root(euid: int, uid_map) -> bool:
     return True
 
 
-def _drop_root(workdir: str, uid: int, read_roots, private_mounts: bool) -> None:
+def _drop_root(uid: int, read_roots, private_mounts: bool) -> None:
     """Root ignores RLIMIT_NPROC and file permissions: run the code as ``uid``, a user of
-    this run alone (so the parent can find and end every process it started by its user)."""
+    this run alone (so the parent can find and end every process it started by its user).
+    The parent made the working directory that user's."""
     if not _is_real_root(os.geteuid(), _uid_map()):
         return
     if private_mounts:
         _expose(read_roots)
-    for parent, dirs, names in os.walk(workdir):
-        for name in [parent, *(os.path.join(parent, n) for n in dirs + names)]:
-            os.chown(name, uid, uid)
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
@@ -356,10 +356,10 @@ def _remove_unaudited_makers() -> None:
 def _directory_fds_unused() -> None:
     # shutil.rmtree would open directories (refused by the hook) to remove their contents
     # by descriptor; by path it works, each step checked by the hook.
-    shutil = sys.modules.get("shutil")
-    if shutil is not None:
-        shutil._use_fd_functions = False
-        shutil.rmtree.avoids_symlink_attacks = False
+    import shutil
+
+    shutil._use_fd_functions = False
+    shutil.rmtree.avoids_symlink_attacks = False
 
 
 # Imported before the drop to nobody: the interpreter's own files may be unreadable to
@@ -403,10 +403,7 @@ def _supervise(status_fd: int) -> None:
 def main() -> None:
     workdir, code_path, limits = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     workdir = os.path.realpath(workdir)
-    with open(code_path, encoding="utf-8") as f:
-        source = f.read()
-    os.chdir(workdir)
-    for name in PRELOAD:
+    for name in PRELOAD if limits.get("preload", True) else ():
         try:
             __import__(name)
         except ImportError:
@@ -414,7 +411,12 @@ def main() -> None:
     read_roots = _read_roots(workdir)
     if limits.get("status_fd") is not None:
         _supervise(limits["status_fd"])  # returns in the child that runs the code
-    _drop_root(workdir, limits.get("uid", 65534), read_roots, limits.get("private_mounts", False))
+    _drop_root(limits.get("uid", 65534), read_roots, limits.get("private_mounts", False))
+    # The directory is the run's user's, mode 0700: a root without capabilities (under
+    # bwrap) may not enter it, the run's user may.
+    os.chdir(workdir)
+    with open(code_path, encoding="utf-8") as f:
+        source = f.read()
     _limits(limits)
     sys.argv = ["main.py"]
     sys.path[:] = [p for p in sys.path if p]  # no script directory on the path

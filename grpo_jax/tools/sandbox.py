@@ -3,60 +3,24 @@
     result = run_python("print(2 + 3)", timeout_s=5.0, memory_mb=256)
     result.stdout, result.stderr, result.exit_code, result.timed_out   # '5\n', '', 0, False
 
-What bounds the code, and who enforces it:
+Two sandboxes, chosen by ``sandbox=`` (or ``GRPO_JAX_SANDBOX``):
 
-* **Wall time**: the parent waits ``timeout_s`` seconds, then kills every process of the
-  run (SIGKILL); ``timed_out`` is then True. Standard input is written in the same loop
-  that reads the output and watches the clock, so no use of the pipes (a large stdin never
-  read, output written before input is read) holds the parent past the deadline.
-* **Every process of the run ends with it**: where ``unshare`` can make a pid namespace,
-  the run has its own, whose first process (the boot script, which waits for the code's
-  process) takes every other with it when it ends: the kernel ends them all, whatever
-  session or process group they made for themselves. Under a root trainer the code runs as
-  a user id of its own (see below). After every run the parent kills what is left in the
-  run's session or under its user, and looks again until nothing is.
-* **CPU time, memory, processes, file size, open files**: ``RLIMIT_CPU`` (the timeout
-  rounded up, plus one second: a backstop the wall clock reaches first, since a
-  single-threaded child's CPU time runs no faster than the clock), ``RLIMIT_AS``
-  (``memory_mb``), ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, set by the
-  child on itself before the code runs. Kernel-enforced: an allocation past the limit
-  raises ``MemoryError``, a write past the file size fails with ``EFBIG``. A trainer
-  running as root would make ``RLIMIT_NPROC`` void and every file writable, so under
-  root the child first becomes a user id chosen for this run alone (above the ranges of
-  system and directory accounts; ``nobody`` where those ids are not mapped): the limit
-  then counts the run's processes only, and concurrent runs cannot signal each other.
-  In a mount namespace of its own, an installation that user could not read (a Python
-  under ``/root``) is made readable there, and nothing else of its directory. (Not in the
-  ``unshare -r`` namespace of a non-root trainer: its uid 0 there is the trainer's own
-  uid outside.)
-* **Output**: stdout and stderr are read as they come, at most ``max_output_bytes``
-  each; a child that writes more is killed at once and ``truncated`` is True, so
-  printing gigabytes costs neither memory nor time in the trainer.
-* **Network**: when ``unshare`` can make a network namespace (Linux, root or user
-  namespaces allowed), the child runs in a new, empty one: no interface but a
-  loopback that is down, kernel-enforced. :func:`network_isolation` says which
-  applies. In every case an audit hook in the child refuses to create sockets.
-* **Files and processes**: the working directory is a fresh temporary directory,
-  removed afterwards. An audit hook (PEP 578) installed before the code runs refuses
-  writing outside that directory (``O_TRUNC`` counts as writing), reading outside it and
-  the Python installation, starting processes (``fork``, ``exec``, ``subprocess``,
-  ``os.system``), sending signals, sockets, native code (``ctypes``) and
-  subinterpreters. The ``open`` audit event does not carry ``dir_fd``, so no directory
-  descriptor may be handed out: ``os.open`` must ask for writing (which the kernel
-  refuses on a directory) and may not use ``O_PATH``; ``open()`` refuses directories
-  itself. Both are decided on what was opened, not on a check of the path before, which
-  a second thread could race. Changing a file through a descriptor (``fchmod``) is
-  refused unless the file is in the directory. ``os.mkfifo`` and ``os.mknod`` raise no
-  audit event at all, so they are removed from ``os`` and ``posix`` before the code runs.
-  The hook's policy is out of the code's reach: frozen in the hook's closure, not in a
-  module the code can import (the code gets a ``__main__`` module of its own), and
-  checked with functions the code cannot replace.
+* ``"kernel"`` (the default): bubblewrap (:mod:`grpo_jax.tools.bubblewrap`) runs the
+  interpreter in namespaces of its own: a file system holding only the Python
+  installation and its libraries (read-only) and the run's directory, no network, its own
+  pids, no capabilities, no new privileges, and a seccomp filter
+  (:mod:`grpo_jax.tools.seccomp`). What is not there cannot be read or written, whatever
+  the code does. Where bubblewrap cannot run, :class:`SandboxUnavailable` says why in one
+  line.
+* ``"hooks"``: ``unshare`` namespaces where the machine allows them, and a Python audit
+  hook (PEP 578) as the wall. Weaker: code written to escape the hook has found ways past
+  it. Used only when named.
 
-The audit hook guards against accidents and the ordinary ways of doing these things
-inside Python; it is not a hardened jail against code written to escape it (a
-C extension in the installation could still be imported). What the kernel enforces
-(limits, user, namespaces, the end of every process) holds either way. Run code you
-suspect of malice inside a container or a virtual machine as well.
+In both, the parent keeps the wall clock, the output cap and the end of every process of
+the run; the child lowers its own rlimits and, under a root trainer, runs as a user id of
+this run alone; the audit hook refuses the ordinary ways to processes, sockets, native code
+and files outside the directory, with a clear error. docs/multiturn.md ("The sandbox")
+says which layer enforces what.
 """
 
 from __future__ import annotations
@@ -78,9 +42,43 @@ import tempfile
 import threading
 import time
 
+from grpo_jax.errors import ConfigError
+from grpo_jax.tools import bubblewrap, seccomp
+
+# The boot script's text is given to the interpreter (``-c``), not its path: the run's user
+# need not be able to read the checkout.
 _BOOT = pathlib.Path(__file__).with_name("_sandbox_boot.py")
 DEFAULT_MAX_OUTPUT = 64 * 1024
 _SIGNALS = {int(x) for x in signal.Signals}
+SANDBOXES = ("kernel", "hooks")
+ENV_VAR = "GRPO_JAX_SANDBOX"
+
+
+class SandboxUnavailable(ConfigError):
+    """The kernel sandbox cannot run on this machine; the message says what is missing."""
+
+
+def sandbox_mode(sandbox: str | None = None) -> str:
+    """The sandbox that runs code: ``sandbox`` ("kernel" or "hooks"), or when None the
+    ``GRPO_JAX_SANDBOX`` environment variable, else "kernel".
+
+    Raises ConfigError for another name and :class:`SandboxUnavailable` (one line: what is
+    missing and how to install it) when "kernel" cannot run here. "hooks" is never chosen
+    for the user: it must be named.
+    """
+    where = "sandbox"
+    if sandbox is None:
+        sandbox, where = os.environ.get(ENV_VAR, "") or "kernel", ENV_VAR
+    if sandbox not in SANDBOXES:
+        raise ConfigError(
+            f"{where} = {sandbox!r} must be 'kernel' (bubblewrap: namespaces and seccomp, "
+            "the default) or 'hooks' (Python audit hooks, weaker)"
+        )
+    if sandbox == "kernel":
+        problem = bubblewrap.problem()
+        if problem is not None:
+            raise SandboxUnavailable(problem)
+    return sandbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +172,14 @@ def _run_uid() -> int | None:
     return None
 
 
-def network_isolation() -> str:
-    """How the child is cut off the network: "namespace" or "audit hook" (sockets refused)."""
-    return "namespace" if _unshare_prefix() else "audit hook"
+def network_isolation(sandbox: str | None = None) -> str:
+    """How the child is cut off the network: "namespace" or "audit hook" (sockets refused).
+
+    ``sandbox`` as for :func:`sandbox_mode`; the kernel sandbox always has a namespace.
+    """
+    if sandbox is None:
+        sandbox = os.environ.get(ENV_VAR, "") or "kernel"
+    return "namespace" if sandbox == "kernel" or _unshare_prefix() else "audit hook"
 
 
 def _check(name: str, value, *, lo: float) -> None:
@@ -196,6 +199,7 @@ def run_python(
     max_file_mb: int = 16,
     max_processes: int = 16,
     files: dict[str, str] | None = None,
+    sandbox: str | None = None,
 ) -> ToolResult:
     """Runs ``code`` in a fresh, limited Python process (see the module docstring).
 
@@ -209,15 +213,19 @@ def run_python(
       max_file_mb: the largest file the child may write.
       max_processes: RLIMIT_NPROC (the audit hook refuses new processes anyway).
       files: extra files {relative name: text} written into the directory first.
+      sandbox: "kernel" or "hooks" (:func:`sandbox_mode`; None: ``GRPO_JAX_SANDBOX``,
+        else "kernel").
 
     Returns:
-      :class:`ToolResult`. Nothing the code does raises here; bad arguments do.
+      :class:`ToolResult`. Nothing the code does raises here; bad arguments do, and
+      :class:`SandboxUnavailable` when the kernel sandbox cannot run on this machine.
     """
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be a str, got {type(code).__name__}")
     _check("timeout_s", timeout_s, lo=0.01)
     _check("memory_mb", memory_mb, lo=16)
     _check("max_output_bytes", max_output_bytes, lo=1)
+    kernel = sandbox_mode(sandbox) == "kernel"
     run_uid = _run_uid() if os.geteuid() == 0 else None
     limits = {
         "cpu_s": math.ceil(timeout_s) + 1,
@@ -225,13 +233,14 @@ def run_python(
         "file_bytes": int(max_file_mb) * 2**20,
         "nproc": int(max_processes),
         "uid": 65534 if run_uid is None else run_uid,
-        "private_mounts": "-m" in _unshare_prefix(),
+        "private_mounts": not kernel and "-m" in _unshare_prefix(),
+        # Under bwrap the whole installation is readable by the run's user.
+        "preload": not kernel,
     }
     workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
     try:
         os.chmod(workdir, 0o700)
-        code_path = os.path.join(workdir, "main.py")
-        with open(code_path, "w", encoding="utf-8") as f:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         for name, text in (files or {}).items():
             target = os.path.realpath(os.path.join(workdir, name))
@@ -240,27 +249,46 @@ def run_python(
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w", encoding="utf-8") as f:
                 f.write(text)
-        cmd = [
-            *_unshare_prefix(),
-            sys.executable,
-            "-I",  # isolated: no PYTHON* variables, no user site, no script dir on the path
-            "-X",
-            "utf8",
-            str(_BOOT),
-            workdir,
-            code_path,
-            json.dumps(limits),
-        ]
+        if os.geteuid() == 0:  # the run's user owns its directory (a root trainer's run)
+            for parent, dirs, names in os.walk(workdir):
+                for name in [parent, *(os.path.join(parent, n) for n in dirs + names)]:
+                    os.chown(name, limits["uid"], limits["uid"])
+        inside = bubblewrap.WORKDIR if kernel else workdir
+        boot = [sys.executable, "-I", "-X", "utf8", "-c", pathlib.Path(_BOOT).read_text()]
+        boot += [inside, os.path.join(inside, "main.py"), json.dumps(limits)]
         env = {
             "PATH": "/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
+            "HOME": inside,
+            "TMPDIR": inside,
             "LANG": "C.UTF-8",
             "PYTHONIOENCODING": "utf-8",
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
         }
-        return _run(cmd, env, workdir, stdin, timeout_s, int(max_output_bytes), run_uid)
+        if not kernel:
+            cmd = [*_unshare_prefix(), *boot]
+            return _run(cmd, env, workdir, stdin, timeout_s, int(max_output_bytes), run_uid)
+        # bwrap reads the seccomp filter from a pipe (a few hundred bytes: no blocking).
+        filter_r, filter_w = os.pipe()
+        try:
+            os.write(filter_w, seccomp.filter_program())
+            os.close(filter_w)
+            filter_w = -1
+            cmd = [*bubblewrap.command(workdir, filter_r), *boot]
+            return _run(
+                cmd,
+                env,
+                workdir,
+                stdin,
+                timeout_s,
+                int(max_output_bytes),
+                run_uid,
+                extra_fds=(filter_r,),
+            )
+        finally:
+            for fd in (filter_r, filter_w):
+                if fd >= 0:
+                    os.close(fd)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         with _uids_lock:
@@ -341,7 +369,7 @@ def _read_status(fd: int) -> bytes:
         os.close(fd)
 
 
-def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResult:
+def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid, extra_fds=()) -> ToolResult:
     # The boot script forks the code's process and reports how it ended on this pipe.
     status_r, status_w = os.pipe()
     cmd[-1] = json.dumps({**json.loads(cmd[-1]), "status_fd": status_w})
@@ -355,7 +383,7 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResu
             env=env,
             start_new_session=True,  # its own session: what it starts is found by session id
             close_fds=True,
-            pass_fds=(status_w,),
+            pass_fds=(status_w, *extra_fds),
         )
     except BaseException:
         os.close(status_r)
@@ -374,7 +402,8 @@ def _run(cmd, env, cwd, stdin: str, timeout_s: float, cap: int, uid) -> ToolResu
                 timed_out = True
     finally:
         # The process, and anything it left in its session or under its user.
-        _end_run(proc, uid, reaps_child="--kill-child" in cmd)
+        # unshare -f and bwrap wait for the process they started, and exit after it.
+        _end_run(proc, uid, reaps_child="--kill-child" in cmd or "--die-with-parent" in cmd)
         reported = _read_status(status_r)
         if reported:
             exit_code = int(reported)
