@@ -7,6 +7,9 @@ calls gets their results as the next observation (``<tool_result name=...>`` blo
 own tool format); a turn without calls is the final answer, scored by the reward
 ``reward`` (a registry name of ``grpo_jax.rewards``, options allowed) against the
 example's fields. Running out of ``max_turns`` while still calling tools scores 0.
+``sandbox`` is the sandbox of the tools that run code (``python``): "kernel" (the default)
+or "hooks", as for ``grpo_jax.tools.run_python``; a machine where it cannot run is refused
+when the environment is made.
 
     env.name = "tool_use(reward='exact_match', tools=('calculator',), max_turns=3)"
 """
@@ -28,12 +31,14 @@ class ToolUse:
         tools: tuple | list | None = None,
         max_turns: int = 4,
         chat: bool = False,
+        sandbox: str | None = None,
     ):
         self.reward_fn = rewards.get(reward)
         self.tools = list(tools) if tools is not None else tools_lib.available_tools()
-        for name in self.tools:
-            tools_lib.get_tool(name)  # unknown names fail now
-        self.max_turns, self.chat = int(max_turns), bool(chat)
+        # Unknown names fail now, and so does a sandbox that cannot run code here.
+        if any(tools_lib.get_tool(name).runs_code for name in self.tools):
+            sandbox = tools_lib.sandbox_mode(sandbox)
+        self.max_turns, self.chat, self.sandbox = int(max_turns), bool(chat), sandbox
         self.example, self.turn = None, 0
 
     def reset(self, example):
@@ -51,7 +56,7 @@ class ToolUse:
             return None, value, True, {"success": value >= 1.0 - 1e-6, "turns": self.turn}
         if self.turn >= self.max_turns:
             return None, 0.0, True, {"success": False, "turns": self.turn}
-        results = tools_lib.run_tool_calls(calls)
+        results = tools_lib.run_tool_calls(calls, sandbox=self.sandbox)
         if self.chat:
             obs = [
                 {"role": "tool", "name": name, "content": tools_lib.result_text(r)}

@@ -40,7 +40,10 @@ judge what the cases compare: an object whose ``__eq__`` always says True passes
 code; write cases that check types (``assert type(f(x)) is int and f(x) == y``) where
 that matters, and inspect high-reward completions.
 
-Options: ``code_tests(timeout_s=5.0, memory_mb=256, workers=4)``. A reward that cannot
+Options: ``code_tests(timeout_s=5.0, memory_mb=256, workers=4, sandbox=None)``;
+``sandbox`` is "kernel" (bubblewrap, the default) or "hooks" (the weaker audit-hook
+sandbox, only when named; None reads ``GRPO_JAX_SANDBOX``). A machine where the kernel
+sandbox cannot run is refused when the reward is built, in one line. A reward that cannot
 score (no ``tests`` for an example) gives NaN. The reward bounds its own time (each
 program has ``timeout_s``), so ``train.reward_timeout_s`` does not cut it short.
 """
@@ -54,7 +57,7 @@ import re
 import secrets
 
 from grpo_jax.rewards.registry import register
-from grpo_jax.tools.sandbox import DEFAULT_MAX_OUTPUT, run_python
+from grpo_jax.tools.sandbox import DEFAULT_MAX_OUTPUT, run_python, sandbox_mode
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
 _MARK = "__grpo_case_passed__"
@@ -126,7 +129,9 @@ def _count_passes(stdout: str, nonce: str, n: int) -> int:
     return sum(f"{_MARK} {nonce} {i}" in lines for i in range(n))
 
 
-def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256) -> float:
+def run_tests(
+    code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256, sandbox: str | None = None
+) -> float:
     """The fraction of ``tests`` (see the module docstring) that ``code`` passes."""
     if isinstance(tests, str):
         tests = json.loads(tests)
@@ -145,6 +150,7 @@ def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256)
             timeout_s=timeout_s,
             memory_mb=memory_mb,
             stdin=nonce + "\n",
+            sandbox=sandbox,
         )
         passed += _count_passes(r.stdout, nonce, len(asserts))
     for case in io_cases:
@@ -157,14 +163,18 @@ def run_tests(code: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 256)
             # Room for the expected output with ample white space around it: a program
             # that writes more cannot match, and one that writes that much must not be cut.
             max_output_bytes=max(DEFAULT_MAX_OUTPUT, 2 * len(expected.encode()) + 4096),
+            sandbox=sandbox,
         )
         if r.ok and r.stdout.strip() == expected:
             passed += 1
     return passed / len(tests)
 
 
-def make_code_tests(timeout_s: float = 5.0, memory_mb: int = 256, workers: int = 4):
+def make_code_tests(
+    timeout_s: float = 5.0, memory_mb: int = 256, workers: int = 4, sandbox: str | None = None
+):
     """``code_tests``: the fraction of each example's ``tests`` the completion's code passes."""
+    sandbox = sandbox_mode(sandbox)  # refused now, not as NaN rewards mid-run
 
     def code_tests(prompts, completions, *, tests, **_) -> list[float]:
         del prompts
@@ -175,7 +185,11 @@ def make_code_tests(timeout_s: float = 5.0, memory_mb: int = 256, workers: int =
                 return math.nan
             try:
                 return run_tests(
-                    extract_code(completion), cases, timeout_s=timeout_s, memory_mb=memory_mb
+                    extract_code(completion),
+                    cases,
+                    timeout_s=timeout_s,
+                    memory_mb=memory_mb,
+                    sandbox=sandbox,
                 )
             except (ValueError, TypeError, KeyError):  # malformed test cases: unscored
                 return math.nan

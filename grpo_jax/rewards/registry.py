@@ -169,6 +169,8 @@ def get(spec: str) -> RewardFn:
         return entry.obj
     try:
         fn = entry.obj(**options)
+    except ConfigError as e:  # the factory named the problem itself
+        raise ConfigError(f"reward {spec!r}: {e}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward {spec!r}: bad options {options}: {e}") from None
     with _LOCK:

@@ -2,7 +2,9 @@
 
 A tool is ``fn(arguments: dict) -> ToolResult``. Registered names: ``calculator``
 (argument ``expression``) and ``python`` (argument ``code``, run by
-:func:`grpo_jax.tools.run_python`); add your own with :func:`register_tool`.
+:func:`grpo_jax.tools.run_python`); add your own with :func:`register_tool`. A tool that
+runs code is registered ``runs_code=True`` and takes the caller's ``sandbox=`` as well
+(never the model's: :func:`run_tool_calls` gives it).
 
 Tool calls in a model's turn, two formats (both may appear, in any number):
 
@@ -41,19 +43,23 @@ class Tool:
     fn: ToolFn
     argument: str  # the argument the short tag form fills
     description: str = ""
+    runs_code: bool = False  # fn(arguments, sandbox=...): run_python's sandbox
 
 
 _TOOLS: dict[str, Tool] = {}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def register_tool(name: str, fn: ToolFn, *, argument: str = "input", description: str = ""):
-    """Registers ``fn`` as tool ``name``; ``argument`` is what the short tag form fills."""
+def register_tool(
+    name: str, fn: ToolFn, *, argument: str = "input", description: str = "", runs_code=False
+):
+    """Registers ``fn`` as tool ``name``; ``argument`` is what the short tag form fills;
+    ``runs_code``: ``fn`` also takes ``sandbox=`` (see the module docstring)."""
     if not isinstance(name, str) or not _NAME.match(name) or name in ("tool_call", "tool_result"):
         raise ValueError(f"tool name {name!r} must be an identifier (not tool_call/tool_result)")
     if name in _TOOLS:
         raise ValueError(f"tool {name!r} is already registered")
-    _TOOLS[name] = Tool(name, fn, argument, description)
+    _TOOLS[name] = Tool(name, fn, argument, description, bool(runs_code))
     return fn
 
 
@@ -75,18 +81,21 @@ def _calculator(args: dict) -> ToolResult:
         return ToolResult("", f"error: {e}", 1, False)
 
 
-def _python(args: dict) -> ToolResult:
+def _python(args: dict, sandbox: str | None = None) -> ToolResult:
     return run_python(
         str(args.get("code", "")),
         timeout_s=float(args.get("timeout_s", 5.0)),
         memory_mb=int(args.get("memory_mb", 256)),
+        sandbox=sandbox,
     )
 
 
 register_tool(
     "calculator", _calculator, argument="expression", description="exact arithmetic: + - * / ** ()"
 )
-register_tool("python", _python, argument="code", description="runs Python code in a sandbox")
+register_tool(
+    "python", _python, argument="code", description="runs Python code in a sandbox", runs_code=True
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +143,25 @@ def _spans(text: str):
     return [(m.start(), m.end()) for m in _JSON_CALL.finditer(text)]
 
 
-def run_tool_calls(calls: list[ToolCall]) -> list[tuple[str, ToolResult]]:
-    """Runs each call; a tool that raises gives an error result, never an exception."""
+def run_tool_calls(
+    calls: list[ToolCall], *, sandbox: str | None = None
+) -> list[tuple[str, ToolResult]]:
+    """Runs each call; a tool that raises gives an error result, never an exception.
+
+    ``sandbox``: the sandbox of the tools that run code (``run_python``'s; None: its
+    default).
+    """
     out = []
     for call in calls:
         if call.error is not None:
             out.append((call.name, ToolResult("", call.error, 1, False)))
             continue
         try:
-            result = get_tool(call.name).fn(call.arguments)
+            tool = get_tool(call.name)
+            if tool.runs_code:
+                result = tool.fn(call.arguments, sandbox=sandbox)
+            else:
+                result = tool.fn(call.arguments)
         except Exception as e:  # a tool's failure is the model's observation
             result = ToolResult("", f"error: {type(e).__name__}: {e}", 1, False)
         out.append((call.name, result))
