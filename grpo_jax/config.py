@@ -541,6 +541,7 @@ def parse_config(config) -> RunConfig:
         )
     k = run.train.max_staleness
     _check_partial_rollouts(run)
+    _check_paged(run)
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
         raise ConfigError(
@@ -556,6 +557,35 @@ def parse_config(config) -> RunConfig:
             "sampling with parameters at least one update old"
         )
     return run
+
+
+def _check_paged(run: RunConfig) -> None:
+    """The paged engine's page and pool sizes against the sequences they page, at start-up
+    (a pool too small for any row was refused only when the engine first ran)."""
+    s = run.sampling
+    if s.engine != "paged":
+        return
+    # A row pages its prompt and its completion, or, with an environment, its transcript.
+    t, what = (
+        (run.env.max_tokens, "env.max_tokens")
+        if run.env.name
+        else (s.max_new_tokens, "sampling.max_new_tokens")
+    )
+    longest = max(s.prompt_buckets) + t
+    if s.page_size > longest:
+        raise ConfigError(
+            f"config key 'sampling.page_size' = {s.page_size} is larger than the longest "
+            f"sequence it pages ({longest} tokens: the largest prompt bucket "
+            f"{max(s.prompt_buckets)} + {what} = {t}): most of every page would be empty, "
+            f"and the KV pool grows with the page; use at most {longest} (the default is 16)"
+        )
+    own = -(-(t - 1) // s.page_size)  # a row's own pages: every token it feeds back
+    if s.pages and s.pages < 1 + own:
+        raise ConfigError(
+            f"config key 'sampling.pages' = {s.pages} is too small for any row: a row holds "
+            f"its prompt's pages (at least 1) and its own {own} ({what} = {t} tokens in pages "
+            f"of {s.page_size}) at once; give at least {1 + own}, or 0 for the worst case"
+        )
 
 
 def _check_partial_rollouts(run: RunConfig) -> None:

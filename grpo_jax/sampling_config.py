@@ -51,6 +51,9 @@ class SamplingConfig:
       slots: decode slots of the paged engine; 0: one per row (B * G).
       pages: KV pages in the paged engine's pool; 0: enough for the worst case.
       prefill_chunk: prompt tokens per prefill call of the paged engine.
+        These four leave greedy completions unchanged; sampled ones are drawn
+        from the same distribution but change with them (the schedule decides
+        which random numbers a row gets; docs/engine.md, "Settings").
     """
 
     max_new_tokens: int
@@ -133,7 +136,11 @@ class SamplingSection:
       engine: "static" or "paged" (docs/engine.md; single-turn rollouts only).
       page_size, slots, pages, prefill_chunk: the paged engine's page size
         in tokens, decode slots (0: one per row), pool pages (0: the worst
-        case) and prompt tokens per prefill call.
+        case) and prompt tokens per prefill call. Greedy completions are the
+        same under any of them; sampled rollouts change with them (the same
+        distribution, other draws; docs/engine.md, "Settings"). A page longer
+        than the longest sequence, or a pool too small for any row, is refused
+        at start-up (``grpo_jax.config``).
       param_dtype: "" (default): the sampler reads the trained parameters as
         they are. "bfloat16" (or "float16", "float32"): it samples with a
         copy of them in that dtype, computing in it too, made after each

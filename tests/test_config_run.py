@@ -403,3 +403,31 @@ def test_sweep_names_a_directory_given_as_its_config(tmp_path, capsys):
     (tmp_path / "bad.py").write_text("def sweep(arg=None):\n    return [\n")
     assert sweep.main([f"--config={tmp_path / 'bad.py'}", f"--workdir_root={tmp_path}"]) == 2
     assert capsys.readouterr().err.startswith(f"sweep error: config file {tmp_path / 'bad.py'}:2: ")
+
+
+def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up():
+    c = get_config()  # prompts of at most 32 tokens, completions of 6
+    c.sampling.engine = "paged"
+    config_lib.parse_config(c)
+    c.sampling.page_size = 39
+    with pytest.raises(
+        ConfigError,
+        match=r"'sampling.page_size' = 39 is larger than the longest sequence it pages \(38 "
+        r"tokens: the largest prompt bucket 32 \+ sampling.max_new_tokens = 6\)",
+    ):
+        config_lib.parse_config(c)
+    c.sampling.page_size = 38
+    config_lib.parse_config(c)
+    c.sampling.page_size, c.sampling.pages = 2, 3  # a row: >= 1 prompt page + 3 of its own
+    with pytest.raises(
+        ConfigError, match=r"'sampling.pages' = 3 is too small for any row.*least 4"
+    ):
+        config_lib.parse_config(c)
+    c.sampling.pages = 4
+    config_lib.parse_config(c)
+    from configs.multiturn import get_config as multiturn_config
+
+    m = multiturn_config()  # a row pages its transcript: env.max_tokens = 16
+    m.sampling.engine, m.sampling.page_size, m.sampling.pages = "paged", 4, 4
+    with pytest.raises(ConfigError, match=r"at once; give at least 5, or 0 for the worst case"):
+        config_lib.parse_config(m)
