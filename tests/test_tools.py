@@ -89,12 +89,13 @@ def test_runs_code_and_returns_output(unharmed):
     assert r.exit_code == 1 and "ZeroDivisionError" in r.stderr and 'File "main.py"' in r.stderr
 
 
-def test_stdin_and_private_directory(unharmed):
+@pytest.mark.parametrize("sandbox_name", sandbox.SANDBOXES)
+def test_stdin_and_private_directory(unharmed, sandbox_name):
     code = (
         "import os\nopen('a.txt','w').write(input())\n"
         "print(open('a.txt').read(), sorted(os.listdir('.')))"
     )
-    r = tools.run_python(code, timeout_s=5, stdin="hello\n")
+    r = tools.run_python(code, timeout_s=5, stdin="hello\n", sandbox=sandbox_name)
     assert r.stdout == "hello ['a.txt', 'main.py']\n", r.stderr
 
 
@@ -151,7 +152,8 @@ def test_network_namespace_has_no_route():
     assert out.stdout.strip() == "101"  # ENETUNREACH
 
 
-def test_files_outside_the_directory(unharmed, tmp_path):
+@pytest.mark.parametrize("sandbox_name", sandbox.SANDBOXES)
+def test_files_outside_the_directory(unharmed, tmp_path, sandbox_name):
     secret = tmp_path / "secret.txt"
     secret.write_text("do not read")
     victim = tmp_path / "victim.txt"
@@ -165,7 +167,7 @@ def test_files_outside_the_directory(unharmed, tmp_path):
         f"import os\nos.symlink({str(secret)!r}, 'link')",
         f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
     ):
-        r = tools.run_python(code, timeout_s=5)
+        r = tools.run_python(code, timeout_s=5, sandbox=sandbox_name)
         assert r.exit_code == 1 and "not allowed" in r.stderr, (code, r.stderr)
         assert "do not read" not in r.stdout
     assert victim.read_text() == "keep me" and secret.exists()
@@ -219,13 +221,14 @@ def test_dir_fd_cannot_escape_the_directory(unharmed, outside):
     assert stat.S_IMODE(os.stat("/dev/null").st_mode) == 0o666
 
 
-def test_directory_work_inside_still_works(unharmed):
+@pytest.mark.parametrize("sandbox_name", sandbox.SANDBOXES)
+def test_directory_work_inside_still_works(unharmed, sandbox_name):
     code = (
         "import os, shutil\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\n"
         "os.chmod('a/b/f', 0o600)\n"
         "shutil.rmtree('a')\nprint(sorted(os.listdir('.')))"
     )
-    r = tools.run_python(code, timeout_s=5)
+    r = tools.run_python(code, timeout_s=5, sandbox=sandbox_name)
     assert r.stdout == "['main.py']\n", r.stderr
 
 

@@ -362,8 +362,9 @@ def _directory_fds_unused() -> None:
     shutil.rmtree.avoids_symlink_attacks = False
 
 
-# Imported before the drop to nobody: the interpreter's own files may be unreadable to
-# nobody (a Python installed under /root), so the code gets these ready-made.
+# Imported before the drop to nobody under the hooks sandbox: the interpreter's own files
+# may be unreadable to nobody (a Python installed under /root), so the code gets these
+# ready-made. (Under bwrap the run's user can read the whole installation.)
 PRELOAD = (
     "abc array base64 bisect cmath collections copy dataclasses datetime decimal "
     "encodings.idna enum fractions functools glob hashlib heapq io itertools json math "
