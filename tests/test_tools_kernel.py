@@ -165,13 +165,16 @@ def test_inside_the_kernel_sandbox_below_the_hook(monkeypatch, tmp_path):
         f"        ('mknodat', {numbers['mknodat']}, (-100, b'fifo', 0o10600, 0))):\n"
         "    ctypes.set_errno(0)\n    libc.syscall(nr, *args)\n"
         "    print(name, errno.errorcode.get(ctypes.get_errno()))\n"
-        "print(os.getcwd(), sorted(os.listdir('/')))"
+        "print(os.getcwd(), sorted(os.listdir('/')))\n"
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
+        "except OSError as e:\n    print('network', errno.errorcode.get(e.errno))\n"
     )
     r = sandbox.run_python(code, timeout_s=10, sandbox="kernel")
     lines = r.stdout.splitlines()
     assert lines[:3] == ["unshare EPERM", "mount EPERM", "mknodat EPERM"], r
     assert lines[3].startswith(bubblewrap.WORKDIR + " ["), r
     assert "'tmp'" not in lines[3] and "'home'" not in lines[3] and "'sandbox'" in lines[3], r
+    assert lines[4] == "network ENETUNREACH", r
 
 
 @pytest.fixture
