@@ -396,3 +396,20 @@ def test_register_tool_rejects_bad_names():
         tools.register_tool("not a name", lambda a: None)
     with pytest.raises(KeyError, match="registered tools"):
         tools.get_tool("nope")
+
+
+def test_the_model_cannot_raise_the_python_tools_limits(monkeypatch):
+    """A tool call's own ``timeout_s`` / ``memory_mb`` may lower the trainer's limits, never
+    raise them: the model writes those arguments."""
+    from grpo_jax.tools import registry
+
+    seen = []
+    monkeypatch.setattr(registry, "run_python", lambda code, **kw: seen.append(kw) or kw)
+    python = registry.get_tool("python").fn
+    python({"code": "1", "timeout_s": 3600, "memory_mb": 10**6})
+    python({"code": "1", "timeout_s": 1, "memory_mb": 64})
+    assert [(k["timeout_s"], k["memory_mb"]) for k in seen] == [(5.0, 256), (1.0, 64)]
+    for bad in ({"timeout_s": "x"}, {"timeout_s": float("nan")}, {"memory_mb": 1}):
+        r = python({"code": "1", **bad})
+        assert r.exit_code == 1 and r.stderr.startswith("error:")
+    assert len(seen) == 2

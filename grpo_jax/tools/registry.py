@@ -81,12 +81,20 @@ def _calculator(args: dict) -> ToolResult:
         return ToolResult("", f"error: {e}", 1, False)
 
 
+PYTHON_TIMEOUT_S, PYTHON_MEMORY_MB = 5.0, 256
+
+
 def _python(args: dict, sandbox: str | None = None) -> ToolResult:
+    # The model may ask for less time or memory, never more: the limits are the trainer's.
+    try:
+        timeout_s = min(float(args.get("timeout_s", PYTHON_TIMEOUT_S)), PYTHON_TIMEOUT_S)
+        memory_mb = min(int(args.get("memory_mb", PYTHON_MEMORY_MB)), PYTHON_MEMORY_MB)
+    except (TypeError, ValueError, OverflowError):
+        return ToolResult("", "error: timeout_s and memory_mb must be numbers", 1, False)
+    if not timeout_s > 0 or memory_mb < 16:
+        return ToolResult("", "error: timeout_s must be > 0 and memory_mb >= 16", 1, False)
     return run_python(
-        str(args.get("code", "")),
-        timeout_s=float(args.get("timeout_s", 5.0)),
-        memory_mb=int(args.get("memory_mb", 256)),
-        sandbox=sandbox,
+        str(args.get("code", "")), timeout_s=timeout_s, memory_mb=memory_mb, sandbox=sandbox
     )
 
 
