@@ -512,6 +512,9 @@ def test_format_and_last_tag_agree_with_the_reference_regexes():
 
 
 def test_format_and_last_tag_are_fast_on_long_unclosed_blocks():
+    """No backtracking blow-up on long unclosed blocks: the earlier patterns took 28 s on these
+    26k characters (quadratic), today's take about 0.03 s. The bound is a hang guard far from
+    either figure, not a speed measurement, so a loaded machine does not fail it."""
     fmt = rewards.get("format")
     text = "Let me think about it step by step, 12 apples minus 3 leaves 9. " * 400  # 26k chars
     cases = ["<think>" + text, "<think>x</think> <answer>" + text, "<answer>" * 3000]
@@ -519,4 +522,4 @@ def test_format_and_last_tag_are_fast_on_long_unclosed_blocks():
     for c in cases:
         assert fmt(["p"], [c]) == [0.0]
         rewards.get("gsm8k")(["p"], [c], answer=["9"])
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 5.0
