@@ -4,7 +4,8 @@ With ``warm_start.enabled`` the initial model is first trained on worked
 solutions (``grpo_jax.sft``) until its validation pass rate reaches the
 target, on training problems held back from it; the result is cached in
 ``<workdir>/warm_start`` under a fingerprint of everything it depends on, so
-a rerun (or a resumed run that needs the reference) loads it instead.
+a rerun (or a resumed run that needs the reference) loads it instead. A cache
+that does not match its checksums or does not read is set aside and trained again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 from grpo_jax import optimizer as optim_lib
 from grpo_jax import sft
 from grpo_jax import workdir as workdir_lib
+from grpo_jax.errors import CheckpointError
 from grpo_jax.models import lora
 
 if TYPE_CHECKING:
@@ -58,7 +60,13 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     if not ws.enabled:
         return init_params, None
     fp, legacy_fp = warm_start_fingerprints(run)
-    cached = sft.load_cached(workdir, init_params, (fp, legacy_fp)) if ws.cache else None
+    cached = None
+    if ws.cache:
+        try:
+            cached = sft.load_cached(workdir, init_params, (fp, legacy_fp), say=progress.message)
+        except CheckpointError as e:  # damaged: kept aside, and the warm start trains again
+            aside = sft.set_cache_aside(workdir)
+            progress.message(f"{e}; set aside in {aside}, training the warm start again")
     if cached is not None:
         params, info = cached
         progress.message(

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from grpo_jax import distributed
+from grpo_jax import distributed, integrity
 from grpo_jax import optimizer as optim_lib
 from grpo_jax.base_policy import base_policy, lora_base_policy
 from grpo_jax.checkpointer import Checkpointer  # noqa: F401 - importable here as before
-from grpo_jax.errors import CheckpointError
+from grpo_jax.errors import CheckpointError, IntegrityError
 from grpo_jax.models import lora
 from grpo_jax.sharding import replicated
 
@@ -166,10 +166,11 @@ def restore_or_init(s: Setup, state, *, evaluate, preempt) -> RunStart | None:
 def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
     """(step, params, opt_state, meta) of the newest checkpoint that restores.
 
-    A step that fails to restore (a file missing or corrupt) is skipped with a
-    message naming it and the error, and the one before is tried; the steps
-    skipped are moved to ``checkpoints.unrestorable/`` (nothing is deleted)
-    once an older one restores. Raises CheckpointError when none restores.
+    A step that fails to restore (a file missing or corrupt, an array or the meta
+    differing from its checksum) is skipped and the one before is tried; once an
+    older one restores, the steps skipped are moved to ``checkpoints.unrestorable/``
+    (nothing is deleted), one line each naming the error. Raises CheckpointError
+    when none restores (nothing is moved then).
     """
     ck, failures, bad = s.records.checkpointer, [], []
     want = s.run.checkpoint.resume_from
@@ -191,28 +192,54 @@ def restore_newest(s: Setup, state, *, lora_base: dict | None = None):
             params, opt_state, meta = ck.restore(
                 step, params_like=params_like, opt_state_like=state.opt_state
             )
+            _check_inflight(s, step, meta)
             if s.policy.lora is not None:
                 params = lora.with_trainable(state.params, params)
         except Exception as e:  # Orbax / TensorStore raise many types for a bad step.
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"
+            why = e.problem if isinstance(e, IntegrityError) else integrity.describe(e)
             failures.append(f"step {step} ({why})")
-            bad.append(step)
-            s.records.progress.message(
-                f"checkpoint step {step} in {ck.directory} could not be restored ({why}); "
-                "trying the one before (the bad step is left in place)"
-            )
+            bad.append((step, why))
             continue
         if s.policy.lora is not None:  # adapters of another base would not continue this run
             where = f"checkpoint step {step} in {ck.directory}"
             lora.check_base(meta.get("lora_base"), lora_base, where)
-        aside = ck.set_aside(bad)
-        if aside is not None:
-            s.records.progress.message(f"checkpoint step(s) {bad} moved to {aside}")
+        aside = ck.set_aside([k for k, _ in bad])
+        for k, why in bad:
+            s.records.progress.message(
+                f"checkpoint step {k} in {ck.directory} could not be restored ({why}); "
+                f"set aside in {aside}, resuming from step {step}"
+            )
         return step, params, opt_state, meta
     raise CheckpointError(
         f"no checkpoint in {ck.directory} could be restored: {'; '.join(failures)}. Move the "
         "checkpoints aside to start afresh, or restore the missing files"
     )
+
+
+def _check_inflight(s: Setup, step: int, meta: dict) -> None:
+    """Reads the batches in flight that ``step`` saved (``meta["inflight"]``), replicated,
+    so that their checksums are verified before the run settles on the step (the
+    pipeline and partial rollouts read them again, laid out, once it has)."""
+    import numpy as np
+
+    info = meta.get("inflight")
+    if not info:
+        return
+    if isinstance(info, dict):  # grpo_jax.partial's rows in flight
+        shapes = {k: v["shapes"] for k, v in info.items() if v and v.get("shapes")}
+    else:  # grpo_jax.pipeline's batches sampled ahead
+        shapes = {str(j): item["shapes"] for j, item in enumerate(info)}
+    if not shapes:
+        return
+    rep = replicated(s.placement.mesh)
+    like = {
+        key: {
+            name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=rep)
+            for name, (shape, dtype) in arrays.items()
+        }
+        for key, arrays in shapes.items()
+    }
+    s.records.checkpointer.restore_inflight(step, like=like)
 
 
 def save_run(

@@ -4,6 +4,9 @@ the batches in flight, and the checks a resumed run passes before it touches any
 ``Checkpointer`` saves asynchronously and atomically (Orbax writes into a temporary
 directory and renames it when complete, so a run killed mid-save resumes from the
 previous checkpoint), keeps the last K, restores in place and sets damaged steps aside.
+Every step carries checksums (``grpo_jax.integrity``) in its meta: a digest of each
+array's values and one of the meta itself, computed before the save and verified on
+every restore; a step that differs raises ``IntegrityError``.
 ``check_resume_config`` refuses a config that would make the resumed run a different
 run; ``check_alarm_stop`` refuses to train past a stop on a health alarm unasked.
 What a checkpoint holds and how a run starts from one: ``grpo_jax.checkpoint``.
@@ -13,18 +16,38 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pathlib
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from grpo_jax import integrity
 from grpo_jax.checks import flat_keys
-from grpo_jax.errors import AlarmStop, CheckpointError, ConfigError
+from grpo_jax.errors import AlarmStop, CheckpointError, ConfigError, IntegrityError
 from grpo_jax.health import describe_stop
 from grpo_jax.sharding import abstract_like as _abstract
+
+# errno values whose cure is disk space: said so, and only for them.
+_NO_SPACE = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _to_stderr(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+class _OrbaxErrorsReported(logging.Filter):
+    """Drops Orbax's own ERROR logs (a traceback from each of its threads, several per
+    failed save): the failure reaches the Checkpointer as an exception, reported in one
+    line (``Checkpointer._saving``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
 class Checkpointer:
@@ -36,10 +59,18 @@ class Checkpointer:
         *,
         keep: int = 3,
         async_save: bool = True,
+        say: Callable[[str], None] | None = None,
     ):
+        """``say``: where a line about a step read without checksums goes (stderr)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep = {keep} must be >= 1")
         self.directory = pathlib.Path(directory).absolute()
+        self._say = say or _to_stderr
+        self._unverified: set[int] = set()  # steps read without checksums, said once each
+        self._pending: int | None = None  # the asynchronous save not yet known to be on disk
+        self._failed = False  # a failed save was reported: closing does not report it again
+        self._quiet = _OrbaxErrorsReported()
+        logging.getLogger("absl").addFilter(self._quiet)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
@@ -62,18 +93,28 @@ class Checkpointer:
         """Starts saving step ``step`` (returns at once when asynchronous).
 
         ``inflight``: arrays of the batches sampled ahead of their steps
-        (``grpo_jax.pipeline``), saved as a fourth item when given.
+        (``grpo_jax.pipeline``), saved as a fourth item when given. The checksums of
+        every array and of the meta go into the meta (module doc).
         """
-        items = {
-            "params": ocp.args.StandardSave(params),
-            "opt_state": ocp.args.StandardSave(opt_state),
-            "meta": ocp.args.JsonSave(dict(meta, step=int(step))),
-        }
+        meta = dict(meta, step=int(step))
+        arrays = {"params": params, "opt_state": opt_state}
         if inflight:
-            items["inflight"] = ocp.args.StandardSave(inflight)
-        args = ocp.args.Composite(**items)
+            arrays["inflight"] = inflight
+        record = {
+            "version": integrity.VERSION,
+            "meta": integrity.json_digest(meta),
+            "arrays": {name: integrity.tree_digests(tree) for name, tree in arrays.items()},
+        }
+        items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
+        items["meta"] = ocp.args.JsonSave(dict(meta, integrity=record))
+        if self._pending is not None:  # the save before: a failure there is its own
+            with self._saving(self._pending):
+                self._manager.wait_until_finished()
+        self._pending = None
         with self._saving(step):
-            return self._manager.save(int(step), args=args, force=True)
+            saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
+        self._pending = int(step)
+        return saved
 
     @contextlib.contextmanager
     def _saving(self, step=None):
@@ -83,54 +124,99 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as e:  # Orbax / TensorStore raise many types, often from threads.
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC:
-                first = f"no space left on device ({first[:200]})"
+            self._failed, self._pending = True, None
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else type(e).__name__
+            code = getattr(e, "errno", None)
+            space = _NO_SPACE.get(code) or next(
+                (why for c, why in _NO_SPACE.items() if f"os_error_code='{c}'" in text), None
+            )
+            if space is None and "No space left" in text:
+                space = _NO_SPACE[errno.ENOSPC]
+            if space:
+                first = f"{space} ({first[:200]})"
             kept = [k for k in self._manager.all_steps() if step is None or k < step]
             intact = f"the checkpoint of step {max(kept)} is intact" if kept else "no earlier one"
             what = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+            cure = "Free disk space" if space else "Fix the cause"
             raise CheckpointError(
-                f"saving {what} in {self.directory} failed: {first[:400]}; {intact}. Fix the "
-                "cause (free disk space), then rerun the same command to resume"
+                f"saving {what} in {self.directory} failed: {first[:400]}; {intact}. {cure}, "
+                "then rerun the same command to resume"
             ) from e
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint step {step} in {self.directory}"
+
+    def _read_meta(self, step: int) -> tuple[dict, dict | None]:
+        """(meta, its checksums or None when saved without) of ``step``, verified."""
+        with integrity.reading():
+            out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = dict(out["meta"])
+        record = meta.pop("integrity", None)
+        if record is None:
+            if step not in self._unverified:
+                self._unverified.add(step)
+                self._say(
+                    f"{self._where(step)} was saved without checksums (by an earlier "
+                    "version of grpo_jax): restored unverified"
+                )
+            return meta, None
+        if not isinstance(record, dict) or record.get("meta") != integrity.json_digest(meta):
+            raise IntegrityError(
+                self._where(step),
+                "its meta (counters, data position, config) differs from the checksum saved "
+                "with it (damaged on disk)",
+            )
+        return meta, record
+
+    def _restore_arrays(self, step: int, record: dict | None, **likes) -> dict:
+        """The items ``likes`` names of ``step``, verified against ``record``.
+
+        They are read in the dtypes they were saved in (their checksums are of those
+        bits), then cast to the ``like``'s when it differs (a changed model.param_dtype).
+        """
+        saved = (record or {}).get("arrays") or {}
+        targets = {
+            name: _in_dtypes(_abstract(like), integrity.saved_dtypes(saved.get(name, {})))
+            for name, like in likes.items()
+        }
+        args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
+        with integrity.reading():
+            out = self._manager.restore(step, args=ocp.args.Composite(**args))
+        result = {}
+        for name, like in likes.items():
+            if record is not None:
+                integrity.check_tree(out[name], saved.get(name, {}), self._where(step), name)
+            result[name] = _cast_like(out[name], _abstract(like))
+        return result
 
     def restore(self, step: int | None = None, *, params_like, opt_state_like):
         """Restores (params, opt_state, meta) of ``step`` (the latest when None).
 
         ``params_like`` / ``opt_state_like`` give the structure, shapes, dtypes
         and shardings to restore into (arrays or ``jax.ShapeDtypeStruct``).
+        IntegrityError when an array or the meta differs from its checksum.
         """
         step = self._resolve(step)
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(params_like)),
-                opt_state=ocp.args.StandardRestore(_abstract(opt_state_like)),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
-        return out["params"], out["opt_state"], dict(out["meta"])
+        meta, record = self._read_meta(step)
+        out = self._restore_arrays(step, record, params=params_like, opt_state=opt_state_like)
+        return out["params"], out["opt_state"], meta
 
     def restore_params(self, step: int | None = None, *, params_like):
         """Only the parameters (evaluation and export need no optimizer state)."""
         step = self._resolve(step)
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_like)))
-        )
-        return out["params"]
+        _, record = self._read_meta(step)
+        return self._restore_arrays(step, record, params=params_like)["params"]
 
     def restore_inflight(self, step: int, *, like):
         """The "inflight" item of ``step`` into ``like`` (ShapeDtypeStructs with shardings)."""
         step = self._resolve(step)
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(inflight=ocp.args.StandardRestore(_abstract(like)))
-        )
-        return out["inflight"]
+        _, record = self._read_meta(step)
+        return self._restore_arrays(step, record, inflight=like)["inflight"]
 
     def restore_meta(self, step: int | None = None) -> dict:
-        step = self._resolve(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out["meta"])
+        """The meta of ``step`` (the latest when None), verified against its checksum."""
+        return self._read_meta(self._resolve(step))[0]
 
     def _resolve(self, step):
         if step is None:
@@ -172,15 +258,40 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until every pending asynchronous save is on disk."""
-        with self._saving():
+        with self._saving(self._pending):
             self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
+        """Waits for the last save (a failure raises, unless one was reported already)."""
         try:
-            with self._saving():
-                self._manager.wait_until_finished()
+            if self._failed:
+                with contextlib.suppress(Exception):
+                    self._manager.wait_until_finished()
+            else:
+                self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            finally:
+                logging.getLogger("absl").removeFilter(self._quiet)
+
+
+def _in_dtypes(abstract, dtypes: Mapping[str, str]):
+    """``abstract`` with each leaf in the dtype ``dtypes`` gives for its path (if any)."""
+
+    def one(path, x):
+        dtype = dtypes.get(jax.tree_util.keystr(path))
+        if dtype is None or dtype == str(x.dtype):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def _cast_like(tree, abstract):
+    """``tree`` with each array cast to its ``abstract`` leaf's dtype where they differ."""
+    return jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), tree, abstract)
 
 
 # Keys a resumed run may change: how long it runs, what it logs and evaluates, where

@@ -39,7 +39,18 @@ class WorkdirBusyError(RuntimeError):
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint of the workdir could be restored."""
+    """No checkpoint of the workdir could be restored, or one could not be saved."""
+
+
+class IntegrityError(CheckpointError):
+    """Saved data differs from the checksum saved with it: damaged on disk.
+
+    ``where`` names what was read (a checkpoint step, a cache), ``problem`` what differs.
+    """
+
+    def __init__(self, where: str, problem: str):
+        self.where, self.problem = where, problem
+        super().__init__(f"{where}: {problem}")
 
 
 class NonFiniteError(FloatingPointError):

@@ -437,7 +437,10 @@ def setup(run: RunConfig, workdir, *, stream=None):
     checkpointer = None
     try:
         checkpointer = Checkpointer(
-            workdir / "checkpoints", keep=run.checkpoint.keep, async_save=run.checkpoint.async_save
+            workdir / "checkpoints",
+            keep=run.checkpoint.keep,
+            async_save=run.checkpoint.async_save,
+            say=lambda text: is_main and print(text, file=stream or sys.stdout, flush=True),
         )
         # A resumed run must be the run its checkpoints continue: refuse before writing.
         changed = check_resume_config(run, checkpointer)

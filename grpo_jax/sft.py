@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import distributed, optimizer, sharding
+from grpo_jax import distributed, integrity, optimizer, sharding
 from grpo_jax.config import ConfigError, WarmStartConfig
 from grpo_jax.data import DataIterator
+from grpo_jax.errors import CheckpointError, IntegrityError
 from grpo_jax.losses import per_token_logps
 from grpo_jax.scoring import completion_logits
 
@@ -141,12 +142,20 @@ def _cache_paths(workdir) -> tuple[pathlib.Path, pathlib.Path]:
     return d / "params", d / "info.json"
 
 
-def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
-    """(params, info) from the cache when its fingerprint is ``fp`` (or one of them), else None."""
+def load_cached(
+    workdir, params_like, fp: str | tuple[str, ...], *, say: Callable[[str], None] | None = None
+):
+    """(params, info) from the cache when its fingerprint is ``fp`` (or one of them), else None.
+
+    The parameters and info.json are verified against the checksums saved with them:
+    a cache that differs or does not read raises CheckpointError (``IntegrityError``
+    for a checksum), which the warm start answers by :func:`set_cache_aside` and
+    training again. A cache saved without checksums loads, ``say`` telling so.
+    """
     params_dir, info_path = _cache_paths(workdir)
     if not info_path.exists() or not params_dir.exists():
         return None
-    info = json.loads(info_path.read_text())
+    info, record = _read_info(info_path)
     fps = (fp,) if isinstance(fp, str) else tuple(fp)
     if info.get("fingerprint") not in fps:
         log.warning(
@@ -157,28 +166,94 @@ def load_cached(workdir, params_like, fp: str | tuple[str, ...]):
             fps[0],
         )
         return None
-    return restore_cache(workdir, params_like), info
+    params = _restore_params(params_dir, params_like, record)
+    if record is None:
+        (say or log.warning)(
+            f"the warm start cache in {info_path.parent} was saved without checksums (by an "
+            "earlier version of grpo_jax): loaded unverified"
+        )
+    return params, info
+
+
+def _read_info(info_path: pathlib.Path) -> tuple[dict, dict | None]:
+    """(info.json without its checksums, the checksums or None), verified."""
+    where = f"the warm start cache in {info_path.parent}"
+    try:
+        info = json.loads(info_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise IntegrityError(where, f"info.json is not JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise IntegrityError(where, "info.json does not hold an object")
+    record = info.pop("integrity", None)
+    if record is not None and (
+        not isinstance(record, dict) or record.get("info") != integrity.json_digest(info)
+    ):
+        raise IntegrityError(
+            where, "info.json differs from the checksum saved with it (damaged on disk)"
+        )
+    return info, record
+
+
+def _restore_params(params_dir: pathlib.Path, params_like, record: dict | None):
+    """The cached parameters into ``params_like``'s layout, verified against ``record``."""
+    import orbax.checkpoint as ocp
+
+    where = f"the warm start cache in {params_dir.parent}"
+    try:
+        with integrity.reading(), ocp.StandardCheckpointer() as ck:
+            params = ck.restore(params_dir, sharding.abstract_like(params_like))
+    except Exception as e:  # Orbax / TensorStore raise many types for a damaged directory
+        raise CheckpointError(f"{where} could not be restored ({integrity.describe(e)})") from e
+    if record is not None:
+        integrity.check_tree(params, record.get("params") or {}, where, "params")
+    return params
 
 
 def restore_cache(workdir, params_like):
     """The parameters cached in ``<workdir>/warm_start``, whatever config made them (the
-    caller checks the fingerprint when it matters); FileNotFoundError when there are none."""
-    import orbax.checkpoint as ocp
-
+    caller checks the fingerprint when it matters), verified; FileNotFoundError when
+    there are none, CheckpointError when they are damaged."""
     params_dir, info_path = _cache_paths(workdir)
     if not info_path.exists() or not params_dir.exists():
         raise FileNotFoundError(f"{info_path.parent} holds no complete warm start")
-    with ocp.StandardCheckpointer() as ck:
-        return ck.restore(params_dir, sharding.abstract_like(params_like))
+    _, record = _read_info(info_path)
+    return _restore_params(params_dir, params_like, record)
+
+
+def set_cache_aside(workdir) -> pathlib.Path:
+    """Moves a damaged ``<workdir>/warm_start`` to ``warm_start.unrestorable`` (``.1``,
+    ``.2``, ... when taken): kept, and the warm start trains again into a fresh one."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    d = _cache_paths(workdir)[0].parent
+    aside, k = d.with_name(f"{d.name}.unrestorable"), 0
+    while aside.exists():
+        k += 1
+        aside = d.with_name(f"{d.name}.unrestorable.{k}")
+    multihost_utils.sync_global_devices("grpo_jax warm start cache read")
+    if jax.process_index() == 0:
+        shutil.move(str(d), aside)
+    multihost_utils.sync_global_devices("grpo_jax warm start cache set aside")
+    return aside
 
 
 def save_cache(workdir, params, info: Mapping) -> None:
+    """Saves the warm-started ``params`` and ``info`` (info.json, written last: it marks a
+    complete cache), with the checksums of both."""
     import shutil
 
     import orbax.checkpoint as ocp
     from jax.experimental import multihost_utils
 
     params_dir, info_path = _cache_paths(workdir)
+    info = dict(info)
+    record = {  # every process computes the digests: they are collectives
+        "version": integrity.VERSION,
+        "params": integrity.tree_digests(params),
+        "info": integrity.json_digest(info),
+    }
     # Every process takes part in orbax's (multi-host) save; process 0 alone edits files.
     primary = jax.process_index() == 0
     if primary:
@@ -192,7 +267,8 @@ def save_cache(workdir, params, info: Mapping) -> None:
         ck.save(params_dir, params)
         ck.wait_until_finished()
     if primary:
-        info_path.write_text(json.dumps(dict(info), indent=2, sort_keys=True) + "\n")
+        text = json.dumps(dict(info, integrity=record), indent=2, sort_keys=True) + "\n"
+        info_path.write_text(text)
 
 
 def warm_start(

@@ -1,5 +1,5 @@
-"""Kill a training run after a step, and compare the records of a resumed run with an
-uninterrupted one: for the exact-resume tests."""
+"""Kill a training run after a step, damage what it saved, and compare the records of a
+resumed run with an uninterrupted one: for the exact-resume tests."""
 
 import pytest
 
@@ -27,3 +27,16 @@ def without_timings(records: list[dict]) -> list[dict]:
     """metrics.jsonl records without their wall-clock fields (``TIMING_PREFIXES``): what
     a resumed run must reproduce exactly."""
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
+
+
+def flip_bytes(step_dir, item="params", n=64):
+    """Flips ``n`` bytes in the middle of the largest data file of a step's item: bit rot
+    that leaves every file in place, of its size. (Small arrays live in the item's d/
+    b-tree nodes, which carry a CRC of their own; a process's copy of a node in
+    ocdbt.process_0/ is not read, so of equal sizes the item's own is taken.)"""
+    files = [p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"]
+    data = max(files, key=lambda p: (p.stat().st_size, p.parent.parent.name == item))
+    b = bytearray(data.read_bytes())
+    mid = len(b) // 2
+    b[mid : mid + n] = bytes(x ^ 0xFF for x in b[mid : mid + n])
+    data.write_bytes(bytes(b))

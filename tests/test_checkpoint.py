@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers_resume import flip_bytes
 
 from grpo_jax.checkpoint import Checkpointer
 
@@ -98,3 +99,70 @@ def test_allow_changed_config_still_refuses_a_change_of_the_saved_parameters_sha
         message = str(e.value)
         assert "\n" not in message and f"{key}: " in message, message
         assert "shapes" in message and "checkpoint.allow_changed_config" in message
+
+
+def _big_state(seed):
+    """Arrays large enough that Orbax writes them to data files of their own."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w": jax.random.normal(k1, (64, 64)), "b": jax.random.normal(k2, (64,))}
+    opt = optax.adam(1e-3)
+    _, opt_state = opt.update(params, opt.init(params), params)  # moments of random values
+    return params, opt_state
+
+
+@pytest.mark.slow
+def test_flipped_bytes_in_a_step_are_an_integrity_error_naming_the_array(tmp_path):
+    from grpo_jax.errors import IntegrityError
+
+    ck = Checkpointer(tmp_path / "ckpt", async_save=False)
+    for step in (1, 2, 3):
+        params, opt_state = _big_state(step)
+        ck.save(step, params=params, opt_state=opt_state, meta={"pos": step})
+    ck.close()
+    flip_bytes(tmp_path / "ckpt" / "2", "params")
+    flip_bytes(tmp_path / "ckpt" / "3", "opt_state")
+    meta_file = tmp_path / "ckpt" / "1" / "meta" / "metadata"
+    meta_file.write_text(meta_file.read_text().replace('"pos": 1', '"pos": 7'))
+
+    said = []
+    ck = Checkpointer(tmp_path / "ckpt", say=said.append)
+    like_p, like_o = _big_state(99)
+    try:
+        with pytest.raises(IntegrityError, match=r"step 2 in .*: params\['w'\] differs from the "):
+            ck.restore(2, params_like=like_p, opt_state_like=like_o)
+        with pytest.raises(IntegrityError, match=r"step 3 .*: opt_state\S* differs from the "):
+            ck.restore(3, params_like=like_p, opt_state_like=like_o)
+        with pytest.raises(IntegrityError, match=r"step 2 .*: params\['w'\] differs"):
+            ck.restore_params(2, params_like=like_p)  # evaluation and export verify too
+        with pytest.raises(IntegrityError, match=r"step 1 .*: its meta \(counters, data position"):
+            ck.restore_meta(1)
+    finally:
+        ck.close()
+    assert said == []  # every step had checksums
+
+
+@pytest.mark.slow
+def test_a_step_saved_without_checksums_restores_with_one_line_saying_so(tmp_path):
+    """Checkpoints of earlier versions (no checksums in their meta) still restore."""
+    import json
+
+    ck = Checkpointer(tmp_path / "ckpt", async_save=False)
+    params, opt_state = _big_state(1)
+    ck.save(1, params=params, opt_state=opt_state, meta={"pos": 1})
+    ck.close()
+    meta_file = tmp_path / "ckpt" / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["integrity"]
+    meta_file.write_text(json.dumps(meta))
+    said = []
+    ck = Checkpointer(tmp_path / "ckpt", say=said.append)
+    try:
+        back, _, meta = ck.restore(params_like=params, opt_state_like=opt_state)
+        assert ck.restore_meta(1) == meta == {"pos": 1, "step": 1}
+    finally:
+        ck.close()
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(params["w"]))
+    assert said == [
+        f"checkpoint step 1 in {tmp_path / 'ckpt'} was saved without checksums (by an earlier "
+        "version of grpo_jax): restored unverified"
+    ]

@@ -178,3 +178,44 @@ def test_the_warm_start_cache_does_not_depend_on_the_lora_keys():
         "correct_reward": run.rewards.correct,
     }
     assert fps()[1] == sft.fingerprint(json.loads(json.dumps(parts)))
+
+
+def test_a_damaged_warm_start_cache_is_an_error_naming_it_and_an_old_one_loads(parts, tmp_path):
+    """Flipped bytes are found by the checksums, a truncated file by Orbax; a cache of an
+    earlier version (no checksums) loads, saying so."""
+    import json
+
+    from helpers_resume import flip_bytes
+
+    from grpo_jax.errors import CheckpointError, IntegrityError
+
+    *_, params, _ = parts
+    info = {"fingerprint": "abc", "steps": 6, "val_pass_at_1": 0.5}
+    cache = tmp_path / "warm_start"
+
+    sft.save_cache(tmp_path, params, info)
+    flip_bytes(cache, "params")
+    with pytest.raises(IntegrityError, match=r"warm start cache in .*: params\S* differs from th"):
+        sft.load_cached(tmp_path, params, "abc")
+    with pytest.raises(IntegrityError):
+        sft.restore_cache(tmp_path, params)  # export --warm_start reads it too
+
+    sft.save_cache(tmp_path, params, info)
+    data = max((cache / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"warm start cache in .* could not be restored \("):
+        sft.load_cached(tmp_path, params, "abc")
+
+    sft.save_cache(tmp_path, params, info)
+    saved = json.loads((cache / "info.json").read_text())
+    (cache / "info.json").write_text(json.dumps(dict(saved, steps=7)))
+    with pytest.raises(IntegrityError, match="info.json differs from the checksum"):
+        sft.load_cached(tmp_path, params, "abc")
+    del saved["integrity"]
+    (cache / "info.json").write_text(json.dumps(saved))
+    said = []
+    back, binfo = sft.load_cached(tmp_path, params, "abc", say=said.append)
+    assert binfo == info and said == [
+        f"the warm start cache in {cache} was saved without checksums (by an earlier version "
+        "of grpo_jax): loaded unverified"
+    ]

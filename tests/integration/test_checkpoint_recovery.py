@@ -5,7 +5,7 @@ import json
 
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
-from helpers_resume import without_timings
+from helpers_resume import flip_bytes, without_timings
 
 from grpo_jax.checkpoint import CheckpointError
 
@@ -37,6 +37,37 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path):
     assert summary["steps"] == 6
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
     assert steps == sorted(steps) and steps.count(4) == 1 and steps[-1] == 6
+
+
+def test_steps_with_flipped_bytes_are_set_aside_and_the_run_resumes_from_the_one_before(
+    tmp_path,
+):
+    """Bit rot in the parameters of step 6 (found by their checksums) and in the batch in
+    flight saved with step 4 (train.max_staleness = 1; found before the run settles on
+    the step): both set aside, one line each; the run goes on from step 2."""
+    from grpo_jax.train import train
+
+    c = _config(6)
+    c.train.max_staleness = 1
+    train(c, tmp_path, stream=io.StringIO())
+    flip_bytes(tmp_path / "checkpoints" / "6", "params")
+    flip_bytes(tmp_path / "checkpoints" / "4", "inflight")
+    c.train.steps = 8
+    out = io.StringIO()
+    assert train(c, tmp_path, stream=out)["steps"] == 8
+    ck, aside = tmp_path / "checkpoints", tmp_path / "checkpoints.unrestorable"
+    lines = out.getvalue().splitlines()
+    said = [line for line in lines if "could not be restored" in line]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"checkpoint step 6 in {ck} could not be restored (params[")
+    assert said[1].startswith(f"checkpoint step 4 in {ck} could not be restored (")
+    assert "differs from the checksum saved with it (damaged on disk)" in said[0]
+    for line in said:
+        assert line.endswith(f"; set aside in {aside}, resuming from step 2"), line
+    assert f"resuming from the checkpoint at step 2 in {ck}" in lines
+    assert sorted(p.name for p in aside.iterdir()) == ["4", "6"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == sorted(steps) and steps.count(4) == 1 and steps[-1] == 8
 
 
 def test_no_checkpoint_that_restores_is_a_clear_error(tmp_path):
@@ -170,3 +201,38 @@ def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp
     }
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert resumed == whole
+
+
+def test_a_damaged_warm_start_cache_is_set_aside_and_trained_again(tmp_path):
+    """A truncated file of the cache (Orbax cannot read it), then flipped bytes (only the
+    checksums see them): each is one line, the cache is kept aside and the warm start
+    trains again, as a first run would."""
+    import shutil
+
+    from grpo_jax.train import train
+
+    c = _config(0)
+    c.eval.at_start = False
+    c.warm_start.enabled = True
+    c.warm_start.min_steps = c.warm_start.max_steps = 2
+    c.warm_start.eval_every = 2
+    train(c, tmp_path, stream=io.StringIO())
+    cache = tmp_path / "warm_start"
+    for k, damage in enumerate(("truncate", "flip")):
+        shutil.rmtree(tmp_path / "checkpoints")  # a fresh start, which reads the cache
+        if damage == "flip":
+            flip_bytes(cache, "params")
+        else:
+            data = max((cache / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
+            data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        out = io.StringIO()
+        summary = train(c, tmp_path, stream=out)
+        said = [line for line in out.getvalue().splitlines() if "warm start cache" in line]
+        aside = cache.with_name("warm_start.unrestorable" + (f".{k}" if k else ""))
+        assert len(said) == 1 and said[0].startswith(f"the warm start cache in {cache}"), said
+        assert said[0].endswith(f"; set aside in {aside}, training the warm start again")
+        why = "differs from the checksum saved with it" if k else "could not be restored (Value"
+        assert why in said[0], said[0]
+        assert (aside / "params").is_dir() and (aside / "info.json").is_file()
+        assert "warm start step 2:" in out.getvalue() and summary["warm_start"]["steps"] == 2
+        assert (cache / "info.json").is_file()  # cached anew
