@@ -22,6 +22,10 @@ anyway, so the host never stalls the device to read a number. It owns:
   * the non-finite stop (:class:`NonFiniteError`),
   * sample completions as text,
   * which steps evaluate and checkpoint.
+
+:class:`PulsedProgress` is the run's progress line (``grpo_jax.setup`` builds it): when
+nothing has been printed for ``PULSE_S`` seconds (a compilation, the warm start's first
+steps, an evaluation) it prints a short line saying the run is still at it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import collections
 import dataclasses
 import logging
 import math
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import jax
@@ -38,6 +44,7 @@ import jax
 from grpo_jax import health
 from grpo_jax.errors import AlarmStop, NonFiniteError
 from grpo_jax.health import describe_stop
+from grpo_jax.metrics import ProgressLine
 
 if TYPE_CHECKING:
     from grpo_jax.batch import HostRollout
@@ -48,6 +55,62 @@ log = logging.getLogger(__name__)
 
 def _finite_or_none(x):
     return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
+# Seconds without a console line after which the progress line says the run goes on: no
+# phase of a run (compiling, the warm start's first steps, an evaluation) is silent longer.
+PULSE_S = 12.0
+
+
+class PulsedProgress(ProgressLine):
+    """The progress line, plus a line every ``pulse_s`` seconds of silence:
+    "... still working (24 s since the last line)". A daemon thread checks once a second
+    (:meth:`tick`) until :meth:`close`, or until the line is no longer referenced."""
+
+    def __init__(self, total_steps: int, *, pulse_s: float = PULSE_S, **kwargs):
+        super().__init__(total_steps, **kwargs)
+        self.pulse_s = pulse_s
+        self._lock = threading.Lock()
+        self._last = time.monotonic()  # when the last line other than a pulse was printed
+        self._pulses = 0  # pulses printed since then
+        self._stop = threading.Event()
+        if self.enabled and pulse_s > 0:
+            ref = weakref.ref(self)
+            stop = self._stop
+            threading.Thread(
+                target=_pulse, args=(ref, stop), name="progress-pulse", daemon=True
+            ).start()
+
+    def update(self, step, metrics) -> None:
+        with self._lock:
+            super().update(step, metrics)
+            self._last, self._pulses = time.monotonic(), 0
+
+    def message(self, text: str) -> None:
+        with self._lock:
+            super().message(text)
+            self._last, self._pulses = time.monotonic(), 0
+
+    def tick(self, now: float) -> None:
+        """Prints a pulse when ``now`` is ``pulse_s`` seconds past the last line or pulse."""
+        with self._lock:
+            silent = now - self._last
+            if silent < self.pulse_s * (self._pulses + 1):
+                return
+            self._pulses += 1
+            super().message(f"  ... still working ({silent:.0f} s since the last line)")
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _pulse(ref, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        progress = ref()
+        if progress is None:
+            return
+        progress.tick(time.monotonic())
+        del progress
 
 
 class Reporter:
@@ -88,11 +151,21 @@ class Reporter:
         # timings, given to step_done and flush): they join the step's record when it is
         # written.
         self._late: dict[int, dict] = {}
+        if start_step < self.cfg.steps and hasattr(records, "progress"):
+            # The first step waits for the sampler's and the update's compilation.
+            self.message(
+                f"GRPO from step {start_step + 1}: compiling the sampler and the update first"
+            )
 
     def loud(self, text: str) -> None:
+        """A warning in a banner on the progress line; logged instead where this process
+        has no progress line (the other hosts), so a console shows it once, not twice."""
+        progress = self.records.progress
+        if not getattr(progress, "enabled", True):
+            log.warning(text)
+            return
         bar = "!" * 78
-        log.warning(text)
-        self.records.progress.message(f"{bar}\nWARNING: {text}\n{bar}")
+        progress.message(f"{bar}\nWARNING: {text}\n{bar}")
 
     def message(self, text: str) -> None:
         self.records.progress.message(text)

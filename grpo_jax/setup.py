@@ -40,6 +40,7 @@ from grpo_jax.config import (
 from grpo_jax.evaluation import eval_base_key
 from grpo_jax.models import builtin_tokenizer, lora
 from grpo_jax.models.hf_config import generation_eos_ids
+from grpo_jax.report import PulsedProgress
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward, learned_bytes
 from grpo_jax.rollout import Policy, PromptEncoder, Rollouts
 from grpo_jax.sampler_weights import SamplerWeights, copy_dtype, sampler_weights
@@ -355,6 +356,7 @@ class Records:
         try:
             self.checkpointer.close()  # may raise: a save that failed in the background
         finally:
+            getattr(self.progress, "close", lambda: None)()  # its pulses end with the run
             self.writer.close()
             if self.lock is not None:
                 self.lock.release()
@@ -597,7 +599,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     if is_main and checkpointer.latest_step() is None:
         # A fresh start: an earlier attempt's records (no checkpoint continues it) go aside.
         kept = [workdir_lib.set_aside(workdir / n) for n in ("metrics.jsonl", "tensorboard")]
-    progress = metrics_lib.ProgressLine(
+    progress = PulsedProgress(  # a line at least every PULSE_S seconds: a silent run looks hung
         run.train.steps, stream=stream, enabled=is_main, every=run.train.log_every
     )
     base_key = jax.random.key(run.seed)
