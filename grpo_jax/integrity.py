@@ -186,11 +186,19 @@ def file_digest(path: str | os.PathLike) -> str:
 def write_sums(directory: str | os.PathLike, names: Iterable[str]) -> pathlib.Path:
     """Writes ``<directory>/SHA256SUMS`` for the files ``names`` (``sha256sum -c`` reads it)."""
     d = pathlib.Path(directory)
-    lines = [f"{file_digest(d / n)}  {n}\n" for n in sorted(names)]
+    lines = [f"{file_digest(d / n)}  {n}\n" for n in sorted(set(names))]
     tmp = d / f".{SUMS_FILE}.tmp"
     tmp.write_text("".join(lines))
     os.replace(tmp, d / SUMS_FILE)
     return d / SUMS_FILE
+
+
+def sums_names(directory: str | os.PathLike) -> list[str]:
+    """The files ``<directory>/SHA256SUMS`` lists ([] when there is none)."""
+    sums = pathlib.Path(directory) / SUMS_FILE
+    if not sums.is_file():
+        return []
+    return [line.partition("  ")[2] for line in sums.read_text().splitlines() if "  " in line]
 
 
 def check_sums(directory: str | os.PathLike) -> bool:

@@ -48,10 +48,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import cli, sharding
+from grpo_jax import cli, integrity, sharding
 from grpo_jax.checkpointer import Checkpointer
 from grpo_jax.data.pairs import PAIR_KEYS, TFDS_PREFIX, check_lengths, load_pairs
-from grpo_jax.errors import CheckpointError
+from grpo_jax.errors import CheckpointError, IntegrityError
 from grpo_jax.models import from_pretrained, load_tokenizer, tiny_config
 from grpo_jax.models.builtin_tokenizer import build_tokenizer, is_builtin, warn_missing_characters
 from grpo_jax.models.hf_config import read_config_json
@@ -123,11 +123,11 @@ def train_pairs(
     tx, _ = make_optimizer(optim, steps)
     graphdef, params = nnx.split(model)
     state = init_state(_placed(params, mesh, batch_size), tx, mesh)
-    ck = Checkpointer(checkpoints, keep=2, async_save=False) if checkpoints else None
+    ck = Checkpointer(checkpoints, keep=2, async_save=False, say=log) if checkpoints else None
     history, first = [], 1
     try:
         if ck is not None and ck.latest_step() is not None:
-            state, history = _resume(ck, state, fingerprint)
+            state, history = _resume(ck, state, fingerprint, log)
             first = len(history) + 1
             log(f"resumed from the checkpoint of step {first - 1} in {ck.directory}")
 
@@ -205,19 +205,50 @@ def _save(ck: Checkpointer, s: int, state, history, fingerprint: str) -> None:
     ck.save(s, params=state.params, opt_state=opt, meta=meta)  # synchronous (async_save=False)
 
 
-def _resume(ck: Checkpointer, state, fingerprint: str):
-    """(state, history) of the latest checkpoint; CheckpointError if it is another run's."""
-    saved = ck.restore_meta()
-    if saved.get("fingerprint") != fingerprint:
-        raise CheckpointError(
-            f"the checkpoints in {ck.directory} were made with other pairs or settings "
-            "(--pairs, --init, --steps, --batch_size, --learning_rate, --heldout_frac, "
-            "--seed); rerun with the same flags to resume, or use a new --out"
-        )
+def _resume(ck: Checkpointer, state, fingerprint: str, log: Callable[[str], None]):
+    """(state, history) of the newest checkpoint that restores; CheckpointError if it is
+    another run's, or if none restores.
+
+    A step that does not restore (a file missing or damaged, an array or the meta
+    differing from its checksum) is moved to ``checkpoints.unrestorable/``, one line
+    each, once an older one restores, as a GRPO run does (``grpo_jax.checkpoint``).
+    """
     like = {"opt_state": state.opt_state, "counters": _counters(state)}
-    params, opt, meta = ck.restore(params_like=state.params, opt_state_like=like)
-    state = state.replace(params=params, opt_state=opt["opt_state"], **opt["counters"])
-    return state, list(meta["history"])
+    bad = []
+    for step in sorted(ck.all_steps(), reverse=True):
+        try:
+            saved = ck.restore_meta(step)
+        except Exception as e:  # Orbax raises many types for a damaged step
+            bad.append((step, _why(e)))
+            continue
+        if saved.get("fingerprint") != fingerprint:
+            raise CheckpointError(
+                f"the checkpoints in {ck.directory} were made with other pairs or settings "
+                "(--pairs, --init, --steps, --batch_size, --learning_rate, --heldout_frac, "
+                "--seed); rerun with the same flags to resume, or use a new --out"
+            )
+        try:
+            params, opt, meta = ck.restore(step, params_like=state.params, opt_state_like=like)
+        except Exception as e:
+            bad.append((step, _why(e)))
+            continue
+        aside = ck.set_aside([k for k, _ in bad])
+        for k, why in bad:
+            log(
+                f"checkpoint step {k} in {ck.directory} could not be restored ({why}); "
+                f"set aside in {aside}, resuming from step {step}"
+            )
+        state = state.replace(params=params, opt_state=opt["opt_state"], **opt["counters"])
+        return state, list(meta["history"])
+    failures = "; ".join(f"step {k} ({why})" for k, why in bad)
+    raise CheckpointError(
+        f"no checkpoint in {ck.directory} could be restored: {failures}. Move the checkpoints "
+        "aside to start afresh, or restore the missing files"
+    )
+
+
+def _why(e: Exception) -> str:
+    return e.problem if isinstance(e, IntegrityError) else integrity.describe(e)
 
 
 def run_fingerprint(pairs_path, pairs=None, **settings) -> str:
@@ -391,6 +422,7 @@ def train_reward_model(
         "skipped_updates": sum(not h["finite"] for h in history),
     }
     (pathlib.Path(out) / "reward_model.json").write_text(json.dumps(summary, indent=2) + "\n")
+    integrity.write_sums(out, [*integrity.sums_names(out), "reward_model.json"])
     return summary
 
 

@@ -107,6 +107,26 @@ def test_export_loads_in_transformers_and_back(trained, builtin_tokenizer, tmp_p
     ]
 
 
+def test_the_export_lists_its_files_checksums_and_a_flipped_byte_refuses_to_load(
+    builtin_tokenizer, tiny_model_config, tmp_path
+):
+    from grpo_jax.errors import IntegrityError
+
+    model = RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0))
+    out = save_reward_model(model, tmp_path / "rm", tokenizer=builtin_tokenizer)
+    listed = [line.split("  ")[1] for line in (out / "SHA256SUMS").read_text().splitlines()]
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(listed)
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out).returncode == 0
+    load_reward_model(out)
+    weights = bytearray((out / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 0x01
+    (out / "model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(IntegrityError, match="model.safetensors differs from its checksum"):
+        load_reward_model(out)
+    (out / "SHA256SUMS").unlink()  # a directory saved without them (transformers') loads
+    load_reward_model(out)
+
+
 @pytest.mark.slow
 def test_command_trains_and_saves(tmp_path):
     rng = np.random.default_rng(1)
@@ -209,6 +229,37 @@ def test_a_stopped_training_resumes_to_the_parameters_of_one_never_stopped(
     )
     for a, b in zip(leaves(whole), leaves(one), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # three short trainings of the tiny classifier
+def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_training_resumes_from_the_one_before(
+    builtin_tokenizer, tiny_model_config, tmp_path
+):
+    from helpers_resume import flip_bytes
+
+    pairs = _pairs(np.random.default_rng(3).integers(0, 50, (40, 2)))
+    said = []
+    kw = dict(steps=6, batch_size=4, optim=OptimConfig(learning_rate=3e-3), buckets=(32,))
+    kw.update(log=said.append, checkpoint_every=2, fingerprint="these pairs")
+    fresh = lambda: RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0))
+    ck = tmp_path / "checkpoints"
+
+    def stop(step):
+        if step == 6:
+            raise _Stopped
+
+    _, whole = train_pairs(fresh(), builtin_tokenizer, pairs, **kw)
+    with pytest.raises(_Stopped):
+        train_pairs(fresh(), builtin_tokenizer, pairs, checkpoints=ck, on_step=stop, **kw)
+    flip_bytes(ck / "6", "params")
+    said.clear()
+    _, resumed = train_pairs(fresh(), builtin_tokenizer, pairs, checkpoints=ck, **kw)
+    assert said[0].startswith(f"checkpoint step 6 in {ck} could not be restored (params")
+    assert said[0].endswith(f"; set aside in {ck}.unrestorable, resuming from step 4")
+    assert "differs from the checksum saved with it (damaged on disk)" in said[0]
+    assert said[1] == f"resumed from the checkpoint of step 4 in {ck}"
+    assert resumed == whole  # the same losses, step for step
+    assert (tmp_path / "checkpoints.unrestorable" / "6").is_dir()
 
 
 @pytest.mark.parametrize(

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import integrity
 from grpo_jax.models import CheckpointError, ModelConfig, Transformer
 from grpo_jax.models.hf import check_unused, load_into, open_checkpoint
 from grpo_jax.models.hf_weights import Entry, weight_table
@@ -92,8 +94,12 @@ def load_reward_model(
     Each parameter goes straight into its ``layout`` sharding over ``mesh``
     (``grpo_jax.models.hf.load_into``). Raises CheckpointError naming the file
     and the problem: those of ``from_pretrained``, a missing ``score.weight``
-    (a causal-LM checkpoint), or a head whose shape config.json contradicts.
+    (a causal-LM checkpoint), or a head whose shape config.json contradicts; and
+    IntegrityError for a file that differs from its checksum in the directory's
+    SHA256SUMS (which ``save_reward_model`` writes; a directory without one loads as is).
     """
+    if pathlib.Path(path).is_dir():
+        integrity.check_sums(path)
     directory, hf, cfg, ckpt, prefix, _ = open_checkpoint(path, dtype=dtype, param_dtype=dtype)
     num_labels = _num_labels(hf, ckpt, directory)
     table = reward_table(cfg, num_labels, prefix)

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import integrity
 from grpo_jax.models import ModelConfig, Transformer
 from grpo_jax.models.hf import param_path
 from grpo_jax.models.hf_config_export import config_to_hf
-from grpo_jax.models.safetensors_io import write_checkpoint
+from grpo_jax.models.safetensors_io import INDEX_FILE, write_checkpoint
 from grpo_jax.reward_models.model import RewardModel, reward_table
 from grpo_jax.sampling import pad_prompts
 
@@ -72,7 +73,8 @@ def save_reward_model(model: RewardModel, path, *, tokenizer=None) -> pathlib.Pa
     config.json (the family's architecture with ``ForSequenceClassification``,
     ``num_labels`` through ``id2label``, the tokenizer's pad id when the model
     names none), model.safetensors with the backbone's
-    tensors under ``model.`` and ``score.weight``, and the tokenizer's files.
+    tensors under ``model.`` and ``score.weight``, the tokenizer's files, and
+    SHA256SUMS of them all (``sha256sum -c`` reads it; the loader verifies it).
     transformers' ``AutoModelForSequenceClassification`` and
     :func:`~grpo_jax.reward_models.load_reward_model` load it.
     """
@@ -97,8 +99,13 @@ def save_reward_model(model: RewardModel, path, *, tokenizer=None) -> pathlib.Pa
         return by_name[name].to_hf(value if layer is None else value[layer])
 
     directory = pathlib.Path(path)
-    write_checkpoint(directory, [(e.hf_name, e.hf_shape, dtype) for e in table], produce)
+    weights = write_checkpoint(directory, [(e.hf_name, e.hf_shape, dtype) for e in table], produce)
+    written = {w.name for w in weights} | {"config.json"}
+    if len(weights) > 1:
+        written.add(INDEX_FILE)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(directory))
+        saved = tokenizer.save_pretrained(str(directory))  # transformers': the files written
+        written |= {pathlib.Path(f).name for f in saved or () if pathlib.Path(f).is_file()}
+    integrity.write_sums(directory, written)  # load_reward_model verifies them
     return directory
