@@ -38,6 +38,11 @@ class WorkdirBusyError(RuntimeError):
     """Another live process is running in this workdir."""
 
 
+class WorkdirWriteError(WorkdirBusyError):
+    """The run cannot write to its workdir (read-only, full, no permission); a kind of
+    WorkdirBusyError, so that every command reports it as a user error, in one line."""
+
+
 class CheckpointError(RuntimeError):
     """No checkpoint of the workdir could be restored, or one could not be saved."""
 

@@ -45,6 +45,38 @@ def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
     WorkdirLock(tmp_path).release()  # free again once released
 
 
+def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
+    """The lock on the directory holds while the file is gone (both runs used to go on,
+    and then both failed their saves)."""
+    lock = WorkdirLock(tmp_path)
+    (tmp_path / ".lock").unlink()
+    with pytest.raises(WorkdirBusyError, match=r"in use by another run \(its .lock file was del"):
+        WorkdirLock(tmp_path)
+    lock.release()
+    WorkdirLock(tmp_path).release()
+
+
+def test_a_workdir_that_cannot_be_written_is_one_line_and_a_user_error(tmp_path, monkeypatch):
+    """A read-only workdir was a traceback (OSError: [Errno 30] on .lock) and exit status 1."""
+    import errno
+    import io
+
+    from grpo_jax import cli, workdir
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(workdir.os, "open", read_only)
+    with pytest.raises(cli.user_errors()) as e:
+        WorkdirLock(tmp_path)
+    err = io.StringIO()
+    assert cli.report_user_error(e.value, err) == 2
+    assert err.getvalue() == (
+        f"error: workdir {tmp_path} cannot be written (Read-only file system: "
+        f"{tmp_path / '.lock'}); choose another --workdir, or make this one writable\n"
+    )
+
+
 def test_a_killed_run_leaves_no_stuck_lock(tmp_path):
     code = (
         "import sys, time; from grpo_jax.workdir import WorkdirLock; "
