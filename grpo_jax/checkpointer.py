@@ -71,6 +71,7 @@ class Checkpointer:
         self._failed = False  # a failed save was reported: closing does not report it again
         self._quiet = _OrbaxErrorsReported()
         logging.getLogger("absl").addFilter(self._quiet)
+        integrity.leave_out_orbax_stragglers()  # a failed save's, before it is reported
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,

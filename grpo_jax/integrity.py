@@ -19,6 +19,7 @@ import functools
 import gc
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -121,16 +122,12 @@ def check_tree(tree, record: Mapping[str, list[str]], where: str, what: str) -> 
 
 @contextlib.contextmanager
 def reading():
-    """Around an Orbax restore. When one read fails, Orbax drops its other reads
-    unfinished: Python reports each dropped coroutine as "Exception ignored", and
-    TensorStore's late callbacks into the closed event loop as "Event loop is closed",
-    each with a traceback, when they are collected or land, possibly much later. The
-    failure itself is raised (and reported in one line), so from then on those
-    reports are left out."""
+    """Around an Orbax restore: on a failure, Orbax's stragglers are left out (below) and
+    collected at once."""
     try:
         yield
     except BaseException:
-        _leave_out_stragglers()
+        leave_out_orbax_stragglers()
         gc.collect()  # the dropped coroutines, now
         raise
 
@@ -147,7 +144,17 @@ def _is_straggler(unraisable) -> bool:
     )
 
 
-def _leave_out_stragglers() -> None:
+def leave_out_orbax_stragglers() -> None:
+    """From now on, leaves out what Orbax leaves behind a failed read or write.
+
+    When one write or read fails, Orbax drops the others unfinished: Python reports
+    each dropped coroutine as "Exception ignored", asyncio each of its failed tasks as
+    "Task exception was never retrieved", and TensorStore's late callbacks into the
+    closed event loop as "Event loop is closed", each with a traceback, on the console,
+    when they are collected or land, often before the failure reaches the caller. The
+    failure itself is raised (and reported in one line), so those reports are dropped;
+    anything else is reported as before.
+    """
     if getattr(sys.unraisablehook, "grpo_jax_stragglers", False):
         return
     previous = sys.unraisablehook
@@ -158,6 +165,12 @@ def _leave_out_stragglers() -> None:
 
     hook.grpo_jax_stragglers = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_orbax_task_errors)
+
+
+def _orbax_task_errors(record: logging.LogRecord) -> bool:
+    """False for asyncio's "Task exception was never retrieved" about an Orbax task."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.getMessage())
 
 
 def describe(e: BaseException, limit: int = 300) -> str:

@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -167,11 +168,38 @@ def _jsonable(v):
     return v
 
 
+# The OSError (a full disk) that ended a TensorBoard writer thread, by thread: the
+# MetricsWriter that started the thread raises it on the main thread, instead of a
+# traceback from the thread.
+_TB_ERRORS: dict[threading.Thread, OSError] = {}
+
+
+def _tensorboard_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if type(t).__module__.startswith("tensorboardX")}
+
+
+def _tensorboard_errors_to_writer() -> None:
+    """Routes an OSError that ends tensorboardX's writer thread to ``_TB_ERRORS`` (once)."""
+    if getattr(threading.excepthook, "grpo_jax_tensorboard", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        if issubclass(args.exc_type, OSError) and args.thread in _tensorboard_threads():
+            _TB_ERRORS[args.thread] = args.exc_value
+        else:
+            previous(args)
+
+    hook.grpo_jax_tensorboard = True
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard.
 
     Sample completions go to ``<workdir>/samples/step_XXXXXXX.txt``. A writer
-    built with ``enabled=False`` (processes other than 0) does nothing.
+    built with ``enabled=False`` (processes other than 0) does nothing. A write that
+    fails (a full disk), TensorBoard's in its thread too, raises its OSError here.
     """
 
     def __init__(
@@ -180,7 +208,7 @@ class MetricsWriter:
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
         self.path = self.workdir / "metrics.jsonl"
-        self._tb = None
+        self._tb, self._tb_threads = None, set()
         if not enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -188,14 +216,38 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # Imported lazily: it is slow to import.
 
+            _tensorboard_errors_to_writer()
+            before = _tensorboard_threads()
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"), flush_secs=30)
+            self._tb_threads = _tensorboard_threads() - before
+
+    def _tensorboard_ok(self) -> None:
+        """Raises the OSError that ended TensorBoard's writer thread, if one did: its queue
+        would fill and block the run."""
+        failed = [_TB_ERRORS[t] for t in self._tb_threads if t in _TB_ERRORS]
+        if self._tb is not None and failed:
+            e = failed[0]
+            self._tb_closed()
+            raise OSError(e.errno, e.strerror, str(self.workdir / "tensorboard")) from e
+
+    def _tb_closed(self) -> None:
+        """Marks the TensorBoard writer closed (tensorboardX's atexit handler would flush it
+        again), whether or not its close went through."""
+        event_writer = getattr(getattr(self._tb, "file_writer", None), "event_writer", None)
+        if event_writer is not None and hasattr(event_writer, "_closed"):
+            event_writer._closed = True
+        self._tb = None
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
             return
+        self._tensorboard_ok()
         record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+        except OSError as e:  # a full disk: named (a file object's error names no file)
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -215,6 +267,7 @@ class MetricsWriter:
         """
         if not self.enabled:
             return
+        self._tensorboard_ok()
         d = self.workdir / "samples"
         d.mkdir(exist_ok=True)
         lines = [] if header is None else [header]
@@ -237,16 +290,23 @@ class MetricsWriter:
 
     def flush(self) -> None:
         if self.enabled:
+            self._tensorboard_ok()
             self._file.flush()
             if self._tb is not None:
                 self._tb.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        self.enabled = False
+        try:
             self._file.close()
+        finally:
             if self._tb is not None:
-                self._tb.close()
-            self.enabled = False
+                try:
+                    self._tb.close()
+                finally:
+                    self._tb_closed()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

@@ -36,6 +36,7 @@ eval/step_<N>.jsonl (each evaluation's per-problem results, ``grpo_jax.problems`
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import pathlib
@@ -50,7 +51,7 @@ from grpo_jax import batch as batch_lib
 from grpo_jax import checkpoint, distributed, evaluation, pipeline, problems, record, sources
 from grpo_jax import update as update_lib
 from grpo_jax.config import parse_config
-from grpo_jax.errors import AlarmStop, NonFiniteError
+from grpo_jax.errors import AlarmStop, NonFiniteError, WorkdirWriteError
 from grpo_jax.report import Reporter
 from grpo_jax.reward_models import Judge
 from grpo_jax.run_summary import summarize
@@ -58,6 +59,10 @@ from grpo_jax.setup import Setup, setup
 from grpo_jax.sharding import replicated
 
 log = logging.getLogger(__name__)
+
+# A write to the workdir failed (a full disk, a quota, a file size limit, a file system that
+# went read-only): one line, and the checkpoints already saved are what a rerun resumes from.
+_WRITE_FAILED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 # Keys that measure the machine, not the run: excluded from exact-resume comparisons.
 TIMING_PREFIXES = ("perf/", "sft/seconds")
@@ -145,17 +150,45 @@ def train(
 
     Raises:
       ConfigError: a bad config key or value (before any work is done).
+      CheckpointError: a save failed (a full disk), naming the newest intact checkpoint.
+      WorkdirWriteError: another write to the workdir found the disk full.
       NonFiniteError: train.max_nonfinite_in_row updates in a row were skipped.
       AlarmStop: a health alarm stopped the run (health.stop_on_alarm; its checkpoint
         saved), or the workdir's run was stopped so and health.resume_after_stop is not set.
     """
     t_start = time.time() if start_time is None else start_time
-    s, state = setup(parse_config(config), workdir, stream=stream)
     try:
-        with _Preemption() as preempt, contextlib.ExitStack() as run_scoped:
-            return _loop(s, state, preempt, t_start, step_callback, run_scoped)
-    finally:
+        s, state = setup(parse_config(config), workdir, stream=stream)
+        try:
+            with _Preemption() as preempt, contextlib.ExitStack() as run_scoped:
+                summary = _loop(s, state, preempt, t_start, step_callback, run_scoped)
+        except BaseException:
+            # The first error is the one to report: closing after a full disk fails too.
+            _close(s, quietly=True)
+            raise
+        _close(s, quietly=False)
+        return summary
+    except OSError as e:
+        if e.errno not in _WRITE_FAILED:
+            raise
+        where = e.filename or f"to {workdir}"
+        cure = "free disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the cause"
+        raise WorkdirWriteError(
+            f"writing {where} failed: {e.strerror}; {cure}, then rerun the same command: it "
+            "resumes from the newest checkpoint"
+        ) from e
+
+
+def _close(s: Setup, *, quietly: bool) -> None:
+    """Closes the run's writers; the workdir's lock is let go even when that fails."""
+    try:
         s.close()
+    except Exception:
+        if not quietly:
+            raise
+    finally:
+        if s.records.lock is not None:
+            s.records.lock.release()
 
 
 def _save(

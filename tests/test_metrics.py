@@ -113,6 +113,32 @@ def test_writer_jsonl_tensorboard_samples_and_truncate(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
 
 
+def test_a_full_disk_under_tensorboards_thread_is_raised_by_the_writer_without_a_traceback(
+    tmp_path, capsys
+):
+    """tensorboardX writes in a thread of its own: a full disk there printed the thread's
+    traceback, and again at exit; its queue would then fill and block the run."""
+    import errno
+
+    w = metrics.MetricsWriter(tmp_path)
+    event_writer = w._tb._get_file_writer().event_writer
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    event_writer._ev_writer.write_event = full
+    w.write(1, {"rewards/mean": 0.5})
+    event_writer._worker.join(timeout=60)  # the thread ends on the error
+    assert not event_writer._worker.is_alive()
+    with pytest.raises(OSError, match="No space left on device") as e:
+        w.write(2, {"rewards/mean": 0.5})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "tensorboard")
+    w.close()
+    assert event_writer._closed  # tensorboardX's own close at exit does nothing more
+    assert "Traceback" not in capsys.readouterr().err
+    assert [r["step"] for r in metrics.read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
     w = metrics.MetricsWriter(tmp_path / "x", enabled=False)
     w.write(1, {"a": 1.0})

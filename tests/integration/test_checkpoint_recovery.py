@@ -161,6 +161,91 @@ def test_a_save_that_fails_is_one_clear_error_and_frees_the_workdir(tmp_path, mo
     WorkdirLock(tmp_path).release()  # the failed run let go of the workdir
 
 
+def test_a_save_that_fails_in_orbaxs_threads_is_one_line_and_loses_nothing(tmp_path):
+    """A file size limit makes the writes of step 3's save fail in TensorStore's threads
+    (EFBIG, as a full disk gives ENOSPC): the command used to print hundreds of lines with
+    Orbax's tracebacks, and named the step after the one that failed. Now one line on
+    stderr, exit status 2; the rerun resumes from step 2 and finishes."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from grpo_jax.train import train
+
+    c = _config(8)
+    c.checkpoint.every = 1
+    c.checkpoint.keep = 10
+    c.train.steps = 2
+    train(c, tmp_path, stream=io.StringIO())
+    limited = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (12000, 12000)); "
+        "sys.argv[0] = 'grpo_jax.main'; runpy.run_module('grpo_jax.main', run_name='__main__')"
+    )
+    flags = ["warm_start.enabled=False", "eval.num_samples=0", "eval.every=0"]
+    flags += ["train.steps=8", "checkpoint.every=1", "checkpoint.keep=10"]
+    done = subprocess.run(
+        [sys.executable, "-c", limited, "--config=configs/default.py:smoke"]
+        + [f"--workdir={tmp_path}"]
+        + [f"--config.{f}" for f in flags],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    ck = tmp_path / "checkpoints"
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"error: saving the checkpoint of step 3 in {ck} failed: "), line
+    assert line.endswith(
+        "; the checkpoint of step 2 is intact. Fix the cause, then rerun the same command to resume"
+    ), line
+    c.train.steps = 8
+    out = io.StringIO()
+    assert train(c, tmp_path, stream=out)["steps"] == 8
+    assert f"resuming from the checkpoint at step 2 in {ck}" in out.getvalue()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == [0, *range(1, 9)]
+
+
+def test_a_full_disk_under_the_metrics_is_one_user_error_and_the_rerun_resumes(
+    tmp_path, monkeypatch
+):
+    """metrics.jsonl's write fails, and so does closing the writers after it: the first
+    error is the one reported (the close used to replace it with a traceback)."""
+    import errno
+
+    from grpo_jax.errors import WorkdirWriteError
+    from grpo_jax.metrics import MetricsWriter
+    from grpo_jax.train import train
+
+    write, close = MetricsWriter.write, MetricsWriter.close
+
+    def full_at_3(self, step, metrics):
+        if step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return write(self, step, metrics)
+
+    def full_close(self):
+        close(self)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(MetricsWriter, "write", full_at_3)
+        m.setattr(MetricsWriter, "close", full_close)
+        with pytest.raises(WorkdirWriteError) as e:
+            train(_config(4), tmp_path, stream=io.StringIO())
+    assert str(e.value) == (
+        f"writing {tmp_path / 'metrics.jsonl'} failed: No space left on device; free disk "
+        "space, then rerun the same command: it resumes from the newest checkpoint"
+    )
+    out = io.StringIO()
+    assert train(_config(4), tmp_path, stream=out)["steps"] == 4
+    assert "resuming from the checkpoint at step 2" in out.getvalue()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == [0, 1, 2, 3, 4]
+
+
 def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp_path, monkeypatch):
     """The alarms' state is in the checkpoint: after a kill while saving step 4 the rerun
     (from step 2) raises no alarm again that is still active (entropy, fired at step 1) and
