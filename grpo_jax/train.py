@@ -312,11 +312,16 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 
         do_eval, do_ckpt = report.due(step)
-        if do_eval or do_ckpt or preempt.requested:
+        # With health.stop_on_alarm every record is written at its own step (the host
+        # waits for the update rather than reading its metrics one step late), so an alarm
+        # stops the run at the step it fires and the checkpoint saved is that step's.
+        at_once = run.health.stop_on_alarm and step < run.train.steps and not report.budget_spent()
+        if do_eval or do_ckpt or preempt.requested or at_once:
             # Checkpoints and evaluations see this step's update: its record goes
             # first, so the record of a checkpointed step is always on disk.
             evaluate = functools.partial(evaluate_fn, state.params, step) if do_eval else None
             report.flush(state, evaluate, late=pipe.finish_step(step))
+            preempt.requested |= report.stop_requested
             if do_ckpt or preempt.requested:
                 save(state, step)
             if preempt.requested:

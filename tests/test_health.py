@@ -174,8 +174,9 @@ def test_healthy_default_run_is_quiet_on_every_prefix():
 
 @pytest.mark.slow
 def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
-    """An entropy floor above the real entropy fires at step 1; the run stops after step 2,
-    says what fired, and a rerun refuses to train past it until told to."""
+    """An entropy floor above the real entropy fires at step 1; the run stops there with the
+    checkpoint of step 1 (it used to be step 2's, one update past the alarm), says what
+    fired, and a rerun refuses to train past it until told to."""
     import io
 
     from configs.default import get_config
@@ -200,7 +201,7 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     assert "\n" not in stop and "preempted" not in stream.getvalue()
     assert stop.startswith("health alarm entropy_collapse at step 1: train/entropy ")
     assert "< health.entropy_floor 100.0 (health.stop_on_alarm)" in stop
-    assert "checkpoint of step 2" in stop
+    assert "checkpoint of step 1" in stop  # the alarm's own step (it was the step after)
     assert "--config.health.resume_after_stop=True" in stop
     # The loud line on the progress output: the bar, the rule, the step's numbers.
     shown = stream.getvalue()
@@ -208,7 +209,7 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     assert "< health.entropy_floor 100.0 (health.stop_on_alarm: saving a checkpoint" in shown
     ck = Checkpointer(tmp_path / "checkpoints")
     try:
-        assert ck.all_steps() == [2]
+        assert ck.all_steps() == [1]
     finally:
         ck.close()
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
@@ -218,7 +219,7 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     # model or judge), so no rule watches a missing key.
     unwritten = set(KEYS) - set(records[1]) - {"train/kl", "eval/pass_at_1", *LEARNED_KEYS}
     assert not unwritten, unwritten
-    assert not any(k.startswith("alarms/") for k in records[2])  # not repeated while active
+    assert max(records) == 1  # no step trained past the alarm
     text = (tmp_path / "samples" / "alarm_entropy_collapse_step_0000001.txt").read_text()
     assert "entropy_floor 100.0" in text and "[completion]" in text
 
@@ -231,13 +232,15 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     assert "--config.health.resume_after_stop=True" in again
     assert (tmp_path / "metrics.jsonl").read_text() == written
 
-    # The override continues; the alarm still active at step 3 is not raised again.
+    # The override continues from step 1; the alarm, still active, is not raised again.
     c.health.resume_after_stop = True
     c.train.steps = 4
     out = io.StringIO()
     assert train(c, tmp_path, stream=out)["steps"] == 4
     assert "resuming past the stop by health alarm entropy_collapse" in out.getvalue()
+    assert "resuming from the checkpoint at step 1" in out.getvalue()
     records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert [r["step"] for r in records if any(k.startswith("alarms/") for k in r)] == [1]
 
 
