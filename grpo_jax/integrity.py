@@ -2,8 +2,8 @@
 
 Arrays get value digests: two 32-bit sums of each array's bits, every word weighted
 by an odd multiple of its position, one of them after a bijective mix. They are
-computed by one jitted reduction where the arrays live (on the devices, sharded as
-they are), before a save is handed to Orbax, and again on the restored arrays.
+computed by a small jitted reduction per array where the arrays live (on the devices,
+sharded as they are), before a save is handed to Orbax, and again on the restored arrays.
 Integer sums wrap, so the digest does not depend on the mesh, the layout or the order
 of the reduction: a resume on other devices verifies too. A change of any one element
 changes both sums; several changes cancel with odds of about 2^-64.
@@ -64,34 +64,24 @@ def _leaf_sums(x):
     return jnp.stack([s1, s2])
 
 
-@functools.cache
-def _sums_fn():
-    return jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
-
-
-def _devices_of(x) -> tuple:
-    sharding = getattr(x, "sharding", None)
-    return () if sharding is None else tuple(sorted(d.id for d in sharding.device_set))
+_leaf_sums_jit = jax.jit(_leaf_sums)
 
 
 def tree_digests(tree) -> dict[str, list[str]]:
     """``{path: [dtype, digest]}`` of every array of ``tree`` (paths as ``jax.tree_util.keystr``).
 
-    Arrays on one set of devices go through one jitted call (every process of a
-    multi-host run calls it: the sums of a global array are collectives).
+    One small jitted reduction per array, compiled once per shape, dtype and sharding
+    (the layers of a model share theirs), all dispatched before one copy of the sums to
+    the host. Every process of a multi-host run calls it: the sums of a global array are
+    collectives.
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
     leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
-    groups: dict[tuple, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(_devices_of(x), []).append(i)
+    sums = jax.device_get([_leaf_sums_jit(x) for x in leaves])
     out: dict[str, list[str]] = {}
-    for idx in groups.values():
-        sums = jax.device_get(_sums_fn()([leaves[i] for i in idx]))
-        for i, s in zip(idx, sums, strict=True):
-            s1, s2 = (int(v) for v in np.asarray(s))
-            out[paths[i]] = [str(np.dtype(leaves[i].dtype)), f"{s1:08x}{s2:08x}"]
+    for (path, _), x, s in zip(flat, leaves, sums, strict=True):
+        s1, s2 = (int(v) for v in np.asarray(s))
+        out[jax.tree_util.keystr(path)] = [str(np.dtype(x.dtype)), f"{s1:08x}{s2:08x}"]
     return out
 
 
