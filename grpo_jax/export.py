@@ -30,7 +30,7 @@ import pathlib
 import sys
 
 from grpo_jax import cli
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import CheckpointError, ConfigError
 
 
 class ExportError(ValueError):
@@ -153,7 +153,7 @@ def main(argv):
             format=FLAGS.format,
             warm_start=FLAGS.warm_start,
         )
-    except (ExportError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (ExportError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {path}")
