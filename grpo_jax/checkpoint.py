@@ -8,7 +8,9 @@ A checkpoint at step s holds three items (four with ``train.max_staleness`` >= 1
              counters (skipped updates, ...), the health alarms' history
              (``Reporter.health_state``: with the alarms that stopped the run,
              if one did) and the learned rewards' running-normalisation moments
-             (``Scorer.moments_state``) needed for an exact resume.
+             (``Scorer.moments_state``) needed for an exact resume, and the
+             checksums of every array saved and of the meta itself
+             (``grpo_jax.checkpointer``, verified on every restore).
   inflight   the batches of steps s + 1 .. s + k, sampled before the save
              (``grpo_jax.pipeline``); meta["inflight"] gives their steps,
              parameter versions, shapes and host-side rollouts.
