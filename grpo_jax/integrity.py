@@ -2,11 +2,11 @@
 
 Arrays get value digests: two 32-bit sums of each array's bits, every word weighted
 by an odd multiple of its position, one of them after a bijective mix. They are
-computed by a small jitted reduction per array where the arrays live (on the devices,
-sharded as they are), before a save is handed to Orbax, and again on the restored arrays.
-Integer sums wrap, so the digest does not depend on the mesh, the layout or the order
-of the reduction: a resume on other devices verifies too. A change of any one element
-changes both sums; several changes cancel with odds of about 2^-64.
+computed where the arrays live, a small jitted reduction per shard on its device, before
+a save is handed to Orbax, and again on the restored arrays. Integer sums wrap, so the
+shards' sums add up to the array's and the digest does not depend on the mesh, the
+layout or the order of the reduction: a resume on other devices verifies too. A change
+of any one element changes both sums; several changes cancel with odds of about 2^-64.
 
 JSON is digested as sha256 of its canonical text, files as sha256 of their bytes (a
 ``SHA256SUMS`` file that ``sha256sum -c`` reads).
@@ -39,8 +39,6 @@ _K1, _K2, _MIX = 0x9E3779B1, 0x85EBCA77, 0x7FEB352D  # odd: multiplying by them 
 
 def _words(x):
     """``x``'s bits as uint32 words (an element of 8 bytes gives two)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     size = np.dtype(x.dtype).itemsize
@@ -50,13 +48,15 @@ def _words(x):
     return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
 
-def _leaf_sums(x):
+def _shard_sums(x, start, strides):
+    """The two sums over one shard ``x`` of an array: ``start`` is the shard's offset in the
+    array's words, ``strides`` the array's row-major strides (both uint32, one per axis of
+    the words), so each word is weighted by its position in the whole array."""
     w = _words(x)
     index = jnp.zeros(w.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(w.ndim)):  # the row-major position, without a reshape
-        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride)
-        stride = (stride * w.shape[axis]) % 2**32
+    for axis in range(w.ndim):  # the row-major position, without a reshape
+        at = lax.broadcasted_iota(jnp.uint32, w.shape, axis) + start[axis]
+        index = index + at * strides[axis]
     odd = index * jnp.uint32(2) + jnp.uint32(1)
     mixed = (w ^ (w >> jnp.uint32(16))) * jnp.uint32(_MIX)
     s1 = jnp.sum(w * (odd * jnp.uint32(_K1)), dtype=jnp.uint32)
@@ -64,23 +64,57 @@ def _leaf_sums(x):
     return jnp.stack([s1, s2])
 
 
-_leaf_sums_jit = jax.jit(_leaf_sums)
+_shard_sums_jit = jax.jit(_shard_sums)
+
+
+def _shards(x) -> list[tuple]:
+    """(data, start in words, strides in words) of each shard of ``x`` to sum: this process's
+    shards, one copy of each (replica 0), so every element counts once across processes."""
+    wide = np.dtype(x.dtype).itemsize == 8  # two words an element: one more axis
+    shape = (*x.shape, 2) if wide else tuple(x.shape)
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.insert(0, s)
+        s = (s * n) % 2**32
+    strides = np.asarray(strides, np.uint32)
+    out = []
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        start = [sl.indices(n)[0] for sl, n in zip(shard.index, x.shape, strict=True)]
+        start = np.asarray([*start, 0] if wide else start, np.uint32)
+        out.append((shard.data, start, strides))
+    return out
 
 
 def tree_digests(tree) -> dict[str, list[str]]:
     """``{path: [dtype, digest]}`` of every array of ``tree`` (paths as ``jax.tree_util.keystr``).
 
-    One small jitted reduction per array, compiled once per shape, dtype and sharding
-    (the layers of a model share theirs), all dispatched before one copy of the sums to
-    the host. Every process of a multi-host run calls it: the sums of a global array are
-    collectives.
+    A small jitted reduction per shard, on the device that holds it and compiled once per
+    shard shape and dtype (a model's layers share theirs), all dispatched before one copy
+    of the sums to the host, where the wrapping sums of the shards add up to the array's.
+    No collective runs on the devices; in a multi-host run (every process calls this)
+    the processes' sums are added in one exchange.
     """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in flat]
-    sums = jax.device_get([_leaf_sums_jit(x) for x in leaves])
+    leaves = [
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in leaves
+    ]
+    parts = [[_shard_sums_jit(*shard) for shard in _shards(x)] for x in leaves]
+    host = jax.device_get(parts)
+    sums = np.zeros((len(leaves), 2), np.uint64)
+    for i, shard_sums in enumerate(host):
+        for s in shard_sums:
+            sums[i] += np.asarray(s, np.uint64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0, dtype=np.uint64)
+    sums %= 2**32
     out: dict[str, list[str]] = {}
-    for (path, _), x, s in zip(flat, leaves, sums, strict=True):
-        s1, s2 = (int(v) for v in np.asarray(s))
+    for (path, _), x, (s1, s2) in zip(flat, leaves, sums.tolist(), strict=True):
         out[jax.tree_util.keystr(path)] = [str(np.dtype(x.dtype)), f"{s1:08x}{s2:08x}"]
     return out
 

@@ -110,6 +110,26 @@ def _big_state(seed):
     return params, opt_state
 
 
+def test_array_digests_are_the_same_on_any_layout_and_change_with_any_element():
+    """Each shard is summed on its device with its offset in the array (no collective: many
+    small ones in flight deadlocked XLA's CPU all-reduce), the sums added on the host."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from grpo_jax import integrity
+
+    x = jax.random.normal(jax.random.key(0), (16, 12))
+    tree = {"x": x, "b": jnp.arange(10, dtype=jnp.bfloat16), "n": jnp.int32(7)}
+    one = integrity.tree_digests(tree)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    for spec in (P("a", "b"), P(None, "a"), P("b"), P()):
+        placed = dict(tree, x=jax.device_put(x, NamedSharding(mesh, spec)))
+        assert integrity.tree_digests(placed) == one, spec
+    for i, j in ((0, 0), (7, 5), (15, 11)):
+        flipped = x.at[i, j].set(-x[i, j])
+        assert integrity.tree_digests(dict(tree, x=flipped))["['x']"] != one["['x']"]
+
+
 @pytest.mark.slow
 def test_flipped_bytes_in_a_step_are_an_integrity_error_naming_the_array(tmp_path):
     from grpo_jax.errors import IntegrityError
