@@ -4,7 +4,7 @@ Run by the driver with the project's ``.venv/bin/python`` as
 
     python benchmarks/_grpo_step_grpo_jax.py WORKLOAD.json
 
-It calls ``grpo_jax.train.train(config, workdir, step_callback=...)``, the
+It calls ``grpo_jax.run.train.train(config, workdir, step_callback=...)``, the
 same loop ``python -m grpo_jax.main`` runs: per step the jitted KV-cache
 sampler, decoding, the reward, group advantages and the jitted update. The
 config loads the shared checkpoint (``model.path``), reads the shared prompts
@@ -168,8 +168,9 @@ def main(path: str) -> None:
     import jax
     from flax import nnx
 
-    from grpo_jax import models, rewards, rollout
-    from grpo_jax import train as train_lib
+    from grpo_jax import models, rewards
+    from grpo_jax.rollout import rounds as rollout
+    from grpo_jax.run import train as train_lib
 
     @rewards.register(REWARD_NAME, override=True)
     def bench_digit_fraction(prompts, completions, **_):
@@ -190,7 +191,7 @@ def main(path: str) -> None:
     # The clock starts where TRL's does (on_train_begin: model, tokenizer and trainer
     # made): when the loop begins, after setup (tokenizer, model, data, optimizer) and
     # the run's start (checkpoint.restore_or_init). Setup's own time is reported apart.
-    from grpo_jax import checkpoint as checkpoint_lib
+    from grpo_jax.run import start as checkpoint_lib
 
     clock = common.StepClock()
     restore_or_init = checkpoint_lib.restore_or_init

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/attention_memory.py [--lengths 1024,4096,8192] [--rows 2]
 
-The update is the library's own jitted ``grpo_jax.update.jit_update`` (one
+The update is the library's own jitted ``grpo_jax.learner.update.jit_update`` (one
 minibatch, AdamW, beta = 0) on a synthetic rollout batch of ``rows``
 completions (one group) of T tokens after a 16-token prompt, for a small random Qwen2-style
 model (D 64, 2 layers, 2 query heads of 32 sharing 1 KV head, vocabulary
@@ -26,11 +26,12 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import optimizer, sharding
-from grpo_jax import update as upd
-from grpo_jax.config import GRPOConfig, OptimConfig
+from grpo_jax.core import sharding
+from grpo_jax.learner import optimizer
+from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, tiny_config
-from grpo_jax.rollout import RolloutBatch
+from grpo_jax.rollout.rounds import RolloutBatch
+from grpo_jax.run.config import GRPOConfig, OptimConfig
 
 P = 16
 

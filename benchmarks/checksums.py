@@ -1,4 +1,4 @@
-"""What the checksums of saved state cost (grpo_jax.integrity), beside the save and restore.
+"""What the checksums of saved state cost (grpo_jax.core.integrity), beside the save and restore.
 
     .venv/bin/python benchmarks/checksums.py [--state default|qwen2.5-0.5b] [--rounds 3]
 
@@ -30,8 +30,8 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from grpo_jax import integrity  # noqa: E402
-from grpo_jax.checkpointer import Checkpointer  # noqa: E402
+from grpo_jax.core import integrity  # noqa: E402
+from grpo_jax.run.checkpoints import Checkpointer  # noqa: E402
 
 QWEN_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, mlp=4864)
 
@@ -63,8 +63,8 @@ def qwen_params(key) -> dict:
 
 def default_state(workdir: pathlib.Path):
     from configs.default import get_config
-    from grpo_jax import setup as run_lib
-    from grpo_jax.config import parse_config
+    from grpo_jax.run import setup as run_lib
+    from grpo_jax.run.config import parse_config
 
     run = parse_config(get_config())
     tok = run_lib.build_tokenizer(run, workdir)

@@ -31,9 +31,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import paged, sampling
 from grpo_jax.models import create_model, tiny_config
-from grpo_jax.sampling import SamplingConfig, pad_prompts
+from grpo_jax.sampling import paged
+from grpo_jax.sampling import static as sampling
+from grpo_jax.sampling.static import SamplingConfig, pad_prompts
 
 
 def parse_args(argv=None):

@@ -73,9 +73,10 @@ def main(argv=None) -> dict:
     from flax import nnx
     from grpo_step import build_gguf_checkpoint, gguf_file, gsm8k_prompts
 
-    from grpo_jax import paged, sampling
     from grpo_jax.models import from_pretrained
-    from grpo_jax.sampling import SamplingConfig, pad_prompts
+    from grpo_jax.sampling import paged
+    from grpo_jax.sampling import static as sampling
+    from grpo_jax.sampling.static import SamplingConfig, pad_prompts
 
     tmp = tempfile.TemporaryDirectory()
     work = pathlib.Path(tmp.name)

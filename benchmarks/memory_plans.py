@@ -3,20 +3,20 @@
     .venv/bin/python benchmarks/memory_plans.py
 
 Prints the two tables of README.md ("LoRA") and docs/lora.md ("Memory"):
-``grpo_jax.memory.estimate`` for each model, training mode and placement, in
+``grpo_jax.run.memory.estimate`` for each model, training mode and placement, in
 GiB. No model is built: the shapes are those of the public Qwen2.5 configs
 (hidden size, layers, heads, KV heads, head width, MLP width, vocabulary, tied
 embeddings), the workload 256 prompt + 512 completion tokens, remat, beta 0.04,
 float32 compute, LoRA rank 16 on all seven projections.
-tests/test_memory.py checks that the tables in the docs are what this prints.
+tests/run/test_memory.py checks that the tables in the docs are what this prints.
 """
 
 from __future__ import annotations
 
 import sys
 
-from grpo_jax import memory
 from grpo_jax.models import family_config
+from grpo_jax.run import memory
 
 MODELS = {
     "Qwen2.5-1.5B": dict(

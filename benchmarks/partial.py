@@ -5,7 +5,7 @@ The workload of ``benchmarks/engine.py`` (a random model of grpo_jax's own
 ``--eos-count`` ending ids), but as a run sees it: ``--steps`` steps, each of
 B new prompts x G samples. Whole rollouts (``paged.generate``): each step's
 run ends when its longest row does, its slots idle in the tail. Partial
-rollouts (``sampling.partial_rollouts``, ``grpo_jax.partial.Carry``'s engine
+rollouts (``sampling.partial_rollouts``, ``grpo_jax.rollout.partial.Carry``'s engine
 call): the run of step s also holds the groups of steps s + 1 .. s + k, which
 start in the slots the step's rows free, and their unfinished rows carry over.
 Both use B * G decode slots and the same parameters at every step (the
@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import paged
 from grpo_jax.models import create_model, tiny_config
-from grpo_jax.sampling import SamplingConfig, pad_prompts
+from grpo_jax.sampling import paged
+from grpo_jax.sampling.static import SamplingConfig, pad_prompts
 
 
 def parse_args(argv=None):

@@ -36,7 +36,7 @@ from grpo_step import SIZES, qwen2_config
 from grpo_jax.models import builtin_tokenizer
 from grpo_jax.reward_models import LearnedReward
 from grpo_jax.rewards.section import RewardModelSection
-from grpo_jax.sampling import pad_prompts
+from grpo_jax.sampling.static import pad_prompts
 
 
 def make_classifier(path: pathlib.Path, size: str, seed: int = 0) -> pathlib.Path:

@@ -34,8 +34,8 @@ import torch
 import transformers
 from flax import nnx
 
-from grpo_jax import sampling
 from grpo_jax.models import from_pretrained
+from grpo_jax.sampling import static as sampling
 
 
 def parse_args(argv=None):

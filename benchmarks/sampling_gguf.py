@@ -86,9 +86,9 @@ def main(argv=None) -> float:
     import transformers
     from flax import nnx
 
-    from grpo_jax import sampling
     from grpo_jax.models import from_pretrained, load_gguf_tokenizer
     from grpo_jax.models.gguf import cached_conversion
+    from grpo_jax.sampling import static as sampling
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,8 +160,8 @@ def main(argv=None) -> float:
     print(f"grpo_jax:     {tps_jax:8.1f} tokens/s  ({jax_s:.2f} s; first call {first_jax:.1f} s)")
     print(f"transformers: {tps_hf:8.1f} tokens/s  ({hf_s:.2f} s; first call {first_hf:.1f} s)")
     copy_s = None
-    if args.param_dtype:  # the sampler's copy of the same weights (grpo_jax.sampler_weights)
-        from grpo_jax.sampler_weights import sampler_weights
+    if args.param_dtype:  # the sampler's copy of the same weights (grpo_jax.sampling.weights)
+        from grpo_jax.sampling.weights import sampler_weights
 
         w = sampler_weights(graphdef, params, args.param_dtype)
         copy = jax.block_until_ready(w(params))
@@ -184,7 +184,7 @@ def main(argv=None) -> float:
     h = jax.random.normal(jax.random.key(1), (rows, D), jnp.float32)
     head = jax.jit(lambda h, e: jnp.einsum("nd,vd->nv", h, e))
     logits = head(h, embed).block_until_ready()
-    from grpo_jax import sampling
+    from grpo_jax.sampling import static as sampling
 
     categorical = jax.jit(lambda k, x: jax.random.categorical(k, x))
     draw = jax.jit(lambda k, x: sampling.draw(x, k))

@@ -6,7 +6,7 @@ For each depth L a small random Qwen2-style model (D = ``--hidden``, default
 64, with D / 16 query heads of 16 sharing D / 32 KV heads, MLP 2 D,
 vocabulary 128) is built unrolled and with
 ``scan_layers=True`` (the same weights, stacked), and the library's jitted
-update (``grpo_jax.update.jit_update``: one AdamW step on 8 rollouts of a
+update (``grpo_jax.learner.update.jit_update``: one AdamW step on 8 rollouts of a
 16-token prompt and 64 completion tokens, beta = 0) is compiled
 (``lower(...).compile()``, wall time: the first step's compilation) and then
 run ``--repeats`` times (median step time). Each configuration compiles in
@@ -23,11 +23,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import optimizer, sharding
-from grpo_jax import update as upd
-from grpo_jax.config import GRPOConfig, OptimConfig
+from grpo_jax.core import sharding
+from grpo_jax.learner import optimizer
+from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, tiny_config
-from grpo_jax.rollout import RolloutBatch
+from grpo_jax.rollout.rounds import RolloutBatch
+from grpo_jax.run.config import GRPOConfig, OptimConfig
 
 N, P, T = 8, 16, 64
 

@@ -6,10 +6,10 @@ changes; :func:`parse_arg` reads the ``:arg`` of ``--config=configs/x.py:arg``
 ``runlocal`` variant: the same run, shrunk to seconds or a minute on a CPU.
 A config file only describes a run: files a variant needs (a tiny checkpoint,
 synthetic data) are named by "tiny:..." values that the library makes when the
-run starts (``grpo_jax.runlocal``).
+run starts (``grpo_jax.run.runlocal``).
 
 The keys, their defaults and their meaning are the dataclasses' of
-``grpo_jax.config`` (each section's docstring): :func:`base` builds every section
+``grpo_jax.run.config`` (each section's docstring): :func:`base` builds every section
 from those typed defaults, so a default is stated once, in the library.
 """
 
@@ -20,7 +20,8 @@ import typing
 
 from ml_collections import ConfigDict, config_dict
 
-from grpo_jax.config import (
+from grpo_jax.objective.config import EPSILON
+from grpo_jax.run.config import (
     BUILTIN_TOKENIZER,
     CheckpointConfig,
     EnvSection,
@@ -38,7 +39,6 @@ from grpo_jax.config import (
     TrainConfig,
     WarmStartConfig,
 )
-from grpo_jax.objective import EPSILON
 
 
 def parse_arg(arg: str | None, *, where: str, **defaults) -> ConfigDict:
@@ -96,7 +96,7 @@ def section(cls, *, leave_out=(), **changes) -> ConfigDict:
 
 
 def base() -> ConfigDict:
-    """Every section with the library's defaults (the dataclasses of ``grpo_jax.config``);
+    """Every section with the library's defaults (the dataclasses of ``grpo_jax.run.config``);
     model.path, data, prompt, rewards and sampling.max_new_tokens are each config file's own.
 
     What this base states beyond the typed defaults, and why: ``grpo.epsilon`` (the run

@@ -51,7 +51,7 @@ Variants (``:model=<name>,<flag>``):
             chat-template markers, and 48 synthetic GSM8K-format word problems
             (data.jsonl_dir "tiny:word_problems") prepared through the same
             TFDS route; 2 steps. The library writes these files when the run
-            starts (``grpo_jax.runlocal``), under $GRPO_JAX_RUNLOCAL_DIR
+            starts (``grpo_jax.run.runlocal``), under $GRPO_JAX_RUNLOCAL_DIR
             (default <tmp>/grpo_jax_runlocal), named by a hash of their contents.
 
       python -m grpo_jax.main --config=configs/gsm8k.py:model=gemma3-1b,runlocal \
@@ -200,7 +200,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.eval.num_problems = 0  # The whole test split (1319 problems), greedy pass@1.
 
     if "runlocal" in flags:
-        c.model.path = f"tiny:{family}"  # made when the run starts (grpo_jax.runlocal)
+        c.model.path = f"tiny:{family}"  # made when the run starts (grpo_jax.run.runlocal)
         c.data.jsonl_dir = "tiny:word_problems"
         # Character tokens: prompts are ~300 long; one bucket, so one compilation.
         c.sampling.prompt_buckets = (384,)
@@ -246,7 +246,7 @@ def _gguf_base_model(name: str, flags: set[str]) -> ConfigDict:
         c.train.logits_chunk = 16
     if "words" in flags:
         # A learning run that fits a CPU in about half an hour: the real model on
-        # synthetic one-step word problems (grpo_jax.runlocal.one_step_problem: add,
+        # synthetic one-step word problems (grpo_jax.run.runlocal.one_step_problem: add,
         # take away, multiply small numbers). The base model multiplies well but adds
         # and subtracts poorly after this few-shot prompt (it copies the examples'
         # * and /), so many groups mix right and wrong answers.

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from grpo_jax.errors import (
+from grpo_jax.core.errors import (
     CheckpointError,
     ConfigError,
     DistributedError,
@@ -42,7 +42,7 @@ ALARM_STOP = 4
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean the user's input is wrong, not grpo_jax."""
     # Inside the function on purpose: the models package imports JAX, which the entry
-    # points import only after ``quiet()``; the other types are ``grpo_jax.errors``'.
+    # points import only after ``quiet()``; the other types are ``grpo_jax.core.errors``'.
     from grpo_jax.models.safetensors_io import CheckpointError as SafetensorsError
 
     return (

@@ -4,7 +4,7 @@ r"""The compare command: paired differences between runs, with intervals, as tab
 
 Each RUN is a training workdir (its final evaluation, ``summary.json``'s
 ``eval_files``, and its first one as "before") or one evaluation file
-(``<workdir>/eval/step_<N>.jsonl``, ``grpo_jax.problems``). Runs whose configs
+(``<workdir>/eval/step_<N>.jsonl``, ``grpo_jax.core.problems``). Runs whose configs
 are the same but for the seed (``seed`` and ``data.seed``, compared by the
 record's config text) form one group; its runs are pooled with the problem as
 the unit (seed s's problem i is one unit). A group's label is ``--labels``'
@@ -38,9 +38,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpo_jax import problems, stats
-from grpo_jax.checks import flat_keys
-from grpo_jax.metrics import read_metrics
+from grpo_jax.core import problems, stats
+from grpo_jax.core.checks import flat_keys
+from grpo_jax.run.writers import read_metrics
 
 CURVES = (("rollout/pass_rate", "training pass rate"), ("eval/pass_at_1", "held-out greedy pass@1"))
 MISSING_MATPLOTLIB = (

@@ -1,4 +1,4 @@
-"""The evaluate command: greedy pass@1 and unbiased pass@k of a checkpoint (grpo_jax.evaluation).
+"""The evaluate command: greedy pass@1 and unbiased pass@k of a checkpoint (run/evaluation.py).
 
     python -m grpo_jax.evaluate --checkpoint=<workdir> [--config=configs/default.py]
 
@@ -16,12 +16,12 @@ correct. pass@k draws n = ``eval.num_samples`` completions per problem at
 ``eval.temperature`` and averages Chen et al.'s unbiased estimator
 1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
 Batches have a fixed size (the last one padded) so each sampler compiles once.
-Every figure has its 95% interval (``grpo_jax.problems``); ``--output`` adds the
-record of what ran (``grpo_jax.record``, with the checkpoint's path) and
+Every figure has its 95% interval (``grpo_jax.core.problems``); ``--output`` adds the
+record of what ran (``grpo_jax.run.record``, with the checkpoint's path) and
 ``--problems=PATH`` writes the per-problem results that ``grpo_jax.compare`` reads.
 
 The sampled completions draw from the key the run's own evaluation at the
-checkpoint's step drew from (``grpo_jax.evaluation.eval_key``), so a run's
+checkpoint's step drew from (``grpo_jax.run.evaluation.eval_key``), so a run's
 checkpoint of step s gives the figures of its ``eval/step_<s>.jsonl``, problem by
 problem. A Hugging Face directory has no step: it draws from step 0's key.
 """
@@ -41,11 +41,13 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from grpo_jax import models, problems, record, runlocal  # noqa: E402
-from grpo_jax.checkpointer import Checkpointer  # noqa: E402
-from grpo_jax.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
-from grpo_jax.evaluation import eval_key, evaluate_problems  # noqa: E402
-from grpo_jax.setup import (  # noqa: E402
+from grpo_jax import models  # noqa: E402
+from grpo_jax.core import problems  # noqa: E402
+from grpo_jax.run import record, runlocal  # noqa: E402
+from grpo_jax.run.checkpoints import Checkpointer  # noqa: E402
+from grpo_jax.run.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
+from grpo_jax.run.evaluation import eval_key, evaluate_problems  # noqa: E402
+from grpo_jax.run.setup import (  # noqa: E402
     build_datasets,
     build_encoder,
     build_mesh,
@@ -219,7 +221,7 @@ def _define_flags():
     flags.DEFINE_string("checkpoint", None, "Workdir, checkpoint (step) dir or HF model dir.")
     flags.DEFINE_string("output", "", "Optional path for the results and the run's record as JSON.")
     flags.DEFINE_string(
-        "problems", "", "Optional path for the per-problem results (JSONL, grpo_jax.problems)."
+        "problems", "", "Optional path for the per-problem results (JSONL, grpo_jax.core.problems)."
     )
     flags.mark_flags_as_required(["checkpoint"])
 

@@ -30,7 +30,7 @@ import pathlib
 import sys
 
 from grpo_jax import cli
-from grpo_jax.errors import CheckpointError, ConfigError
+from grpo_jax.core.errors import CheckpointError, ConfigError
 
 
 class ExportError(ValueError):
@@ -83,13 +83,14 @@ def export_hf(
     """
     # Inside the function on purpose: JAX, Flax and the model code are heavy, and the
     # command imports them only after cli.quiet() (main below); grpo_jax.cli and
-    # grpo_jax.errors, imported above, are light.
+    # grpo_jax.core.errors, imported above, are light.
     from flax import nnx
 
-    from grpo_jax import models, runlocal
-    from grpo_jax.config import parse_config
+    from grpo_jax import models
     from grpo_jax.models import lora
-    from grpo_jax.setup import build_mesh, build_tokenizer, restore_policy, restore_warm_start
+    from grpo_jax.run import runlocal
+    from grpo_jax.run.config import parse_config
+    from grpo_jax.run.setup import build_mesh, build_tokenizer, restore_policy, restore_warm_start
 
     if format not in FORMATS:
         raise ExportError(f"--format={format!r} is not one of {list(FORMATS)}")

@@ -1,4 +1,4 @@
-"""Entry point: flags, config file, workdir -> ``grpo_jax.train.train``.
+"""Entry point: flags, config file, workdir -> ``grpo_jax.run.train.train``.
 
     python -m grpo_jax.main --config=configs/default.py --workdir=/tmp/grpo_tiny
 
@@ -24,7 +24,8 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from grpo_jax import cli, distributed  # noqa: E402
+from grpo_jax import cli  # noqa: E402
+from grpo_jax.core import distributed  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
@@ -49,7 +50,7 @@ def main(argv):
 
     if jax.process_index() == 0:  # the imports and the setup below take seconds, say so
         print(f"setting up the run in {FLAGS.workdir}", flush=True)
-    from grpo_jax.train import AlarmStop, NonFiniteError, train
+    from grpo_jax.run.train import AlarmStop, NonFiniteError, train
 
     try:
         summary = train(FLAGS.config, FLAGS.workdir, start_time=_T0)

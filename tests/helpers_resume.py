@@ -1,9 +1,13 @@
 """Kill a training run after a step, damage what it saved, and compare the records of a
 resumed run with an uninterrupted one: for the exact-resume tests."""
 
+import jax
+import numpy as np
 import pytest
 
-from grpo_jax.train import TIMING_PREFIXES, train
+from grpo_jax.run import config as config_lib
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.train import TIMING_PREFIXES, train
 
 
 class Killed(Exception):
@@ -40,3 +44,26 @@ def flip_bytes(step_dir, item="params", n=64):
     mid = len(b) // 2
     b[mid : mid + n] = bytes(x ^ 0xFF for x in b[mid : mid + n])
     data.write_bytes(bytes(b))
+
+
+def _restore(workdir, like, step=4, latest=4):
+    ck = Checkpointer(workdir / "checkpoints")
+    try:
+        assert ck.latest_step() == latest
+        return ck.restore_params(step, params_like=like)
+    finally:
+        ck.close()
+
+
+def _params_like(cfg, workdir):
+    from grpo_jax.run import setup as setup_lib
+
+    run = config_lib.parse_config(cfg)
+    tok = setup_lib.build_tokenizer(run, workdir)
+    _, like = setup_lib.build_model(run, tok, setup_lib.build_mesh(run))
+    return like
+
+
+def _assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,4 +1,4 @@
-"""Misbehaving rewards for tests/test_rewards_scoring.py, registered at import.
+"""Misbehaving rewards for tests/rewards/test_rewards_scoring.py, registered at import.
 
 They live apart from the tests so that a reward worker process, which imports the
 module that registered a reward, imports only this one (numpy and the reward

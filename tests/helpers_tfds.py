@@ -6,6 +6,7 @@ folder of the module that defines it; a reader of the prepared folder needs none
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
@@ -68,3 +69,48 @@ def _builder():
     assert TinyPrefs.name == NAME
     _BUILDER = TinyPrefs
     return _BUILDER
+
+
+ROWS = {
+    "train": [
+        ("Tom has 3 apples and buys 4. How many?", "3 + 4 = <<3+4=7>>7\n#### 7"),
+        (
+            "A car costs $1,000 and a bike $80. Total?",
+            "1000 + 80 = <<1000+80=1080>>1080\n#### 1,080",
+        ),
+        ("Half of 9?", "9 / 2 = <<9/2=4.5>>4.5\n#### 4.5"),
+        ("Owed 5, paid 8. Balance?", "5 - 8 = -3\n#### -3"),
+    ],
+    "test": [
+        ("2 times 21?", "2 * 21 = <<2*21=42>>42\n#### 42"),
+        ("10 minus 1?", "10 - 1 = 9\n#### 9"),
+    ],
+}
+
+
+def _write(folder, rows=ROWS):
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, items in rows.items():
+        with (folder / f"{split}.jsonl").open("w") as f:
+            for q, a in items:
+                f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    return folder
+
+
+def _prefill_tfds_download_cache(src, download_dir):
+    """Puts the four files TFDS's gsm8k builder downloads into its cache, under its names."""
+    from tensorflow_datasets.core.download import checksums, resource
+    from tensorflow_datasets.text.gsm8k import gsm8k as tfds_gsm8k
+
+    cache = download_dir / "gsm8k"
+    cache.mkdir(parents=True)
+    for name, url in tfds_gsm8k._URLS.items():
+        path = cache / resource.get_dl_fname(url)
+        path.write_bytes((src / f"{name.replace('_socratic', '')}.jsonl").read_bytes())
+        resource.write_info_file(
+            url=url,
+            path=path,
+            dataset_name="gsm8k",
+            original_fname=f"{name}.jsonl",
+            url_info=checksums.compute_url_info(path),
+        )

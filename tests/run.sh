@@ -9,7 +9,7 @@ if [[ ! -x .venv/bin/python ]]; then
   # torch first and pinned: the CPU build, never a CUDA one (test-only dependency).
   .venv/bin/pip install -q -r requirements-test.txt
   .venv/bin/pip install -q -r requirements.txt -e .
-  # verl for tests/test_peer_verl.py, without its declared dependencies (requirements-test.txt).
+  # verl for tests/objective/test_peer_verl.py, without its declared dependencies (requirements-test.txt).
   .venv/bin/pip install -q --no-deps verl==0.9.1
 fi
 .venv/bin/ruff check .

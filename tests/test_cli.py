@@ -20,7 +20,7 @@ LIBRARY_INFO = re.compile(r"^I\d{4} |Unable to initialize backend|PyTorch was no
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     w = tmp_path_factory.mktemp("run")
     c = get_config("smoke")
@@ -139,7 +139,7 @@ def test_help_exits_0_and_verbose_shows_the_traceback(tmp_path):
 
 
 def test_sequences_past_the_models_context_are_warned_about(tmp_path):
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     c = get_config("smoke")  # the tiny model's context: max_position_embeddings = 64
     c.warm_start.enabled = False
@@ -241,12 +241,12 @@ def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path, lora_r
     import numpy as np
     from flax import nnx
 
-    from grpo_jax import sft
-    from grpo_jax.config import parse_config
     from grpo_jax.export import ExportError, export_hf
     from grpo_jax.models import from_pretrained
-    from grpo_jax.setup import build_mesh, build_policy, build_tokenizer
-    from grpo_jax.train import train
+    from grpo_jax.run import warm_start as sft
+    from grpo_jax.run.config import parse_config
+    from grpo_jax.run.setup import build_mesh, build_policy, build_tokenizer
+    from grpo_jax.run.train import train
 
     run = tmp_path / "run"
     c = get_config("smoke")

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from grpo_jax import compare, problems, stats
+from grpo_jax import compare
+from grpo_jax.core import problems, stats
 
 
 def _config(seed, lr=2e-4):

@@ -13,14 +13,15 @@ import pytest
 from flax import nnx
 
 from configs.default import get_config
-from grpo_jax import config as config_lib
 from grpo_jax import evaluate as ev
-from grpo_jax import evaluation, rollout
-from grpo_jax import setup as setup_lib
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.config import EvalConfig
 from grpo_jax.export import export_hf
-from grpo_jax.sampling import SampleOutput
+from grpo_jax.rollout import rounds as rollout
+from grpo_jax.run import config as config_lib
+from grpo_jax.run import evaluation
+from grpo_jax.run import setup as setup_lib
+from grpo_jax.run.config import EvalConfig
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.sampling.static import SampleOutput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,8 +185,8 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
 def test_a_runs_checkpoint_evaluates_as_the_run_did(tmp_path, monkeypatch):
     """python -m grpo_jax.evaluate on a run's final checkpoint gives the run's own evaluation
     of that step, problem by problem and sample by sample: the same key derivation."""
-    from grpo_jax import problems
-    from grpo_jax.train import train
+    from grpo_jax.core import problems
+    from grpo_jax.run.train import train
 
     c = get_config("smoke")
     c.train.steps = 2

@@ -1,7 +1,7 @@
 """The package's layers (docs/architecture.md, "Layers"; the contract is pyproject.toml's).
 
 lint-imports (tests/run.sh) checks that no module imports an upper layer. These tests pin
-what that contract does not: the names moved down from ``grpo_jax.config`` are still
+what that contract does not: the names moved down from ``grpo_jax.run.config`` are still
 importable from it, the modules that keep JAX out (the reason their few imports inside
 functions stay there) still import without it, and ``configs/common.py`` states the
 library's typed defaults rather than copies of them.
@@ -14,11 +14,16 @@ import sys
 import pytest
 
 from configs import common
-from grpo_jax import checks, config, data, errors, objective, optimizer, sampling
+from grpo_jax import data
+from grpo_jax.core import checks, errors
 from grpo_jax.data import prompts
 from grpo_jax.envs import section as envs_section
+from grpo_jax.learner import optimizer
 from grpo_jax.models import config as models_config
+from grpo_jax.objective import config as objective
 from grpo_jax.rewards import section as rewards_section
+from grpo_jax.run import config
+from grpo_jax.sampling import static as sampling
 
 MOVED = {
     errors: ["ConfigError"],
@@ -43,7 +48,10 @@ def test_the_names_moved_down_are_still_importable_from_config(module):
 def test_the_light_modules_import_without_jax():
     """cli (imported by the commands before quiet()), distributed (before multi-process
     start-up), errors and checks: the modules whose late imports keep JAX out."""
-    mods = "grpo_jax.cli, grpo_jax.distributed, grpo_jax.errors, grpo_jax.checks, grpo_jax.sweep"
+    mods = (
+        "grpo_jax.cli, grpo_jax.core.distributed, grpo_jax.core.errors, grpo_jax.core.checks, "
+        "grpo_jax.sweep"
+    )
     code = f"import sys, {mods}; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

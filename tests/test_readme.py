@@ -4,8 +4,8 @@ import dataclasses
 import pathlib
 import re
 
-from grpo_jax.config import HealthConfig
-from grpo_jax.health import ALARMS
+from grpo_jax.run.config import HealthConfig
+from grpo_jax.run.health import ALARMS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

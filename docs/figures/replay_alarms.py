@@ -3,7 +3,7 @@
     python docs/figures/replay_alarms.py WORKDIR [WORKDIR ...] [--alarm reward_hacking]
         [--set hack_rise_z=0 ...]
 
-Each record in turn is given, with the records before it, to ``grpo_jax.health.diagnose``
+Each record in turn is given, with the records before it, to ``grpo_jax.run.health.diagnose``
 under ``HealthConfig`` (its defaults, or ``--set`` overrides), and an alarm counts when it
 fires after ``rearm_steps`` quiet steps, as the trainer's Reporter counts it. Prints, per
 workdir, the steps at which the alarm fires. docs/learned_rewards.md's replay of the weight
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from grpo_jax import health
-from grpo_jax.metrics import read_metrics
+from grpo_jax.run import health
+from grpo_jax.run.writers import read_metrics
 
 
 def _number(text: str) -> int | float:

@@ -20,7 +20,7 @@ import pathlib
 
 import numpy as np
 
-from grpo_jax.metrics import read_metrics
+from grpo_jax.run.writers import read_metrics
 
 
 def smooth(values, width: int) -> np.ndarray:

@@ -20,7 +20,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from grpo_jax.checks import check_choice, check_known_keys, to_dict
+from grpo_jax.core.checks import check_choice, check_known_keys, to_dict
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.data import gsm8k as gsm8k
 from grpo_jax.data import synthetic as synthetic
 from grpo_jax.data.iterator import DataIterator
@@ -33,7 +34,6 @@ from grpo_jax.data.prompts import (
     format_prompt,
 )
 from grpo_jax.data.synthetic import make_split
-from grpo_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

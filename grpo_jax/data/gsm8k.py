@@ -30,8 +30,8 @@ import json
 import pathlib
 import re
 
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.data.jsonl import MalformedRowError, iter_rows, read_jsonl, row_problem
-from grpo_jax.errors import ConfigError
 from grpo_jax.rewards.extract import format_number, normalize_number
 
 LOCAL_NAME = "gsm8k_local"

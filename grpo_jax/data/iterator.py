@@ -4,7 +4,7 @@ The stream of *global* batches depends only on the data, the seed and the
 global batch size: epoch e visits the examples in the permutation drawn from
 ``(seed, e)``, ``batch_size`` at a time. A host reads only its block of rows
 of each global batch (``rows``: the rows its devices hold, see
-``grpo_jax.distributed.host_rows``), so the hosts of a multi-host run together
+``grpo_jax.core.distributed.host_rows``), so the hosts of a multi-host run together
 see exactly the batches one process would, and a run can resume on another
 number of hosts without changing what it trains on. Examples are read by
 index when their batch comes, so a lazily indexed dataset (a

@@ -15,7 +15,7 @@ import json
 import pathlib
 from collections.abc import Callable
 
-from grpo_jax.errors import MalformedRowError, NotUTF8Error
+from grpo_jax.core.errors import MalformedRowError, NotUTF8Error
 
 ON_ERROR = ("raise", "skip")
 

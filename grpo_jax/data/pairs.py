@@ -30,7 +30,7 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from grpo_jax.errors import ConfigError, MalformedRowError
+from grpo_jax.core.errors import ConfigError, MalformedRowError
 
 log = logging.getLogger(__name__)
 

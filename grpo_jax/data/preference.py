@@ -35,9 +35,9 @@ import sys
 import numpy as np
 
 from grpo_jax import rewards
-from grpo_jax.checks import check_range
+from grpo_jax.core.checks import check_range
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.data.synthetic import make_split, split_of, write_number
-from grpo_jax.errors import ConfigError
 
 # configs/default.py's data section (the prompts a reward model for that run must score).
 ARITH_DEFAULT_KNOBS = dict(
@@ -179,7 +179,7 @@ def longer_answer(prompts, completions, answer, **_):
 
 
 def write_pairs(pairs: list[dict], path) -> pathlib.Path:
-    """One JSON object a line (the format ``python -m grpo_jax.reward_model`` reads)."""
+    """One JSON object a line (the format ``python -m grpo_jax.train_reward_model`` reads)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from grpo_jax.checks import check_bool
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.checks import check_bool
+from grpo_jax.core.errors import ConfigError
 
 PLAIN_TEMPLATE = "{prompt}"
 

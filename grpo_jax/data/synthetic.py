@@ -32,8 +32,8 @@ import hashlib
 
 import numpy as np
 
-from grpo_jax.checks import check_choice, check_range
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.checks import check_choice, check_range
+from grpo_jax.core.errors import ConfigError
 
 SPLITS = ("train", "test")
 _SPLIT_IDS = {"train": 0, "test": 1}

@@ -9,7 +9,7 @@ Registered: ``guess_number`` (find a hidden number from higher/lower feedback) a
 ``tool_use`` (call tools, then answer; the answer is scored by a reward). Register
 your own with ``@envs.register("name")`` in a module named in the config's
 ``env.modules``. The interface and how errors are contained: :mod:`grpo_jax.envs.base`;
-the rollout that drives them: :mod:`grpo_jax.multiturn`; docs/multiturn.md.
+the rollout that drives them: :mod:`grpo_jax.rollout.episodes`; docs/multiturn.md.
 """
 
 from grpo_jax.envs import guess_number as guess_number

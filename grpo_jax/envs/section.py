@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpo_jax.checks import check_range
+from grpo_jax.core.checks import check_range
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.envs.base import get, load_user_module, safe_make
-from grpo_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvSection:
-    """Multi-turn rollouts with an environment (``grpo_jax.multiturn``, docs/multiturn.md).
+    """Multi-turn rollouts with an environment (``grpo_jax.rollout.episodes``, docs/multiturn.md).
 
     Attributes:
       name: the environment, "name" or "name(k=v, ...)" (``grpo_jax.envs``); "" is

@@ -52,8 +52,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.core.sharding import MESH_AXES, logical_to_spec
 from grpo_jax.models.partitioning import fit_spec
-from grpo_jax.sharding import MESH_AXES, logical_to_spec
 
 MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key stays NaN-free.
 NO_WINDOW = 2**30  # A per-layer window value (scanned layers) meaning "global layer".

@@ -28,8 +28,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_jax.checks import check_bool, check_choice, check_range, from_mapping, to_dict
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.checks import check_bool, check_choice, check_range, from_mapping, to_dict
+from grpo_jax.core.errors import ConfigError
 
 # The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
 ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
@@ -362,7 +362,7 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------
-# The run config's ``model`` section (``grpo_jax.config`` composes it into the run):
+# The run config's ``model`` section (``grpo_jax.run.config`` composes it into the run):
 # the checkpoint, the loader's settings and the low-rank adapters.
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -454,7 +454,7 @@ class ModelSection:
       path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
         "tiny:<family>" (qwen2, qwen3, llama, gemma3) a small random
         checkpoint of that family, written when the run starts
-        (``grpo_jax.runlocal``).
+        (``grpo_jax.run.runlocal``).
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
       param_dtype: storage dtype of the parameters (None: ``dtype``).
       remat: recompute each layer in the backward pass.

@@ -25,7 +25,7 @@ nibble value j + 16; bit j of the high-bit word is value j's fifth bit. In the
 256-value K-quants, each run of 64 values takes 32 bytes of nibbles, low
 nibbles first. The float32 arithmetic follows ggml's order (scale products
 first), so the results equal ggml's and the ``gguf`` package's bit for bit
-(tests/test_models_gguf.py checks that on random blocks). Other types go to
+(tests/models/test_models_gguf.py checks that on random blocks). Other types go to
 ``gguf.quants.dequantize`` when that package knows them.
 """
 

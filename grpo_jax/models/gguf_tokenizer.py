@@ -21,7 +21,7 @@ rebuilt as a byte-fallback BPE:
   * ``add_bos_token`` puts the BOS token in front of every encoded text.
 
 The result is a transformers ``PreTrainedTokenizerFast`` (no torch), whose
-encodings tests/test_models_gguf.py checks against transformers' own GGUF
+encodings tests/models/test_models_gguf.py checks against transformers' own GGUF
 tokenizer on many strings.
 """
 

@@ -29,7 +29,7 @@ import logging
 import pathlib
 from typing import Any
 
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.models.config import ModelConfig, RopeScaling
 from grpo_jax.models.safetensors_io import CheckpointError
 

@@ -2,7 +2,7 @@
 
 Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata, one
 name per dimension ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim",
-"norm"); :func:`grpo_jax.sharding.logical_to_spec` maps the names to mesh axes
+"norm"); :func:`grpo_jax.core.sharding.logical_to_spec` maps the names to mesh axes
 under a layout ("dp", "fsdp", "fsdp_tp"). Activations are constrained the same
 way inside the forward pass whenever a mesh with the ("data", "fsdp",
 "tensor") axes is set (``jax.set_mesh``); without one the constraints are
@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.sharding import LAYOUTS, MESH_AXES, logical_to_spec
+from grpo_jax.core.sharding import LAYOUTS, MESH_AXES, logical_to_spec
 
 
 def check_layout(layout: str) -> None:

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.core.sharding import batch_shards
 from grpo_jax.models import from_pretrained, load_tokenizer
 from grpo_jax.models.hf import open_checkpoint
 from grpo_jax.reward_models.model import SCORE
 from grpo_jax.reward_models.scorer import score_in_batches
 from grpo_jax.rewards.section import JudgeSection
-from grpo_jax.sharding import batch_shards
 
 REFERENCE = "reference"
 JUDGE = "judge"  # the judge's name among a RewardResult's rewards

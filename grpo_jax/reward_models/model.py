@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import integrity
+from grpo_jax.core import integrity
+from grpo_jax.core.sharding import MESH_AXES, logical_to_spec
 from grpo_jax.models import CheckpointError, ModelConfig, Transformer
 from grpo_jax.models.hf import check_unused, load_into, open_checkpoint
 from grpo_jax.models.hf_weights import Entry, weight_table
 from grpo_jax.models.layers import param
 from grpo_jax.models.partitioning import fit_spec
-from grpo_jax.sharding import MESH_AXES, logical_to_spec
 
 SCORE = "score.weight"  # transformers' name of the head: nn.Linear(D, C, bias=False)
 

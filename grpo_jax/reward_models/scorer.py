@@ -10,14 +10,14 @@ rows are scored ``batch_size`` at a time, left-padded to the smallest of
 the last batch padded with empty rows). The forward pass is jitted once per
 bucket; its rows are split over the mesh's batch axes and the parameters keep
 their layout's shardings, so the scores are those of one device
-(``tests/test_reward_models.py`` checks 8 fake devices against one).
+(``tests/reward_models/test_reward_models.py`` checks 8 fake devices against one).
 
 With several processes each host scores its own rows (the rows of the batch
 its devices hold, as it scores its verifiable rewards): every call takes each
 host's next ``batch_size / hosts`` texts into one global batch, the hosts agree
 on the number of calls and on each call's bucket, and each host reads back its
 own rows' scores; the running moments are updated with every host's scores, so
-they are the same on all hosts (``tests/test_reward_models.py``: 2 processes x 2
+they are the same on all hosts (``tests/reward_models/test_reward_models.py``: 2 processes x 2
 devices score as one process).
 
 Containment: a text longer than the largest bucket, or a score that is not
@@ -38,13 +38,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax import distributed
-from grpo_jax.errors import ConfigError
+from grpo_jax.core import distributed
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.core.sharding import batch_sharding, batch_shards
 from grpo_jax.models import CheckpointError, load_tokenizer
 from grpo_jax.reward_models.model import RewardModel, load_reward_model
 from grpo_jax.rewards.section import RewardModelSection
-from grpo_jax.sampling import pad_prompts
-from grpo_jax.sharding import batch_sharding, batch_shards
+from grpo_jax.sampling.static import pad_prompts
 
 log = logging.getLogger(__name__)
 

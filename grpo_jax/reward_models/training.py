@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax import integrity
+from grpo_jax.core import integrity
 from grpo_jax.models import ModelConfig, Transformer
 from grpo_jax.models.hf import param_path
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.safetensors_io import INDEX_FILE, write_checkpoint
 from grpo_jax.reward_models.model import RewardModel, reward_table
-from grpo_jax.sampling import pad_prompts
+from grpo_jax.sampling.static import pad_prompts
 
 
 def bradley_terry(r_chosen_B: jax.Array, r_rejected_B: jax.Array) -> jax.Array:

@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.errors import ConfigError
 
 RewardFn = Callable[..., list]
 

@@ -3,7 +3,7 @@
 A reward that raises, runs past its time budget, returns something other than
 one number per completion, or returns an infinite value must never stop a
 training run: the affected completions get NaN (which
-:func:`grpo_jax.advantages.group_advantages` leaves out of their group's
+:func:`grpo_jax.objective.advantages.group_advantages` leaves out of their group's
 statistics and gives advantage 0) and are counted in ``RewardResult.errors``
 (logged as ``rewards/<name>/errors``). NaN (or None) returned by a reward is
 its documented way of saying "cannot score this one" (a reference answer with
@@ -61,7 +61,7 @@ import numpy as np
 
 import grpo_jax.rewards.isolation as isolation
 import grpo_jax.rewards.registry as registry
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def limit_rewards(name: str, values: np.ndarray, errors: int) -> tuple[np.ndarra
     """-> (float32 values, errors, clipped): infinite -> NaN and an error, huge -> clipped.
 
     Every reward of a rollout passes here, a reward function's and an episode's
-    (``grpo_jax.multiturn``) alike, so that none is infinite in float32.
+    (``grpo_jax.rollout.episodes``) alike, so that none is infinite in float32.
     """
     values = np.array(values, np.float64)
     inf = np.isinf(values)

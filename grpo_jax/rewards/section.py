@@ -1,10 +1,10 @@
 """The run config's reward keys: rewards, correct_reward, reward_modules, reward_model.
 
-:class:`RewardsSection` is what ``grpo_jax.config.parse_config`` keeps of the first three,
+:class:`RewardsSection` is what ``grpo_jax.run.config.parse_config`` keeps of the first three,
 :class:`RewardModelSection` the ``reward_model`` section (a learned reward, scored by
 ``grpo_jax.reward_models``: this module only checks its settings, with no JAX);
 :func:`parse_rewards` and :func:`load_reward_modules` check them against the registry
-(``grpo_jax.rewards.registry``), raising ``grpo_jax.errors.ConfigError``.
+(``grpo_jax.rewards.registry``), raising ``grpo_jax.core.errors.ConfigError``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
-from grpo_jax.checks import check_bool, check_choice, check_range, to_dict
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.checks import check_bool, check_choice, check_range, to_dict
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.rewards.registry import get, load_user_module
 from grpo_jax.rewards.scoring import RewardSpec
 

@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 
-from grpo_jax.errors import ConfigError
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.tools import bubblewrap, seccomp
 
 # The boot script's text is given to the interpreter (``-c``), not its path: the run's user

@@ -7,7 +7,7 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import flip_bytes, without_timings
 
-from grpo_jax.checkpoint import CheckpointError
+from grpo_jax.run.start import CheckpointError
 
 pytestmark = pytest.mark.slow  # trains the smoke config twice
 
@@ -25,7 +25,7 @@ def _damage(step_dir):
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path):
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     train(_config(4), tmp_path, stream=io.StringIO())
     _damage(tmp_path / "checkpoints" / "4")
@@ -45,7 +45,7 @@ def test_steps_with_flipped_bytes_are_set_aside_and_the_run_resumes_from_the_one
     """Bit rot in the parameters of step 6 (found by their checksums) and in the batch in
     flight saved with step 4 (train.max_staleness = 1; found before the run settles on
     the step): both set aside, one line each; the run goes on from step 2."""
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     c = _config(6)
     c.train.max_staleness = 1
@@ -71,7 +71,7 @@ def test_steps_with_flipped_bytes_are_set_aside_and_the_run_resumes_from_the_one
 
 
 def test_no_checkpoint_that_restores_is_a_clear_error(tmp_path):
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     train(_config(2), tmp_path, stream=io.StringIO())
     _damage(tmp_path / "checkpoints" / "2")
@@ -80,8 +80,8 @@ def test_no_checkpoint_that_restores_is_a_clear_error(tmp_path):
 
 
 def test_resume_refuses_a_config_that_changes_the_run(tmp_path):
-    from grpo_jax.config import ConfigError
-    from grpo_jax.train import train
+    from grpo_jax.run.config import ConfigError
+    from grpo_jax.run.train import train
 
     train(_config(2), tmp_path, stream=io.StringIO())
     saved = (tmp_path / "config.json").read_text()
@@ -102,7 +102,7 @@ def test_resume_refuses_a_config_that_changes_the_run(tmp_path):
 def test_after_a_blow_up_the_advice_to_resume_works(tmp_path):
     """lr 1e30 after a warmup step: the stop names the last healthy checkpoint, and the
     rerun it advises (that step, a lower learning rate) trains on."""
-    from grpo_jax.train import NonFiniteError, train
+    from grpo_jax.run.train import NonFiniteError, train
 
     c = _config(6)
     c.rewards = "overlong(max_len=16,buffer=15):1.0"  # variance on an untrained model
@@ -138,8 +138,8 @@ def test_after_a_blow_up_the_advice_to_resume_works(tmp_path):
 def test_a_save_that_fails_is_one_clear_error_and_frees_the_workdir(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from grpo_jax.train import train
-    from grpo_jax.workdir import WorkdirLock
+    from grpo_jax.run.train import train
+    from grpo_jax.run.workdir import WorkdirLock
 
     real = ocp.CheckpointManager.save
 
@@ -170,7 +170,7 @@ def test_a_save_that_fails_in_orbaxs_threads_is_one_line_and_loses_nothing(tmp_p
     import subprocess
     import sys
 
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     c = _config(8)
     c.checkpoint.every = 1
@@ -215,9 +215,9 @@ def test_a_full_disk_under_the_metrics_is_one_user_error_and_the_rerun_resumes(
     error is the one reported (the close used to replace it with a traceback)."""
     import errno
 
-    from grpo_jax.errors import WorkdirWriteError
-    from grpo_jax.metrics import MetricsWriter
-    from grpo_jax.train import train
+    from grpo_jax.core.errors import WorkdirWriteError
+    from grpo_jax.run.train import train
+    from grpo_jax.run.writers import MetricsWriter
 
     write, close = MetricsWriter.write, MetricsWriter.close
 
@@ -250,9 +250,9 @@ def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp
     """The alarms' state is in the checkpoint: after a kill while saving step 4 the rerun
     (from step 2) raises no alarm again that is still active (entropy, fired at step 1) and
     the one whose window spans the resume (truncation, steps 1-3) at the same step."""
-    from grpo_jax.checkpoint import Checkpointer
-    from grpo_jax.metrics import read_metrics
-    from grpo_jax.train import train
+    from grpo_jax.run.start import Checkpointer
+    from grpo_jax.run.train import train
+    from grpo_jax.run.writers import read_metrics
 
     c = _config(4)
     c.train.max_staleness = 1
@@ -294,7 +294,7 @@ def test_a_damaged_warm_start_cache_is_set_aside_and_trained_again(tmp_path):
     trains again, as a first run would."""
     import shutil
 
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     c = _config(0)
     c.eval.at_start = False

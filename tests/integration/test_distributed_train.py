@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers_hf import make_tiny_hf_classifier
 
-from grpo_jax import problems
+from grpo_jax.core import problems
 
 pytestmark = pytest.mark.slow  # two multi-process training runs
 

@@ -9,9 +9,9 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax import rollout
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.metrics import read_metrics
+from grpo_jax.rollout import rounds as rollout
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.writers import read_metrics
 
 # ---------------------------------------------------------------------------
 # Which groups carry signal.
@@ -64,7 +64,7 @@ DYNAMIC = {
 def _spied_run(workdir, monkeypatch, **updates):
     """Trains ``DYNAMIC`` with ``updates``, recording what each step's collect_dynamic
     returned."""
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     batches = []
     real = rollout.collect_dynamic
@@ -140,9 +140,9 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     the checkpoint of step 2 holds step 3's batch, sampled by version 1)."""
     from test_train_loop import _final_params
 
-    from grpo_jax import config as config_lib
-    from grpo_jax import setup as setup_lib
-    from grpo_jax.train import train
+    from grpo_jax.run import config as config_lib
+    from grpo_jax.run import setup as setup_lib
+    from grpo_jax.run.train import train
 
     cfg = smoke_config(**{**DYNAMIC, "train.max_staleness": k})
     train(cfg, tmp_path / "whole", stream=io.StringIO())
@@ -177,7 +177,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
 
 @pytest.mark.slow
 def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     out = io.StringIO()
     summary = train(
@@ -206,7 +206,7 @@ def test_the_sampled_tokens_budget_stops_the_run(tmp_path):
 def test_a_step_without_signal_raises_no_entropy_alarm(tmp_path):
     # A constant reward and one round: every group is a weight-0 filler, the update sees no
     # token, and its entropy is no value (null), not 0 (which set off entropy_collapse).
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     c = smoke_config(**{**DYNAMIC, "train.max_sampling_rounds": 1, "train.steps": 2})
     c.rewards = "overlong(max_len=64,buffer=1):1.0"  # 0 for every completion of <= 16 tokens

@@ -94,7 +94,7 @@ RUN = {
 def test_one_step_of_the_tiny_default_matches_its_golden_metrics(tmp_path):
     import io
 
-    from grpo_jax.train import train
+    from grpo_jax.run.train import train
 
     train(smoke_config(**RUN), tmp_path, stream=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

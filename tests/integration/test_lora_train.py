@@ -11,12 +11,12 @@ from helpers_config import SHORT_RUN, smoke_config
 from helpers_jit import logits as jitted_logits
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax import config as config_lib
-from grpo_jax import setup as setup_lib
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.metrics import read_metrics
 from grpo_jax.models import lora
-from grpo_jax.train import train
+from grpo_jax.run import config as config_lib
+from grpo_jax.run import setup as setup_lib
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 

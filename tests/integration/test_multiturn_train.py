@@ -10,9 +10,9 @@ import pytest
 from helpers_config import apply_overrides
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.metrics import read_metrics
-from grpo_jax.train import train
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -60,8 +60,8 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
     staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
     assert [r.get("pipeline/staleness") for r in resumed] == staleness
 
-    from grpo_jax import config as config_lib
-    from grpo_jax import setup as setup_lib
+    from grpo_jax.run import config as config_lib
+    from grpo_jax.run import setup as setup_lib
 
     run = config_lib.parse_config(cfg)
     tok = setup_lib.build_tokenizer(run, tmp_path / "whole")
@@ -87,7 +87,7 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
 @pytest.mark.slow
 def test_a_multiturn_run_on_the_paged_engine_trains_on_its_own_log_probs(tmp_path):
     """configs/multiturn.py with sampling.engine = "paged": the episodes play on the paged
-    pool (grpo_jax/paged_turns.py), the first update's ratio is 1 (the trainer rescores the
+    pool (grpo_jax/sampling/paged_turns.py), the first update's ratio is 1 (the trainer rescores the
     engine's transcripts with the parameters that played them), and evaluation, on the
     static kernel, gives what the static run's gives before training."""
     paged = _config(**{"train.steps": 2, "checkpoint.every": 0, "sampling.engine": "paged",

@@ -4,8 +4,8 @@ the static sampler's, and the first update's ratio is 1 up to float32 rounding."
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
 
-from grpo_jax.metrics import read_metrics
-from grpo_jax.train import train
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 

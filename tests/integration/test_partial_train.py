@@ -4,12 +4,17 @@ same parameters and metrics as an uninterrupted one."""
 
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
-from helpers_resume import train_killed_at, without_timings
-from test_pipeline import _assert_same_params, _params_like, _restore
+from helpers_resume import (
+    _assert_same_params,
+    _params_like,
+    _restore,
+    train_killed_at,
+    without_timings,
+)
 
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.metrics import read_metrics
-from grpo_jax.train import train
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # three runs of the smoke config per case
 
@@ -19,7 +24,7 @@ def _config(k):
         **SHORT_RUN,
         **{
             # Length-dependent rewards: groups have reward variance, so every update moves the
-            # policy and each version differs from the one before (as tests/test_pipeline.py).
+            # policy and each version differs from the one before (as rollout/test_staleness.py).
             "rewards": "overlong(max_len=16,buffer=15):1.0",
             "correct_reward": "overlong",
             "sampling.max_new_tokens": 16,

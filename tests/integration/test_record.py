@@ -10,8 +10,10 @@ import jax
 import pytest
 from helpers_config import smoke_config
 
-from grpo_jax import compare, problems, record
-from grpo_jax.train import train
+from grpo_jax import compare
+from grpo_jax.core import problems
+from grpo_jax.run import record
+from grpo_jax.run.train import train
 
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 

@@ -11,8 +11,8 @@ import io
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
 
-from grpo_jax.metrics import read_metrics
-from grpo_jax.train import train
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # trains the smoke config end to end
 

@@ -17,10 +17,10 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax import losses
-from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.metrics import read_metrics
-from grpo_jax.train import NonFiniteError, train
+from grpo_jax.objective import losses
+from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.train import NonFiniteError, train
+from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # every test trains the smoke config end to end
 
@@ -88,8 +88,8 @@ def _final_params(workdir, like):
 
 
 def _like_params(tokenizer):
-    from grpo_jax import config as config_lib
-    from grpo_jax import setup as setup_lib
+    from grpo_jax.run import config as config_lib
+    from grpo_jax.run import setup as setup_lib
 
     run = config_lib.parse_config(smoke_config(**SHORT_RUN))
     return setup_lib.build_model(run, tokenizer, setup_lib.build_mesh(run))[1]
@@ -218,8 +218,8 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     """The first step compiles the update in a thread from ``batch_spec``; that spec is the
     real batch's signature, so every step runs that executable and the jitted update itself
     never compiles. The run equals one whose update is the plain jitted function."""
-    from grpo_jax import train as train_lib
-    from grpo_jax import update as update_lib
+    from grpo_jax.learner import update as update_lib
+    from grpo_jax.run import train as train_lib
 
     made, calls = [], []
     real_init, real_call = update_lib.CompiledAhead.__init__, update_lib.CompiledAhead.__call__
@@ -254,7 +254,7 @@ def test_no_compilation_of_the_update_outlives_its_run(tmp_path, monkeypatch):
     (into the next run, or into undoing what the run's code was patched with)."""
     import threading
 
-    from grpo_jax import rollout
+    from grpo_jax.rollout import rounds as rollout
 
     class Stop(Exception):
         pass

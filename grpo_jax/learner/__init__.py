@@ -1,0 +1,1 @@
+"""The learner: the jitted update and the optimizer it steps."""

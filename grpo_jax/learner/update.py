@@ -1,0 +1,555 @@
+"""The jitted GRPO update: mu passes over a rollout batch in minibatches, guarded.
+
+Shapes: N completion rows (B prompts x G, grouped contiguously), P padded
+prompt length, T completion length, U optimizer updates per step (mu * N / M
+for minibatches of M rows), A gradient-accumulation micro-batches per update.
+
+    update(state, batch, key, ref_params) -> (state, metrics)
+
+is a pure function of its arguments, compiled once with explicit shardings and
+``donate_argnames=("state",)`` (:func:`jit_update`). ``batch`` is a
+``grpo_jax.rollout.rounds.RolloutBatch``; it carries pi_old's log-probs as the
+sampler recorded them, so no old-policy forward pass is needed: the first
+update starts from the parameters that sampled the batch, and pi_old's
+log-probs stay fixed while the parameters move over the mu passes. With
+``grpo.old_logps = "recompute"`` they are instead rescored once by the
+update's own path before the first pass (for samplers computing at another
+precision), and ``grpo.behavior_correction`` weighs each token by
+pi_old / q, q being the distribution the sampler drew from
+(``grpo_jax.objective.losses.behavior_weights``; metrics ``behavior/*``). The reference parameters
+are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
+in which case no reference forward pass is traced at all. Every optimizer
+update goes through ``grpo_jax.learner.optimizer.apply_guarded``: a non-finite one is
+dropped and counted.
+
+Row weights: the loss sees the token mask mask_NxT * weights_N[:, None], so a
+row of weight 0 (one that only pads the batch to its static shape) adds no
+gradient, no token to a token mean and nothing to the metrics. The "grpo" and
+"dr_grpo" reductions still divide by the static row count, as for a row with
+an empty completion. The step's token means weigh each update by its tokens,
+and are NaN when no row has weight (:func:`_combine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_jax.core.batch import (  # noqa: F401 - the batch shardings lived here
+    RolloutBatch,
+    batch_spec,
+    rollout_batch_shardings,
+)
+from grpo_jax.learner import optimizer
+from grpo_jax.learner.optimizer import TrainState
+from grpo_jax.models import lora
+from grpo_jax.objective import losses
+from grpo_jax.objective.config import GRPOConfig
+from grpo_jax.objective.logprobs import completion_logps, completion_scores
+
+
+def _split_rows(x, num_parts: int, shards: int):
+    """[N, ...] -> [num_parts, N / num_parts, ...], each part drawing rows from every shard.
+
+    The batch's leading dimension is split over ``shards`` devices; taking a
+    part's rows from every shard (rather than one contiguous slice) keeps
+    every device busy on every part.
+    """
+    n = x.shape[0]
+    per = n // (shards * num_parts)
+    y = x.reshape(shards, num_parts, per, *x.shape[1:])
+    y = jnp.swapaxes(y, 0, 1)
+    return y.reshape(num_parts, shards * per, *x.shape[1:])
+
+
+# grpo_loss's metrics that are means over the loss mask's tokens.
+_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "entropy")
+
+
+def _combine(metrics_K: dict, tokens_K: jax.Array) -> dict:
+    """One value per metric from its values over K parts (micro-batches or updates).
+
+    ``tokens_K``: each part's tokens under the loss mask. A token mean is
+
+        sum_k tokens_k v_k / sum_k tokens_k,
+
+    so a part without tokens (rows of weight 0 alone) counts for nothing, and
+    with no token at all the mean is NaN: no value this step (the writers, the
+    progress line and the health rules skip it), not 0. ``ratio_min`` /
+    ``ratio_max``: over the parts with tokens, 1.0 with none (no movement).
+    Anything else (loss, grad_norm): the mean over the parts.
+    """
+    has_K = tokens_K > 0
+    total = tokens_K.sum()
+    out = {}
+    for k, v_K in metrics_K.items():
+        if k in _TOKEN_MEANS:
+            mean = (jnp.where(has_K, v_K, 0.0) * tokens_K).sum() / jnp.where(total > 0, total, 1.0)
+            out[k] = jnp.where(total > 0, mean, jnp.nan)
+        elif k in ("ratio_min", "ratio_max"):
+            reduce, empty = (jnp.min, jnp.inf) if k == "ratio_min" else (jnp.max, -jnp.inf)
+            out[k] = jnp.where(has_K.any(), reduce(jnp.where(has_K, v_K, empty)), 1.0)
+        else:
+            out[k] = v_K.mean()
+    return out
+
+
+def _loss_mask(b: RolloutBatch):
+    """mask_NxT * weights_N[:, None] (float32): the tokens the loss and the metrics see."""
+    return b.mask_NxT * b.weights_N[..., None]
+
+
+def _group_sizes(G: int, n: int, m: int, shards: int, grad_accum: int) -> tuple[int, int]:
+    """(g_full, g_micro): G for the whole batch of ``n`` rows / a micro-batch of minibatch
+    ``m``, where each shard's block of it holds a multiple of G rows, else 1.
+
+    Groups stay whole and aligned in a part of the batch exactly then
+    (``_split_rows`` takes blocks); G = 1 scores every row with its own prompt.
+    """
+    g_full = G if (n // shards) % G == 0 else 1
+    g_micro = G if (m // (shards * grad_accum)) % G == 0 else 1
+    return g_full, g_micro
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the steps of :func:`update` share: its static arguments and what follows from them.
+
+    ``g_full`` / ``g_micro``: the group size the whole batch / one micro-batch
+    is scored with. With ``share_prompts`` the batch's rows come in groups of
+    G = ``grpo.G`` that share one prompt (as the sampler writes them); each
+    prompt is then run once per group wherever a (micro-)batch holds whole
+    groups (G), else once per row (1).
+
+    LoRA (``base_graphdef`` given, ``grpo_jax.models.lora``): ``state.params``
+    is the frozen base joined with the adapters, and ``state.opt_state`` the
+    optimizer state of the adapters alone. Gradients are taken with respect to
+    the adapters only (the base is a constant of the loss, :meth:`partition`),
+    and the reference log-probs are those of the same base arrays under
+    ``base_graphdef``, the model without adapters, so ``ref_params`` is None.
+    ``lora_dropout`` > 0 drops adapter inputs in the loss's forward pass, with
+    masks from ``key`` folded with the update counter and the micro-batch.
+    """
+
+    graphdef: Any
+    base_graphdef: Any  # LoRA: the model without adapters (the reference); None otherwise
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    objective: losses.ObjectiveConfig
+    logits_chunk: int
+    grad_accum: int
+    batch_shards: int
+    g_full: int
+    g_micro: int
+    lora_dropout: float
+
+    @property
+    def use_lora(self) -> bool:
+        return self.base_graphdef is not None
+
+    def logps(self, params, b: RolloutBatch, group_size: int, gdef=None):
+        """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy)."""
+        return completion_logps(
+            self.graphdef if gdef is None else gdef,
+            params,
+            b.prompt_tokens_NxP,
+            b.prompt_mask_NxP,
+            b.tokens_NxT,
+            b.mask_NxT,
+            self.objective.temperature,
+            chunk_size=self.logits_chunk,
+            group_size=group_size,
+        )
+
+    def partition(self, params):
+        """(trained, frozen): what the optimizer sees, and the rest (a constant of the loss).
+
+        Every parameter and None; with LoRA the adapters, and the whole tree
+        for its frozen base.
+        """
+        return (lora.trainable(params), params) if self.use_lora else (params, None)
+
+    def join(self, frozen, trained):
+        """The parameters from :meth:`partition`'s two parts."""
+        return trained if frozen is None else lora.with_trainable(frozen, trained)
+
+
+def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps):
+    """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs.
+
+    Returns ((batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics). With
+    ``old_logps`` "recompute", pi_old is rescored by the update's own path
+    from the parameters the step starts from (those that sampled the batch in
+    the on-policy loop): the first ratio is then 1 whatever the sampler's
+    precision. The weights of pi_old against the distribution the sampler drew
+    from are computed once over the whole batch (so sequence-level weights see
+    whole rows); None without correction. The reference log-probs (None when
+    beta = 0) are computed once per step; with LoRA the reference is the base,
+    the same arrays with the adapters off. Both travel beside the batch
+    through the minibatch and micro-batch splits.
+    """
+    objective = plan.objective
+    mask_NxT = batch.mask_NxT.astype(jnp.float32)
+    if old_logps == "recompute":
+        old_NxT = jax.lax.stop_gradient(plan.logps(state.params, batch, plan.g_micro))
+        batch = batch.replace(old_logps_NxT=jnp.where(mask_NxT > 0, old_NxT, 0.0))
+    behavior_w_NxT, behavior_metrics = losses.behavior_weights(
+        batch.old_logps_NxT,
+        batch.behavior_logps_NxT,
+        _loss_mask(batch),
+        correction=objective.behavior_correction,
+        level=objective.behavior_level,
+        cap=objective.behavior_cap,
+    )
+    if objective.behavior_correction == "none":
+        behavior_w_NxT = None
+    ref_logps_NxT = None
+    if objective.beta > 0 and plan.use_lora:
+        base, _ = lora.split(state.params)
+        ref_NxT = plan.logps(base, batch, plan.g_full, plan.base_graphdef)
+        ref_logps_NxT = jax.lax.stop_gradient(ref_NxT)
+    elif objective.beta > 0:
+        ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
+    return (batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics
+
+
+def _loss(plan: _Plan, params, mb):
+    """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT).
+
+    The completions are scored with their entropies in one pass
+    (``completion_scores``); the loss mask is :func:`_loss_mask`.
+    """
+    b, ref_NxT, w_NxT = mb
+    logps_NxT, entropy_NxT = completion_scores(
+        plan.graphdef,
+        params,
+        b.prompt_tokens_NxP,
+        b.prompt_mask_NxP,
+        b.tokens_NxT,
+        b.mask_NxT,
+        plan.objective.temperature,
+        chunk_size=plan.logits_chunk,
+        with_entropy=True,
+        group_size=plan.g_micro,
+    )
+    return losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        b.advantages_N,
+        _loss_mask(b),
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+    )
+
+
+def _make_grad_fn(plan: _Plan):
+    """Make the loss: grad_fn(trained, frozen, mb, key) -> ((loss, metrics), grads of trained).
+
+    ``trained`` and ``frozen`` are :meth:`_Plan.partition`'s; the gradient is
+    taken with respect to ``trained`` alone. LoRA dropout, when on, draws its
+    masks from ``key``.
+    """
+
+    def train_loss(trained, frozen, mb, k):
+        params = plan.join(frozen, trained)
+        if not (plan.use_lora and plan.lora_dropout > 0):
+            return _loss(plan, params, mb)
+        with lora.dropout(k, plan.lora_dropout):
+            return _loss(plan, params, mb)
+
+    return jax.value_and_grad(train_loss, has_aux=True)
+
+
+def _accumulate(plan: _Plan, grad_fn, trained, frozen, mb, k_update):
+    """A minibatch's loss, metrics and gradient, accumulated over A = ``plan.grad_accum`` parts.
+
+        grad = sum_a w_a grad L_a,   w_a = tokens_a / sum_a' tokens_a'  ("token_mean")
+                                     w_a = 1 / A                         (otherwise)
+
+    Each micro-batch's share of the minibatch: its rows (1 / A) for the
+    per-sequence reductions, its tokens for "token_mean", whose loss is a mean
+    over all the minibatch's tokens. The loss is sum_a w_a L_a; token means in
+    the metrics (KL, entropy, clip fractions) are weighted by tokens either way
+    (:func:`_combine`). Micro-batch a's dropout key is ``k_update`` folded with a.
+    """
+    grad_accum = plan.grad_accum
+    if grad_accum == 1:
+        (loss, aux), grads = grad_fn(trained, frozen, mb, k_update)
+        return loss, aux, grads
+    micro = jax.tree.map(lambda x: _split_rows(x, grad_accum, plan.batch_shards), mb)
+    tokens_A = _loss_mask(micro[0]).astype(jnp.float32).sum(axis=(1, 2))
+    if plan.objective.reduction == "token_mean":
+        w_A = tokens_A / jnp.maximum(tokens_A.sum(), 1.0)
+    else:
+        w_A = jnp.full((grad_accum,), 1.0 / grad_accum)
+
+    def acc(carry, xs):
+        mbi, w, a = xs
+        k = jax.random.fold_in(k_update, a)
+        (l_i, aux_i), g_i = grad_fn(trained, frozen, mbi, k)
+        return jax.tree.map(lambda c, g: c + w * g, carry, g_i), (l_i, aux_i)
+
+    zeros = jax.tree.map(jnp.zeros_like, trained)
+    index_A = jnp.arange(grad_accum, dtype=jnp.int32)
+    grads, (loss_A, aux_A) = jax.lax.scan(acc, zeros, (micro, w_A, index_A))
+    return (loss_A * w_A).sum(), _combine(aux_A, tokens_A), grads
+
+
+def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
+    """One optimizer update on minibatch ``mb``, guarded (``optimizer.apply_guarded``).
+
+    Returns the new state and the update's metrics: the loss's, loss,
+    grad_norm, lr and tokens (under the loss mask, for :func:`_combine`).
+    The dropout key is ``key`` folded with the update counter.
+    """
+    trained, frozen = plan.partition(st.params)
+    k_update = jax.random.fold_in(key, st.updates)
+    loss, aux, grads = _accumulate(plan, grad_fn, trained, frozen, mb, k_update)
+    lr = plan.schedule(st.updates)
+    st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, plan.tx)
+    if frozen is not None:
+        st = st.replace(params=plan.join(frozen, st.params))
+    tokens = _loss_mask(mb[0]).astype(jnp.float32).sum()
+    metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens)
+    return st, metrics
+
+
+def _one_pass(one_update, state: TrainState, parts):
+    """One pass over the batch: an update per minibatch of ``parts``, in order (a scan).
+
+    ``parts``: the batch split into N / M minibatches (:func:`_split_rows`),
+    each drawing rows from every shard. Returns the state and the metrics of
+    the pass's updates, each [N / M].
+    """
+    return jax.lax.scan(one_update, state, parts)
+
+
+def _passes(one_update, state: TrainState, prepared, num_minibatches: int, shards: int, mu: int):
+    """mu passes (:func:`_one_pass`) over the prepared batch, against the same pi_old.
+
+    ``prepared`` (the batch, the reference log-probs and the behaviour weights)
+    is split into ``num_minibatches`` parts of rows from every one of
+    ``shards`` shards; the passes are unrolled (mu is small and static).
+    Returns the state and the metrics of all U = mu N / M updates, each [U].
+    """
+    parts = jax.tree.map(lambda x: _split_rows(x, num_minibatches, shards), prepared)
+    all_metrics = []
+    for _ in range(mu):
+        state, m_U = _one_pass(one_update, state, parts)
+        all_metrics.append(m_U)
+    m_U = jax.tree.map(lambda *xs: jnp.concatenate([jnp.atleast_1d(x) for x in xs]), *all_metrics)
+    return state, m_U
+
+
+def _reduce_metrics(m_U: dict, state: TrainState, skipped_before) -> dict:
+    """The step's ``train/*`` metrics from its updates' (:func:`_combine`) and the counters.
+
+    ``train/kl`` is the loss's kl_mean; ``train/lr`` the last update's rate;
+    ``train/skipped_updates`` those this step dropped (``skipped_before``: the
+    count it started from).
+    """
+    m_U = dict(m_U)
+    lr_U, tokens_U = m_U.pop("lr"), m_U.pop("tokens")
+    metrics = {f"train/{k}": v for k, v in _combine(m_U, tokens_U).items()}
+    if "train/kl_mean" in metrics:
+        metrics["train/kl"] = metrics.pop("train/kl_mean")
+    metrics["train/lr"] = lr_U[-1]
+    metrics["train/skipped_updates"] = state.skipped - skipped_before
+    metrics["train/skipped_total"] = state.skipped
+    metrics["train/skipped_in_row"] = state.skipped_in_row
+    metrics["train/updates"] = state.updates
+    return metrics
+
+
+def _policy_movement(plan: _Plan, params, batch: RolloutBatch) -> dict:
+    """How far one step moved the policy (now ``params``) on its own samples: ``policy/*``.
+
+    KL(pi_old || pi_new) by the k3 estimator with samples from pi_old,
+
+        log r_t = log pi_new - log pi_old,   kl_old_new = mean_t (exp(log r_t) - log r_t - 1),
+
+    the mean of |log r_t| and the range of r_t, over the loss mask's tokens.
+    """
+    new_NxT = jax.lax.stop_gradient(plan.logps(params, batch, plan.g_full))
+    mask_NxT = _loss_mask(batch).astype(jnp.float32)
+    log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch.old_logps_NxT, 0.0)
+    denom = jnp.maximum(mask_NxT.sum(), 1.0)
+    k3_NxT = jnp.exp(log_r_NxT) - log_r_NxT - 1.0
+    return {
+        "policy/kl_old_new": (k3_NxT * mask_NxT).sum() / denom,
+        "policy/ratio_max": jnp.max(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), 0.0)),
+        "policy/ratio_min": jnp.min(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), jnp.inf)),
+        "policy/abs_log_ratio_mean": (jnp.abs(log_r_NxT) * mask_NxT).sum() / denom,
+    }
+
+
+def update(
+    state: TrainState,
+    batch: RolloutBatch,
+    key: jax.Array,
+    ref_params=None,
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+    logits_chunk: int = 0,
+    share_prompts: bool = False,
+    base_graphdef=None,
+    lora_dropout: float = 0.0,
+):
+    """mu passes over the batch, one optimizer update per minibatch (see module doc).
+
+    The steps: prepare the batch (:func:`_prepare_batch`), make the loss
+    (:func:`_make_grad_fn`), the mu passes (:func:`_passes`) of one update per
+    minibatch of M = ``minibatch_size`` rows (0: all N) (:func:`_one_update`,
+    its gradient accumulated over A = ``grad_accum`` micro-batches by
+    :func:`_accumulate`), and reduce the metrics (:func:`_reduce_metrics`,
+    :func:`_policy_movement`). ``key`` is used only by LoRA dropout (the update
+    is otherwise deterministic); ``logits_chunk`` > 0 scores the completions in
+    chunks of that many tokens (``grpo_jax.objective.logprobs.completion_scores``);
+    ``share_prompts`` and LoRA (``base_graphdef``, ``lora_dropout``): :class:`_Plan`.
+
+    Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
+    entropy, update counters), ``behavior/*`` and, with ``track_update``,
+    ``policy/*``: how far the step moved the policy on its own samples.
+    """
+    n = batch.num_rows
+    m = n if minibatch_size == 0 else minibatch_size
+    g_full, g_micro = _group_sizes(grpo.G if share_prompts else 1, n, m, batch_shards, grad_accum)
+    plan = _Plan(
+        graphdef=graphdef,
+        base_graphdef=base_graphdef,
+        tx=tx,
+        schedule=schedule,
+        objective=losses.ObjectiveConfig.from_grpo(grpo),
+        logits_chunk=logits_chunk,
+        grad_accum=grad_accum,
+        batch_shards=batch_shards,
+        g_full=g_full,
+        g_micro=g_micro,
+        lora_dropout=lora_dropout,
+    )
+    prepared, behavior_metrics = _prepare_batch(plan, state, batch, ref_params, grpo.old_logps)
+    one_update = functools.partial(_one_update, plan, _make_grad_fn(plan), key)
+    skipped_before = state.skipped
+    state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu)
+    metrics = _reduce_metrics(m_U, state, skipped_before) | behavior_metrics
+    if track_update:
+        metrics.update(_policy_movement(plan, state.params, prepared[0]))
+    return state.replace(step=state.step + 1), metrics
+
+
+def jit_update(
+    *,
+    graphdef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    grpo: GRPOConfig,
+    minibatch_size: int,
+    grad_accum: int,
+    batch_shards: int,
+    track_update: bool,
+    state_shardings,
+    batch_shardings: RolloutBatch,
+    ref_shardings,
+    replicated,
+    logits_chunk: int = 0,
+    share_prompts: bool = False,
+    base_graphdef=None,
+    lora_dropout: float = 0.0,
+):
+    """:func:`update` bound to its static configuration and jitted with shardings.
+
+    ``batch_shardings`` is a RolloutBatch of shardings (:func:`rollout_batch_shardings`);
+    ``ref_shardings`` those of the reference parameters (None when beta = 0);
+    ``replicated`` the sharding of the key and the metrics.
+    """
+    fn = functools.partial(
+        update,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grpo=grpo,
+        minibatch_size=minibatch_size,
+        grad_accum=grad_accum,
+        batch_shards=batch_shards,
+        track_update=track_update,
+        logits_chunk=logits_chunk,
+        share_prompts=share_prompts,
+        base_graphdef=base_graphdef,
+        lora_dropout=lora_dropout,
+    )
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_shardings, replicated, ref_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnames=("state",),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The first step: the update compiled while the sampler compiles and runs.
+
+
+def _signature(args):
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, [(x.shape, x.dtype, x.sharding) for x in leaves]
+
+
+class CompiledAhead:
+    """A jitted function compiled for one argument signature in a background thread.
+
+    The first step of a run compiles the sampler, samples, then compiles the
+    update. ``CompiledAhead(update, state, batch_spec(...), key, ref)`` starts
+    the update's tracing and compilation at once, so they overlap the
+    sampler's (XLA compiles with the interpreter lock released, on another
+    core where there is one) and its sampling. Calling it with arguments of
+    that signature (shapes, dtypes, shardings) runs the compiled executable;
+    any other call, or a failed compilation, goes to the jitted function
+    itself, which then compiles (or raises) as usual.
+
+    It is a context manager: leaving it waits for the compilation and its
+    thread, so no tracing of a run's update goes on after the run has ended
+    (a run that stops before its first update would otherwise leave a thread
+    tracing while the caller starts the next run, or changes what it traces).
+    """
+
+    def __init__(self, jitted, *args):
+        import concurrent.futures
+
+        self._jitted = jitted
+        self._signature = _signature(args)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
+        self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the compilation (its error, if any, is the jitted call's to raise)."""
+        self._pool.shutdown(wait=True)
+
+    def __call__(self, *args):
+        if _signature(args) == self._signature:
+            try:
+                compiled = self._future.result()
+            except Exception:  # noqa: BLE001 - the jitted call below raises it with context
+                compiled = None
+            if compiled is not None:
+                return compiled(*args)
+        return self._jitted(*args)

@@ -1,0 +1,1 @@
+"""The GRPO objective: its settings, log-probs, advantages, policy terms and losses."""

@@ -1,0 +1,161 @@
+"""The GRPO objective's settings: :class:`GRPOConfig`, checked against the registries.
+
+The ``grpo`` section of a run config (``grpo_jax.run.config`` composes it into the run).
+It lives in the objective layer, beside the losses and advantage estimators whose
+names it validates, so the update (``grpo_jax.learner.update``) takes it without importing
+the run's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from grpo_jax.core.checks import check_choice, check_known_keys, check_range
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.objective import advantages, losses
+
+OLD_LOGPS = ("sampler", "recompute")
+
+_LOSS = losses.ObjectiveConfig()  # the loss's defaults, which the grpo section takes
+# The clip range of a run config's ``grpo.epsilon`` when unset: both sides' default.
+EPSILON = _LOSS.epsilon_low
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """Hyperparameters of the GRPO objective (DeepSeekMath, Shao et al. 2024).
+
+    Attributes:
+      G: group size, completions sampled per prompt (>= 2: a group of one has
+        no relative advantage).
+      beta: weight of the KL penalty to the frozen reference policy. 0 skips
+        the reference model entirely (no memory, no forward pass).
+      epsilon_low: clip range below 1 for the ratio rho = pi_theta / pi_old;
+        None switches clipping off on that side.
+      epsilon_high: clip range above 1 (DAPO's "clip-higher" sets it above
+        epsilon_low); None switches clipping off on that side.
+      mu: gradient passes over each rollout batch against the fixed pi_old.
+      kl_estimator: one of ``grpo_jax.objective.losses.KL_ESTIMATORS``.
+      reduction: one of ``grpo_jax.objective.losses.REDUCTIONS``.
+      advantage_estimator: one of ``grpo_jax.objective.advantages.ESTIMATORS``.
+      advantage_eps: eps in A = (r - mean) / (std + eps).
+      temperature: sampling temperature; all three policies score tokens from
+        logits / temperature.
+      policy_loss: one of ``grpo_jax.objective.losses.POLICY_LOSSES`` (docs/objective.md).
+      dual_clip_c: dual-clip PPO's c (> 1) for A < 0; None switches it off.
+      sapo_tau_pos, sapo_tau_neg: "sapo" gate temperatures for A > 0 / A < 0.
+      cov_frac: "clip_cov"/"kl_cov" fraction of valid tokens picked by covariance.
+      cov_lb, cov_ub: "clip_cov" covariance band.
+      kl_cov_coef: "kl_cov" penalty weight k.
+      passk_k: k of the "passk" advantage estimator (<= G).
+      behavior_correction: "none" (default), "tis" or "mis": importance
+        weights of pi_old against the distribution the sampler drew from
+        (after top-k / top-p / min-p, at the sampler's precision), truncated
+        at C ("tis") or masking tokens outside [1/C, C] ("mis"); see
+        ``grpo_jax.objective.losses.behavior_weights`` and docs/objective.md.
+      behavior_level: "token" (default) or "sequence" weights.
+      behavior_cap: C (> 1).
+      old_logps: "sampler" (default): pi_old's log-probs are those the
+        sampler recorded; "recompute": the update scores the batch with the
+        sampling parameters once before its first pass (one more forward
+        pass), so the first ratio is 1 even when sampler and trainer compute
+        at different precision.
+    """
+
+    # The loss's settings default to the loss's own (ObjectiveConfig): one default a key.
+    G: int = 8
+    beta: float = _LOSS.beta
+    epsilon_low: float | None = EPSILON
+    epsilon_high: float | None = EPSILON
+    mu: int = 1
+    kl_estimator: str = _LOSS.kl_estimator
+    reduction: str = _LOSS.reduction
+    advantage_estimator: str = "grpo"
+    advantage_eps: float = 1e-4
+    temperature: float = _LOSS.temperature
+    policy_loss: str = _LOSS.policy_loss
+    dual_clip_c: float | None = _LOSS.dual_clip_c
+    sapo_tau_pos: float = _LOSS.sapo_tau_pos
+    sapo_tau_neg: float = _LOSS.sapo_tau_neg
+    cov_frac: float = _LOSS.cov_frac
+    cov_lb: float = _LOSS.cov_lb
+    cov_ub: float = _LOSS.cov_ub
+    kl_cov_coef: float = _LOSS.kl_cov_coef
+    passk_k: int = 1
+    behavior_correction: str = _LOSS.behavior_correction
+    behavior_level: str = _LOSS.behavior_level
+    behavior_cap: float = _LOSS.behavior_cap
+    old_logps: str = "sampler"
+
+    def __post_init__(self):
+        check_range("grpo.G", self.G, lo=2, integer=True)
+        check_range("grpo.beta", self.beta, lo=0.0)
+        for side in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, side)
+            if value is not None:
+                check_range(f"grpo.{side}", value, lo=0.0)
+        check_range("grpo.mu", self.mu, lo=1, integer=True)
+        check_choice("grpo.kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+        check_choice("grpo.reduction", self.reduction, losses.REDUCTIONS)
+        check_choice("grpo.advantage_estimator", self.advantage_estimator, advantages.ESTIMATORS)
+        check_range("grpo.advantage_eps", self.advantage_eps, lo=0.0)
+        check_range("grpo.temperature", self.temperature, lo=0.0, lo_open=True)
+        check_choice("grpo.policy_loss", self.policy_loss, losses.POLICY_LOSSES)
+        if self.reduction == "gspo" and self.policy_loss != "clip":
+            raise ConfigError(
+                f"grpo.policy_loss={self.policy_loss!r} does not combine with "
+                "grpo.reduction='gspo'; allowed with 'gspo': ['clip']"
+            )
+        if self.policy_loss in losses.SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
+            raise ConfigError(
+                f"grpo.policy_loss={self.policy_loss!r} needs grpo.reduction='grpo', "
+                f"got {self.reduction!r}"
+            )
+        if self.dual_clip_c is not None:
+            check_range("grpo.dual_clip_c", self.dual_clip_c, lo=1.0, lo_open=True)
+        check_range("grpo.sapo_tau_pos", self.sapo_tau_pos, lo=0.0, lo_open=True)
+        check_range("grpo.sapo_tau_neg", self.sapo_tau_neg, lo=0.0, lo_open=True)
+        check_range("grpo.cov_frac", self.cov_frac, lo=0.0, hi=1.0)
+        check_range("grpo.cov_lb", self.cov_lb)
+        check_range("grpo.cov_ub", self.cov_ub, lo=self.cov_lb)
+        check_range("grpo.kl_cov_coef", self.kl_cov_coef, lo=0.0)
+        check_range("grpo.passk_k", self.passk_k, lo=1, hi=self.G, integer=True)
+        check_choice(
+            "grpo.behavior_correction", self.behavior_correction, losses.BEHAVIOR_CORRECTIONS
+        )
+        check_choice("grpo.behavior_level", self.behavior_level, losses.BEHAVIOR_LEVELS)
+        check_range("grpo.behavior_cap", self.behavior_cap, lo=1.0, lo_open=True)
+        check_choice("grpo.old_logps", self.old_logps, OLD_LOGPS)
+        sequence_terms = (
+            self.reduction == "gspo" or self.policy_loss in losses.SEQUENCE_POLICY_LOSSES
+        )
+        if (
+            self.behavior_correction != "none"
+            and sequence_terms
+            and self.behavior_level != "sequence"
+        ):
+            raise ConfigError(
+                "grpo.behavior_correction with a sequence-level objective "
+                f"(reduction={self.reduction!r}, policy_loss={self.policy_loss!r}) needs "
+                f"grpo.behavior_level='sequence', got {self.behavior_level!r}"
+            )
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> GRPOConfig:
+        """Builds from the ``grpo`` section of a run config.
+
+        ``epsilon`` sets both clip sides; ``epsilon_low``/``epsilon_high`` left
+        at None there inherit it (a run config turns a side's clipping off with
+        a huge value such as 1e9, which never binds since rho > 0).
+        """
+        cfg = dict(cfg)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        check_known_keys("grpo", cfg, fields | {"epsilon"})
+        eps = cfg.pop("epsilon", EPSILON)
+        check_range("grpo.epsilon", eps, lo=0.0)
+        for side in ("epsilon_low", "epsilon_high"):
+            if cfg.get(side) is None:
+                cfg[side] = eps
+        return cls(**cfg)

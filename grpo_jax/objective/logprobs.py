@@ -1,0 +1,188 @@
+"""Scoring completions with the model: log-probs, entropies and logits of the completion tokens.
+
+Shapes: N completion rows, P padded prompt length (left-padded), T completion
+length (right-padded), D model width, V vocabulary.
+
+Every function takes the rows as explicit arrays, [prompt | completion]
+split in two, so the GRPO update (``grpo_jax.learner.update``) and the supervised
+warm start (``grpo_jax.run.warm_start``) score the same way the sampler does:
+
+    logps[n, t] = log softmax(logits(h[n, P-1+t]) / temperature)[tokens[n, t]]
+
+where h is the last layer's output over [prompt_n | completion_n] at
+positions cumsum(mask) - 1. The LM head runs on the T completion positions
+only; no [N, P+T, V] logits are formed.
+
+The completion mask is the loss mask. A completion is every token up to its
+last masked one (:func:`span_mask`): tokens inside it with mask 0 are still
+real tokens, attended to and counted in the positions, only not scored. That
+is a multi-turn transcript, whose environment tokens sit between the model's
+turns with mask 0 (docs/multiturn.md). A single-turn mask is a prefix, for
+which the span is the mask itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.models.transformer import positions_from_mask
+from grpo_jax.objective import losses
+
+
+def span_mask(mask_NxT):
+    """True up to and including each row's last True of ``mask_NxT`` (bool [N, T])."""
+    m = mask_NxT.astype(jnp.bool_)
+    return jnp.flip(jnp.cumsum(jnp.flip(m, axis=1), axis=1, dtype=jnp.int32) > 0, axis=1)
+
+
+def completion_features(
+    model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size: int = 1
+):
+    """The last layer's output [N, T, D] at the positions that predict the completion tokens.
+
+    The output at position P-1+t of [prompt | completion] predicts completion
+    token t, so the slice [P-1, P+T-1) lines up with ``tokens_NxT``. Positions
+    are cumsum(mask) - 1, the same positions the sampler used.
+
+    ``group_size`` G > 1 says rows come in aligned groups of G sharing one
+    prompt (rows b*G .. b*G+G-1). Then the prompt runs once per group, as the
+    sampler's prefill does, filling a KV cache that is repeated to the G rows
+    the completions are then run against: the same values as one forward
+    over [prompt | completion] per row, with (G-1)/G of the prompt's work
+    saved, forward and backward (the repeat's gradient sums over the group).
+    """
+    n, p = prompt_tokens_NxP.shape
+    t = tokens_NxT.shape[1]
+    prompt_mask_NxP = prompt_mask_NxP.astype(jnp.bool_)
+    mask_NxT = span_mask(mask_NxT)  # real tokens: environment tokens of a transcript too
+    if group_size <= 1:
+        full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
+        full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1)
+        return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
+    g, b = group_size, n // group_size
+    first = lambda x: x.reshape(b, g, *x.shape[1:])[:, 0]
+    repeat = lambda x: jnp.repeat(x, g, axis=0)
+    prompt_BxP, pmask_BxP = first(prompt_tokens_NxP).astype(jnp.int32), first(prompt_mask_NxP)
+    positions_BxP = positions_from_mask(pmask_BxP)
+    kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
+    x_BxPxD, cache = model.features_with_cache(
+        prompt_BxP,
+        positions_BxT=positions_BxP,
+        kv_mask_BxS=kv_mask_BxS,
+        cache=model.init_cache(b, p + t),
+        cache_index=0,
+    )
+    h0_Nx1xD = repeat(x_BxPxD[:, -1:])  # the last prompt token predicts completion token 0
+    if t == 1:
+        return h0_Nx1xD
+    cache = jax.tree.map(repeat, cache)
+    # Completion tokens 0..T-2 are fed at slots P..P+T-2 (token T-1 predicts nothing).
+    prompt_len_N = prompt_mask_NxP.sum(axis=1, dtype=jnp.int32)
+    positions_NxT = prompt_len_N[:, None] + jnp.cumsum(mask_NxT, axis=1, dtype=jnp.int32) - 1
+    x_NxTmxD, _ = model.features_with_cache(
+        tokens_NxT[:, :-1].astype(jnp.int32),
+        positions_BxT=positions_NxT[:, :-1],
+        kv_mask_BxS=jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1),
+        cache=cache,
+        cache_index=p,
+    )
+    return jnp.concatenate([h0_Nx1xD, x_NxTmxD], axis=1)
+
+
+def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
+    """Float32 logits [N, T, V] scoring each completion token (the LM head runs on those only)."""
+    model = nnx.merge(graphdef, params)
+    return model.logits(
+        completion_features(model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT)
+    )
+
+
+def _is_head(path, _) -> bool:
+    return path[0] in ("final_norm", "embed", "lm_head")
+
+
+def completion_scores(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    with_entropy: bool = False,
+    group_size: int = 1,
+):
+    """(log-probs [N, T], entropies [N, T] or None) of the completion tokens.
+
+        logps[n, t] = z[n, t, tokens[n, t]] - logsumexp_v z[n, t, v]
+        entropy[n, t] = logsumexp_v z[n, t, v] - sum_v softmax(z[n, t])_v z[n, t, v]
+
+    with z = logits / temperature. With ``chunk_size`` (a divisor of T; 0:
+    all T at once) the LM head, the log-softmax and the entropy run over
+    chunks of the completion with rematerialisation: the float32 logits are
+    never formed for more than [N, chunk_size, V] at a time, forward or
+    backward (large vocabularies). Entropies carry no gradient.
+    ``group_size`` G > 1: rows come in aligned groups of G with one prompt
+    each, run once per group (:func:`completion_features`).
+    """
+    model = nnx.merge(graphdef, params)
+    h_NxTxD = completion_features(
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
+    )
+    n, t = tokens_NxT.shape
+    # The LM head's own parameters are the chunks' inputs; the layers' are
+    # constants there (unused, and no gradient to accumulate across chunks).
+    head_graphdef, head_params, body = nnx.split(model, _is_head, ...)
+    body = jax.lax.stop_gradient(body)
+
+    def one(head_params, h_NxCxD, tokens_NxC):
+        logits_NxCxV = nnx.merge(head_graphdef, head_params, body).logits(h_NxCxD)
+        logps_NxC = losses.per_token_logps(logits_NxCxV, tokens_NxC, temperature=temperature)
+        if not with_entropy:
+            return logps_NxC, None
+        ent_NxC = losses.token_entropy(jax.lax.stop_gradient(logits_NxCxV), temperature=temperature)
+        return logps_NxC, ent_NxC
+
+    if not chunk_size or chunk_size >= t:
+        return one(head_params, h_NxTxD, tokens_NxT)
+    if t % chunk_size:
+        raise ValueError(f"chunk_size = {chunk_size} must divide the completion length T = {t}")
+    k = t // chunk_size
+    h_KxNxCxD = jnp.moveaxis(h_NxTxD.reshape(n, k, chunk_size, -1), 1, 0)
+    tokens_KxNxC = jnp.moveaxis(tokens_NxT.reshape(n, k, chunk_size), 1, 0)
+    chunk_fn = jax.checkpoint(functools.partial(one, head_params))
+    logps_KxNxC, ent_KxNxC = jax.lax.map(lambda a: chunk_fn(*a), (h_KxNxCxD, tokens_KxNxC))
+    unchunk = lambda x_KxNxC: jnp.moveaxis(x_KxNxC, 0, 1).reshape(n, t)
+    return unchunk(logps_KxNxC), None if ent_KxNxC is None else unchunk(ent_KxNxC)
+
+
+def completion_logps(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    group_size: int = 1,
+):
+    """log pi(completion tokens) [N, T] (:func:`completion_scores` without the entropy)."""
+    return completion_scores(
+        graphdef,
+        params,
+        prompt_tokens_NxP,
+        prompt_mask_NxP,
+        tokens_NxT,
+        mask_NxT,
+        temperature,
+        chunk_size=chunk_size,
+        group_size=group_size,
+    )[0]

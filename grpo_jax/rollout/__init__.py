@@ -1,0 +1,1 @@
+"""Rollouts: sources of a step's batch, their rounds, episodes, scoring and staleness."""

@@ -1,0 +1,212 @@
+"""Partial rollouts: rows still unfinished when a step's groups are done carry over
+(``sampling.partial_rollouts`` with ``sampling.engine = "paged"``; docs/engine.md).
+
+With ``train.max_staleness`` = k >= 1, the engine run of step s holds the groups
+of steps s .. s + k in prompt order, B per step: step s's own B groups first
+(due: the run ends when their rows have all finished), then k B groups of later
+steps, which take the decode slots the due rows leave free. When the due groups
+are done the run stops, and every later row stays where it is: unfinished, or
+not started. Step s + 1's run starts from those rows. It prefills each carried
+group's prompt and writes each unfinished row's drawn tokens (all but the last)
+after it, with its own parameters, so the keys and values are the current
+policy's and the next token is drawn from it given the whole prefix.
+
+Versions: step s's run samples with version s - 1 (the parameters its update
+starts from). A group trained at step s' entered the runs at step s' - k at the
+earliest, so each of its tokens was drawn by a version v in [s' - 1 - k, s' - 1]:
+staleness (s' - 1) - v in [0, k], the bound of ``train.max_staleness``. Each
+token's version is recorded beside it; ``partial/*`` metrics report them.
+
+pi_old: each token's log-probs are recorded under the version that drew it
+(``logps`` at the temperature, and ``behavior_logps``), so with
+``grpo.old_logps = "sampler"`` the ratio of every token is against the policy
+that drew it; with ``"recompute"``, pi_old is the parameters of the step's
+update and ``grpo.behavior_correction`` weights each token by pi_old over the
+policy that drew it (docs/objective.md §11).
+
+Prompts: the iterator is read one batch of B per step, as without partial
+rollouts (k batches ahead once, at the start), and step s trains on the same
+prompts, in the same order: only when their rows are drawn differs.
+
+Exact resume: a checkpoint holds the carried groups (their examples, and their
+rows' tokens, log-probs, versions and counts; no keys or values, which the next
+run computes again), so a resumed run samples what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from grpo_jax.core import sharding as sharding_lib
+from grpo_jax.core.batch import jsonable
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.rollout.rounds import Rollouts
+from grpo_jax.sampling import paged
+
+NO_VERSION = -1  # a token slot not drawn yet
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's G rows, as far as they have been drawn."""
+
+    example: dict
+    prompt: np.ndarray  # int32: its real tokens, as the encoder gives them
+    rows: paged.Rows  # G rows
+    versions_GxT: np.ndarray  # int32: the parameter version that drew each token
+
+    def started(self) -> bool:
+        return bool(self.rows.count_N.any())
+
+
+def stack_rows(groups: list[Group]) -> paged.Rows:
+    return paged.Rows(*(np.concatenate(x) for x in zip(*(g.rows for g in groups))))
+
+
+class Carry:
+    """The groups of the next k + 1 steps, in prompt order (module doc).
+
+    ``top_up(draw)`` reads the data iterator up to k + 1 steps' groups;
+    ``sample(params, key, version)`` then runs the engine once and returns the
+    step's B groups, finished; the rest stay here for the next step.
+    """
+
+    def __init__(self, r: Rollouts, k: int):
+        self.r, self.k = r, k
+        self.groups: list[Group] = []
+
+    @property
+    def width(self) -> int:
+        return (self.k + 1) * self.r.batch_size
+
+    def _new_groups(self, examples: list[dict]) -> list[Group]:
+        s, g = self.r.sampling, self.r.grpo.G
+        t = s.max_new_tokens
+        _, tokens_BxP, mask_BxP = self.r.encoder.encode(examples, max_new_tokens=t)
+        return [
+            Group(
+                example=ex,
+                prompt=row[m].astype(np.int32),
+                rows=paged.fresh_rows(g, t, s.pad_id),
+                versions_GxT=np.full((g, t), NO_VERSION, np.int32),
+            )
+            for ex, row, m in zip(examples, tokens_BxP, mask_BxP, strict=True)
+        ]
+
+    def top_up(self, draw) -> list[Group]:
+        """Reads batches of B examples with ``draw()`` until k + 1 steps' groups are here
+        -> the next step's groups."""
+        while len(self.groups) < self.width:
+            self.groups += self._new_groups(list(draw()))
+        return self.groups[: self.r.batch_size]
+
+    def sample(self, params, key: jax.Array, version: int) -> tuple[list[Group], object]:
+        """-> (the step's B groups, finished; the engine's EngineStats), sampled by
+        ``params`` (parameter version ``version``); call :meth:`top_up` first."""
+        if len(self.groups) < self.width:
+            raise RuntimeError(f"{len(self.groups)} groups carried; top_up to {self.width} first")
+        graphdef, params = self.r.sampler_policy(params)
+        b, g = self.r.batch_size, self.r.grpo.G
+        before = stack_rows(self.groups)
+        rows, stats = paged.generate_rows(
+            graphdef,
+            params,
+            [x.prompt for x in self.groups],
+            before,
+            key,
+            self.r.sampling,
+            num_samples=g,
+            due=b,
+            mesh=self.r.mesh,
+        )
+        t = rows.tokens_NxT.shape[1]
+        drawn_NxT = (np.arange(t)[None] >= before.count_N[:, None]) & (
+            np.arange(t)[None] < rows.count_N[:, None]
+        )
+        for i, grp in enumerate(self.groups):
+            sl = slice(i * g, (i + 1) * g)
+            grp.rows = paged.Rows(*(x[sl] for x in rows))
+            grp.versions_GxT = np.where(drawn_NxT[sl], version, grp.versions_GxT)
+        done, self.groups = self.groups[:b], self.groups[b:]
+        return done, stats
+
+    def metrics(self, done: list[Group], version: int) -> dict[str, float]:
+        """The ``partial/*`` metrics of a step's groups (sampled by ``version`` and earlier)."""
+        v_NxT = np.concatenate([x.versions_GxT for x in done])
+        drawn = v_NxT != NO_VERSION
+        stale_NxT = np.where(drawn, version - v_NxT, 0)
+        t = self.r.sampling.max_new_tokens
+        carried = [x for x in self.groups if x.started()]
+        inflight = sum(int((~x.rows.finished(t) & (x.rows.count_N > 0)).sum()) for x in carried)
+        return {
+            "partial/stale_token_frac": float((stale_NxT > 0).sum() / max(drawn.sum(), 1)),
+            "partial/token_staleness_mean": float(stale_NxT.sum() / max(drawn.sum(), 1)),
+            "partial/token_staleness_max": float(stale_NxT.max(initial=0)),
+            "partial/carried_rows": float((stale_NxT > 0).any(axis=1).sum()),
+            "partial/inflight_rows": float(inflight),
+            "partial/inflight_groups": float(len(carried)),
+        }
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def to_save(self):
+        """-> (arrays for the checkpoint's "inflight" item, their JSON description)."""
+        if not self.groups:
+            return {}, {"partial": {"groups": []}}
+        rows = stack_rows(self.groups)
+        g = self.r.grpo.G
+        arrays = {
+            name: np.asarray(x).reshape(len(self.groups), g, *np.shape(x)[1:])
+            for name, x in rows._asdict().items()
+        }
+        arrays["versions_NxT"] = np.stack([x.versions_GxT for x in self.groups])
+        info = {
+            "groups": [
+                {"example": jsonable(x.example), "prompt": x.prompt.tolist()} for x in self.groups
+            ],
+            "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
+        }
+        return {"partial": arrays}, {"partial": info}
+
+    def restore(self, checkpointer, mesh, step: int) -> None:
+        """The groups carried when the checkpoint of ``step`` was saved."""
+        saved = checkpointer.restore_meta(step).get("inflight") or {}
+        if not isinstance(saved, dict):
+            raise ConfigError(
+                f"the checkpoint of step {step} holds batches sampled ahead by the "
+                "train.max_staleness pipeline, not partial rollouts: resume it with "
+                "sampling.partial_rollouts = False"
+            )
+        info = saved.get("partial")
+        self.groups = []
+        if not info or not info["groups"]:
+            return
+        g, t = self.r.grpo.G, self.r.sampling.max_new_tokens
+        saved_gt = info["shapes"]["tokens_NxT"][0][1:]
+        if saved_gt != [g, t]:
+            raise ConfigError(
+                f"the checkpoint of step {step} carries rows of {saved_gt} (grpo.G, "
+                f"sampling.max_new_tokens); this run has [{g}, {t}]: resume with the settings "
+                "it was saved with"
+            )
+        replicated = sharding_lib.replicated(mesh)
+        like = {
+            "partial": {
+                name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=replicated)
+                for name, (shape, dtype) in info["shapes"].items()
+            }
+        }
+        restored = checkpointer.restore_inflight(step, like=like)["partial"]
+        arrays = {k: np.asarray(v) for k, v in restored.items()}
+        self.groups = [
+            Group(
+                example=meta["example"],
+                prompt=np.asarray(meta["prompt"], np.int32),
+                rows=paged.Rows(*(arrays[name][i] for name in paged.Rows._fields)),
+                versions_GxT=arrays["versions_NxT"][i],
+            )
+            for i, meta in enumerate(info["groups"])
+        ]

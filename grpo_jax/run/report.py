@@ -1,0 +1,421 @@
+"""The training run's reporting: metrics one step late, alarms, progress and the schedule.
+
+A :class:`Reporter` receives each step's device metrics (still on the device)
+and host metrics right after the step's update is dispatched, and writes the
+step's record only when the next step's sampling has waited for the update
+anyway, so the host never stalls the device to read a number. It owns:
+
+  * metrics.jsonl / TensorBoard records and the progress line,
+  * the loud warnings (skipped non-finite updates, a policy that moved too far
+    in one step, no reward variance for many steps),
+  * the training-health alarms (``grpo_jax.run.health``, section ``health``): after
+    each step's metrics, the rules run over a bounded history (the recent
+    records, the first ones, the last two evaluations). An alarm fires when it
+    starts and again only after it has been quiet for more than
+    ``health.rearm_steps`` steps; firing adds ``alarms/<name>: 1.0`` to that
+    step's record, prints a loud line, writes the step's samples to
+    ``samples/alarm_<name>_step_XXXXXXX.txt`` and, with ``health.stop_on_alarm``,
+    sets ``stop_requested`` (the loop then saves a checkpoint and raises
+    :class:`AlarmStop`). The history and the rearm steps (``health_state()``)
+    go into every checkpoint, so a resumed run raises the alarms an
+    uninterrupted one would,
+  * the non-finite stop (:class:`NonFiniteError`),
+  * sample completions as text,
+  * which steps evaluate and checkpoint.
+
+:class:`PulsedProgress` is the run's progress line (``grpo_jax.run.setup`` builds it): when
+nothing has been printed for ``PULSE_S`` seconds (a compilation, the warm start's first
+steps, an evaluation) it prints a short line saying the run is still at it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import jax
+
+from grpo_jax.core.errors import AlarmStop, NonFiniteError
+from grpo_jax.run import health
+from grpo_jax.run.health import describe_stop
+from grpo_jax.run.writers import ProgressLine
+
+if TYPE_CHECKING:
+    from grpo_jax.core.batch import HostRollout
+    from grpo_jax.run.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def _finite_or_none(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
+# Seconds without a console line after which the progress line says the run goes on: no
+# phase of a run (compiling, the warm start's first steps, an evaluation) is silent longer.
+PULSE_S = 12.0
+
+
+class PulsedProgress(ProgressLine):
+    """The progress line, plus a line every ``pulse_s`` seconds of silence:
+    "... still working (24 s since the last line)". A daemon thread checks once a second
+    (:meth:`tick`) until :meth:`close`, or until the line is no longer referenced."""
+
+    def __init__(self, total_steps: int, *, pulse_s: float = PULSE_S, **kwargs):
+        super().__init__(total_steps, **kwargs)
+        self.pulse_s = pulse_s
+        self._lock = threading.Lock()
+        self._last = time.monotonic()  # when the last line other than a pulse was printed
+        self._pulses = 0  # pulses printed since then
+        self._stop = threading.Event()
+        if self.enabled and pulse_s > 0:
+            ref = weakref.ref(self)
+            stop = self._stop
+            threading.Thread(
+                target=_pulse, args=(ref, stop), name="progress-pulse", daemon=True
+            ).start()
+
+    def update(self, step, metrics) -> None:
+        with self._lock:
+            super().update(step, metrics)
+            self._last, self._pulses = time.monotonic(), 0
+
+    def message(self, text: str) -> None:
+        with self._lock:
+            super().message(text)
+            self._last, self._pulses = time.monotonic(), 0
+
+    def tick(self, now: float) -> None:
+        """Prints a pulse when ``now`` is ``pulse_s`` seconds past the last line or pulse."""
+        with self._lock:
+            silent = now - self._last
+            if silent < self.pulse_s * (self._pulses + 1):
+                return
+            self._pulses += 1
+            super().message(f"  ... still working ({silent:.0f} s since the last line)")
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _pulse(ref, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        progress = ref()
+        if progress is None:
+            return
+        progress.tick(time.monotonic())
+        del progress
+
+
+class Reporter:
+    """Writes each step's record one step late and raises the run's alarms (module doc).
+
+    ``records``: the run's ``setup.Records`` (writer, progress line, checkpointer);
+    ``iterator``: the data iterator, whose epoch each record gives.
+    """
+
+    def __init__(
+        self,
+        run: RunConfig,
+        records,
+        iterator=None,
+        *,
+        no_signal_run: int = 0,
+        start_step: int = 0,
+        sampled_tokens: int = 0,
+        health_state: dict | None = None,
+    ):
+        self.run, self.records, self.iterator = run, records, iterator
+        self.cfg = run.train
+        self.no_signal_run = no_signal_run  # steps in a row with no reward variance
+        self.sampled_tokens = sampled_tokens  # completion tokens sampled so far
+        # The last step whose update was applied, finite and moved the policy no more
+        # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
+        self.last_healthy = start_step
+        self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
+        self.health = run.health
+        self.stop_alarms: list[health.Alarm] = []  # fired with health.stop_on_alarm
+        h = health_state or {}  # from the checkpoint the run resumes from
+        self._recent = collections.deque(h.get("recent", []), health.history_needed(self.health))
+        self._early: list[dict] = h.get("early", [])  # the first records (early entropy level)
+        self._evals: list[dict] = h.get("evals", [])  # the last two records with an evaluation
+        # alarm name -> last step it was raised
+        self._alarm_seen: dict[str, int] = dict(h.get("seen", {}))
+        # step -> metrics known only once its update has ended (grpo_jax.rollout.staleness's
+        # timings, given to step_done and flush): they join the step's record when it is
+        # written.
+        self._late: dict[int, dict] = {}
+        if start_step < self.cfg.steps and hasattr(records, "progress"):
+            # The first step waits for the sampler's and the update's compilation.
+            self.message(
+                f"GRPO from step {start_step + 1}: compiling the sampler and the update first"
+            )
+
+    def loud(self, text: str) -> None:
+        """A warning in a banner on the progress line; logged instead where this process
+        has no progress line (the other hosts), so a console shows it once, not twice."""
+        progress = self.records.progress
+        if not getattr(progress, "enabled", True):
+            log.warning(text)
+            return
+        bar = "!" * 78
+        progress.message(f"{bar}\nWARNING: {text}\n{bar}")
+
+    def message(self, text: str) -> None:
+        self.records.progress.message(text)
+
+    # -- the schedule ----------------------------------------------------------
+
+    def budget_spent(self) -> bool:
+        """Whether train.sampled_tokens_budget (when set) has been reached."""
+        budget = self.cfg.sampled_tokens_budget
+        return bool(budget) and self.sampled_tokens >= budget
+
+    def ended_by(self, step: int) -> str:
+        """What ended the run at ``step``: "train.sampled_tokens_budget" (said in one line
+        with the figures) or "train.steps"."""
+        steps, budget = self.run.train.steps, self.cfg.sampled_tokens_budget
+        if step >= steps or not self.budget_spent():
+            return "train.steps"
+        self.message(
+            f"stopping after step {step} of {steps}: train.sampled_tokens_budget is spent "
+            f"({self.sampled_tokens} completion tokens sampled, budget {budget})"
+        )
+        return "train.sampled_tokens_budget"
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
+        run = self.run
+        last = step == run.train.steps or self.budget_spent()
+        do_eval = bool(run.eval.every) and step % run.eval.every == 0 and not last
+        do_ckpt = bool(run.checkpoint.every) and step % run.checkpoint.every == 0 and not last
+        return do_eval, do_ckpt
+
+    # -- records -----------------------------------------------------------------
+
+    def step_done(
+        self, step: int, dev_metrics, host: HostRollout, t_update: float, late=None
+    ) -> None:
+        """Queues ``step``'s record and writes the previous step's (its update is done).
+
+        ``t_update``: ``perf_counter()`` when the update was called. The step's
+        ``perf/time_train_s`` runs from then until the host saw the update done:
+        the update itself (its compilation on the first step) plus at most the
+        host work that overlapped it. ``late``: ``{step: metrics}`` of earlier
+        steps known only now (their update has ended); they join those steps'
+        records.
+        """
+        self._late.update(late or {})
+        m = dict(host.metrics)
+        self.sampled_tokens += host.sampled_tokens
+        m["rollout/sampled_tokens_total"] = float(self.sampled_tokens)
+        train_tokens = (host.prompt_tokens + host.completion_tokens) * self.run.grpo.mu
+        m["train/epoch"] = float(self.iterator.epoch)
+        m["_train_tokens"] = float(train_tokens)
+        if self._pending is not None:
+            self._finish(self._pending, host.t_params_ready)
+        self._pending = (step, dev_metrics, m, t_update, host)
+        self._rollout_alarms(step, host)
+
+    def flush(self, state, evaluate=None, *, write_alone: bool = True, late=None) -> dict | None:
+        """Waits for the last update, runs ``evaluate()`` (if given) and writes the record now.
+
+        The evaluation joins the last step's record; with no step pending it is
+        written alone when ``write_alone``. ``late``: as for :meth:`step_done`.
+        Returns the evaluation.
+        """
+        self._late.update(late or {})
+        jax.block_until_ready(state.step)
+        t_ready = time.perf_counter()
+        extra = evaluate() if evaluate is not None else None
+        if self._pending is not None:
+            self._finish(self._pending, t_ready, extra)
+            self._pending = None
+        elif extra is not None and write_alone:
+            self.records.writer.write(int(jax.device_get(state.step)), extra)
+        return extra
+
+    def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
+        step, dev, host, t_update, rollout = pending
+        m = dict(host)
+        m.update({k: float(v) for k, v in jax.device_get(dev).items()})
+        m.update(extra or {})
+        m.update(self._late.pop(step, {}))
+        t_train = t_ready - t_update
+        m["perf/time_train_s"] = t_train
+        m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)
+        m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train
+        fired = self._health(step, m)
+        m.update({f"alarms/{a.name}": 1.0 for a in fired})
+        self.records.writer.write(step, m)
+        self.records.progress.update(step, m)
+        for a in fired:
+            self._report_alarm(a, rollout)
+        self._update_alarms(step, m)
+        return m
+
+    # -- alarms ------------------------------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether an alarm asked the run to stop (``health.stop_on_alarm``)."""
+        return bool(self.stop_alarms)
+
+    def health_state(self) -> dict:
+        """The alarms' history and rearm steps as JSON (a checkpoint's ``meta["health"]``),
+        with the alarms that stopped the run under "stopped_by"."""
+        records = lambda rs: [{k: _finite_or_none(v) for k, v in r.items()} for r in rs]
+        state = {
+            "recent": records(self._recent),
+            "early": records(self._early),
+            "evals": records(self._evals),
+            "seen": dict(self._alarm_seen),
+        }
+        if self.stop_alarms:
+            state["stopped_by"] = [dataclasses.asdict(a) for a in self.stop_alarms]
+        return state
+
+    def alarm_stop(self, step: int) -> AlarmStop:
+        """The error that ends a run stopped by an alarm, its checkpoint of ``step`` saved."""
+        return AlarmStop(
+            f"{describe_stop(self.stop_alarms)} (health.stop_on_alarm); saved the checkpoint of "
+            f"step {step}. A rerun refuses to resume past it: look at samples/alarm_*.txt, "
+            "then rerun with --config.health.resume_after_stop=True to continue anyway"
+        )
+
+    def _update_alarms(self, step: int, m: dict) -> None:
+        cfg = self.cfg
+        kl = m.get("policy/kl_old_new", 0.0)
+        if (
+            m["train/skipped_updates"] == 0
+            and math.isfinite(m["train/loss"])
+            and math.isfinite(kl)
+            and not (cfg.update_kl_warn and kl > cfg.update_kl_warn)
+        ):
+            self.last_healthy = step
+        if m["train/skipped_updates"] > 0:
+            self.loud(
+                f"step {step}: {int(m['train/skipped_updates'])} update(s) had a "
+                "non-finite loss or gradient and were skipped (parameters unchanged)"
+            )
+        if m["train/skipped_in_row"] >= cfg.max_nonfinite_in_row:
+            raise NonFiniteError(
+                f"stopping at step {step}: the last {int(m['train/skipped_in_row'])} updates "
+                f"had a non-finite loss or gradient (train.max_nonfinite_in_row = "
+                f"{cfg.max_nonfinite_in_row}); no non-finite update reached the parameters, "
+                f"but steps after {self.last_healthy} were unhealthy. {self._way_back()}"
+            )
+        if cfg.update_kl_warn and kl > cfg.update_kl_warn:
+            self.loud(
+                f"step {step}: the policy moved too far in one step: KL(pi_old || pi_new) = "
+                f"{kl:.4f} > train.update_kl_warn = {cfg.update_kl_warn} (ratios "
+                f"{m['policy/ratio_min']:.2f}..{m['policy/ratio_max']:.2f}); lower "
+                "optim.learning_rate or grpo.mu if this repeats"
+            )
+
+    def _health(self, step: int, m: dict) -> list[health.Alarm]:
+        """The alarms that fire at ``step`` (``m``: its record), by the rearm rule (module doc)."""
+        if not self.health.enabled:
+            return []
+        rec = {k: m[k] for k in (*health.KEYS, self.health.hack_check) if k in m}
+        rec["step"] = step
+        if len(self._early) < self.health.entropy_window:
+            self._early.append(rec)
+        if "eval/pass_at_1" in rec:
+            self._evals = [*self._evals, rec][-2:]
+        self._recent.append(rec)
+        oldest = self._recent[0]["step"]
+        kept = [r for r in self._early + self._evals if r["step"] < oldest]
+        by_step = {r["step"]: r for r in kept}
+        history = [by_step[k] for k in sorted(by_step)] + list(self._recent)
+        fired = []
+        for a in health.diagnose(history, self.health):
+            last = self._alarm_seen.get(a.name)
+            if last is None or step - last - 1 > self.health.rearm_steps:  # quiet steps
+                fired.append(a)
+            self._alarm_seen[a.name] = step
+        return fired
+
+    def _report_alarm(self, alarm: health.Alarm, host: HostRollout) -> None:
+        stop = self.health.stop_on_alarm
+        self.loud(
+            f"health alarm {alarm.name}: {alarm.message}"
+            + (" (health.stop_on_alarm: saving a checkpoint and stopping)" if stop else "")
+        )
+        if stop:
+            self.stop_alarms.append(alarm)
+        if host is not None:
+            self.records.writer.write_samples(
+                alarm.step,
+                self._samples(host, max(self.cfg.num_samples_logged, 1)),
+                name=f"alarm_{alarm.name}_step",
+                header=f"health alarm {alarm.name}: {alarm.message}",
+            )
+
+    def _way_back(self) -> str:
+        ck = self.records.checkpointer
+        ck.wait()
+        good = [k for k in ck.all_steps() if k <= self.last_healthy]
+        if not good:
+            return (
+                "No checkpoint from before that is kept: start again with a lower "
+                "optim.learning_rate (and check the rewards) in a new --workdir."
+            )
+        return (
+            f"Checkpoint step {good[-1]} is the newest from before: rerun with "
+            f"--config.checkpoint.resume_from={good[-1]} "
+            "--config.checkpoint.allow_changed_config=True and a lower "
+            "--config.optim.learning_rate (and check the rewards)."
+        )
+
+    def _rollout_alarms(self, step: int, host: HostRollout) -> None:
+        cfg, m = self.cfg, host.metrics
+        no_signal = m["rollout/frac_zero_var_groups"] >= 1.0
+        self.no_signal_run = self.no_signal_run + 1 if no_signal else 0
+        n = self.no_signal_run
+        if cfg.no_signal_steps and n and n % cfg.no_signal_steps == 0:
+            self.loud(_no_signal_message(step, n, m))
+        if cfg.samples_every and step % cfg.samples_every == 0 and cfg.num_samples_logged:
+            self.records.writer.write_samples(step, self._samples(host, cfg.num_samples_logged))
+
+    def _samples(self, host: HostRollout, n: int) -> list[dict]:
+        """The first ``n`` rows of a rollout as prompt / completion / answer / reward."""
+        G = self.run.grpo.G
+        return [
+            {
+                "prompt": host.prompts_n[i],
+                "completion": host.completions[i],
+                "answer": host.examples[i // G].get("answer"),
+                "reward": float(host.total_n[i]),
+            }
+            for i in range(min(n, len(host.completions)))
+        ]
+
+
+def _no_signal_message(step: int, n: int, m: dict) -> str:
+    """Why no group has had reward variance for ``n`` steps: the policy (all or none of each
+    group solved), or the rewards, when no completion of step ``step`` has one."""
+    if m.get("rewards/unscored_frac", 0.0) < 1.0:
+        return (
+            f"step {step}: no group has had any reward variance for {n} steps "
+            "in a row, so every advantage is 0 and GRPO is not learning. The policy "
+            f"solves all or none of each group (pass rate {m['rollout/pass_rate']:.2f});"
+            " warm-start longer, make the task easier or raise grpo.G / temperature"
+        )
+    failing = [
+        k.split("/")[1]
+        for k, v in m.items()
+        if k.count("/") == 2 and k.endswith("/unscored_frac") and v >= 1.0
+    ]
+    return (
+        f"step {step}: no group has had any reward variance for {n} steps in a row because "
+        "no completion has a reward: every one is unscored (NaN), so every advantage is 0 and "
+        f"GRPO is not learning. The rewards fail, not the policy: {', '.join(failing)} scored "
+        "nothing this step (rewards/<name>/errors; the warnings above say why)"
+    )

@@ -1,0 +1,1 @@
+"""Rollout engines: the static KV-cache sampler and the paged engine, their draws and settings."""
