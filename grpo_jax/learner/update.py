@@ -140,7 +140,7 @@ class _Plan:
     base_graphdef: Any  # LoRA: the model without adapters (the reference); None otherwise
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    objective: losses.ObjectiveConfig
+    objective: GRPOConfig
     logits_chunk: int
     grad_accum: int
     batch_shards: int
@@ -433,7 +433,7 @@ def update(
         base_graphdef=base_graphdef,
         tx=tx,
         schedule=schedule,
-        objective=losses.ObjectiveConfig.from_grpo(grpo),
+        objective=grpo,
         logits_chunk=logits_chunk,
         grad_accum=grad_accum,
         batch_shards=batch_shards,

@@ -1,9 +1,9 @@
-"""The GRPO objective's settings: :class:`GRPOConfig`, checked against the registries.
+"""The GRPO objective's settings: :class:`GRPOConfig`, the run config's ``grpo`` section.
 
-The ``grpo`` section of a run config (``grpo_jax.run.config`` composes it into the run).
-It lives in the objective layer, beside the losses and advantage estimators whose
-names it validates, so the update (``grpo_jax.learner.update``) takes it without importing
-the run's config.
+One frozen, hashable config that the update (``grpo_jax.learner.update``) and the loss
+(``grpo_jax.objective.losses.grpo_loss``, a static argument under jit) both take; each
+default is stated once, here. It sits below the losses and checks the names they implement
+against the registries (docs/objective.md).
 """
 
 from __future__ import annotations
@@ -14,13 +14,17 @@ from typing import Any
 
 from grpo_jax.core.checks import check_choice, check_known_keys, check_range
 from grpo_jax.core.errors import ConfigError
-from grpo_jax.objective import advantages, losses
+from grpo_jax.objective import advantages
+from grpo_jax.objective.kl import KL_ESTIMATORS
+from grpo_jax.objective.policy_terms import POLICY_LOSSES, SEQUENCE_POLICY_LOSSES
 
 OLD_LOGPS = ("sampler", "recompute")
-
-_LOSS = losses.ObjectiveConfig()  # the loss's defaults, which the grpo section takes
+# The reductions and behaviour corrections grpo_jax.objective.losses implements.
+REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
+BEHAVIOR_CORRECTIONS = ("none", "tis", "mis")
+BEHAVIOR_LEVELS = ("token", "sequence")
 # The clip range of a run config's ``grpo.epsilon`` when unset: both sides' default.
-EPSILON = _LOSS.epsilon_low
+EPSILON = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +41,16 @@ class GRPOConfig:
       epsilon_high: clip range above 1 (DAPO's "clip-higher" sets it above
         epsilon_low); None switches clipping off on that side.
       mu: gradient passes over each rollout batch against the fixed pi_old.
-      kl_estimator: one of ``grpo_jax.objective.losses.KL_ESTIMATORS``.
-      reduction: one of ``grpo_jax.objective.losses.REDUCTIONS``.
+      kl_estimator: one of ``grpo_jax.objective.kl.KL_ESTIMATORS``.
+      reduction: one of ``REDUCTIONS``: "grpo" (the per-sequence token mean, then
+        the mean over rows), "token_mean" (DAPO), "dr_grpo" (a constant
+        normaliser, Dr. GRPO) or "gspo" (the ratio and its clip per sequence).
       advantage_estimator: one of ``grpo_jax.objective.advantages.ESTIMATORS``.
       advantage_eps: eps in A = (r - mean) / (std + eps).
       temperature: sampling temperature; all three policies score tokens from
         logits / temperature.
-      policy_loss: one of ``grpo_jax.objective.losses.POLICY_LOSSES`` (docs/objective.md).
+      policy_loss: one of ``grpo_jax.objective.policy_terms.POLICY_LOSSES``
+        (docs/objective.md); "gmpo" needs reduction "grpo", "gspo" needs "clip".
       dual_clip_c: dual-clip PPO's c (> 1) for A < 0; None switches it off.
       sapo_tau_pos, sapo_tau_neg: "sapo" gate temperatures for A > 0 / A < 0.
       cov_frac: "clip_cov"/"kl_cov" fraction of valid tokens picked by covariance.
@@ -55,6 +62,7 @@ class GRPOConfig:
         (after top-k / top-p / min-p, at the sampler's precision), truncated
         at C ("tis") or masking tokens outside [1/C, C] ("mis"); see
         ``grpo_jax.objective.losses.behavior_weights`` and docs/objective.md.
+        One of ``BEHAVIOR_CORRECTIONS``.
       behavior_level: "token" (default) or "sequence" weights.
       behavior_cap: C (> 1).
       old_logps: "sampler" (default): pi_old's log-probs are those the
@@ -64,29 +72,28 @@ class GRPOConfig:
         at different precision.
     """
 
-    # The loss's settings default to the loss's own (ObjectiveConfig): one default a key.
     G: int = 8
-    beta: float = _LOSS.beta
+    beta: float = 0.0
     epsilon_low: float | None = EPSILON
     epsilon_high: float | None = EPSILON
     mu: int = 1
-    kl_estimator: str = _LOSS.kl_estimator
-    reduction: str = _LOSS.reduction
+    kl_estimator: str = "k3"
+    reduction: str = "grpo"
     advantage_estimator: str = "grpo"
     advantage_eps: float = 1e-4
-    temperature: float = _LOSS.temperature
-    policy_loss: str = _LOSS.policy_loss
-    dual_clip_c: float | None = _LOSS.dual_clip_c
-    sapo_tau_pos: float = _LOSS.sapo_tau_pos
-    sapo_tau_neg: float = _LOSS.sapo_tau_neg
-    cov_frac: float = _LOSS.cov_frac
-    cov_lb: float = _LOSS.cov_lb
-    cov_ub: float = _LOSS.cov_ub
-    kl_cov_coef: float = _LOSS.kl_cov_coef
+    temperature: float = 1.0
+    policy_loss: str = "clip"
+    dual_clip_c: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    cov_frac: float = 2e-4
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0
     passk_k: int = 1
-    behavior_correction: str = _LOSS.behavior_correction
-    behavior_level: str = _LOSS.behavior_level
-    behavior_cap: float = _LOSS.behavior_cap
+    behavior_correction: str = "none"
+    behavior_level: str = "token"
+    behavior_cap: float = 2.0
     old_logps: str = "sampler"
 
     def __post_init__(self):
@@ -97,18 +104,18 @@ class GRPOConfig:
             if value is not None:
                 check_range(f"grpo.{side}", value, lo=0.0)
         check_range("grpo.mu", self.mu, lo=1, integer=True)
-        check_choice("grpo.kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
-        check_choice("grpo.reduction", self.reduction, losses.REDUCTIONS)
+        check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("grpo.reduction", self.reduction, REDUCTIONS)
         check_choice("grpo.advantage_estimator", self.advantage_estimator, advantages.ESTIMATORS)
         check_range("grpo.advantage_eps", self.advantage_eps, lo=0.0)
         check_range("grpo.temperature", self.temperature, lo=0.0, lo_open=True)
-        check_choice("grpo.policy_loss", self.policy_loss, losses.POLICY_LOSSES)
+        check_choice("grpo.policy_loss", self.policy_loss, POLICY_LOSSES)
         if self.reduction == "gspo" and self.policy_loss != "clip":
             raise ConfigError(
                 f"grpo.policy_loss={self.policy_loss!r} does not combine with "
                 "grpo.reduction='gspo'; allowed with 'gspo': ['clip']"
             )
-        if self.policy_loss in losses.SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
+        if self.policy_loss in SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
             raise ConfigError(
                 f"grpo.policy_loss={self.policy_loss!r} needs grpo.reduction='grpo', "
                 f"got {self.reduction!r}"
@@ -122,15 +129,11 @@ class GRPOConfig:
         check_range("grpo.cov_ub", self.cov_ub, lo=self.cov_lb)
         check_range("grpo.kl_cov_coef", self.kl_cov_coef, lo=0.0)
         check_range("grpo.passk_k", self.passk_k, lo=1, hi=self.G, integer=True)
-        check_choice(
-            "grpo.behavior_correction", self.behavior_correction, losses.BEHAVIOR_CORRECTIONS
-        )
-        check_choice("grpo.behavior_level", self.behavior_level, losses.BEHAVIOR_LEVELS)
+        check_choice("grpo.behavior_correction", self.behavior_correction, BEHAVIOR_CORRECTIONS)
+        check_choice("grpo.behavior_level", self.behavior_level, BEHAVIOR_LEVELS)
         check_range("grpo.behavior_cap", self.behavior_cap, lo=1.0, lo_open=True)
         check_choice("grpo.old_logps", self.old_logps, OLD_LOGPS)
-        sequence_terms = (
-            self.reduction == "gspo" or self.policy_loss in losses.SEQUENCE_POLICY_LOSSES
-        )
+        sequence_terms = self.reduction == "gspo" or self.policy_loss in SEQUENCE_POLICY_LOSSES
         if (
             self.behavior_correction != "none"
             and sequence_terms

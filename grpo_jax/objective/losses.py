@@ -1,4 +1,4 @@
-"""The GRPO objective: per-token log-probs, ratios, clipping, KL estimators, reductions.
+"""The GRPO objective: per-token log-probs, ratios, clipping, the KL term, reductions.
 
 Shapes: N = B*G completion rows, grouped contiguously (G rows per prompt),
 T completion tokens (padded), V vocabulary. ``mask_NxT`` is 1 on real
@@ -17,25 +17,25 @@ and the default ("grpo") reduction over one group is
 averaged over the B groups of a batch (which, all groups having G rows, is
 the mean over the N rows of each row's token mean).
 
-:func:`grpo_loss` takes these arrays and one :class:`ObjectiveConfig`, the
-settings (epsilons, beta, estimators, reduction, ...). It is assembled from
+:func:`grpo_loss` takes these arrays and the run's ``GRPOConfig`` (``grpo_jax.objective.config``),
+the settings (epsilons, beta, estimators, reduction, ...). It is assembled from
 named pieces: :func:`_prepare` (casts, log rho_t), :func:`kl_term` (KL_t), the
 ratio, its clip and the policy term (:func:`_token_loss`, or
 :func:`_gspo_loss` per sequence), :func:`_aggregate` / :func:`_reduce` (the
 reduction) and :func:`_ratio_metrics`. The policy terms that may replace
 surrogate_t (CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, dual clip) are in
-``grpo_jax.objective.policy_terms``.
+``grpo_jax.objective.policy_terms``, the KL estimators in ``grpo_jax.objective.kl``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.objective.config import BEHAVIOR_CORRECTIONS, BEHAVIOR_LEVELS, GRPOConfig
+from grpo_jax.objective.kl import KL_ESTIMATORS
 from grpo_jax.objective.policy_terms import (
     POLICY_LOSSES,
     SEQUENCE_POLICY_LOSSES,
@@ -85,81 +85,8 @@ def token_entropy(logits_NxTxV: jax.Array, *, temperature: float = 1.0) -> jax.A
 
 
 # ---------------------------------------------------------------------------
-# KL estimators. Samples come from pi_theta; all take (logp_theta, logp_ref).
-
-
-def kl_k1(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
-    """k1 = log pi_theta - log pi_ref (Schulman 2020).
-
-    Unbiased for KL(pi_theta || pi_ref) in value, but useless as a loss: on
-    on-policy samples E[grad k1] = E[grad log pi_theta] = 0 (the score
-    function has mean zero), so it exerts no pull towards the reference,
-    only noise. Also negative on many samples.
-    """
-    return logps - ref_logps
-
-
-def kl_k2(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
-    """k2 = (log pi_theta - log pi_ref)^2 / 2: biased, low variance, >= 0.
-
-    As a loss on on-policy samples its expected gradient,
-    E[(log pi_theta - log pi_ref) grad log pi_theta], is exactly
-    grad KL(pi_theta || pi_ref).
-    """
-    return 0.5 * (logps - ref_logps) ** 2
-
-
-def kl_k3(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
-    """k3 = exp(log_ref - log_theta) - (log_ref - log_theta) - 1 (DeepSeekMath eq. 4).
-
-    The default. With r = pi_ref / pi_theta and samples from pi_theta,
-    E[r] = 1, so k3 = (r - 1) - log r is unbiased for KL(pi_theta || pi_ref),
-    is >= 0 on every sample (x - 1 >= log x), and has far lower variance than
-    k1. Why it is the default: it is the estimator the GRPO paper uses, its
-    value is never negative and unbiased, and, unlike k1, its gradient pulls
-    pi_theta towards pi_ref: as a loss on on-policy samples,
-    E[grad k3] = E[(1 - r) grad log pi_theta] = grad KL(pi_ref || pi_theta),
-    the reverse KL, which vanishes only at pi_theta = pi_ref.
-    """
-    log_r = ref_logps - logps
-    return jnp.exp(log_r) - log_r - 1.0
-
-
-def kl_k3_seed(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
-    """The source document's form: exp(log_theta - log_ref) - (log_theta - log_ref) - 1.
-
-    The ratio is inverted relative to k3. With r' = pi_theta / pi_ref and
-    samples from pi_theta, E[r'] = 1 + chi^2(pi_theta || pi_ref) and
-    E[log r'] = KL(pi_theta || pi_ref), so its expectation is
-
-        chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref),
-
-    not the KL: it can be larger or smaller (pi_theta = (0.001, 0.999),
-    pi_ref = (0.5, 0.5): KL 0.685, expectation 0.311), and its expected
-    gradient is that of chi^2 / 2, which grows fast where pi_theta puts much
-    more mass than pi_ref. It is k3 written for samples from pi_ref (under
-    which it is unbiased for KL(pi_ref || pi_theta)). Still >= 0 per sample;
-    offered for reproducing the source document's formula (docs/objective.md).
-    """
-    log_r = logps - ref_logps
-    return jnp.exp(log_r) - log_r - 1.0
-
-
-KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-    "k3_seed": kl_k3_seed,
-}
-
-REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
-
-
-# ---------------------------------------------------------------------------
 # Behaviour-policy correction.
 
-BEHAVIOR_CORRECTIONS = ("none", "tis", "mis")
-BEHAVIOR_LEVELS = ("token", "sequence")
 # |log w| is clamped here before exp(): a sequence's summed log-ratio can be
 # large, and exp(88) already overflows float32. Weights this far out are
 # capped (tis) or masked (mis) anyway for any sensible cap.
@@ -172,8 +99,8 @@ def behavior_weights(
     mask_NxT: jax.Array,
     *,
     correction: str,
-    level: str = "token",
-    cap: float = 2.0,
+    level: str,
+    cap: float,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Importance weights of pi_old against the behaviour distribution q, and their metrics.
 
@@ -233,122 +160,6 @@ def behavior_weights(
 
 
 # ---------------------------------------------------------------------------
-# The objective's settings.
-
-
-def _check_choice(name: str, value, choices: list) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} {value!r} is not one of {choices}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectiveConfig:
-    """The objective's hyper-parameters: every setting of :func:`grpo_loss`, none of its arrays.
-
-    Frozen and hashable, so it can be a static argument under ``jax.jit``. A
-    run builds it from its ``GRPOConfig`` (the ``grpo`` config section) with
-    :meth:`from_grpo`; the defaults are the paper's objective (clip 0.2, no
-    KL, the "grpo" reduction) and GRPOConfig's.
-
-    Attributes:
-      beta: KL weight. 0 adds no KL term (the KL metric is still reported when
-        reference log-probs are given).
-      epsilon_low, epsilon_high: clip range [1 - eps_low, 1 + eps_high]; None
-        switches clipping off on that side.
-      kl_estimator: a key of ``KL_ESTIMATORS`` ("k3" by default).
-      reduction:
-        "grpo": per-sequence token mean, then the mean over sequences (the
-          paper and the seed; the default).
-        "token_mean": sum over all tokens / number of tokens in the batch (DAPO,
-          Yu et al. 2025): long completions weigh in proportion to length.
-        "dr_grpo": sum over tokens / (N * max_tokens), a constant normaliser
-          (Dr. GRPO, Liu et al. 2025) that removes the length bias of the
-          per-sequence mean. ``max_tokens`` defaults to T.
-        "gspo": sequence-level ratio s_i = exp(mean_t(logp - old_logp)),
-          clipped per sequence (GSPO, Zheng et al. 2025); KL is the token
-          mean per sequence.
-      max_tokens: the constant of "dr_grpo" (None: T, the padded length).
-      temperature: the temperature logits given to :func:`grpo_loss` are
-        scored at (for the entropy metric).
-      policy_loss: a key of ``POLICY_LOSSES``, the per-token policy term
-        ("clip" by default, the surrogate of the module doc). "cispo", "sapo",
-        "clip_cov" and "kl_cov" replace surrogate_t; "gmpo" is one term per
-        sequence and needs reduction "grpo" (mean over rows). Only "clip"
-        combines with reduction "gspo". See each ``policy_*`` function and
-        docs/objective.md.
-      dual_clip_c: c > 1 of dual-clip PPO for A < 0 ("clip", "clip_cov",
-        and the "gspo" reduction); None (default) switches it off.
-      sapo_tau_pos, sapo_tau_neg: "sapo" temperatures for A > 0 and A < 0.
-      cov_frac, cov_lb, cov_ub, kl_cov_coef: "clip_cov"/"kl_cov" parameters:
-        fraction of valid tokens picked, Clip-Cov's covariance band, KL-Cov's k.
-      behavior_correction, behavior_level, behavior_cap: the correction of
-        :func:`behavior_weights` (its ``correction``, ``level`` and ``cap``),
-        whose weights :func:`grpo_loss` takes as an array.
-
-    Raises ValueError for an unknown name or a combination the loss does not
-    define.
-    """
-
-    beta: float = 0.0
-    epsilon_low: float | None = 0.2
-    epsilon_high: float | None = 0.2
-    kl_estimator: str = "k3"
-    reduction: str = "grpo"
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    policy_loss: str = "clip"
-    dual_clip_c: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cov_frac: float = 2e-4
-    cov_lb: float = 1.0
-    cov_ub: float = 5.0
-    kl_cov_coef: float = 1.0
-    behavior_correction: str = "none"
-    behavior_level: str = "token"
-    behavior_cap: float = 2.0
-
-    def __post_init__(self):
-        _check_choice("reduction", self.reduction, list(REDUCTIONS))
-        _check_choice("kl_estimator", self.kl_estimator, sorted(KL_ESTIMATORS))
-        _check_choice("policy_loss", self.policy_loss, sorted(POLICY_LOSSES))
-        if self.reduction == "gspo" and self.policy_loss != "clip":
-            raise ValueError(f"reduction 'gspo' needs policy_loss 'clip', not {self.policy_loss!r}")
-        if self.policy_loss in SEQUENCE_POLICY_LOSSES and self.reduction != "grpo":
-            raise ValueError(
-                f"policy_loss {self.policy_loss!r} needs reduction 'grpo', not {self.reduction!r}"
-            )
-        _check_choice("behavior_correction", self.behavior_correction, list(BEHAVIOR_CORRECTIONS))
-        _check_choice("behavior_level", self.behavior_level, list(BEHAVIOR_LEVELS))
-        if not self.behavior_cap > 1.0:
-            raise ValueError(f"behavior_cap = {self.behavior_cap!r} must be > 1")
-
-    @classmethod
-    def from_grpo(cls, grpo) -> ObjectiveConfig:
-        """The objective of a run's ``GRPOConfig`` ``grpo`` (the ``grpo`` config section).
-
-        Every field but ``max_tokens`` (left at None: "dr_grpo" divides by the
-        padded completion length) is the GRPOConfig field of the same name.
-        Read by name, so this module need not import the config's module,
-        which sits above it.
-        """
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "max_tokens"]
-        return cls(**{name: getattr(grpo, name) for name in names})
-
-    def policy_options(self) -> dict:
-        """The keyword options of the ``policy_*`` terms beyond the clip range."""
-        return dict(
-            dual_clip_c=self.dual_clip_c,
-            sapo_tau_pos=self.sapo_tau_pos,
-            sapo_tau_neg=self.sapo_tau_neg,
-            cov_frac=self.cov_frac,
-            cov_lb=self.cov_lb,
-            cov_ub=self.cov_ub,
-            kl_cov_coef=self.kl_cov_coef,
-        )
-
-
-# ---------------------------------------------------------------------------
 # The loss: prepared terms, the KL term, the ratio and its clip, aggregation, metrics.
 
 
@@ -373,7 +184,7 @@ def _row_mean(x_NxT, t: _Terms):
     return (x_NxT * t.mask_NxT).sum(1) / jnp.maximum(t.n_tokens_N, 1.0)
 
 
-def kl_term(logps_NxT, ref_logps_NxT, mask_NxT, estimator: str = "k3") -> jax.Array:
+def kl_term(logps_NxT, ref_logps_NxT, mask_NxT, estimator: str) -> jax.Array:
     """The objective's KL_t: ``KL_ESTIMATORS[estimator](logp_theta, logp_ref)`` per token.
 
     logp_ref carries no gradient and is replaced by logp_theta on padding, so
@@ -416,7 +227,7 @@ def _clip_sides(rho, adv, lo, hi):
     return (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)
 
 
-def _gspo_loss(t: _Terms, obj: ObjectiveConfig):
+def _gspo_loss(t: _Terms, obj: GRPOConfig):
     """GSPO (Zheng et al. 2025): the ratio and its clip per sequence, then the row mean.
 
         s_i = exp((1/|o_i|) sum_t log rho_it)
@@ -450,7 +261,7 @@ def _gspo_loss(t: _Terms, obj: ObjectiveConfig):
 
 
 def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
-    """L from the masked per-token objective, by ``reduction`` (ObjectiveConfig):
+    """L from the masked per-token objective, by ``reduction`` (``grpo.reduction``):
 
     "grpo":       L = -(1/N) sum_i (1/|o_i|) sum_t objective_it
     "token_mean": L = -sum_it objective_it / sum_i |o_i|
@@ -467,7 +278,7 @@ def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
     return -objective_NxT.sum() / (n_rows * denom)
 
 
-def _aggregate(policy, t: _Terms, obj: ObjectiveConfig):
+def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None):
     """The loss from the policy term: weighted, minus beta KL, reduced.
 
     Per token: objective_t = w_t policy_t - beta KL_t, reduced by :func:`_reduce`.
@@ -484,10 +295,23 @@ def _aggregate(policy, t: _Terms, obj: ObjectiveConfig):
     if t.behavior_w_NxT is not None:
         policy = policy * t.behavior_w_NxT
     objective_NxT = (policy - obj.beta * t.kl_NxT) * t.mask_NxT
-    return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, obj.max_tokens)
+    return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, max_tokens)
 
 
-def _token_loss(t: _Terms, obj: ObjectiveConfig):
+def _policy_options(objective: GRPOConfig) -> dict:
+    """The keyword options of the ``policy_*`` terms beyond the clip range."""
+    return dict(
+        dual_clip_c=objective.dual_clip_c,
+        sapo_tau_pos=objective.sapo_tau_pos,
+        sapo_tau_neg=objective.sapo_tau_neg,
+        cov_frac=objective.cov_frac,
+        cov_lb=objective.cov_lb,
+        cov_ub=objective.cov_ub,
+        kl_cov_coef=objective.kl_cov_coef,
+    )
+
+
+def _token_loss(t: _Terms, obj: GRPOConfig, max_tokens: int | None):
     """The per-token ratio rho_t = exp(log rho_t), the policy term, and its aggregation.
 
     The policy term is ``POLICY_LOSSES[obj.policy_loss]`` (the clipped
@@ -504,9 +328,9 @@ def _token_loss(t: _Terms, obj: ObjectiveConfig):
         mask=t.mask_NxT,
         eps_low=obj.epsilon_low,
         eps_high=obj.epsilon_high,
-        **obj.policy_options(),
+        **_policy_options(obj),
     )
-    loss = _aggregate(policy, t, obj)
+    loss = _aggregate(policy, t, obj, max_tokens)
     return loss, (rho_NxT, *_clip_sides(rho_NxT, t.adv_Nx1, lo, hi))
 
 
@@ -528,13 +352,17 @@ def _ratio_metrics(rho_NxT, low, high, mask_NxT) -> dict[str, jax.Array]:
     return {k: jax.lax.stop_gradient(v) for k, v in metrics.items()}
 
 
+_DEFAULTS = GRPOConfig()  # the paper's objective: clip 0.2, no KL, the "grpo" reduction
+
+
 def grpo_loss(
     logps_NxT: jax.Array,
     old_logps_NxT: jax.Array,
     advantages_N: jax.Array,
     mask_NxT: jax.Array,
-    objective: ObjectiveConfig = ObjectiveConfig(),
+    objective: GRPOConfig = _DEFAULTS,
     *,
+    max_tokens: int | None = None,
     ref_logps_NxT: jax.Array | None = None,
     logits_NxTxV: jax.Array | None = None,
     entropy_NxT: jax.Array | None = None,
@@ -547,8 +375,11 @@ def grpo_loss(
       old_logps_NxT: log pi_old, recorded at rollout time (treated as constant).
       advantages_N: one advantage per completion; every token carries it.
       mask_NxT: 1 on real completion tokens.
-      objective: the hyper-parameters (:class:`ObjectiveConfig`; a static
-        argument under jit).
+      objective: the settings, a ``GRPOConfig`` (frozen and hashable: a static
+        argument under jit); the loss reads its objective's fields, not ``G``,
+        ``mu``, the advantage estimator or ``old_logps``.
+      max_tokens: the constant of the "dr_grpo" reduction (None: T, the padded
+        completion length, as a run uses it).
       ref_logps_NxT: log pi_ref; required when ``objective.beta`` > 0, may be
         None otherwise.
       logits_NxTxV: if given, mean token entropy is reported (no gradient),
@@ -577,8 +408,10 @@ def grpo_loss(
         behavior_weights_NxT,
         objective.kl_estimator,
     )
-    piece = _gspo_loss if objective.reduction == "gspo" else _token_loss
-    loss, (rho_NxT, low, high) = piece(t, objective)
+    if objective.reduction == "gspo":
+        loss, (rho_NxT, low, high) = _gspo_loss(t, objective)
+    else:
+        loss, (rho_NxT, low, high) = _token_loss(t, objective, max_tokens)
     metrics = _ratio_metrics(rho_NxT, low, high, t.mask_NxT)
     if ref_logps_NxT is not None:
         metrics["kl_mean"] = jax.lax.stop_gradient(masked_mean(t.kl_NxT, t.mask_NxT))

@@ -53,7 +53,7 @@ def clip_ratio(rho, epsilon_low, epsilon_high):
 # Policy terms. Each returns the per-token objective (to be maximised) before
 # the KL term and the reduction; all take the same keyword arguments:
 # log_ratio, logps, adv (N x 1), mask, eps_low, eps_high, and the options
-# of grpo_jax.objective.losses.ObjectiveConfig.policy_options (documented there).
+# of grpo_jax.objective.losses._policy_options (GRPOConfig's fields of those names).
 
 
 def dual_clip(surrogate, rho, adv, dual_clip_c):

@@ -46,6 +46,7 @@ def train_linear_policy(mesh):
 
     from grpo_jax.core import distributed
     from grpo_jax.objective import losses
+    from grpo_jax.objective.config import GRPOConfig
 
     batch_np, w0 = _problem()
     rows = distributed.host_rows(mesh, N)
@@ -65,7 +66,7 @@ def train_linear_policy(mesh):
             batch["old_logps"],
             batch["advantages"],
             batch["mask"],
-            losses.ObjectiveConfig(beta=0.04),
+            GRPOConfig(beta=0.04),
             ref_logps_NxT=logps(w_ref),
         )
         return loss

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.core.sharding import batch_sharding, make_mesh
 from grpo_jax.objective import losses
+from grpo_jax.objective.config import GRPOConfig
 
 N, P_LEN, T = 8, 3, 5  # rows (B=4 prompts x G=2), prompt and completion tokens
 
@@ -67,7 +68,7 @@ def loss_fn(params, graphdef, batch):
         batch["old_logps"],
         batch["advantages"],
         batch["mask"][:, P_LEN:],
-        losses.ObjectiveConfig(beta=0.04),
+        GRPOConfig(beta=0.04),
         ref_logps_NxT=batch["ref_logps"],
     )
     return loss

@@ -11,7 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax.core import sharding
-from grpo_jax.objective import losses
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.objective import kl, losses
+from grpo_jax.objective.config import REDUCTIONS, GRPOConfig
 
 # The loss as one compiled program per shape and objective (its settings are static): called
 # eagerly, each of its operations would compile on its own (docs/testing.md).
@@ -39,7 +41,7 @@ def test_golden_seed_example_with_clipping():
         old[:1],
         adv[:1],
         mask[:1],
-        losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01),
+        GRPOConfig(epsilon_low=0.01, epsilon_high=0.01),
     )
     np.testing.assert_allclose(loss1, 0.99, rtol=1e-6)
     assert float(m1["clip_frac_low"]) == 1.0
@@ -48,19 +50,17 @@ def test_golden_seed_example_with_clipping():
         old[1:],
         adv[1:],
         mask[1:],
-        losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01),
+        GRPOConfig(epsilon_low=0.01, epsilon_high=0.01),
     )
     np.testing.assert_allclose(loss2, -1 / 6, rtol=1e-6)
-    loss, _ = grpo_loss(
-        logps, old, adv, mask, losses.ObjectiveConfig(epsilon_low=0.01, epsilon_high=0.01)
-    )
+    loss, _ = grpo_loss(logps, old, adv, mask, GRPOConfig(epsilon_low=0.01, epsilon_high=0.01))
     np.testing.assert_allclose(loss, -(-0.99 + 1 / 6) / 2, rtol=1e-6)
     np.testing.assert_allclose(loss, 0.4116666666, rtol=1e-6)
 
 
 def test_golden_seed_example_without_clipping():
     logps, old, adv, mask = seed_example()
-    off = losses.ObjectiveConfig(epsilon_low=None, epsilon_high=None)
+    off = GRPOConfig(epsilon_low=None, epsilon_high=None)
     loss1, _ = grpo_loss(logps[:1], old[:1], adv[:1], mask[:1], off)
     np.testing.assert_allclose(-loss1, -2 / 9, rtol=1e-6)
     loss, m = grpo_loss(logps, old, adv, mask, off)
@@ -80,8 +80,8 @@ def random_batch(seed=0, n=6, t=5, beta_ref=True):
     return logps, old, ref, adv, mask
 
 
-@pytest.mark.parametrize("reduction", losses.REDUCTIONS)
-@pytest.mark.parametrize("kl", sorted(losses.KL_ESTIMATORS))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kl", sorted(kl.KL_ESTIMATORS))
 def test_gradient_matches_finite_differences(reduction, kl):
     logps, old, ref, adv, mask = random_batch()
     with jax.enable_x64(True):
@@ -90,7 +90,7 @@ def test_gradient_matches_finite_differences(reduction, kl):
             jnp.asarray(old),
             jnp.asarray(adv),
             jnp.asarray(mask),
-            losses.ObjectiveConfig(
+            GRPOConfig(
                 beta=0.1, epsilon_low=0.2, epsilon_high=0.28, kl_estimator=kl, reduction=reduction
             ),
             ref_logps_NxT=jnp.asarray(ref),
@@ -140,7 +140,7 @@ def test_one_inner_step_equals_reinforce_with_group_baseline():
 def test_kl_estimators_match_numpy(name, value, grad):
     rng = np.random.default_rng(2)
     lp, r = rng.normal(-2, 1, 50), rng.normal(-2, 1, 50)
-    fn = losses.KL_ESTIMATORS[name]
+    fn = kl.KL_ESTIMATORS[name]
     with jax.enable_x64(True):
         np.testing.assert_allclose(fn(jnp.asarray(lp), jnp.asarray(r)), value(lp, r), rtol=1e-12)
         g = jax.jit(jax.vmap(jax.grad(fn)))(jnp.asarray(lp), jnp.asarray(r))
@@ -163,7 +163,7 @@ def test_k1_as_a_loss_has_zero_expected_gradient_but_k2_k3_pull_to_the_reference
 
     def sample_loss(th, est):
         lp = jax.nn.log_softmax(th)[samples]
-        return losses.KL_ESTIMATORS[est](lp, ref_logp[samples]).mean()
+        return kl.KL_ESTIMATORS[est](lp, ref_logp[samples]).mean()
 
     def kl_forward(th):  # KL(pi_theta || pi_ref)
         p = jax.nn.softmax(th)
@@ -218,9 +218,7 @@ def test_reductions_by_hand():
     z = jnp.zeros((2, 4))
     adv = jnp.array([1.0, -2.0])
     mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], jnp.float32)
-    get = lambda r, **kw: float(
-        grpo_loss(z, z, adv, mask, losses.ObjectiveConfig(reduction=r, **kw))[0]
-    )
+    get = lambda r, **kw: float(grpo_loss(z, z, adv, mask, GRPOConfig(reduction=r), **kw)[0])
     np.testing.assert_allclose(get("grpo"), -(1.0 + -2.0) / 2)
     np.testing.assert_allclose(get("token_mean"), -(3 * 1.0 - 2.0) / 4)
     np.testing.assert_allclose(get("dr_grpo"), -(3 * 1.0 - 2.0) / (2 * 4))
@@ -237,7 +235,7 @@ def test_gspo_clips_the_sequence_ratio():
         old,
         jnp.array([1.0]),
         jnp.ones((1, 2)),
-        losses.ObjectiveConfig(reduction="gspo", epsilon_low=0.05, epsilon_high=0.05),
+        GRPOConfig(reduction="gspo", epsilon_low=0.05, epsilon_high=0.05),
     )
     np.testing.assert_allclose(loss, -1.05, rtol=1e-6)
     assert float(m["clip_frac_high"]) == 1.0
@@ -250,11 +248,11 @@ def test_fully_masked_rows_give_no_nan():
     mask[2] = 0
     logps[2] = 50.0  # Garbage on padding must not leak.
     args = [jnp.asarray(a, jnp.float32) for a in (logps, old, adv, mask)]
-    for reduction in losses.REDUCTIONS:
+    for reduction in REDUCTIONS:
         f = lambda lp: grpo_loss(
             lp,
             *args[1:],
-            losses.ObjectiveConfig(beta=0.1, reduction=reduction),
+            GRPOConfig(beta=0.1, reduction=reduction),
             ref_logps_NxT=jnp.asarray(ref, jnp.float32),
         )
         (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(args[0])
@@ -278,18 +276,17 @@ def test_an_empty_batch_reports_ratio_one_and_no_loss():
 def test_beta_needs_reference_and_names_are_checked():
     z = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="beta > 0 needs ref_logps_NxT"):
-        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(beta=0.1))
-    with pytest.raises(ValueError, match="reduction 'mean' is not one of"):
-        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(reduction="mean"))
-    with pytest.raises(ValueError, match="kl_estimator 'k4' is not one of"):
-        grpo_loss(z, z, jnp.ones(2), z + 1, losses.ObjectiveConfig(kl_estimator="k4"))
+        grpo_loss(z, z, jnp.ones(2), z + 1, GRPOConfig(beta=0.1))
+    with pytest.raises(ConfigError, match="'grpo.reduction' = 'mean' is not one of"):
+        GRPOConfig(reduction="mean")
+    with pytest.raises(ConfigError, match="'grpo.kl_estimator' = 'k4' is not one of"):
+        GRPOConfig(kl_estimator="k4")
 
 
-def test_objective_config_from_grpo_is_a_static_argument():
-    """ObjectiveConfig.from_grpo takes every setting of the run's GRPOConfig; the config is
-    hashable, so jit takes it as a static argument and compiles once per config."""
-    from grpo_jax.run.config import GRPOConfig
-
+def test_the_loss_takes_the_runs_grpo_config_as_a_static_argument():
+    """grpo_loss reads every objective setting of the run's GRPOConfig (one config, each
+    default stated once); the config is hashable, so jit takes it as a static argument and
+    compiles once per config."""
     grpo = GRPOConfig(
         G=4,
         beta=0.04,
@@ -310,25 +307,32 @@ def test_objective_config_from_grpo_is_a_static_argument():
         behavior_level="sequence",
         behavior_cap=3.0,
     )
-    objective = losses.ObjectiveConfig.from_grpo(grpo)
-    for field in dataclasses.fields(objective):
-        if field.name != "max_tokens":
-            assert getattr(objective, field.name) == getattr(grpo, field.name), field.name
-            assert getattr(objective, field.name) != field.default, field.name  # all set apart
-    assert objective.max_tokens is None
-    assert objective == losses.ObjectiveConfig.from_grpo(grpo)
-    assert hash(objective) == hash(losses.ObjectiveConfig.from_grpo(grpo))
+    assert grpo == dataclasses.replace(grpo)
+    assert hash(grpo) == hash(dataclasses.replace(grpo))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        objective.beta = 0.0  # type: ignore[misc]
+        grpo.beta = 0.0  # type: ignore[misc]
     logps, old, ref, adv, mask = (jnp.asarray(a, jnp.float32) for a in random_batch(seed=2))
     jitted = jax.jit(losses.grpo_loss, static_argnames="objective")
-    got, _ = jitted(logps, old, adv, mask, objective=objective, ref_logps_NxT=ref)
-    want, _ = grpo_loss(logps, old, adv, mask, objective, ref_logps_NxT=ref)
+    got, _ = jitted(logps, old, adv, mask, objective=grpo, ref_logps_NxT=ref)
+    want, _ = grpo_loss(logps, old, adv, mask, grpo, ref_logps_NxT=ref)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    # Each setting the loss reads moves the loss: none is left at a default of its own.
+    for name, other in [
+        ("beta", 0.3),
+        ("epsilon_low", 0.01),
+        ("epsilon_high", 0.01),
+        ("kl_estimator", "k3"),
+        ("reduction", "grpo"),
+        ("policy_loss", "clip"),
+    ]:
+        moved, _ = grpo_loss(
+            logps, old, adv, mask, dataclasses.replace(grpo, **{name: other}), ref_logps_NxT=ref
+        )
+        assert float(moved) != float(want), name
 
 
 def _loss_fn(logps, old, adv, mask, ref):
-    return grpo_loss(logps, old, adv, mask, losses.ObjectiveConfig(beta=0.04), ref_logps_NxT=ref)
+    return grpo_loss(logps, old, adv, mask, GRPOConfig(beta=0.04), ref_logps_NxT=ref)
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ def test_behavior_weights_golden_token_and_sequence():
     assert m["behavior/frac_masked"] == pytest.approx(2 / 5)
 
     # "none": the mask itself (no correction), and the metrics still report the gap.
-    w, m = losses.behavior_weights(old, q, mask, correction="none")
+    w, m = losses.behavior_weights(old, q, mask, correction="none", level="token", cap=2.0)
     np.testing.assert_array_equal(w, mask)
     assert m["behavior/abs_log_diff_max"] == pytest.approx(2.0)
 
@@ -79,11 +79,12 @@ def test_a_weight_exactly_at_the_cap_is_kept():
 def test_behavior_weights_survive_huge_sequence_log_ratios():
     old = np.zeros((1, 64), np.float32)
     q = np.full((1, 64), -5.0, np.float32)  # sum log w = 320: exp overflows float32
-    w, _ = losses.behavior_weights(old, q, np.ones((1, 64)), correction="tis", level="sequence")
+    seq = dict(level="sequence", cap=2.0)
+    w, _ = losses.behavior_weights(old, q, np.ones((1, 64)), correction="tis", **seq)
     np.testing.assert_array_equal(w, 2.0)
-    w, _ = losses.behavior_weights(old, q, np.ones((1, 64)), correction="mis", level="sequence")
+    w, _ = losses.behavior_weights(old, q, np.ones((1, 64)), correction="mis", **seq)
     np.testing.assert_array_equal(w, 0.0)
-    w, _ = losses.behavior_weights(q, old, np.ones((1, 64)), correction="tis", level="sequence")
+    w, _ = losses.behavior_weights(q, old, np.ones((1, 64)), correction="tis", **seq)
     assert np.all(np.isfinite(w)) and np.all(w >= 0)
 
 
@@ -98,10 +99,10 @@ def test_weights_multiply_the_policy_term_only():
     mask = jnp.asarray(rng.random((n, t)) < 0.8, jnp.float32)
     w = jnp.asarray(rng.uniform(0.2, 2.0, (n, t)))
     kw = dict(ref_logps_NxT=ref)
-    objective = losses.ObjectiveConfig(beta=0.3, reduction="token_mean")
+    objective = GRPOConfig(beta=0.3, reduction="token_mean")
     got, _ = losses.grpo_loss(logps, old, adv, mask, objective, behavior_weights_NxT=w, **kw)
     plain_pg, _ = losses.grpo_loss(
-        logps, old, adv, mask * w, losses.ObjectiveConfig(beta=0.0, reduction="token_mean")
+        logps, old, adv, mask * w, GRPOConfig(beta=0.0, reduction="token_mean")
     )
     kl_only, _ = losses.grpo_loss(logps, old, adv * 0, mask, objective, **kw)
     # token_mean over mask: sum(w * s * mask) / sum(mask) - beta * mean KL.
@@ -209,7 +210,8 @@ def _estimates(theta, draws, correction, level):
             rows_old,
             rows_adv,
             rows_mask,
-            losses.ObjectiveConfig(reduction="dr_grpo", max_tokens=1),
+            GRPOConfig(reduction="dr_grpo"),
+            max_tokens=1,
             behavior_weights_NxT=None if correction == "none" else rows_w,
         )
         return -loss

@@ -31,9 +31,9 @@ def tiny():
 
 def loss_and_grad(policy_loss, **kw):
     logps, old, adv, mask = tiny()
-    f = lambda lp: losses.grpo_loss(
-        lp, old, adv, mask, losses.ObjectiveConfig(policy_loss=policy_loss, **kw)
-    )[0]
+    f = lambda lp: losses.grpo_loss(lp, old, adv, mask, GRPOConfig(policy_loss=policy_loss, **kw))[
+        0
+    ]
     loss, grad = jax.value_and_grad(f)(logps)
     return float(loss), np.asarray(grad)
 
@@ -78,9 +78,7 @@ def test_sapo_golden():
     logps, _, adv, mask = tiny()
     for pl in ("sapo", "clip"):
         gr = jax.grad(
-            lambda lp: losses.grpo_loss(
-                lp, logps, adv, mask, losses.ObjectiveConfig(policy_loss=pl)
-            )[0]
+            lambda lp: losses.grpo_loss(lp, logps, adv, mask, GRPOConfig(policy_loss=pl))[0]
         )(logps)
         if pl == "sapo":
             g_sapo = gr
@@ -103,7 +101,7 @@ def test_gmpo_kl_is_each_rows_token_mean_and_an_empty_row_adds_none():
             logps,
             adv,
             mask,
-            losses.ObjectiveConfig(beta=beta, policy_loss="gmpo"),
+            GRPOConfig(beta=beta, policy_loss="gmpo"),
             ref_logps_NxT=ref,
         )[0]
         return f(0.0), f(0.1)
@@ -187,7 +185,7 @@ def test_kl_cov_penalty_has_no_gradient_where_the_policy_has_not_moved():
     mask = jnp.array([[1.0, 1.0], [1.0, 0.0]])
     adv = jnp.array([1.0, -1.0])
     kw = dict(policy_loss="kl_cov", cov_frac=0.34, kl_cov_coef=1.0, reduction="token_mean")
-    f = lambda lp: losses.grpo_loss(lp, logps, adv, mask, losses.ObjectiveConfig(**kw))[0]
+    f = lambda lp: losses.grpo_loss(lp, logps, adv, mask, GRPOConfig(**kw))[0]
     loss, grad = jax.value_and_grad(f)(logps)
     np.testing.assert_allclose(loss, -1 / 3, rtol=1e-6)
     np.testing.assert_allclose(grad, [[-1 / 3, -1 / 3], [1 / 3, 0.0]], rtol=1e-6)
@@ -215,7 +213,7 @@ def test_on_policy_gradient_is_the_policy_gradient(policy_loss, reduction, eps):
         logps,
         adv,
         mask,
-        losses.ObjectiveConfig(policy_loss=policy_loss, reduction=reduction, **kw),
+        GRPOConfig(policy_loss=policy_loss, reduction=reduction, **kw),
     )[0]
     grad = jax.grad(f)(logps)
     want = -adv[:, None] * mask / mask.sum(1, keepdims=True) / 2
@@ -261,7 +259,7 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
             o,
             jnp.asarray(adv),
             jnp.asarray(mask),
-            losses.ObjectiveConfig(
+            GRPOConfig(
                 beta=0.1,
                 epsilon_low=0.2,
                 epsilon_high=0.28,
@@ -297,7 +295,7 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
                     jnp.asarray(old),
                     jnp.asarray(adv),
                     jnp.asarray(mask),
-                    losses.ObjectiveConfig(beta=0.1, epsilon_low=0.2, epsilon_high=0.28),
+                    GRPOConfig(beta=0.1, epsilon_low=0.2, epsilon_high=0.28),
                     ref_logps_NxT=jnp.asarray(ref),
                 )[0]
             )
@@ -307,7 +305,7 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
                     lp,
                     jnp.zeros_like(jnp.asarray(adv)),
                     jnp.asarray(mask),
-                    losses.ObjectiveConfig(beta=0.1),
+                    GRPOConfig(beta=0.1),
                     ref_logps_NxT=jnp.asarray(ref),
                 )[0]
             )(x)
@@ -324,18 +322,16 @@ def test_gradient_matches_finite_differences(policy_loss, reduction, kw):
 def test_names_and_combinations_are_checked():
     logps, old, adv, mask = tiny()
     with pytest.raises(ValueError, match="policy_loss"):
-        losses.grpo_loss(logps, old, adv, mask, losses.ObjectiveConfig(policy_loss="ppo"))
+        losses.grpo_loss(logps, old, adv, mask, GRPOConfig(policy_loss="ppo"))
     with pytest.raises(ValueError, match="gspo"):
-        losses.grpo_loss(
-            logps, old, adv, mask, losses.ObjectiveConfig(policy_loss="cispo", reduction="gspo")
-        )
+        losses.grpo_loss(logps, old, adv, mask, GRPOConfig(policy_loss="cispo", reduction="gspo"))
     with pytest.raises(ValueError, match="gmpo"):
         losses.grpo_loss(
             logps,
             old,
             adv,
             mask,
-            losses.ObjectiveConfig(policy_loss="gmpo", reduction="token_mean"),
+            GRPOConfig(policy_loss="gmpo", reduction="token_mean"),
         )
 
 
@@ -370,7 +366,7 @@ def test_jit_and_sharded_match_single_device(policy_loss, reduction, kw):
             o,
             a,
             m,
-            losses.ObjectiveConfig(beta=0.04, reduction=reduction, policy_loss=policy_loss, **kw),
+            GRPOConfig(beta=0.04, reduction=reduction, policy_loss=policy_loss, **kw),
             ref_logps_NxT=r,
         )[0]
 

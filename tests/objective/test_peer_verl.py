@@ -82,6 +82,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.objective import advantages, losses
+from grpo_jax.objective.config import GRPOConfig
 
 torch = AlgoConfig = verl_algos = compute_rollout_correction_weights = None
 ActorConfig = PolicyLossConfig = None
@@ -189,7 +190,7 @@ def verl_loss_grad(name, logps, old, adv, mask, config, agg="token-mean", weight
 
 @functools.cache
 def _jit_loss_grad(kw_items):
-    objective = losses.ObjectiveConfig(**dict(kw_items))
+    objective = GRPOConfig(**dict(kw_items))
 
     def loss(lp, old, adv, mask, weights):
         return losses.grpo_loss(lp, old, adv, mask, objective, behavior_weights_NxT=weights)[0]
@@ -211,7 +212,7 @@ def jax_loss_grad(logps, old, adv, mask, behavior_weights_NxT=None, **kw):
 
 def _row_losses(lp, old, adv, mask, kw):
     """grpo_loss of each row alone (N = 1): the row's own term L_i of the objective."""
-    objective = losses.ObjectiveConfig(**kw)
+    objective = GRPOConfig(**kw)
     one = lambda l, o, a, m: losses.grpo_loss(l[None], o[None], a[None], m[None], objective)[0]
     return jax.vmap(one)(lp, old, adv, mask)
 
@@ -517,7 +518,7 @@ def test_difference_gspo():
 def test_difference_cov_defaults():
     # verl's and grpo_jax's defaults: the same fractions, a different KL-Cov coefficient.
     verl_defaults = PolicyLossConfig()
-    jax_defaults = losses.ObjectiveConfig()
+    jax_defaults = GRPOConfig()
     assert verl_defaults.clip_cov_ratio == jax_defaults.cov_frac == 2e-4
     assert verl_defaults.kl_cov_ratio == jax_defaults.cov_frac
     assert (verl_defaults.clip_cov_lb, verl_defaults.clip_cov_ub) == (1.0, 5.0)
