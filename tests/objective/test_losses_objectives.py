@@ -31,9 +31,8 @@ def tiny():
 
 def loss_and_grad(policy_loss, **kw):
     logps, old, adv, mask = tiny()
-    f = lambda lp: losses.grpo_loss(lp, old, adv, mask, GRPOConfig(policy_loss=policy_loss, **kw))[
-        0
-    ]
+    objective = GRPOConfig(policy_loss=policy_loss, **kw)
+    f = lambda lp: losses.grpo_loss(lp, old, adv, mask, objective)[0]
     loss, grad = jax.value_and_grad(f)(logps)
     return float(loss), np.asarray(grad)
 
