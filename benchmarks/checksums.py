@@ -63,7 +63,7 @@ def qwen_params(key) -> dict:
 
 def default_state(workdir: pathlib.Path):
     from configs.default import get_config
-    from grpo_jax.run import setup as run_lib
+    from grpo_jax.run import builders as run_lib
     from grpo_jax.run.config import parse_config
 
     run = parse_config(get_config())

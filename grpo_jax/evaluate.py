@@ -44,10 +44,7 @@ from ml_collections import config_flags  # noqa: E402
 from grpo_jax import models  # noqa: E402
 from grpo_jax.core import problems  # noqa: E402
 from grpo_jax.run import record, runlocal  # noqa: E402
-from grpo_jax.run.checkpoints import Checkpointer  # noqa: E402
-from grpo_jax.run.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
-from grpo_jax.run.evaluation import eval_key, evaluate_problems  # noqa: E402
-from grpo_jax.run.setup import (  # noqa: E402
+from grpo_jax.run.builders import (  # noqa: E402
     build_datasets,
     build_encoder,
     build_mesh,
@@ -57,6 +54,9 @@ from grpo_jax.run.setup import (  # noqa: E402
     restore_policy,
     tokenizer_sampling,
 )
+from grpo_jax.run.checkpoints import Checkpointer  # noqa: E402
+from grpo_jax.run.config import BUILTIN_TOKENIZER, ConfigError, parse_config  # noqa: E402
+from grpo_jax.run.evaluation import eval_key, evaluate_problems  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # Command line.

@@ -89,8 +89,13 @@ def export_hf(
     from grpo_jax import models
     from grpo_jax.models import lora
     from grpo_jax.run import runlocal
+    from grpo_jax.run.builders import (
+        build_mesh,
+        build_tokenizer,
+        restore_policy,
+        restore_warm_start,
+    )
     from grpo_jax.run.config import parse_config
-    from grpo_jax.run.setup import build_mesh, build_tokenizer, restore_policy, restore_warm_start
 
     if format not in FORMATS:
         raise ExportError(f"--format={format!r} is not one of {list(FORMATS)}")

@@ -56,11 +56,11 @@ def _restore(workdir, like, step=4, latest=4):
 
 
 def _params_like(cfg, workdir):
-    from grpo_jax.run import setup as setup_lib
+    from grpo_jax.run import builders
 
     run = config_lib.parse_config(cfg)
-    tok = setup_lib.build_tokenizer(run, workdir)
-    _, like = setup_lib.build_model(run, tok, setup_lib.build_mesh(run))
+    tok = builders.build_tokenizer(run, workdir)
+    _, like = builders.build_model(run, tok, builders.build_mesh(run))
     return like
 
 

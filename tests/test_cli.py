@@ -244,8 +244,8 @@ def test_export_writes_the_warm_start_a_run_began_from(workdir, tmp_path, lora_r
     from grpo_jax.export import ExportError, export_hf
     from grpo_jax.models import from_pretrained
     from grpo_jax.run import warm_start as sft
+    from grpo_jax.run.builders import build_mesh, build_policy, build_tokenizer
     from grpo_jax.run.config import parse_config
-    from grpo_jax.run.setup import build_mesh, build_policy, build_tokenizer
     from grpo_jax.run.train import train
 
     run = tmp_path / "run"

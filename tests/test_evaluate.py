@@ -16,9 +16,8 @@ from configs.default import get_config
 from grpo_jax import evaluate as ev
 from grpo_jax.export import export_hf
 from grpo_jax.rollout import rounds as rollout
+from grpo_jax.run import builders, evaluation
 from grpo_jax.run import config as config_lib
-from grpo_jax.run import evaluation
-from grpo_jax.run import setup as setup_lib
 from grpo_jax.run.config import EvalConfig
 from grpo_jax.run.start import Checkpointer
 from grpo_jax.sampling.static import SampleOutput
@@ -30,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def smoke(tmp_path_factory):
     wd = tmp_path_factory.mktemp("wd")
     run = config_lib.parse_config(get_config("smoke"))
-    tok = setup_lib.build_tokenizer(run, wd)
+    tok = builders.build_tokenizer(run, wd)
     return run, tok, wd
 
 
@@ -82,9 +81,9 @@ def test_pass_at_1_and_pass_at_k_from_canned_samples(smoke, monkeypatch):
         None,
         None,
         examples,
-        encoder=setup_lib.build_encoder(run, tok),
-        scorer=setup_lib.build_scorer(run),
-        sampling=setup_lib.tokenizer_sampling(run, tok),
+        encoder=builders.build_encoder(run, tok),
+        scorer=builders.build_scorer(run),
+        sampling=builders.tokenizer_sampling(run, tok),
         key=jax.random.key(0),
     )
     said = []
@@ -116,9 +115,9 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     wd.mkdir()
     (wd / "config.json").write_text(json.dumps(cfg))
     run = config_lib.parse_config(cfg)
-    tok = setup_lib.build_tokenizer(run, wd)
-    mesh = setup_lib.build_mesh(run)
-    graphdef, params = setup_lib.build_model(run, tok, mesh)
+    tok = builders.build_tokenizer(run, wd)
+    mesh = builders.build_mesh(run)
+    graphdef, params = builders.build_model(run, tok, mesh)
     params = jax.tree.map(lambda x: x * 3.0, params)  # Not the seed's init: a real restore.
     ck = Checkpointer(wd / "checkpoints")
     ck.save(5, params=params, opt_state={"count": np.zeros((), np.int32)}, meta={})
@@ -142,11 +141,11 @@ def test_checkpoint_and_hf_export_evaluate_alike(smoke, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a training workdir"):
         ev.load_policy(run, tmp_path / "missing", mesh)
 
-    examples = setup_lib.build_datasets(run)["test"][:8]
+    examples = builders.build_datasets(run)["test"][:8]
     kw = dict(
-        encoder=setup_lib.build_encoder(run, tok),
-        scorer=setup_lib.build_scorer(run),
-        sampling=setup_lib.tokenizer_sampling(run, tok),
+        encoder=builders.build_encoder(run, tok),
+        scorer=builders.build_scorer(run),
+        sampling=builders.tokenizer_sampling(run, tok),
         mesh=mesh,
         cfg=EvalConfig(batch_size=8, num_samples=0),
         key=jax.random.key(0),

@@ -19,8 +19,8 @@ import pytest
 from grpo_jax.core.checks import flat_keys
 from grpo_jax.core.sharding import batch_shards
 from grpo_jax.run import runlocal
+from grpo_jax.run.builders import build_mesh
 from grpo_jax.run.config import ConfigError, check_batch_layout, parse_config
-from grpo_jax.run.setup import build_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "llama3.2-1b", "gemma3-1b")
@@ -207,7 +207,7 @@ def test_gemma_checkpoint_ends_turns_at_end_of_turn(assets):
     assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")]
     assert runlocal.tiny_checkpoint("gemma3", assets) == path  # Content-addressed, reused.
     # The sampler stops at the tokenizer's EOS and at generation_config's end of turn.
-    from grpo_jax.run.setup import build_tokenizer, tokenizer_sampling
+    from grpo_jax.run.builders import build_tokenizer, tokenizer_sampling
 
     run = runlocal.resolve(parse_config(recipes.get_config("model=gemma3-1b,runlocal")))
     assert tokenizer_sampling(run, build_tokenizer(run, assets)).eos_ids == tuple(
@@ -367,7 +367,7 @@ def test_precision_and_remat_keys_reach_the_checkpoint_model(assets):
     """model.dtype / param_dtype / remat apply to a Hugging Face checkpoint too."""
     from flax import nnx
 
-    from grpo_jax.run.setup import build_model, build_tokenizer
+    from grpo_jax.run.builders import build_model, build_tokenizer
 
     config = recipes.get_config("model=qwen2.5-0.5b,runlocal")
     assert (config.model.dtype, config.model.param_dtype) == ("bfloat16", "float32")

@@ -66,57 +66,13 @@ from grpo_jax.rollout.sources import InFlight, RolloutSource
 __all__ = [
     "InFlight",
     "Staleness",
-    "learner_and_sampler_devices",
     "sampled_version",
-    "sampler_mesh",
 ]
 
 
 def sampled_version(step: int, max_staleness: int) -> int:
     """v(s) = max(0, s - 1 - k): the parameter version that samples step ``step``'s batch."""
     return max(0, step - 1 - max_staleness)
-
-
-# ---------------------------------------------------------------------------
-# Placement: one mesh, or a sampler mesh beside the learner mesh.
-
-
-def learner_and_sampler_devices(devices, sampler_devices: int):
-    """Splits ``devices`` -> (learner devices, sampler devices).
-
-    The sampler gets each process's first ``sampler_devices / process_count``
-    devices, the learner the rest; both keep the processes in order, so a
-    host's rows of a batch are the same block on both meshes (every host
-    samples and scores the rows it trains on). 0: (all devices, []).
-    """
-    devices = list(devices)
-    if not sampler_devices:
-        return devices, []
-    procs = sorted({d.process_index for d in devices})
-    per, rest = divmod(sampler_devices, len(procs))
-    where = "config key 'mesh.sampler_devices'"
-    if rest:
-        raise ConfigError(
-            f"{where} = {sampler_devices} must be a multiple of the {len(procs)} processes "
-            "(each process gives the sampler the same number of its devices)"
-        )
-    learner, sampler = [], []
-    for p in procs:
-        mine = [d for d in devices if d.process_index == p]
-        if per >= len(mine):
-            raise ConfigError(
-                f"{where} = {sampler_devices} leaves no learner device: process {p} has "
-                f"{len(mine)} devices in use (mesh.num_devices) and would give {per} of them to "
-                "the sampler"
-            )
-        sampler += mine[:per]
-        learner += mine[per:]
-    return learner, sampler
-
-
-def sampler_mesh(devices):
-    """The sampler's mesh: rows split over all its devices, parameters replicated."""
-    return sharding_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, devices)
 
 
 # ---------------------------------------------------------------------------

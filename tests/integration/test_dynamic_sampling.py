@@ -140,8 +140,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     the checkpoint of step 2 holds step 3's batch, sampled by version 1)."""
     from test_train_loop import _final_params
 
+    from grpo_jax.run import builders
     from grpo_jax.run import config as config_lib
-    from grpo_jax.run import setup as setup_lib
     from grpo_jax.run.train import train
 
     cfg = smoke_config(**{**DYNAMIC, "train.max_staleness": k})
@@ -158,7 +158,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
     staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
     assert [r.get("pipeline/staleness") for r in resumed] == staleness
     run = config_lib.parse_config(cfg)
-    like = setup_lib.build_model(run, builtin_tokenizer, setup_lib.build_mesh(run))[1]
+    like = builders.build_model(run, builtin_tokenizer, builders.build_mesh(run))[1]
     a, sa = _final_params(tmp_path / "whole", like)
     b, sb = _final_params(tmp_path / "killed", like)
     assert sa == sb == 4

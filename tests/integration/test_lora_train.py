@@ -12,8 +12,8 @@ from helpers_jit import logits as jitted_logits
 from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax.models import lora
+from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
-from grpo_jax.run import setup as setup_lib
 from grpo_jax.run.start import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
@@ -53,8 +53,8 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
 
     # The checkpoint holds the adapters (and their optimizer state) and the base's identity.
     run = config_lib.parse_config(cfg)
-    mesh = setup_lib.build_mesh(run)
-    _, params, lora_run = setup_lib.build_policy(run, builtin_tokenizer, mesh)
+    mesh = builders.build_mesh(run)
+    _, params, lora_run = builders.build_policy(run, builtin_tokenizer, mesh)
     adapters = lora.trainable(params)
     finals = []
     for wd in ("whole", "killed"):
@@ -92,7 +92,7 @@ def test_lora_checkpoint_round_trip_exact_resume_and_export(tmp_path, builtin_to
     from grpo_jax.export import export_hf
     from grpo_jax.models import from_pretrained
 
-    gd, policy, _ = setup_lib.restore_policy(
+    gd, policy, _ = builders.restore_policy(
         run, builtin_tokenizer, mesh, tmp_path / "whole" / "checkpoints"
     )
     tokens = np.random.default_rng(0).integers(4, 100, (2, 6)).astype(np.int32)
@@ -115,10 +115,10 @@ def test_adapters_of_another_base_are_refused(tmp_path, builtin_tokenizer):
     run = config_lib.parse_config(cfg)
     other = config_lib.parse_config(_config(**{"train.steps": 2}))
     other = type(other)(**{**other.__dict__, "seed": 1})  # another base: another seed's model
-    mesh = setup_lib.build_mesh(run)
+    mesh = builders.build_mesh(run)
     with pytest.raises(lora.BaseMismatchError, match="fingerprint"):
-        setup_lib.restore_policy(other, builtin_tokenizer, mesh, tmp_path / "checkpoints")
-    gd, params, _ = setup_lib.restore_policy(run, builtin_tokenizer, mesh, tmp_path / "checkpoints")
+        builders.restore_policy(other, builtin_tokenizer, mesh, tmp_path / "checkpoints")
+    gd, params, _ = builders.restore_policy(run, builtin_tokenizer, mesh, tmp_path / "checkpoints")
     assert gd is not None and params is not None
 
 
@@ -150,9 +150,9 @@ def test_export_keeps_a_users_config_and_peft_names_the_warm_started_base(tmp_pa
     assert os.stat(out / "adapter_model.safetensors").st_mode & 0o777 == 0o666 & ~umask
     # The base written beside the adapters is the warm-started one the adapters were trained on.
     run = config_lib.parse_config(cfg)
-    mesh = setup_lib.build_mesh(run)
-    tok = setup_lib.build_tokenizer(run, tmp_path / "run")
-    _, policy, lora_run = setup_lib.restore_policy(run, tok, mesh, tmp_path / "run" / "checkpoints")
+    mesh = builders.build_mesh(run)
+    tok = builders.build_tokenizer(run, tmp_path / "run")
+    _, policy, lora_run = builders.restore_policy(run, tok, mesh, tmp_path / "run" / "checkpoints")
     base = nnx.merge(lora_run.base_graphdef, lora.split(policy)[0])
     tokens = np.random.default_rng(0).integers(4, 30, (2, 6)).astype(np.int32)
     np.testing.assert_allclose(

@@ -60,12 +60,12 @@ def test_multiturn_run_resumes_exactly(tmp_path, k):
     staleness = [None, 0.0, 1.0, 1.0, 1.0] if k else [None] * 5
     assert [r.get("pipeline/staleness") for r in resumed] == staleness
 
+    from grpo_jax.run import builders
     from grpo_jax.run import config as config_lib
-    from grpo_jax.run import setup as setup_lib
 
     run = config_lib.parse_config(cfg)
-    tok = setup_lib.build_tokenizer(run, tmp_path / "whole")
-    like = setup_lib.build_model(run, tok, setup_lib.build_mesh(run))[1]
+    tok = builders.build_tokenizer(run, tmp_path / "whole")
+    like = builders.build_model(run, tok, builders.build_mesh(run))[1]
 
     def params(wd):
         ck = Checkpointer(wd / "checkpoints")

@@ -88,11 +88,11 @@ def _final_params(workdir, like):
 
 
 def _like_params(tokenizer):
+    from grpo_jax.run import builders
     from grpo_jax.run import config as config_lib
-    from grpo_jax.run import setup as setup_lib
 
     run = config_lib.parse_config(smoke_config(**SHORT_RUN))
-    return setup_lib.build_model(run, tokenizer, setup_lib.build_mesh(run))[1]
+    return builders.build_model(run, tokenizer, builders.build_mesh(run))[1]
 
 
 def test_end_to_end_smoke_run(tmp_path):

@@ -298,8 +298,8 @@ def test_section_checks():
 
 def test_setup_builds_the_scorer_with_the_reward_model(qwen2_rm):
     from configs import default
+    from grpo_jax.run.builders import build_scorer
     from grpo_jax.run.config import parse_config
-    from grpo_jax.run.setup import build_scorer
 
     c = default.get_config("")
     c.rewards = "exact_match(tag=None):1.0"

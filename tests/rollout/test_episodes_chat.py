@@ -315,8 +315,8 @@ def _collect_state(env, mesh, said):
     B = 3 (prompt bucket 16), a model whose every turn is one EOS; messages go to ``said``."""
     from integration.test_multiturn_train import _config
 
+    from grpo_jax.run import builders
     from grpo_jax.run import config as config_lib
-    from grpo_jax.run import setup as setup_lib
 
     cfg = _config()
     cfg.env.name = env
@@ -327,9 +327,9 @@ def _collect_state(env, mesh, said):
     B, G = run.train.batch_size, run.grpo.G
     r = Rollouts(
         policy=Policy(graphdef=graphdef, tokenizer=tok),
-        encoder=setup_lib.build_encoder(run, tok),
+        encoder=builders.build_encoder(run, tok),
         scorer=None,  # the environment scores
-        sampling=setup_lib.tokenizer_sampling(run, tok),
+        sampling=builders.tokenizer_sampling(run, tok),
         grpo=run.grpo,
         batch_size=B,
         placement=Placement(mesh, None, None, rows_B=slice(0, B), rows_N=slice(0, B * G)),

@@ -23,6 +23,7 @@ from helpers_resume import (
 
 from grpo_jax.rollout import sources
 from grpo_jax.rollout import staleness as pipeline
+from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
 from grpo_jax.run.config import ConfigError
 from grpo_jax.run.start import Checkpointer
@@ -41,13 +42,13 @@ def test_sampled_version_is_k_behind_and_never_negative():
 def test_the_sampler_takes_the_first_devices_and_the_learner_the_rest():
     devices = jax.devices()
     assert len(devices) == 8
-    learner, sampler = pipeline.learner_and_sampler_devices(devices, 4)
+    learner, sampler = builders.learner_and_sampler_devices(devices, 4)
     assert sampler == devices[:4] and learner == devices[4:]
-    assert pipeline.learner_and_sampler_devices(devices, 0) == (devices, [])
-    mesh = pipeline.sampler_mesh(sampler)
+    assert builders.learner_and_sampler_devices(devices, 0) == (devices, [])
+    mesh = builders.sampler_mesh(sampler)
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 1}
     with pytest.raises(ConfigError, match="leaves no learner device"):
-        pipeline.learner_and_sampler_devices(devices, 8)
+        builders.learner_and_sampler_devices(devices, 8)
 
 
 PIPELINE = {
@@ -124,9 +125,7 @@ def _record_batches(monkeypatch):
 
 def _params_by_version(workdir, run, r):
     """{version: params}: version 0 is the initial model, the others the checkpoints."""
-    from grpo_jax.run import setup as setup_lib
-
-    _, init = setup_lib.build_model(run, r.policy.tokenizer, r.mesh)
+    _, init = builders.build_model(run, r.policy.tokenizer, r.mesh)
     ck = Checkpointer(workdir / "checkpoints")
     try:
         out = {v: ck.restore_params(v, params_like=init) for v in ck.all_steps()}

@@ -9,8 +9,8 @@ from helpers_config import smoke_config
 
 from configs.default import get_config
 from grpo_jax.core.sharding import batch_shards
+from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
-from grpo_jax.run import setup as setup_lib
 from grpo_jax.run.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +60,7 @@ def test_bad_values_name_the_key(updates, message, builtin_tokenizer):
     with pytest.raises(ConfigError, match=message):
         c = smoke_config(plain=True, **updates)
         run = config_lib.parse_config(c)
-        setup_lib.model_config(run, builtin_tokenizer)
+        builders.model_config(run, builtin_tokenizer)
 
 
 def test_rewards_spellings():
@@ -84,20 +84,20 @@ def test_batch_layout_checked_against_the_mesh():
     run = config_lib.parse_config(
         smoke_config(plain=True, **{"mesh.num_devices": 2, "train.batch_size": 3})
     )
-    mesh = setup_lib.build_mesh(run)
+    mesh = builders.build_mesh(run)
     with pytest.raises(ConfigError, match=r"'train.batch_size' = 3 must be a multiple of the 2"):
         config_lib.check_batch_layout(run, batch_shards(mesh))
     run = config_lib.parse_config(smoke_config(plain=True, **{"train.minibatch_size": 6}))
     with pytest.raises(ConfigError, match=r"'train.minibatch_size' = 6 must divide N"):
-        config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
+        config_lib.check_batch_layout(run, batch_shards(builders.build_mesh(run)))
     run = config_lib.parse_config(smoke_config(plain=True, **{"optim.grad_accum": 3}))
     with pytest.raises(ConfigError, match=r"'optim.grad_accum' = 3 must divide the 16 rows"):
-        config_lib.check_batch_layout(run, batch_shards(setup_lib.build_mesh(run)))
+        config_lib.check_batch_layout(run, batch_shards(builders.build_mesh(run)))
     run = config_lib.parse_config(
         smoke_config(plain=True, **{"mesh.num_devices": len(jax.devices()) + 1})
     )
     with pytest.raises(ConfigError, match="'mesh.num_devices' = 9, but only 8 devices"):
-        setup_lib.build_mesh(run)
+        builders.build_mesh(run)
 
 
 def _main(*args, tmp_path):
@@ -177,13 +177,13 @@ def test_model_precision_keys_the_docs_name_are_settable_on_the_default_config()
     c.model.dtype = "float32"
     c.model.remat = True
     run = config_lib.parse_config(c)
-    cfg = setup_lib.model_config(run, build_tokenizer())
+    cfg = builders.model_config(run, build_tokenizer())
     assert (cfg.param_dtype, cfg.dtype, cfg.remat) == ("bfloat16", "float32", True)
 
 
 def test_default_task_is_reversed_3_digit_addition_with_a_disjoint_test_split():
     run = config_lib.parse_config(get_config())
-    splits = setup_lib.build_datasets(run)
+    splits = builders.build_datasets(run)
     assert len(splits["test"]) >= 500
     assert not {ex["prompt"] for ex in splits["test"]} & {ex["prompt"] for ex in splits["train"]}
     for ex in splits["test"][:50]:

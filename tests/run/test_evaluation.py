@@ -8,9 +8,8 @@ import pytest
 
 from configs.default import get_config
 from grpo_jax.core import problems
+from grpo_jax.run import builders, evaluation
 from grpo_jax.run import config as config_lib
-from grpo_jax.run import evaluation
-from grpo_jax.run import setup as setup_lib
 from grpo_jax.run.config import EvalConfig
 
 
@@ -23,18 +22,18 @@ def policy(tmp_path_factory):
         c = get_config("smoke")
         c.mesh.num_devices = n
         run = config_lib.parse_config(c)
-        tok = setup_lib.build_tokenizer(run, wd)
-        mesh = setup_lib.build_mesh(run)
-        graphdef, params = setup_lib.build_model(run, tok, mesh)
+        tok = builders.build_tokenizer(run, wd)
+        mesh = builders.build_mesh(run)
+        graphdef, params = builders.build_model(run, tok, mesh)
         kw = dict(
-            encoder=setup_lib.build_encoder(run, tok),
-            scorer=setup_lib.build_scorer(run),
-            sampling=setup_lib.tokenizer_sampling(run, tok),
+            encoder=builders.build_encoder(run, tok),
+            scorer=builders.build_scorer(run),
+            sampling=builders.tokenizer_sampling(run, tok),
             mesh=mesh,
             key=jax.random.key(3),
         )
         out[n] = (graphdef, params, kw)
-    examples = setup_lib.build_datasets(run)["test"][:12]
+    examples = builders.build_datasets(run)["test"][:12]
     return out, examples
 
 

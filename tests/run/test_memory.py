@@ -301,7 +301,7 @@ def test_a_stated_budget_in_the_run_config_refuses_the_run_at_start_up(tmp_path)
 def test_plan_sampler_is_a_whole_copy_of_the_parameters_and_the_kv_cache_of_its_rows():
     """``plan_sampler``: mesh.sampler_devices = 4 of 8 (grpo_jax.rollout.staleness's split mesh)."""
     from configs.default import get_config
-    from grpo_jax.run import config, setup
+    from grpo_jax.run import builders, config
 
     c = get_config("smoke")  # B = 4, G = 4, prompt buckets up to 32, 6 new tokens
     c.mesh.num_devices, c.mesh.sampler_devices, c.train.max_staleness = 8, 4, 1
@@ -309,8 +309,8 @@ def test_plan_sampler_is_a_whole_copy_of_the_parameters_and_the_kv_cache_of_its_
     c.grpo.beta = 0.04  # the learner holds a reference, the sampler does not
     c.eval.batch_size = 64  # evaluation runs on the learner mesh: more rows there
     run = config.parse_config(c)
-    sampler_mesh = dict(setup.build_sampler_mesh(run).shape)
-    learner_mesh = dict(setup.build_mesh(run).shape)
+    sampler_mesh = dict(builders.build_sampler_mesh(run).shape)
+    learner_mesh = dict(builders.build_mesh(run).shape)
     assert sampler_mesh == {"data": 4, "fsdp": 1, "tensor": 1}
     assert learner_mesh == {"data": 1, "fsdp": 4, "tensor": 1}
 

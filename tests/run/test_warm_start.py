@@ -11,7 +11,7 @@ from flax import nnx
 from configs.default import get_config
 from grpo_jax.learner import optimizer
 from grpo_jax.objective.logprobs import completion_logits
-from grpo_jax.run import setup as run_lib
+from grpo_jax.run import builders as run_lib
 from grpo_jax.run import warm_start as sft
 from grpo_jax.run.config import ConfigError, parse_config
 

@@ -213,7 +213,7 @@ def _default_run(**sampling_kw):
 
 
 def test_setup_encodes_stop_strings_with_the_tokenizer(builtin_tokenizer):
-    from grpo_jax.run.setup import stop_token_ids, tokenizer_sampling
+    from grpo_jax.run.builders import stop_token_ids, tokenizer_sampling
 
     # The character tokenizer: ' '..'~' are ids 4..98, '\n' is 99, BOS is 1 (never added here).
     run = _default_run(stop=("\n\nQuestion:", "#"))

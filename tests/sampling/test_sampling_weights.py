@@ -109,8 +109,8 @@ def test_rollouts_sample_with_the_copy_only_when_there_is_one(tiny_policy):
 def test_the_key_names_a_bad_dtype_and_the_log_prob_source_is_warned_about():
     from helpers_config import smoke_config
 
+    from grpo_jax.run.builders import sampler_dtype_warning
     from grpo_jax.run.config import ConfigError, parse_config
-    from grpo_jax.run.setup import sampler_dtype_warning
     from grpo_jax.sampling.config import SamplingSection
 
     with pytest.raises(ConfigError, match=r"'sampling.param_dtype' = 'bf16' is not one of"):
