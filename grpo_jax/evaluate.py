@@ -14,7 +14,7 @@ differs from the run's is refused, naming the keys.
 pass@1 is greedy: one argmax completion per problem, the share that is
 correct. pass@k draws n = ``eval.num_samples`` completions per problem at
 ``eval.temperature`` and averages Chen et al.'s unbiased estimator
-1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
+1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.core.stats.pass_at_k_values``).
 Batches have a fixed size (the last one padded) so each sampler compiles once.
 Every figure has its 95% interval (``grpo_jax.core.problems``); ``--output`` adds the
 record of what ran (``grpo_jax.run.record``, with the checkpoint's path) and
@@ -202,9 +202,8 @@ def main(argv):
 
     try:
         prob, out, rec, header = evaluate_checkpoint(FLAGS.checkpoint, FLAGS.config, message)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except cli.user_errors() as e:  # a damaged checkpoint too (IntegrityError)
+        return cli.report_error(e, prefix="error")
     text = json.dumps(out, indent=2, sort_keys=True)
     print(text)
     if FLAGS.output:

@@ -3,7 +3,7 @@
 pass@1 is greedy: one argmax completion per problem, the share that is
 correct. pass@k draws n = ``eval.num_samples`` completions per problem at
 ``eval.temperature`` and averages Chen et al.'s unbiased estimator
-1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.metrics.pass_at_k``).
+1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.core.stats.pass_at_k_values``).
 Batches have a fixed size (the last one padded) so each sampler compiles once.
 
 :func:`evaluate_policy` is the one evaluator a run calls: :func:`evaluate_problems`
