@@ -69,31 +69,40 @@ def test_groups_pool_seeds_and_pair_by_seed(runs, tmp_path):
     assert [g.seeds for g in groups] == [[0, 1], [0, 1]]
     first = table[0]
     assert first["metric"] == "greedy pass@1" and first["problems"] == 16
-    # Pooled over two seeds: 2 x 5 of 16 after, 2 x 3 of 16 before.
-    assert first["after"] == pytest.approx((10 / 16, *stats.wilson_interval(10, 16)))
-    assert first["before"][0] == pytest.approx(6 / 16)
+    assert first["steps"] == {"after": [4, 4], "before": [0, 0]}
+    # Each seed has its own problems (ids by data seed): resampled within each seed.
+    assert first["layout"] == "per seed" and first["interval"] == "stratified bootstrap"
+    seeds, ids = np.repeat([0, 1], 8), [f"s{s}p{i}" for s in (0, 1) for i in range(8)]
     b_after = np.tile(np.array(G_A, float), 2)
     b_before = np.tile(np.array(G_BEFORE, float), 2)
-    want = stats.paired_bootstrap_interval(b_before, b_after)
+    want = stats.cluster_bootstrap_interval(b_after, ids, seeds)
+    assert first["after"] == pytest.approx((10 / 16, *want))
+    assert first["before"][0] == pytest.approx(6 / 16)
+    want = stats.cluster_bootstrap_interval(b_after - b_before, ids, seeds)
     assert first["change"] == pytest.approx((4 / 16, *want))
     assert first["per_seed"] == [5 / 8, 5 / 8]
-    # The second group against the first: 4 problems only it solves, none only the first.
+    # The second group against the first: 4 problems only it solves, none only the first;
+    # one unit per problem, so the paired test is McNemar's.
     g = next(r for r in paired if r["metric"] == "greedy pass@1")
-    assert g["mcnemar"] == {"only_a": 0, "only_b": 4, "p_value": pytest.approx(2 / 16)}
+    assert g["test"]["name"] == "McNemar" and g["test"]["p_value"] == pytest.approx(2 / 16)
+    assert (g["test"]["negative"], g["test"]["positive"]) == (0, 4)
     assert g["diff"][0] == pytest.approx(4 / 16)
     assert {r["metric"] for r in paired} == {"greedy pass@1", "sampled pass@1", "pass@2"}
     s = next(r for r in paired if r["metric"] == "sampled pass@1")
     assert s["diff"] == (0.0, 0.0, 0.0)  # the same samples: no difference at all
+    assert s["test"]["p_value"] == 1.0
+    assert all("across_seeds" not in r for r in table + paired)  # two seeds only
 
     md = compare.markdown(table, paired)
-    assert "| optim.learning_rate=0.002 vs baseline | 0,1 | 16 | greedy pass@1 |" in md
-    assert "0.125 (0 / 4)" in md  # McNemar p and the discordant counts
+    assert "| optim.learning_rate=0.002 vs baseline | 0,1 | 4 / 4 | 16 | greedy pass@1 |" in md
+    assert "| baseline | 0,1 | 0 -> 4 | 16 | 16 | greedy pass@1 | stratified bootstrap |" in md
+    assert "0.125 (0 / 4, McNemar)" in md  # the test's p and the discordant counts
     tex = compare.latex(table, paired)
-    assert tex.count(r"\begin{tabular}") == 2 and r"optim.learning\_rate=0.002" in tex
+    assert tex.count(r"\begin{tabular}") == 2 and r"optim.learning\_rate=$0.002$" in tex
 
     out = tmp_path / "out"
     assert compare.main([*map(str, runs), f"--out={out}", "--labels=full,lr"]) == 0
-    assert (out / "compare.md").read_text().startswith("| run | seeds |")
+    assert "stratified bootstrap" in (out / "compare.md").read_text().split("\n")[0]
     assert "| lr vs full |" in (out / "compare.md").read_text()
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
@@ -205,3 +214,144 @@ def test_the_plots_extra_is_declared():
     root = pathlib.Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     assert any(d.startswith("matplotlib") for d in extras["optional-dependencies"]["plots"])
+
+
+# ---------------------------------------------------------------------------
+# Steps, units and the intervals across seeds (issue: numbers a paper can trust).
+
+
+def _greedy_run(tmp_path, name, seed, correct_by_step, *, lr=2e-4, summary=True, data_seed=None,
+                task=None):  # fmt: skip
+    """A workdir whose evaluations (step -> greedy 0/1 per problem) are written by hand; with
+    ``summary=False`` it is a run that stopped before writing summary.json."""
+    ds = seed if data_seed is None else data_seed
+    wd = tmp_path / name
+    config = _config(seed, lr)
+    config["data"]["seed"] = ds
+    if task is not None:
+        config["data"]["name"] = task
+    for step, correct in correct_by_step.items():
+        n = len(correct)
+        prob = problems.Problems(
+            ids=tuple(f"{task or ''}d{ds}p{i}" for i in range(n)),
+            greedy_correct=np.asarray(correct, bool),
+            greedy_length=np.full(n, 3),
+            greedy_truncated=np.zeros(n, bool),
+        )
+        header = {"step": step, "k": None, "figures": problems.figures(prob, None),
+                  "record": {"config": json.dumps(config), "seeds": {"seed": seed}}}  # fmt: skip
+        problems.write(wd / "eval" / f"step_{step}.jsonl", prob, header)
+    if summary:
+        steps = sorted(correct_by_step)
+        files = {"before": f"eval/step_{steps[0]}.jsonl" if len(steps) > 1 else None,
+                 "after": f"eval/step_{steps[-1]}.jsonl"}  # fmt: skip
+        (wd / "summary.json").write_text(json.dumps({"eval_files": files}))
+    return wd
+
+
+def _solved(n_solved, n=20, offset=0):
+    return [1 if (i + offset) % n < n_solved else 0 for i in range(n)]
+
+
+@pytest.fixture
+def four_runs(tmp_path):
+    """The issue's example: two groups of two seeds; the baseline's seed 1 stopped early and
+    has only its evaluation before training (4 of 20 solved), the others are at step 100."""
+    return [
+        _greedy_run(tmp_path, "base0", 0, {0: _solved(4), 100: _solved(12)}),
+        _greedy_run(tmp_path, "base1", 1, {0: _solved(4)}, summary=False),
+        _greedy_run(tmp_path, "lr0", 0, {0: _solved(4), 100: _solved(12)}, lr=1e-3),
+        _greedy_run(tmp_path, "lr1", 1, {0: _solved(4), 100: _solved(12)}, lr=1e-3),
+    ]
+
+
+def test_evaluations_of_different_steps_are_refused_in_one_line(four_runs, capsys):
+    err = _one_line_error(capsys, four_runs)
+    assert "evaluations of different steps" in err and "--allow_mixed_steps" in err
+    assert f"{four_runs[0]} at step 100, {four_runs[1]} at step 0" in err
+    # Pairing alone (each group's own runs agree) is refused as well.
+    with pytest.raises(compare.CompareError, match=r"at step 0, .*lr1 at step 100"):
+        compare.compare([str(four_runs[1]), str(four_runs[3])])
+    # Runs of one step compare as before.
+    assert compare.main([str(four_runs[0]), str(four_runs[2])]) == 0
+
+
+def test_allowed_mixed_steps_are_named_in_every_table(four_runs, capsys):
+    assert compare.main([*map(str, four_runs), "--allow_mixed_steps"]) == 0
+    out, err = capsys.readouterr()
+    # The run without summary.json says which evaluation it took.
+    assert err == (
+        f"note: {four_runs[1]} has no summary.json (a run that stopped early): took its last "
+        "evaluation, eval/step_0.jsonl, as after\n"
+    )
+    rows = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x]
+    assert "| baseline | 0,1 | - -> 100/0 | 40 | 40 | greedy pass@1 |" in out
+    assert "| optim.learning_rate=0.001 | 0,1 | 0 -> 100 |" in out
+    assert "| optim.learning_rate=0.001 vs baseline | 0,1 | 100/0 / 100 | 40 |" in out
+    # Every row of every table names its steps (the header rows name the column).
+    assert all("step" in x or "100" in x for x in rows), rows
+
+
+def test_shared_problems_are_resampled_with_all_their_seeds(tmp_path):
+    """Three seeds on the same 20 problems (a fixed data seed): one problem's results agree
+    across seeds, so the 60 units are 20 independent clusters, not 60 independent trials."""
+    runs = [_greedy_run(tmp_path, f"a{s}", s, {0: _solved(5), 50: _solved(12)}, data_seed=7)
+            for s in range(3)]  # fmt: skip
+    runs += [_greedy_run(tmp_path, f"b{s}", s, {0: _solved(5), 50: _solved(15, offset=s)},
+                         lr=1e-3, data_seed=7) for s in range(3)]  # fmt: skip
+    groups, table, paired = compare.compare(list(map(str, runs)))
+    row = table[0]
+    assert (row["layout"], row["interval"]) == ("shared", "cluster bootstrap")
+    assert (row["problems"], row["units"]) == (20, 60)
+    y = np.tile(np.array(_solved(12), float), 3)
+    ids = [f"d7p{i}" for i in range(20)] * 3
+    assert row["after"] == pytest.approx((0.6, *stats.cluster_bootstrap_interval(y, ids)))
+    # The interval is that of one seed's 20 problems (the seeds agree), not of 60 trials.
+    one = stats.bootstrap_interval(np.array(_solved(12), float))
+    assert row["after"][2] - row["after"][1] == pytest.approx(one[1] - one[0], abs=0.03)
+    wilson = stats.wilson_interval(36, 60)
+    assert row["after"][2] - row["after"][1] > 1.4 * (wilson[1] - wilson[0])
+    # The paired test flips each problem's summed difference over its seeds whole.
+    g = next(r for r in paired if r["metric"] == "greedy pass@1")
+    d = np.concatenate([np.array(_solved(15, offset=s), float) for s in range(3)]) - y
+    assert g["test"] == {**stats.cluster_sign_flip_test(d, ids), "name": "sign-flip"}
+    # Three seeds: the intervals across seeds, with the spread between them.
+    acr = row["across_seeds"]["after"]
+    assert acr == stats.across_seeds_interval(y, np.repeat([0, 1, 2], 20), ids)
+    assert acr["between"] == 0.0  # every seed scores 0.6
+    assert g["p_improvement"] == 1.0  # every b run (0.75) beats every a run (0.6)
+    md = compare.markdown(table, paired)
+    assert "Across training seeds" in md and "| optim.learning_rate=0.001 vs baseline |" in md
+
+
+def test_layout_follows_the_problem_ids():
+    assert compare.layout_of([("a", "b")]) == "one run"
+    assert compare.layout_of([("a", "b"), ("b", "a")]) == "shared"
+    assert compare.layout_of([("a", "b"), ("c", "d")]) == "per seed"
+    assert compare.layout_of([("a", "b"), ("b", "c")]) == "overlapping"
+
+
+def test_runs_on_several_tasks_pair_within_a_task_and_report_an_iqm(tmp_path):
+    runs = []
+    for task, gain in (("add", 2), ("mul", 4)):
+        for s in range(3):
+            runs.append(_greedy_run(tmp_path, f"{task}a{s}", s, {9: _solved(8 + s)}, task=task))
+            runs.append(_greedy_run(tmp_path, f"{task}b{s}", s, {9: _solved(8 + s + gain)},
+                                    lr=1e-3, task=task))  # fmt: skip
+    groups, table, paired = compare.compare(list(map(str, runs)))
+    assert len(groups) == 4 and {(r["base"], r["other"]) for r in paired} == {
+        ("baseline", "optim.learning_rate=0.001"),
+        ("data.name=mul", "data.name=mul, optim.learning_rate=0.001"),
+    }
+    tasks = compare.task_rows(groups, None)
+    assert [r["method"] for r in tasks if r["metric"] == "greedy pass@1"] == [
+        "baseline",
+        "optim.learning_rate=0.001",
+    ]
+    base = [np.array([8, 9, 10]) / 20, np.array([8, 9, 10]) / 20]
+    assert tasks[0]["iqm"] == pytest.approx(
+        (stats.interquartile_mean(np.concatenate(base)), *stats.stratified_bootstrap_interval(base))
+    )
+    # Task add: b beats a in 8 of 9 pairs of runs and ties one (a half); mul: all 9.
+    assert tasks[1]["p_improvement"] == pytest.approx((8.5 / 9 + 1.0) / 2)
+    assert "interquartile mean" in compare.markdown(table, paired, tasks)

@@ -2,7 +2,11 @@
 
 The unit of every interval is the problem: a problem's samples share its
 difficulty, so they are not independent draws and intervals that treated them
-so would be too narrow.
+so would be too narrow. The same holds for training seeds that evaluate the same
+problems: their results on one problem are correlated, so the problem, with all
+its seeds, is what is resampled.
+
+One evaluation (one trained model):
 
   * :func:`wilson_interval`, :func:`clopper_pearson_interval`: a proportion of
     independent trials (greedy pass@1, one completion per problem).
@@ -12,6 +16,24 @@ so would be too narrow.
     evaluations on the same problems.
   * :func:`mcnemar_exact`: McNemar's exact test of two paired pass/fail
     vectors, the two-sided binomial test of the discordant pairs at p = 1/2.
+
+Several training seeds, each (seed, problem) a unit:
+
+  * :func:`cluster_bootstrap_interval`: the mean over units, problems (clusters)
+    resampled with all their seeds; seeds with problems of their own resampled
+    each on its own (strata). Covers the evaluation's problems and samples for
+    these trained models (and a paired difference, given the differences).
+  * :func:`cluster_sign_flip_test`: the paired test that respects clusters (each
+    problem's difference summed over its seeds, its sign flipped); McNemar's
+    exact test when each problem has one unit.
+  * :func:`across_seeds_interval`: the mean over training seeds with an interval
+    that also covers the spread from one training seed to the next.
+  * :func:`probability_of_improvement`, :func:`interquartile_mean`,
+    :func:`stratified_bootstrap_interval`: rliable's summaries over runs and
+    tasks (Agarwal et al., NeurIPS 2021).
+
+``benchmarks/interval_coverage.py`` measures the coverage of these intervals and
+the size of the test on correlated problems (docs/evaluation.md quotes it).
 
 Confidence levels are two-sided (0.95: 2.5% in each tail). Resampling draws
 from ``numpy.random.default_rng(seed)``, so a figure is reproducible.
@@ -238,6 +260,298 @@ def paired_bootstrap_interval(
     if a.shape != b.shape:
         raise ValueError(f"paired values need one shape, got {a.shape} and {b.shape}")
     return bootstrap_interval(b - a, confidence, num_resamples=num_resamples, seed=seed)
+
+
+# ---------------------------------------------------------------------------
+# Several training seeds: units (seed, problem), clustered by problem.
+#
+# When several runs are pooled, each (seed, problem) pair is a unit, but units are not
+# always independent: seeds that evaluate the same problems share each problem's
+# difficulty, so one problem's units are correlated. ``clusters_U`` names each unit's
+# problem (units of one problem form a cluster, resampled or sign-flipped together) and
+# ``strata_U`` its seed when seeds evaluate problems of their own (each seed keeps its
+# number of problems in every resample).
+
+
+def _values(name: str, values) -> np.ndarray:
+    """A non-empty finite float vector; ValueError naming the first non-finite value."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError(f"need a non-empty vector of {name}, got shape {v.shape}")
+    bad = np.flatnonzero(~np.isfinite(v))
+    if bad.size:
+        i = int(bad[0])
+        why = " (unscored)" if np.isnan(v[i]) else ""
+        raise ValueError(
+            f"{name} must be finite: unit {i} is {v[i]}{why} ({bad.size} of {v.size} not finite)"
+        )
+    return v
+
+
+def _labels(name: str, labels, size: int) -> np.ndarray:
+    """Integer codes 0..K-1 of ``labels`` (any hashable values), one per unit."""
+    arr = np.asarray(labels)
+    if arr.shape != (size,):
+        raise ValueError(f"{name} needs one label per unit ({size}), got shape {arr.shape}")
+    return np.unique(arr, return_inverse=True)[1].reshape(-1)
+
+
+def cluster_bootstrap(
+    values_U: np.ndarray,
+    clusters_U: np.ndarray,
+    strata_U: np.ndarray | None = None,
+    seeds_U: np.ndarray | None = None,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Resampled means of the units: clusters drawn with replacement within each stratum.
+
+    Returns (the mean over units of each resample, float [R]; with ``seeds_U``, the mean
+    of each seed's units in each resample, float [R, S] in the order of ``np.unique``,
+    else None). Every unit of a drawn cluster enters the resample, so units that share
+    a problem are never split; a stratum keeps its number of clusters.
+    """
+    v = _values("per-unit values", values_U)
+    c = _labels("clusters_U", clusters_U, v.size)
+    h = np.zeros(v.size, np.int64) if strata_U is None else _labels("strata_U", strata_U, v.size)
+    if num_resamples < 1:
+        raise ValueError(f"num_resamples = {num_resamples} must be positive")
+    s = None if seeds_U is None else _labels("seeds_U", seeds_U, v.size)
+    num_seeds = 1 if s is None else int(s.max()) + 1
+    rng = np.random.default_rng(seed)
+    sums = np.zeros((num_resamples, num_seeds))
+    counts = np.zeros((num_resamples, num_seeds))
+    for stratum in range(int(h.max()) + 1):
+        in_h = h == stratum
+        ids, local = np.unique(c[in_h], return_inverse=True)
+        col = np.zeros(in_h.sum(), np.int64) if s is None else s[in_h]
+        # Each cluster's sum and size per seed: [C, S].
+        key = local * num_seeds + col
+        size = ids.size * num_seeds
+        csum = np.bincount(key, v[in_h], minlength=size).reshape(ids.size, num_seeds)
+        cnum = np.bincount(key, minlength=size).reshape(ids.size, num_seeds).astype(float)
+        # How often each cluster is drawn in each resample: [R, C], C draws with replacement.
+        pick = rng.integers(0, ids.size, size=(num_resamples, ids.size))
+        rows = np.arange(num_resamples)[:, None] * ids.size
+        times = np.bincount((rows + pick).ravel(), minlength=num_resamples * ids.size)
+        times = times.reshape(num_resamples, ids.size).astype(np.float64)
+        sums += times @ csum
+        counts += times @ cnum
+    means = sums.sum(axis=1) / counts.sum(axis=1)
+    if s is None:
+        return means, None
+    with np.errstate(invalid="ignore", divide="ignore"):  # a seed absent from a resample
+        return means, sums / counts
+
+
+def cluster_bootstrap_interval(
+    values_U: np.ndarray,
+    clusters_U: np.ndarray,
+    strata_U: np.ndarray | None = None,
+    confidence: float = 0.95,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile interval of the mean over units, clusters (problems) resampled whole
+    within strata (seeds with problems of their own): :func:`cluster_bootstrap`."""
+    means, _ = cluster_bootstrap(
+        values_U, clusters_U, strata_U, num_resamples=num_resamples, seed=seed
+    )
+    return _percentile_interval(means, confidence)
+
+
+def _sign_flip_pmf(magnitudes: np.ndarray) -> np.ndarray:
+    """The exact distribution of sum(e_c m_c), e_c = +-1 with probability 1/2 each, for
+    integer magnitudes m_c >= 1: probabilities of -T..T (T = sum m_c), index x + T."""
+    total = int(magnitudes.sum())
+    pmf = np.zeros(2 * total + 1)
+    pmf[total] = 1.0
+    width = 0
+    for m, count in zip(*np.unique(magnitudes, return_counts=True), strict=True):
+        # count clusters of magnitude m: m (2X - count), X ~ Binomial(count, 1/2).
+        k = np.arange(count + 1)
+        log_b = (
+            math.lgamma(count + 1)
+            - np.array([math.lgamma(x + 1) + math.lgamma(count - x + 1) for x in k])
+            - count * math.log(2.0)
+        )
+        step = np.zeros(2 * int(m) * count + 1)
+        step[(2 * k * int(m))] = np.exp(log_b)
+        new_width = width + int(m) * count
+        core = np.convolve(pmf[total - width : total + width + 1], step)
+        pmf[:] = 0.0
+        pmf[total - new_width : total + new_width + 1] = core
+        width = new_width
+    return pmf
+
+
+def cluster_sign_flip_test(
+    diffs_U: np.ndarray,
+    clusters_U: np.ndarray,
+    *,
+    num_flips: int = 20000,
+    seed: int = 0,
+) -> dict:
+    """A paired test that respects clusters: is the mean per-unit difference zero?
+
+    Each cluster's (problem's) summed difference D_c keeps its size and gets a random
+    sign, which under the null (the two runs exchangeable on each problem, all seeds of
+    it together) leaves the distribution unchanged. The two-sided p-value is
+    P(|sum e_c D_c| >= |sum D_c|). Exact when the D_c are integers (0/1 correctness, or
+    shares of a fixed number of samples scaled by it): by convolution, and with one unit
+    per cluster it is McNemar's exact test. Otherwise ``num_flips`` random sign vectors,
+    p = (1 + hits) / (1 + num_flips).
+
+    Returns ``p_value``, ``clusters`` (how many), ``positive`` and ``negative`` (clusters
+    whose difference is above or below zero) and ``exact``.
+    """
+    d = _values("per-unit differences", diffs_U)
+    c = _labels("clusters_U", clusters_U, d.size)
+    dc = np.bincount(c, d)
+    dc[np.abs(dc) < 1e-9 * max(1.0, float(np.abs(dc).max()))] = 0.0
+    out = {"clusters": int(dc.size), "positive": int((dc > 0).sum())}
+    out["negative"] = int((dc < 0).sum())
+    nz = np.abs(dc[dc != 0])
+    observed = abs(float(dc.sum()))
+    if nz.size == 0:
+        return {**out, "p_value": 1.0, "exact": True}
+    integral = np.allclose(nz, np.round(nz), rtol=0, atol=1e-9) and nz.sum() <= 2_000_000
+    if integral:
+        m = np.round(nz).astype(np.int64)
+        pmf = _sign_flip_pmf(m)
+        total, t = int(m.sum()), int(round(observed))
+        p = float(pmf[: total - t + 1].sum() + pmf[total + t :].sum()) if t else 1.0
+        return {**out, "p_value": min(1.0, p), "exact": True}
+    if num_flips < 1:
+        raise ValueError(f"num_flips = {num_flips} must be positive")
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for lo in range(0, num_flips, 1000):
+        signs = rng.integers(0, 2, size=(min(1000, num_flips - lo), nz.size)) * 2 - 1
+        hits += int((np.abs(signs @ nz) >= observed * (1 - 1e-12)).sum())
+    return {**out, "p_value": (1 + hits) / (1 + num_flips), "exact": False}
+
+
+def _t_quantile(q: float, df: float) -> float:
+    """The q quantile of Student's t with ``df`` > 0 degrees of freedom (bisection on its
+    cdf, 1 - I_{df/(df+t^2)}(df/2, 1/2) / 2 for t > 0)."""
+    if df > 1e6:  # the normal quantile, within 3e-6
+        return statistics.NormalDist().inv_cdf(q)
+    upper = lambda t: 0.5 * betainc(df / 2, 0.5, df / (df + t * t))  # P(T > t), t >= 0
+    tail = 1.0 - q if q >= 0.5 else q
+    lo, hi = 0.0, 1.0
+    while upper(hi) > tail:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if upper(mid) > tail else (lo, mid)
+    t = (lo + hi) / 2
+    return t if q >= 0.5 else -t
+
+
+def across_seeds_interval(
+    values_U: np.ndarray,
+    seeds_U: np.ndarray,
+    clusters_U: np.ndarray,
+    strata_U: np.ndarray | None = None,
+    confidence: float = 0.95,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    seed: int = 0,
+) -> dict:
+    """An interval for the mean over training seeds that covers the spread from one
+    training seed to the next as well as the evaluation's problems and samples.
+
+    The figure is the mean of the S seeds' means m_s. Its variance is that from the
+    problems, V_p (the cluster bootstrap's variance of the mean), plus sigma_a^2 / S,
+    sigma_a^2 the variance between training seeds. The seed means' sample variance s^2
+    estimates sigma_a^2 plus the part of their problem noise they do not share (W: the mean
+    bootstrap variance of a seed mean less the mean covariance between two of them, which
+    is large when seeds evaluate the same problems); so sigma_a^2 = max(0, s^2 - W). The
+    interval is mean -+ t sqrt(V_p + sigma_a^2 / S), t Student's with Satterthwaite's
+    degrees of freedom (S - 1 when the seeds' spread dominates). A bootstrap over three
+    seeds would see 10 distinct resamples and shrink their spread by (S - 1) / S.
+
+    Returns ``mean``, ``lo``, ``hi``, ``df``, ``between`` (sigma_a, the standard deviation
+    between seeds) and ``seeds``. Needs two seeds or more.
+    """
+    v = _values("per-unit values", values_U)
+    s = _labels("seeds_U", seeds_U, v.size)
+    num_seeds = int(s.max()) + 1
+    if num_seeds < 2:
+        raise ValueError("an interval across training seeds needs two seeds or more")
+    means = np.bincount(s, v) / np.bincount(s)
+    _, by_seed = cluster_bootstrap(
+        v, clusters_U, strata_U, s, num_resamples=num_resamples, seed=seed
+    )
+    ok = np.all(np.isfinite(by_seed), axis=1)
+    by_seed = by_seed[ok]
+    cov = np.cov(by_seed, rowvar=False)
+    grand = by_seed.mean(axis=1)
+    v_p = float(np.var(grand, ddof=1))
+    off = (cov.sum() - np.trace(cov)) / (num_seeds * (num_seeds - 1))
+    within = float(np.trace(cov) / num_seeds - off)
+    s2 = float(np.var(means, ddof=1))
+    between = max(0.0, s2 - within)
+    var = v_p + between / num_seeds
+    num_clusters = np.unique(np.asarray(clusters_U)).size
+    if between > 0:
+        seed_part, problem_part = s2 / num_seeds, abs(v_p - within / num_seeds)
+        denom = seed_part**2 / (num_seeds - 1) + problem_part**2 / max(1, num_clusters - 1)
+        df = var**2 / denom if denom > 0 else float(num_seeds - 1)
+    else:
+        df = float(max(1, num_clusters - 1))
+    df = max(df, float(num_seeds - 1))
+    half = _t_quantile(1.0 - (1.0 - _check_confidence(confidence)) / 2.0, df) * math.sqrt(var)
+    m = float(means.mean())
+    return {
+        "mean": m,
+        "lo": m - half,
+        "hi": m + half,
+        "df": float(df),
+        "between": math.sqrt(between),
+        "seeds": num_seeds,
+    }
+
+
+def probability_of_improvement(base_runs: np.ndarray, other_runs: np.ndarray) -> float:
+    """P(X > Y) + P(X = Y) / 2 for X a random run of ``other`` and Y one of ``base``: the
+    share of (other, base) pairs of runs in which the other run scores higher, ties half
+    (Agarwal et al., NeurIPS 2021). 0.5: neither tends to be better."""
+    y, x = _values("base figures", base_runs), _values("other figures", other_runs)
+    diff = x[:, None] - y[None, :]
+    return float(((diff > 0) + 0.5 * (diff == 0)).mean())
+
+
+def interquartile_mean(values: np.ndarray) -> float:
+    """The mean of the middle half of ``values``: floor(n / 4) values cut from each end, as
+    ``scipy.stats.trim_mean(values, 0.25)`` and rliable's IQM (Agarwal et al. 2021); robust
+    to one task or run far off the others."""
+    v = np.sort(_values("values", values))
+    cut = v.size // 4
+    return float(v[cut : v.size - cut].mean())
+
+
+def stratified_bootstrap_interval(
+    scores_by_task: list[np.ndarray],
+    statistic=interquartile_mean,
+    confidence: float = 0.95,
+    *,
+    num_resamples: int = NUM_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile interval of ``statistic`` of all runs' scores, each task's runs resampled
+    with replacement on their own (rliable's stratified bootstrap, Agarwal et al. 2021)."""
+    tasks = [_values("scores", t) for t in scores_by_task]
+    rng = np.random.default_rng(seed)
+    out = np.empty(num_resamples)
+    for r in range(num_resamples):
+        out[r] = statistic(np.concatenate([t[rng.integers(0, t.size, t.size)] for t in tasks]))
+    return _percentile_interval(out, confidence)
 
 
 def mcnemar_exact(a_correct: np.ndarray, b_correct: np.ndarray) -> dict:

@@ -239,3 +239,124 @@ def test_pass_at_k_golden_values():
     assert _one(10, 3, 5) == pytest.approx(1 - 21 / 252, abs=1e-12)
     assert _one(10, 8, 3) == 1.0  # fewer than k wrong samples
     assert _one(200, 0, 100) == 0.0
+
+
+# ---------------------------------------------------------------------------
+# Units of several training seeds: clusters, strata, the sign-flip test, across seeds.
+
+
+def test_cluster_bootstrap_resamples_a_problem_with_all_its_seeds():
+    rng = np.random.default_rng(3)
+    v = (rng.random(40) < 0.6).astype(float)
+    ids = [f"p{i}" for i in range(40)]
+    one = stats.cluster_bootstrap_interval(v, ids)
+    # Three seeds that agree on every problem carry no more information than one seed: the
+    # cluster bootstrap's interval is the same, the pooled one (120 "independent" units)
+    # about sqrt(3) narrower.
+    three = stats.cluster_bootstrap_interval(np.tile(v, 3), ids * 3)
+    assert three == pytest.approx(one, abs=1e-12)
+    pooled = stats.bootstrap_interval(np.tile(v, 3))
+    assert (one[1] - one[0]) / (pooled[1] - pooled[0]) == pytest.approx(math.sqrt(3), rel=0.2)
+    # One unit per cluster: the ordinary bootstrap over problems, up to its resampling noise.
+    plain = stats.bootstrap_interval(v)
+    assert one == pytest.approx(plain, abs=0.03)
+    with pytest.raises(ValueError, match="one label per unit"):
+        stats.cluster_bootstrap_interval(v, ids[:-1])
+    with pytest.raises(ValueError, match=r"unit 2 is nan \(unscored\)"):
+        stats.cluster_bootstrap_interval([0.0, 1.0, float("nan")], [0, 1, 2])
+
+
+def test_strata_keep_their_number_of_problems():
+    # Seed 0 solves none of its problems, seed 1 all of its own: resampled within each seed
+    # every resample's mean is 0.5; resampled across seeds it varies.
+    v = np.array([0.0] * 10 + [1.0] * 10)
+    ids, seeds = np.arange(20), np.repeat([0, 1], 10)
+    assert stats.cluster_bootstrap_interval(v, ids, seeds) == (0.5, 0.5)
+    lo, hi = stats.cluster_bootstrap_interval(v, ids)
+    assert lo < 0.35 and hi > 0.65
+    means, by_seed = stats.cluster_bootstrap(v, ids, seeds, seeds, num_resamples=50)
+    np.testing.assert_array_equal(by_seed, np.tile([0.0, 1.0], (50, 1)))
+
+
+def test_sign_flip_test_by_enumeration_and_mcnemar():
+    rng = np.random.default_rng(0)
+    # Singleton clusters of 0/1 differences: McNemar's exact test.
+    for _ in range(10):
+        a, b = rng.random(30) < 0.5, rng.random(30) < 0.65
+        got = stats.cluster_sign_flip_test(b.astype(float) - a, np.arange(30))
+        want = stats.mcnemar_exact(a, b)
+        assert got["p_value"] == pytest.approx(want["p_value"], abs=1e-12) and got["exact"]
+        assert (got["negative"], got["positive"]) == (want["only_a"], want["only_b"])
+    # Clusters of three seeds: every one of the 2^10 sign vectors.
+    d = rng.integers(-1, 2, size=(10, 3)).astype(float)
+    clusters = np.repeat(np.arange(10), 3)
+    got = stats.cluster_sign_flip_test(d.ravel(), clusters)
+    sums = d.sum(axis=1)
+    flips = np.array(list(itertools.product([-1, 1], repeat=10)))
+    want = np.mean(np.abs(flips @ sums) >= abs(sums.sum()) - 1e-9)
+    assert got["exact"] and got["p_value"] == pytest.approx(want, abs=1e-12)
+    # Non-integer differences: random flips, close to the exact value.
+    mc = stats.cluster_sign_flip_test(d.ravel() * 0.37, clusters)
+    assert not mc["exact"] and mc["p_value"] == pytest.approx(want, abs=0.02)
+    assert stats.cluster_sign_flip_test(np.zeros(6), np.arange(6))["p_value"] == 1.0
+
+
+def test_t_quantile_against_scipy():
+    for q, df in [(0.975, 1), (0.975, 2), (0.025, 4), (0.975, 7.3), (0.9, 150), (0.975, 1e4)]:
+        assert stats._t_quantile(q, df) == pytest.approx(scipy.stats.t.ppf(q, df), abs=1e-9)
+
+
+def test_across_seeds_interval_by_hand():
+    rng = np.random.default_rng(1)
+    # Each seed its own problems (strata): the t interval over the seeds' means, S - 1 df.
+    levels = [0.3, 0.6, 0.8]
+    v = np.concatenate([(rng.random(200) < p).astype(float) for p in levels])
+    seeds, ids = np.repeat([0, 1, 2], 200), np.arange(600)
+    got = stats.across_seeds_interval(v, seeds, ids, seeds)
+    m = v.reshape(3, 200).mean(axis=1)
+    half = scipy.stats.t.ppf(0.975, 2) * m.std(ddof=1) / math.sqrt(3)
+    assert got["df"] == pytest.approx(2.0, abs=0.05)
+    assert (got["lo"], got["hi"]) == pytest.approx((m.mean() - half, m.mean() + half), rel=0.01)
+    # Seeds that agree on shared problems: no spread between seeds, and an interval about
+    # as wide as the problems' alone.
+    w = np.tile((rng.random(100) < 0.5).astype(float), 3)
+    got = stats.across_seeds_interval(w, np.repeat([0, 1, 2], 100), np.tile(np.arange(100), 3))
+    lo, hi = stats.cluster_bootstrap_interval(w, np.tile(np.arange(100), 3))
+    assert got["between"] == 0.0 and got["hi"] - got["lo"] == pytest.approx(hi - lo, rel=0.15)
+    with pytest.raises(ValueError, match="two seeds or more"):
+        stats.across_seeds_interval(w[:100], np.zeros(100), np.arange(100))
+
+
+def test_probability_of_improvement_and_iqm():
+    assert stats.probability_of_improvement([0.5, 0.6], [0.55, 0.6]) == pytest.approx(
+        (1 + 0 + 1 + 0.5) / 4
+    )
+    x = np.random.default_rng(2).random(13)
+    assert stats.interquartile_mean(x) == pytest.approx(scipy.stats.trim_mean(x, 0.25))
+    # Stratified: each task keeps its runs; a task whose runs agree adds no spread.
+    tasks = [np.array([0.2, 0.2, 0.2]), np.array([0.8, 0.8, 0.8])]
+    assert stats.stratified_bootstrap_interval(tasks, np.mean) == pytest.approx((0.5, 0.5))
+
+
+def _coverage_script():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "interval_coverage.py"
+    spec = importlib.util.spec_from_file_location("interval_coverage", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_intervals_cover_correlated_problems_by_simulation():
+    """benchmarks/interval_coverage.py, reduced: 3 seeds on 60 shared problems, ICC 0.5.
+
+    Nominal 95% / 5%. With 300 simulations a rate's standard error is about 0.013: the
+    bounds are 3-4 of them. The old pooled Wilson interval and McNemar test fail them."""
+    r = _coverage_script().simulate("shared", 3, 0.5, sims=300, num_problems=60, rng_seed=11)
+    for k in ("greedy", "sampled", "diff", "across", "across_diff"):
+        assert 0.91 <= r[k] <= 0.99, (k, r)
+    assert r["test"] <= 0.09, r
+    assert r["wilson"] < 0.91 and r["mcnemar"] > 0.09, r  # what the old units gave
