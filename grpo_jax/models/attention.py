@@ -31,10 +31,11 @@ implementation; nothing downstream reads a pad's output).
                or sliding-window mask as a static block-sparse mask, left padding
                as segment ids (real tokens segment 1, pads 0: a real query sees
                real keys only, a pad query sees pads, so no row is empty), the
-               soft-cap in the kernel, a fused backward. Compiled for the TPU on
-               a TPU backend; elsewhere run by Pallas's interpreter (slow; for
-               tests). The mask is static, so the kernel serves calls whose
-               queries sit in consecutive slots from a known offset
+               soft-cap in the kernel, a fused backward. Compiled by Mosaic in a
+               program lowered for a TPU (also ahead of time on a CPU host);
+               elsewhere run by Pallas's interpreter (slow; for tests). The mask
+               is static, so the kernel serves calls whose queries sit in
+               consecutive slots from a known offset
                (``AttnMask.q_offset``): the uncached forward pass, the sampler's
                prefill and the update's prompt-once scoring. A one-token decode
                step runs ``einsum`` (its scores are [B, H, 1, S], linear in S),
@@ -136,12 +137,15 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     """One query per row over a paged cache, as a Pallas kernel that reads each row's
     pages through its block table (``model.attention = "splash"``'s decode step on the
     paged engine; docs/engine.md). Equal to :func:`paged_attention` on the gathered
-    rows. Compiled for the TPU on a TPU backend; elsewhere run by Pallas's interpreter.
+    rows. Compiled by Mosaic when lowered for a TPU, run by Pallas's interpreter when
+    lowered for anything else (:func:`_on_platform`).
 
-    Grid (rows, KV heads, table entries): the block table is prefetched as scalars,
-    so entry j of row b fetches page ``table[b, j]`` of that head's keys and values
-    ([Z, Dh] blocks) and folds it into an online softmax (running max, normaliser
-    and weighted sum in scratch), written out after the last entry.
+    Grid (rows, table entries): the block table is prefetched as scalars, so entry j
+    of row b fetches the whole page ``table[b, j]``, every KV head at once ([Z, K, Dh]
+    blocks: the TPU lowering wants a block's last two dimensions whole or in (8, 128)
+    tiles, which one head of [pages, Z, K, Dh] is not), and folds it into each head's
+    online softmax (running max, normaliser and weighted sum in scratch), written out
+    after the last entry.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -150,44 +154,45 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     Z = kv.k.shape[1]
     M = kv.table_BxN.shape[1]
     k_pos = kv.pos_BxS.reshape(B, M, 1, Z).astype(jnp.int32)
-    per_page = lambda b, h, j, table, q_pos: (table[b, j], 0, h, 0)
-    per_row = lambda b, h, j, table, q_pos: (b, h, 0, 0)
+    per_page = lambda b, j, table, q_pos: (table[b, j], 0, 0, 0)
+    per_row = lambda b, j, table, q_pos: (b, 0, 0, 0)
     grid = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(B, K, M),
+        grid=(B, M),
         in_specs=[
-            pl.BlockSpec((None, None, G, Dh), per_row),
-            pl.BlockSpec((None, Z, None, Dh), per_page),
-            pl.BlockSpec((None, Z, None, Dh), per_page),
-            pl.BlockSpec((None, None, 1, Z), lambda b, h, j, table, q_pos: (b, j, 0, 0)),
+            pl.BlockSpec((None, K, G, Dh), per_row),
+            pl.BlockSpec((None, Z, K, Dh), per_page),
+            pl.BlockSpec((None, Z, K, Dh), per_page),
+            pl.BlockSpec((None, None, 1, Z), lambda b, j, table, q_pos: (b, j, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, G, Dh), per_row),
+        out_specs=pl.BlockSpec((None, K, G, Dh), per_row),
         scratch_shapes=[
-            pltpu.VMEM((G, 1), jnp.float32),
-            pltpu.VMEM((G, 1), jnp.float32),
-            pltpu.VMEM((G, Dh), jnp.float32),
+            pltpu.VMEM((K, G, 1), jnp.float32),
+            pltpu.VMEM((K, G, 1), jnp.float32),
+            pltpu.VMEM((K, G, Dh), jnp.float32),
         ],
     )
     kernel = functools.partial(
-        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M
+        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M, heads=K
     )
-    call = pl.pallas_call(
+    call = lambda interpret: pl.pallas_call(
         kernel,
         grid_spec=grid,
         out_shape=jax.ShapeDtypeStruct((B, K, G, Dh), q_BxKxGxDh.dtype),
-        interpret=jax.default_backend() != "tpu",
+        interpret=interpret,
     )
     table = kv.table_BxN.astype(jnp.int32)
-    return call(table, q_pos_B.astype(jnp.int32), q_BxKxGxDh, kv.k, kv.v, k_pos)
+    args = (table, q_pos_B.astype(jnp.int32), q_BxKxGxDh, kv.k, kv.v, k_pos)
+    return _on_platform(call)(*args)
 
 
 def _paged_decode_kernel(
     table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, o_ref, m_sc, l_sc, acc_sc, *,
-    scale, window, softcap, entries,
+    scale, window, softcap, entries, heads,
 ):  # fmt: skip
     from jax.experimental import pallas as pl
 
-    b, j = pl.program_id(0), pl.program_id(2)
+    b, j = pl.program_id(0), pl.program_id(1)
     del table_ref  # read by the index maps only
 
     @pl.when(j == 0)
@@ -196,31 +201,44 @@ def _paged_decode_kernel(
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    q_GxDh = q_ref[...].astype(jnp.float32)
     contract = lambda a, b_, dims: jax.lax.dot_general(
         a, b_, (dims, ((), ())), preferred_element_type=jnp.float32
     )
-    scores_GxZ = _cap(contract(q_GxDh, k_ref[...].astype(jnp.float32), ((1,), (1,))) * scale,
-                      softcap)  # fmt: skip
     dist_1xZ = q_pos_ref[b] - k_pos_ref[...]
     ok_1xZ = dist_1xZ >= 0
     if window is not None:
         ok_1xZ &= dist_1xZ < window
-    scores_GxZ = jnp.where(ok_1xZ, scores_GxZ, MASKED)
-    m_prev = m_sc[...]
-    m_new = jnp.maximum(m_prev, scores_GxZ.max(axis=-1, keepdims=True))
-    p_GxZ = jnp.where(ok_1xZ, jnp.exp(scores_GxZ - m_new), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_sc[...] = alpha * l_sc[...] + p_GxZ.sum(axis=-1, keepdims=True)
-    acc_sc[...] = alpha * acc_sc[...] + contract(
-        p_GxZ, v_ref[...].astype(jnp.float32), ((1,), (0,))
-    )
-    m_sc[...] = m_new
+    k_ZxKxDh = k_ref[...].astype(jnp.float32)
+    v_ZxKxDh = v_ref[...].astype(jnp.float32)
+    for h in range(heads):  # static: a model has a few KV heads (1-16)
+        q_GxDh = q_ref[h].astype(jnp.float32)
+        scores_GxZ = _cap(contract(q_GxDh, k_ZxKxDh[:, h, :], ((1,), (1,))) * scale, softcap)
+        scores_GxZ = jnp.where(ok_1xZ, scores_GxZ, MASKED)
+        m_prev = m_sc[h]
+        m_new = jnp.maximum(m_prev, scores_GxZ.max(axis=-1, keepdims=True))
+        p_GxZ = jnp.where(ok_1xZ, jnp.exp(scores_GxZ - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_sc[h] = alpha * l_sc[h] + p_GxZ.sum(axis=-1, keepdims=True)
+        acc_sc[h] = alpha * acc_sc[h] + contract(p_GxZ, v_ZxKxDh[:, h, :], ((1,), (0,)))
+        m_sc[h] = m_new
 
     @pl.when(j == entries - 1)
     def _():
         norm = l_sc[...]
         o_ref[...] = (acc_sc[...] / jnp.where(norm == 0, 1.0, norm)).astype(o_ref.dtype)
+
+
+def _on_platform(build):
+    """``build(interpret)``'s Pallas call, chosen by the platform the program is lowered for:
+    Mosaic's kernel for a TPU, Pallas's interpreter for any other. The choice is made when
+    the program is lowered (``jax.lax.platform_dependent``), not from the process's default
+    backend, so a CPU host lowers the TPU kernel when it compiles ahead of time for a TPU
+    topology (``python -m grpo_jax.plan``, docs/pods.md)."""
+
+    def call(*args):
+        return jax.lax.platform_dependent(*args, tpu=build(False), default=build(True))
+
+    return call
 
 
 def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:
@@ -443,7 +461,22 @@ def _round_up(n: int, m: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(shape, q_offset, window, heads, softcap, bq, bkv, interpret):
-    """The Pallas kernel of one static mask: causal from ``q_offset``, within ``window``."""
+    """The Pallas kernel of one static mask: causal from ``q_offset``, within ``window``.
+
+    Built in a thread of its own: its mask tables are concrete arrays (made while a
+    program is traced), and the mesh a caller set with ``jax.set_mesh`` is thread-local.
+    Under the caller's mesh they would be placed on the mesh's devices, which fails for
+    the compile-only devices of a TPU topology (``python -m grpo_jax.plan``); here they
+    are host constants of the program, whatever the mesh.
+    """
+    import concurrent.futures
+
+    args = (shape, q_offset, window, heads, softcap, bq, bkv, interpret)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splash-tables") as pool:
+        return pool.submit(_build_splash_kernel, *args).result()
+
+
+def _build_splash_kernel(shape, q_offset, window, heads, softcap, bq, bkv, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -505,8 +538,6 @@ def splash_attention(
     block = _round_up(block_size, 128)  # the kernel's blocks are whole 128-lane tiles
     bq, bkv = min(block, _round_up(T, 128)), min(block, _round_up(S, 128))
     Tp, Sp = _round_up(T, bq), _round_up(S, bkv)
-    interpret = jax.default_backend() != "tpu"
-    kernel = lambda w: _splash_kernel((Tp, Sp), off, w, G, softcap, bq, bkv, interpret)
     window = mask.window
 
     dt = q_BxTxKxGxDh.dtype
@@ -536,19 +567,26 @@ def splash_attention(
     static = window is None or isinstance(window, int)
     extra = () if static else (jnp.asarray(window, jnp.int32),)
 
-    def attend(q, k, v, q_seg, kv_seg, *w):
-        if static:
-            return run(kernel(window), q, k, v, q_seg, kv_seg)
-        return jax.lax.cond(
-            w[0] >= NO_WINDOW,
-            lambda *a: run(kernel(None), *a),
-            lambda *a: run(kernel(local_window), *a),
-            q,
-            k,
-            v,
-            q_seg,
-            kv_seg,
-        )
+    def attend_with(interpret):  # Mosaic's kernel lowered for a TPU, else interpreted
+        kernel = lambda w: _splash_kernel((Tp, Sp), off, w, G, softcap, bq, bkv, interpret)
+
+        def attend(q, k, v, q_seg, kv_seg, *w):
+            if static:
+                return run(kernel(window), q, k, v, q_seg, kv_seg)
+            return jax.lax.cond(
+                w[0] >= NO_WINDOW,
+                lambda *a: run(kernel(None), *a),
+                lambda *a: run(kernel(local_window), *a),
+                q,
+                k,
+                v,
+                q_seg,
+                kv_seg,
+            )
+
+        return attend
+
+    attend = _on_platform(attend_with)
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
