@@ -1,10 +1,11 @@
-"""What the command-line entry points (train, evaluate, export) share.
+"""What the command-line entry points share: quiet logs, flag parsing, one-line errors.
 
 ``quiet()`` keeps a run's console to what a person reads: the progress line,
 warnings and errors. Libraries' start-up chatter (JAX's backend probing, the
 tokenizer library's note that PyTorch is absent, Orbax's per-save INFO lines)
 is dropped; ``--verbosity=0`` (absl) or a logging configuration of your own
-brings INFO back for grpo_jax's own loggers.
+brings INFO back for grpo_jax's own loggers. Every command reports the errors it
+expects through :func:`report_error`: one line on stderr and an exit status.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def quiet() -> None:
 # Exit status of a user error (bad config, input file, workdir, checkpoint): one line on
 # stderr, the traceback only under --verbose.
 USER_ERROR = 2
+# Exit status of a run stopped by too many non-finite updates.
+NON_FINITE = 3
 # Exit status of a run a health alarm stopped (health.stop_on_alarm; its checkpoint saved),
 # and of its rerun, which refuses to resume past the stop without
-# health.resume_after_stop. (3: a run stopped by non-finite updates.)
+# health.resume_after_stop.
 ALARM_STOP = 4
 
 
@@ -60,11 +63,24 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def report_user_error(e: BaseException, stream=None) -> int:
-    """Prints ``error: <message>`` (one line per line of the message); returns USER_ERROR."""
-    prefix = "config error" if isinstance(e, ConfigError) else "error"
-    print(f"{prefix}: {e}", file=stream or sys.stderr)
-    return USER_ERROR
+def report_error(
+    problem: BaseException | str,
+    *,
+    prefix: str | None = None,
+    status: int = USER_ERROR,
+    stream=None,
+) -> int:
+    """Prints ``<prefix>: <problem>`` on stderr and returns ``status``: how every command
+    reports an error it expects (a user error by default, USER_ERROR).
+
+    ``prefix`` says what kind of error it is; by default "config error" for a ConfigError
+    and "error" for anything else. A message of several lines (a memory plan's table)
+    prints as it is.
+    """
+    if prefix is None:
+        prefix = "config error" if isinstance(problem, ConfigError) else "error"
+    print(f"{prefix}: {problem}", file=stream or sys.stderr)
+    return status
 
 
 def override_keys(argv) -> list[str]:
@@ -185,15 +201,14 @@ def _config_problem(argv) -> str | None:
     return None
 
 
-def _fail(message: str, argv) -> None:
-    """Prints ``message`` (one line) and exits with USER_ERROR; under --verbose the
-    traceback of the exception being handled comes first."""
+def _fail(prefix: str, message: str, argv) -> None:
+    """Reports ``message`` (:func:`report_error`) and exits with USER_ERROR; under
+    --verbose the traceback of the exception being handled comes first."""
     import traceback
 
     if "--verbose" in argv and sys.exc_info()[0] is not None:
         traceback.print_exc()
-    print(message, file=sys.stderr)
-    sys.exit(USER_ERROR)
+    sys.exit(report_error(message, prefix=prefix))
 
 
 def parse_flags(argv):
@@ -223,10 +238,10 @@ def parse_flags(argv):
     except Exception as e:
         problem = _config_problem(argv[1:])  # the file itself, before what overrides it
         if problem:
-            _fail(f"config error: {problem}", argv)
+            _fail("config error", problem, argv)
         if isinstance(e, flags.Error):
             message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
-            _fail(f"error: {message} (--help lists the flags)", argv)
+            _fail("error", f"{message} (--help lists the flags)", argv)
         if not isinstance(e, (AttributeError, KeyError)):
             raise
         # A config override naming no key.
@@ -234,9 +249,10 @@ def parse_flags(argv):
         why = [(k, unknown_key(config, k)) for k in keys] if config is not None else []
         bad = [f"--config.{k} names no config key: {w}" for k, w in why if w]
         _fail(
-            f"config error: {bad[0]}"
+            "config error",
+            bad[0]
             if bad
-            else "config error: one of the overrides names no config key: "
+            else "one of the overrides names no config key: "
             + " ".join(f"--config.{k}" for k in keys),
             argv,
         )
@@ -244,12 +260,13 @@ def parse_flags(argv):
     if config is not None and not _loaded(config):
         # config_flags defers a file it could not read to the first use of the config.
         problem = _config_problem(argv[1:]) or f"--config={config_spec(argv[1:])} cannot be read"
-        _fail(f"config error: {problem}", argv)
+        _fail("config error", problem, argv)
     twice = sorted(k for k in set(keys) if keys.count(k) > 1)
     if twice:
         _fail(
-            f"config error: config key {', '.join(twice)} is given more than once on the "
-            "command line; give each key once",
+            "config error",
+            f"config key {', '.join(twice)} is given more than once on the command line; "
+            "give each key once",
             argv,
         )
     return rest

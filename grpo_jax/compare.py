@@ -55,6 +55,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from grpo_jax import cli
 from grpo_jax.core import problems, stats
 from grpo_jax.core.checks import flat_keys
 from grpo_jax.run.writers import read_metrics
@@ -922,8 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups, group_table, paired_table = compare(a.runs, labels, a.allow_mixed_steps)
         task_table = task_rows(groups, groups[0].runs[0].after_header.get("k"))
     except (CompareError, ValueError, OSError) as e:  # damaged files: ValueError naming them
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.report_error(e, prefix="error")
     for note in (r.note for g in groups for r in g.runs if r.note):
         print(f"note: {note}", file=sys.stderr)
     md = markdown(group_table, paired_table, task_table)
@@ -943,12 +943,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             fig = None
             print(MISSING_MATPLOTLIB)
     except CompareError as e:  # a damaged metrics.jsonl; the tables are written
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.report_error(e, prefix="error")
     except OSError as e:
         where = e.filename or out
-        print(f"error: cannot write --out={a.out}: {e.strerror or e} ({where})", file=sys.stderr)
-        return 2
+        return cli.report_error(f"cannot write --out={a.out}: {e.strerror or e} ({where})")
     print(f"wrote {out / 'compare.md'}, {out / 'compare.tex'}" + (f", {fig}" if fig else ""))
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from grpo_jax import cli
 from grpo_jax.models.gguf import convert_gguf
 from grpo_jax.models.safetensors_io import CheckpointError
 
@@ -37,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             args.gguf, args.out_dir, dtype=args.dtype, tokenizer=not args.no_tokenizer
         )
     except (CheckpointError, OSError) as e:  # the input file or the destination
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.report_error(e)
     print(out)
     return 0
 

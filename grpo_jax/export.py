@@ -160,8 +160,7 @@ def main(argv):
             warm_start=FLAGS.warm_start,
         )
     except (ExportError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.report_error(e, prefix="error")
     print(f"exported to {path}")
     return 0
 

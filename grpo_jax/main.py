@@ -19,7 +19,6 @@ import time
 
 _T0 = time.time()  # Before the heavy imports: the wall time counts them.
 
-import sys  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -44,8 +43,7 @@ def main(argv):
     try:
         distributed.maybe_initialize_from_flags()
     except distributed.DistributedError as e:
-        print(f"multi-process settings error: {e}", file=sys.stderr)
-        return 2
+        return cli.report_error(e, prefix="multi-process settings error")
     import jax
 
     if jax.process_index() == 0:  # the imports and the setup below take seconds, say so
@@ -57,13 +55,11 @@ def main(argv):
     except cli.user_errors() as e:
         if FLAGS.verbose:
             raise
-        return cli.report_user_error(e)
+        return cli.report_error(e)
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        return cli.report_error(e, status=cli.NON_FINITE)
     except AlarmStop as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return cli.ALARM_STOP
+        return cli.report_error(e, prefix="stopped", status=cli.ALARM_STOP)
     return 0 if summary else 1
 
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from grpo_jax.cli import override_keys, unknown_key
+from grpo_jax.cli import override_keys, report_error, unknown_key
 
 
 class SweepError(ValueError):
@@ -125,8 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cmds = commands(args.config, args.workdir_root, extra)
     except (SweepError, ValueError) as e:
-        print(f"sweep error: {e}", file=sys.stderr)
-        return 2
+        return report_error(e, prefix="sweep error")
     failed = []
     for cmd in cmds:
         print(shlex.join(cmd), flush=True)

@@ -452,7 +452,7 @@ def main(argv):
             fields=F.fields,
         )
     except (*cli.user_errors(), ValueError) as e:
-        return cli.report_user_error(e)
+        return cli.report_error(e)
     print(f"saved to {F.out}")
     return 0
 

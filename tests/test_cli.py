@@ -70,6 +70,23 @@ def test_export_of_a_step_with_flipped_bytes_is_one_line_naming_the_array(workdi
     assert not (tmp_path / "hf").exists()
 
 
+def test_evaluate_of_a_step_with_flipped_bytes_is_one_line_naming_the_array(workdir, tmp_path):
+    import shutil
+
+    from helpers_resume import flip_bytes
+
+    damaged = tmp_path / "run"
+    shutil.copytree(workdir, damaged, ignore=shutil.ignore_patterns(".lock"))
+    flip_bytes(damaged / "checkpoints" / "1", "params")
+    proc = _cli("grpo_jax.evaluate", f"--checkpoint={damaged}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint step 1 in {damaged / 'checkpoints'}: params["), last
+    assert last.endswith("differs from the checksum saved with it (damaged on disk)"), last
+    assert not proc.stdout.strip()  # no figures of damaged weights
+
+
 def test_evaluate_defaults_to_the_runs_config_and_refuses_another_model(workdir):
     proc = _cli("grpo_jax.evaluate", f"--checkpoint={workdir}")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -71,7 +71,7 @@ def test_a_workdir_that_cannot_be_written_is_one_line_and_a_user_error(tmp_path,
     with pytest.raises(cli.user_errors()) as e:
         WorkdirLock(tmp_path)
     err = io.StringIO()
-    assert cli.report_user_error(e.value, err) == 2
+    assert cli.report_error(e.value, stream=err) == 2
     assert err.getvalue() == (
         f"error: workdir {tmp_path} cannot be written (Read-only file system: "
         f"{tmp_path / '.lock'}); choose another --workdir, or make this one writable\n"
