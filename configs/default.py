@@ -119,7 +119,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
         # Weight 0 too, the bias's shares: completions longer than their answer (the
         # labeller's taste), right answers followed by anything, answers padded with zeros
         # (the pairs' own examples of it).
-        c.reward_modules = "grpo_jax.data.preference"
+        c.reward_modules = "grpo_jax.rewards.length_bias"
         c.rewards = (
             "exact_match(tag=None):0.0,longer_answer:0.0,padded_answer:0.0,trailing_zeros:0.0"
         )

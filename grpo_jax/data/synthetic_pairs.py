@@ -1,8 +1,5 @@
 """Synthetic preference pairs with a known bias, for reward-model and reward-hacking experiments.
 
-    python -m grpo_jax.data.preference --out=/tmp/pairs.jsonl [--n=4000] [--pad_max=2] \
-        [--both_right=0.3 --taste=0.85] [--independent_pad] [--seed=0]
-
 Each pair is a training problem of the CPU default (``configs/default.py``: 3-digit addition,
 digits and operands least significant first). The labeller this simulates prefers correct
 answers and, among them, longer ones, shown by padding with "0"s. The padding is not
@@ -21,20 +18,17 @@ the exploitable bias of docs/learned_rewards.md's demonstration.
 
 The prompts are the default task's training prompts (``make_split(..., "train", ...)`` with
 ``ARITH_DEFAULT_KNOBS``), so the reward model scores exactly the texts the policy is
-prompted with. The module also registers the weight-0 rewards that measure the bias in a
-run: ``longer_answer``, ``padded_answer`` and ``trailing_zeros``.
+prompted with. ``python -m grpo_jax.make_pairs`` writes them; the rewards that measure the
+bias in a run are ``grpo_jax.rewards.length_bias``'s.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import sys
 
 import numpy as np
 
-from grpo_jax import rewards
 from grpo_jax.core.checks import check_range
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.data.synthetic import make_split, split_of, write_number
@@ -130,108 +124,9 @@ def training_problems() -> int:
     return _TRAINING_PROBLEMS[0]
 
 
-def check_out(path) -> pathlib.Path:
-    """``path`` as a file the pairs can be written to; ConfigError naming it otherwise."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        raise ConfigError(f"--out={path} is a directory; give a file name (pairs.jsonl)")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"--out={path}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ConfigError(f"--out={path}: {parent} is not writable")
-            break
-    return path
-
-
-def _share(completions, answer, biased) -> list[float]:
-    """1.0 for each completion (stripped) that ``biased(completion, its answer)`` holds of."""
-    return [float(biased(c.strip(), a)) for c, a in zip(completions, answer, strict=True)]
-
-
-# The bias's shares, each scored at weight 0 by ``configs/default.py:reward_model=DIR``, so
-# the run logs them as ``rewards/<name>/mean``.
-
-
-@rewards.register("trailing_zeros")
-def trailing_zeros(prompts, completions, answer, **_):
-    """The pairs' own examples of the bias: a completion longer than its reference answer with
-    only "0"s after the answer's length (right or wrong digits before them)."""
-    del prompts
-    return _share(completions, answer, lambda s, a: len(s) > len(a) and set(s[len(a) :]) == {"0"})
-
-
-@rewards.register("padded_answer")
-def padded_answer(prompts, completions, answer, **_):
-    """The bias as a policy exploits it: a completion that is its reference answer followed
-    by more characters (zeros or any others). A reward model taught that a longer right
-    answer is better can pay for any tail, not only the pairs' zeros."""
-    del prompts
-    return _share(completions, answer, lambda s, a: len(s) > len(a) and s.startswith(a))
-
-
-@rewards.register("longer_answer")
-def longer_answer(prompts, completions, answer, **_):
-    """The labeller's taste: a completion longer than its reference answer, right or wrong."""
-    del prompts
-    return _share(completions, answer, lambda s, a: len(s) > len(a))
-
-
 def write_pairs(pairs: list[dict], path) -> pathlib.Path:
     """One JSON object a line (the format ``python -m grpo_jax.train_reward_model`` reads)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     return path
-
-
-def main(argv) -> int:
-    from absl import flags
-
-    del argv
-    F = flags.FLAGS
-    settings = dict(pad_max=F.pad_max, both_right=F.both_right, taste=F.taste)
-    try:  # every setting checked before the pairs are drawn (a minute for 700,000)
-        check_settings(F.n, **settings)
-        out = check_out(F.out)
-        if F.n > 100_000:
-            print(f"drawing {F.n:,} pairs of distinct problems", flush=True)
-        pairs = biased_pairs(F.n, F.seed, independent_pad=F.independent_pad, **settings)
-        path = write_pairs(pairs, out)
-    except (ConfigError, OSError) as e:  # one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{F.n} pairs written to {path}")
-    return 0
-
-
-def parse_flags(argv):
-    """absl's parsing, with a bad flag as one line and exit status 2 (as the other
-    commands, ``grpo_jax.cli.parse_flags``, which this layer may not import)."""
-    from absl import flags
-
-    FLAGS = flags.FLAGS
-    if any(a in ("--help", "-help", "-h", "--helpshort", "-?") for a in argv[1:]):
-        print(FLAGS.main_module_help())
-        sys.exit(0)
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        message = "; ".join(line.strip().rstrip(".") for line in str(e).splitlines())
-        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-
-    flags.DEFINE_string("out", None, "Output JSONL file.")
-    flags.DEFINE_integer("n", 4000, "Pairs (distinct training problems).")
-    flags.DEFINE_integer("pad_max", 2, "Most trailing zeros on the chosen side.")
-    flags.DEFINE_float("both_right", 0.0, "Share of pairs of two right answers, the longer chosen.")
-    flags.DEFINE_float("taste", 1.0, "Chance the labeller picks the longer of two right answers.")
-    flags.DEFINE_bool("independent_pad", False, "Pad both sides of a right-vs-wrong pair freely.")
-    flags.DEFINE_integer("seed", 0, "Seed of the problems and the padding.")
-    flags.mark_flags_as_required(["out"])
-    app.run(main, argv=sys.argv, flags_parser=parse_flags)
