@@ -123,6 +123,9 @@ class TrainConfig:
       samples_every: write sample completions as text every this many steps
         (0: never).
       num_samples_logged: how many completions each sample file shows.
+      wandb: also log the run to Weights & Biases: "off", "offline" (written
+        under <workdir>/wandb for ``wandb sync``; no network) or "online"
+        (``grpo_jax.run.wandb_writer``; needs the wandb package).
       max_nonfinite_in_row: stop the run after this many consecutive skipped
         (non-finite) updates.
       no_signal_steps: warn loudly when no group had reward variance for
@@ -163,6 +166,7 @@ class TrainConfig:
     log_every: int = 1
     samples_every: int = 25
     num_samples_logged: int = 4
+    wandb: str = "off"
     max_nonfinite_in_row: int = 5
     no_signal_steps: int = 10
     track_update: bool = True
@@ -187,6 +191,7 @@ class TrainConfig:
         check_range("train.log_every", self.log_every, lo=1, integer=True)
         check_range("train.samples_every", self.samples_every, lo=0, integer=True)
         check_range("train.num_samples_logged", self.num_samples_logged, lo=0, integer=True)
+        check_choice("train.wandb", self.wandb, ("off", "offline", "online"))
         check_range("train.max_nonfinite_in_row", self.max_nonfinite_in_row, lo=1, integer=True)
         check_range("train.no_signal_steps", self.no_signal_steps, lo=0, integer=True)
         check_bool("train.track_update", self.track_update)

@@ -29,7 +29,7 @@ from grpo_jax.learner import update as update_lib
 from grpo_jax.models import lora
 from grpo_jax.reward_models import learned_bytes
 from grpo_jax.rollout.rounds import Policy, Rollouts
-from grpo_jax.run import memory, runlocal, writers
+from grpo_jax.run import memory, runlocal, wandb_writer, writers
 from grpo_jax.run import workdir as workdir_lib
 from grpo_jax.run.builders import (
     build_datasets,
@@ -350,7 +350,11 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
         records=Records(
             workdir=workdir,
             checkpointer=checkpointer,
-            writer=writers.MetricsWriter(workdir, enabled=is_main),
+            writer=writers.MetricsWriter(
+                workdir,
+                enabled=is_main,
+                extra=wandb_writer.writers_for(run, workdir, data_.eval_examples, is_main),
+            ),
             progress=progress,
             lock=lock,
         ),

@@ -1,7 +1,8 @@
 """The run's metric writers: metrics.jsonl, TensorBoard events, samples and the progress line.
 
 One JSON object per step goes to ``<workdir>/metrics.jsonl``; the same scalars go to
-TensorBoard event files under ``<workdir>/tensorboard``. Only process 0 writes.
+TensorBoard event files under ``<workdir>/tensorboard`` and to any extra writers, such as
+the W&B run of ``train.wandb`` (``grpo_jax.run.wandb_writer``). Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -58,13 +59,21 @@ class MetricsWriter:
     Sample completions go to ``<workdir>/samples/step_XXXXXXX.txt``. A writer
     built with ``enabled=False`` (processes other than 0) does nothing. A write that
     fails (a full disk), TensorBoard's in its thread too, raises its OSError here.
+    ``extra``: more writers that get every ``write``, ``write_samples``, ``flush`` and
+    ``close`` (the W&B run, ``grpo_jax.run.wandb_writer``).
     """
 
     def __init__(
-        self, workdir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True
+        self,
+        workdir: str | os.PathLike,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        extra: Sequence = (),
     ):
         self.workdir = pathlib.Path(workdir)
         self.enabled = enabled
+        self.extra = tuple(extra) if enabled else ()
         self.path = self.workdir / "metrics.jsonl"
         self._tb, self._tb_threads = None, set()
         if not enabled:
@@ -110,6 +119,8 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, int(step))
+        for w in self.extra:
+            w.write(step, metrics)
 
     def write_samples(
         self,
@@ -137,6 +148,8 @@ class MetricsWriter:
         (d / f"{name}_{int(step):07d}.txt").write_text(text)
         if self._tb is not None:
             self._tb.add_text("samples", "    " + text.replace("\n", "\n    "), int(step))
+        for w in self.extra:
+            w.write_samples(step, samples, name=name, header=header)
 
     def truncate(self, last_step: int) -> None:
         """Drops the records after ``last_step`` (resume), reopening the file."""
@@ -152,6 +165,8 @@ class MetricsWriter:
             self._file.flush()
             if self._tb is not None:
                 self._tb.flush()
+            for w in self.extra:
+                w.flush()
 
     def close(self) -> None:
         if not self.enabled:
@@ -160,11 +175,15 @@ class MetricsWriter:
         try:
             self._file.close()
         finally:
-            if self._tb is not None:
-                try:
-                    self._tb.close()
-                finally:
-                    self._tb_closed()
+            try:
+                if self._tb is not None:
+                    try:
+                        self._tb.close()
+                    finally:
+                        self._tb_closed()
+            finally:
+                for w in self.extra:
+                    w.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
