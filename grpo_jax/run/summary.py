@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 import time
 
+INTERVALS = (
+    "95% intervals over the held-out problems for this trained model (greedy pass@1: Wilson; "
+    "pass@k: bootstrap over problems), not across training seeds: python -m grpo_jax.compare "
+    "of three seeds or more gives those"
+)
+
 
 def summarize(
     run, workdir, before, after, warm_info, prior_seconds, t_start, final_step, progress, is_main,
@@ -59,6 +65,7 @@ def summarize(
         table.append(_row(f"pass@{run.eval.k} ({n})", b, a, "pass_at_k"))
     if not b:
         table.append("no before figures: the run did not evaluate before GRPO (eval.at_start)")
+    table.append(INTERVALS)
     table.append(
         f"wall time {wall:.0f}s, {final_step} GRPO steps; summary in {workdir / 'summary.json'}"
     )

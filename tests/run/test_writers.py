@@ -99,6 +99,9 @@ def test_run_summary_table_without_a_before_evaluation_has_no_nan(tmp_path, befo
     summary = summarize(run, tmp_path, before, after, None, 0.0, 0.0, 1, progress, True)
     text = out.getvalue()
     assert "nan" not in text
+    # The table says which intervals it shows, and that they are not across seeds.
+    assert "intervals over the held-out problems for this trained model (greedy pass@1: " in text
+    assert "Wilson; pass@k: bootstrap over problems), not across training seeds" in text
     rows = [line.split() for line in text.splitlines() if line.startswith(("greedy", "pass@"))]
     if before is None:
         assert summary["before"] is None
