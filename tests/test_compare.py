@@ -307,8 +307,8 @@ def test_shared_problems_are_resampled_with_all_their_seeds(tmp_path):
     ids = [f"d7p{i}" for i in range(20)] * 3
     assert row["after"] == pytest.approx((0.6, *stats.cluster_bootstrap_interval(y, ids)))
     # The interval is that of one seed's 20 problems (the seeds agree), not of 60 trials.
-    one = stats.bootstrap_interval(np.array(_solved(12), float))
-    assert row["after"][2] - row["after"][1] == pytest.approx(one[1] - one[0], abs=0.03)
+    one = stats.cluster_bootstrap_interval(np.array(_solved(12), float), ids[:20])
+    assert row["after"][1:] == pytest.approx(one, abs=1e-12)
     wilson = stats.wilson_interval(36, 60)
     assert row["after"][2] - row["after"][1] > 1.4 * (wilson[1] - wilson[0])
     # The paired test flips each problem's summed difference over its seeds whole.

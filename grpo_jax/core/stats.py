@@ -354,12 +354,29 @@ def cluster_bootstrap_interval(
     num_resamples: int = NUM_RESAMPLES,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile interval of the mean over units, clusters (problems) resampled whole
-    within strata (seeds with problems of their own): :func:`cluster_bootstrap`."""
+    """Expanded percentile interval of the mean over units, clusters (problems) resampled
+    whole within strata (seeds with problems of their own): :func:`cluster_bootstrap`.
+
+    The bootstrap's spread of a mean of m clusters is sqrt((m - 1) / m) times the true one
+    and its tails are normal ones where Student's t with m - 1 degrees of freedom fits, so
+    plain percentiles undercover with few clusters (about 94% at 100). The percentiles are
+    taken at the level whose normal quantile is sqrt(m / (m - 1)) t_{m-1} (Hesterberg,
+    "What teachers should know about the bootstrap", 2015): m the clusters per stratum,
+    the degrees of freedom the clusters less the strata.
+    """
     means, _ = cluster_bootstrap(
         values_U, clusters_U, strata_U, num_resamples=num_resamples, seed=seed
     )
-    return _percentile_interval(means, confidence)
+    c = _labels("clusters_U", clusters_U, np.size(values_U))
+    h = np.zeros(c.size, np.int64) if strata_U is None else _labels("strata_U", strata_U, c.size)
+    clusters = np.unique(h * (int(c.max()) + 1) + c).size
+    strata = int(h.max()) + 1
+    per_stratum = clusters / strata
+    if per_stratum <= 1 or clusters - strata < 1:
+        return _percentile_interval(means, confidence)
+    q = 1.0 - (1.0 - _check_confidence(confidence)) / 2.0
+    z = math.sqrt(per_stratum / (per_stratum - 1)) * _t_quantile(q, clusters - strata)
+    return _percentile_interval(means, 1.0 - 2.0 * statistics.NormalDist().cdf(-z))
 
 
 def _sign_flip_pmf(magnitudes: np.ndarray) -> np.ndarray:

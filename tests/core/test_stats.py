@@ -257,6 +257,11 @@ def test_cluster_bootstrap_resamples_a_problem_with_all_its_seeds():
     assert three == pytest.approx(one, abs=1e-12)
     pooled = stats.bootstrap_interval(np.tile(v, 3))
     assert (one[1] - one[0]) / (pooled[1] - pooled[0]) == pytest.approx(math.sqrt(3), rel=0.2)
+    # Percentiles expanded for 40 clusters: at the level of sqrt(40 / 39) t_39 (Hesterberg).
+    means, _ = stats.cluster_bootstrap(v, ids)
+    z = math.sqrt(40 / 39) * scipy.stats.t.ppf(0.975, 39)
+    a = scipy.stats.norm.cdf(-z)
+    assert one == pytest.approx(tuple(np.quantile(means, [a, 1 - a])), abs=1e-12)
     # One unit per cluster: the ordinary bootstrap over problems, up to its resampling noise.
     plain = stats.bootstrap_interval(v)
     assert one == pytest.approx(plain, abs=0.03)
