@@ -22,6 +22,7 @@ themselves, no copy.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Sequence
 
 import jax
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.core import integrity
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.sharding import batch_shards
 from grpo_jax.models import from_pretrained, load_tokenizer
@@ -98,9 +100,12 @@ class Judge:
 
     @classmethod
     def load(cls, section: JudgeSection, mesh=None, layout: str = "fsdp") -> Judge:
-        """The judge of ``section.path`` (unbound for "reference")."""
+        """The judge of ``section.path`` (unbound for "reference"). A directory's SHA256SUMS,
+        when it has one, is verified first, as ``load_reward_model`` does (IntegrityError)."""
         if section.path == REFERENCE:
             return cls(section=section, mesh=mesh)
+        if pathlib.Path(section.path).is_dir():
+            integrity.check_sums(section.path)
         _refuse_reward_model(section.path)
         graphdef, params = nnx.split(from_pretrained(section.path, mesh=mesh, layout=layout))
         tokenizer = load_tokenizer(section.tokenizer or section.path)

@@ -120,6 +120,7 @@ def test_a_reward_model_checkpoint_is_refused_as_judge(
 ):
     """A *ForSequenceClassification checkpoint (score.weight, no LM head) would load as a causal
     LM through its tied embedding, its head ignored: refused, naming the setting to use."""
+    from grpo_jax.core import integrity
     from grpo_jax.reward_models import RewardModel
     from grpo_jax.reward_models.training import save_reward_model
 
@@ -132,7 +133,31 @@ def test_a_reward_model_checkpoint_is_refused_as_judge(
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
+    integrity.write_sums(path, integrity.sums_names(path))  # the edit is on purpose
     with pytest.raises(ConfigError, match="'score.weight'"):
+        Judge.load(_section(path=str(path)))
+
+
+def test_a_judge_whose_files_differ_from_their_sha256sums_is_refused(
+    tmp_path, builtin_tokenizer, tiny_model_config
+):
+    """A judge directory's SHA256SUMS is verified as a reward model's is: a flipped byte in
+    its weights refuses to load (IntegrityError naming the file), not judge from bad weights."""
+    from grpo_jax.core import integrity
+    from grpo_jax.core.errors import IntegrityError
+    from grpo_jax.models import create_model
+    from grpo_jax.models.hf import save_pretrained
+
+    path = save_pretrained(
+        create_model(tiny_model_config, seed=0), tmp_path / "judge", tokenizer=builtin_tokenizer
+    )
+    integrity.write_sums(path, [p.name for p in path.iterdir() if p.is_file()])
+    assert integrity.check_sums(path)  # the files as summed
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # a byte of the last tensor's data, past the header
+    weights.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="model.safetensors differs from its checksum"):
         Judge.load(_section(path=str(path)))
 
 
