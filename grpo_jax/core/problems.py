@@ -14,6 +14,11 @@ interval whose unit is the problem (``grpo_jax.core.stats``):
   ``pass_at_k``          mean over problems of Chen et al.'s unbiased pass@k from all
                          of its S x n samples; bootstrap over problems
 
+These intervals cover the sampling of problems and completions for the one trained
+model evaluated, not the spread between training seeds; ``grpo_jax.compare`` pools
+seeds (resampling a problem with all its seeds when they share it) and gives intervals
+across training seeds.
+
 The file (``<workdir>/eval/step_<N>.jsonl``) has one header line,
 ``{"header": {...}}`` (the figures, k, the seeds and the run's record), then one
 line per problem:
