@@ -19,8 +19,9 @@ from flax import nnx
 
 import grpo_jax.models.attention as attn_lib
 import grpo_jax.models.lora as lora
+from grpo_jax.core.sharding import MESH_AXES, logical_to_spec
 from grpo_jax.models.config import ModelConfig
-from grpo_jax.models.partitioning import constrain
+from grpo_jax.models.partitioning import constrain, fit_spec
 from grpo_jax.models.rope import apply_rope
 
 
@@ -71,11 +72,28 @@ def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> 
         offset += size
 
 
-def _one_device() -> bool:
-    """Whether the trace runs under no mesh of several devices (a Pallas call is not
-    partitioned by XLA: on a mesh the paged decode step keeps the gather path)."""
+def _paged_decode(q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, softcap, layout):
+    """The Pallas paged decode kernel; on a mesh with the ("data", "fsdp", "tensor") axes
+    it runs under ``shard_map`` (XLA does not partition a Pallas call): each device
+    attends its rows over its copy of the pool, which the engine keeps whole on every
+    device."""
+    call = lambda q, k, v, table, pos, q_pos: attn_lib.paged_decode_attention(
+        q, attn_lib.PagedKV(k, v, None, None, table, pos), q_pos, window, scale, softcap
+    )
+    args = (q_BxKxGxDh, kv.k, kv.v, kv.table_BxN, kv.pos_BxS, q_pos_B)
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+        return call(*args)
+    P = jax.sharding.PartitionSpec
+    rows_ax = fit_spec(logical_to_spec(("batch",), layout), q_BxKxGxDh.shape[:1], mesh.shape)
+    rows, whole = P(*rows_ax), P()
+    return jax.shard_map(
+        call,
+        mesh=mesh,
+        in_specs=(rows, whole, whole, rows, rows, rows),
+        out_specs=rows,
+        check_vma=False,
+    )(*args)
 
 
 def _project(x_MxD: jax.Array, w_DxHxDh: jax.Array) -> jax.Array:
@@ -200,7 +218,7 @@ class Attention(nnx.Module):
             kv_cache = kv_cache.write(
                 k_BxTxKxDh.reshape(B * T, K, Dh), v_BxTxKxDh.reshape(B * T, K, Dh)
             )
-            out_BxTxKxGxDh = self._paged(q_BxTxHxDh.reshape(B, T, K, G, Dh), kv_cache, mask)
+            out_BxTxKxGxDh = self._paged(q_BxTxHxDh.reshape(B, T, K, G, Dh), kv_cache, mask, layout)
             return self._out(out_BxTxKxGxDh, w), kv_cache
         else:  # Update this layer's slabs in place.
             k_spec = "bksh"
@@ -223,16 +241,17 @@ class Attention(nnx.Module):
         out_BxTxKxGxDh = self._attend(q_BxTxKxGxDh, k_kv, v_kv, k_spec, mask, layout)
         return self._out(out_BxTxKxGxDh, w), kv_cache
 
-    def _paged(self, q_BxTxKxGxDh, kv: attn_lib.PagedKV, mask):
+    def _paged(self, q_BxTxKxGxDh, kv: attn_lib.PagedKV, mask, layout: str):
         """Attention over a paged cache: the Pallas decode kernel for one query per row with
-        ``attention = "splash"`` on one device, else the gather path."""
+        ``attention = "splash"`` (:func:`_paged_decode`), else the gather path."""
         cfg = self.cfg
         B, T, K, G, Dh = q_BxTxKxGxDh.shape
         scale, softcap = cfg.attn_scale, cfg.attn_logit_softcap
-        if T == 1 and cfg.attention == "splash" and _one_device():
-            out_BxKxGxDh = attn_lib.paged_decode_attention(
-                q_BxTxKxGxDh[:, 0], kv, mask.q_slot_BxT[:, 0], mask.window, scale, softcap
-            )
+        if T == 1 and cfg.attention == "splash":
+            out_BxKxGxDh = _paged_decode(
+                q_BxTxKxGxDh[:, 0], kv, mask.q_slot_BxT[:, 0], mask.window, scale, softcap,
+                layout,
+            )  # fmt: skip
             return out_BxKxGxDh[:, None]
         k_BxSxKxDh, v_BxSxKxDh = kv.gather()
         return attn_lib.paged_attention(

@@ -320,8 +320,9 @@ class Transformer(nnx.Module):
         sliding-window layers when their pools have page ids of their own
         (the same slots and positions; a page out of every row's window may be
         gone from them). Attention is the gather-based einsum path
-        (``grpo_jax.models.attention.paged_attention``) whatever
-        ``cfg.attention`` says.
+        (``grpo_jax.models.attention.paged_attention``), or with ``cfg.attention``
+        "splash" and one token per row the Pallas paged decode kernel
+        (``paged_decode_attention``; on a mesh under ``shard_map``).
         """
         cfg = self.config
         if cfg.scan_layers:
