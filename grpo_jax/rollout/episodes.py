@@ -62,8 +62,8 @@ from grpo_jax.core.batch import HostRollout, RolloutBatch
 from grpo_jax.objective import advantages as adv_lib
 from grpo_jax.rewards.scoring import limit_rewards
 from grpo_jax.rollout.stats import duplicate_flags, rollout_metrics
-from grpo_jax.sampling import paged, paged_turns
 from grpo_jax.sampling import static_turns as turn_decode
+from grpo_jax.sampling.engines import STATIC, get_engine
 from grpo_jax.sampling.static import SamplingConfig, pad_prompts, problem_keys
 from grpo_jax.sampling.static_turns import MultiTurnConfig
 
@@ -190,13 +190,10 @@ def run_episodes(
     n = b * num_samples
     if len(environments) != n:
         raise ValueError(f"{len(environments)} environments for {n} rows")
-    if sampling.engine == "paged":
-        prompts = paged.real_prompts(prompt_tokens_BxP, prompt_mask_BxP)
-        eng = paged_turns.TurnEngine(graphdef, params, prompts, key, sampling, cfg, num_samples)
-    else:
-        eng = turn_decode.StaticTurns(
-            graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, sampling, cfg, num_samples
-        )
+    # The engine's own episodes (the paged pool's), or the static kernel's.
+    eng = get_engine(sampling.engine).turns(
+        graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, sampling, cfg, num_samples
+    )
     book = _Book.empty(n)
     while True:
         eng.phase()
@@ -584,7 +581,7 @@ def _play_chunks(
     per-episode arrays (example-major, ``num_samples`` each). Evaluation plays on the static
     kernel whatever ``sampling.engine`` says: its row keys keep each episode independent of
     the other rows of its call (the paged engine draws per decode call)."""
-    r = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, engine="static"))
+    r = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, engine=STATIC))
     parts = []
     for c, i in enumerate(range(0, len(examples), per_call)):
         chunk = list(examples[i : i + per_call])

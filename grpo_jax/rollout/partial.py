@@ -1,5 +1,5 @@
 """Partial rollouts: rows still unfinished when a step's groups are done carry over
-(``sampling.partial_rollouts`` with ``sampling.engine = "paged"``; docs/engine.md).
+(``sampling.partial_rollouts`` on an engine that carries rows, ``"paged"``; docs/engine.md).
 
 With ``train.max_staleness`` = k >= 1, the engine run of step s holds the groups
 of steps s .. s + k in prompt order, B per step: step s's own B groups first
@@ -45,6 +45,7 @@ from grpo_jax.core.batch import jsonable
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.rollout.rounds import Rollouts
 from grpo_jax.sampling import paged
+from grpo_jax.sampling.engines import get_engine
 
 NO_VERSION = -1  # a token slot not drawn yet
 
@@ -104,14 +105,15 @@ class Carry:
         return self.groups[: self.r.batch_size]
 
     def sample(self, params, key: jax.Array, version: int) -> tuple[list[Group], object]:
-        """-> (the step's B groups, finished; the engine's EngineStats), sampled by
+        """-> (the step's B groups, finished; the engine's statistics), sampled by
         ``params`` (parameter version ``version``); call :meth:`top_up` first."""
         if len(self.groups) < self.width:
             raise RuntimeError(f"{len(self.groups)} groups carried; top_up to {self.width} first")
         graphdef, params = self.r.sampler_policy(params)
         b, g = self.r.batch_size, self.r.grpo.G
         before = stack_rows(self.groups)
-        rows, stats = paged.generate_rows(
+        # The run's config named an engine that carries rows (grpo_jax.run.config checks it).
+        rows, stats = get_engine(self.r.sampling.engine).generate_rows(
             graphdef,
             params,
             [x.prompt for x in self.groups],

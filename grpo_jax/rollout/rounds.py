@@ -39,8 +39,8 @@ from grpo_jax.objective import advantages as adv_lib
 from grpo_jax.reward_models import learned_metrics
 from grpo_jax.rollout.scorer import Scorer
 from grpo_jax.rollout.stats import duplicate_flags, rollout_metrics
-from grpo_jax.sampling.paged import generate_with_stats as paged_generate
-from grpo_jax.sampling.static import generate, pad_prompts
+from grpo_jax.sampling.engines import get_engine
+from grpo_jax.sampling.static import pad_prompts
 from grpo_jax.sampling.weights import SamplerWeights
 
 
@@ -200,7 +200,7 @@ class _Round:
     t_sample: float
     t_reward: float
     t_params_ready: float
-    engine: object = None  # the paged engine's EngineStats
+    engine: object = None  # the engine's statistics (the paged engine's EngineStats)
 
 
 @dataclasses.dataclass
@@ -212,7 +212,7 @@ class Dispatched:
     prompts: list[str]
     prompt_tokens: int
     t_params_ready: float
-    engine: object = None  # the paged engine's EngineStats (None on the static engine)
+    engine: object = None  # the engine's statistics (None on the static engine)
 
 
 def dispatch_round(
@@ -238,9 +238,9 @@ def dispatch_round(
         # The previous update must finish before sampling anyway; waiting here times each part.
         jax.block_until_ready(params)
     t0 = time.perf_counter()
-    engine = paged_generate if r.sampling.engine == "paged" else generate
-    out = engine(graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh)
-    out, stats = out if r.sampling.engine == "paged" else (out, None)
+    out, stats = get_engine(r.sampling.engine).generate(
+        graphdef, params, tokens_BxP, mask_BxP, key, r.sampling, num_samples=G, mesh=mesh
+    )
     return Dispatched(out, list(examples), prompts, prompt_tokens, t0, stats)
 
 
@@ -350,9 +350,8 @@ def _metrics(r: Rollouts, rounds: list[_Round]) -> dict[str, float]:
         }
     )
     stats = [x.engine for x in rounds if x.engine is not None]
-    if stats:  # the paged engine (docs/engine.md)
-        metrics["engine/slot_occupancy"] = float(np.mean([e.slot_occupancy for e in stats]))
-        metrics["engine/peak_pages"] = max(e.peak_pages for e in stats)
+    if stats:  # an engine that reports statistics (the paged engine's: docs/engine.md)
+        metrics.update(get_engine(r.sampling.engine).metrics(stats))
     return metrics
 
 

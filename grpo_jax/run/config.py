@@ -62,6 +62,7 @@ from grpo_jax.rewards.section import (
 )
 from grpo_jax.run.health import HealthConfig
 from grpo_jax.sampling.config import SamplingSection
+from grpo_jax.sampling.engines import Engine, engine_names, get_engine
 
 __all__ = [
     # The bottom layer's, re-exported.
@@ -539,14 +540,8 @@ def parse_config(config) -> RunConfig:
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
-    if run.sampling.engine == "paged" and run.model.scan_layers:
-        raise ConfigError(
-            "config key 'sampling.engine' = 'paged' needs model.scan_layers = False: the "
-            "paged cache runs the unscanned layers"
-        )
+    _check_engine(run)
     k = run.train.max_staleness
-    _check_partial_rollouts(run)
-    _check_paged(run)
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
         raise ConfigError(
@@ -564,43 +559,29 @@ def parse_config(config) -> RunConfig:
     return run
 
 
-def _check_paged(run: RunConfig) -> None:
-    """The paged engine's page and pool sizes against the sequences they page, at start-up
-    (a pool too small for any row was refused only when the engine first ran)."""
-    s = run.sampling
-    if s.engine != "paged":
-        return
-    # A row pages its prompt and its completion, or, with an environment, its transcript.
+def _check_engine(run: RunConfig) -> None:
+    """``sampling.engine`` names a registered engine, which checks its own settings against
+    the sequences a row holds; partial rollouts need one that carries rows."""
+    engine = get_engine(run.sampling.engine)
+    # A row holds its completion after the prompt, or, with an environment, its transcript.
     t, what = (
         (run.env.max_tokens, "env.max_tokens")
         if run.env.name
-        else (s.max_new_tokens, "sampling.max_new_tokens")
+        else (run.sampling.max_new_tokens, "sampling.max_new_tokens")
     )
-    longest = max(s.prompt_buckets) + t
-    if s.page_size > longest:
-        raise ConfigError(
-            f"config key 'sampling.page_size' = {s.page_size} is larger than the longest "
-            f"sequence it pages ({longest} tokens: the largest prompt bucket "
-            f"{max(s.prompt_buckets)} + {what} = {t}): most of every page would be empty, "
-            f"and the KV pool grows with the page; use at most {longest} (the default is 16)"
-        )
-    own = -(-(t - 1) // s.page_size)  # a row's own pages: every token it feeds back
-    if s.pages and s.pages < 1 + own:
-        raise ConfigError(
-            f"config key 'sampling.pages' = {s.pages} is too small for any row: a row holds "
-            f"its prompt's pages (at least 1) and its own {own} ({what} = {t} tokens in pages "
-            f"of {s.page_size}) at once; give at least {1 + own}, or 0 for the worst case"
-        )
+    engine.check(run.sampling, run.model, completion=t, completion_key=what)
+    _check_partial_rollouts(run, engine)
 
 
-def _check_partial_rollouts(run: RunConfig) -> None:
+def _check_partial_rollouts(run: RunConfig, engine: Engine) -> None:
     if not run.sampling.partial_rollouts:
         return
     where = "config key 'sampling.partial_rollouts' = True"
-    if run.sampling.engine != "paged":
+    if not engine.carries_rows:
+        able = " or ".join(repr(n) for n in engine_names() if get_engine(n).carries_rows)
         raise ConfigError(
-            f"{where} needs sampling.engine = 'paged' (it is {run.sampling.engine!r}): rows "
-            "carry over between the paged engine's runs"
+            f"{where} needs sampling.engine = {able} (it is {run.sampling.engine!r}): rows "
+            "carry over between the runs of an engine that continues them"
         )
     if not run.train.max_staleness:
         raise ConfigError(

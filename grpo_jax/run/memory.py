@@ -104,7 +104,7 @@ from grpo_jax.models.param_tensors import (  # noqa: F401
     shard_numel,
     tensor_ways,
 )
-from grpo_jax.sampling import paged_pool
+from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.weights import copy_dtype
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
@@ -471,10 +471,11 @@ def plan_run(
     ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
     With ``sampling.param_dtype`` the sampler's copy of the parameters is
     counted while sampling, and the rollouts' KV cache is in its dtype
-    (evaluation's, in the model's). On the paged engine the rollouts' KV cache
-    is the engine's pool. With either, the KV cache counted is the larger of the
-    rollouts' and evaluation's. Without ``budget_bytes``, the run's
-    ``mesh.memory_budget_gb`` (when > 0) is the budget.
+    (evaluation's, in the model's). An engine that counts its own KV cache (the
+    paged engine: its pool) gives the rollouts' (``Engine.kv_bytes``). With
+    either, the KV cache counted is the larger of the rollouts' and evaluation's.
+    Without ``budget_bytes``, the run's ``mesh.memory_budget_gb`` (when > 0) is
+    the budget.
     """
     stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
     if budget_bytes is None and stated_gb > 0:
@@ -485,13 +486,14 @@ def plan_run(
         model_cfg_like, learned_bytes=learned_bytes, sample_rows=max(n, run.eval.batch_size), **kw
     )
     copy = _copy_dtype(run, model_cfg_like)
-    if copy or _paged(run):
-        # The rollouts' cache (in the copy's dtype, or the engine's pool) and evaluation's
+    own = _engine_kv(run, model_cfg_like, mesh_shape)
+    if copy or own is not None:
+        # The rollouts' cache (in the copy's dtype, or the engine's own) and evaluation's
         # (the static sampler on the trained parameters) differ: the larger one counts.
         evals = plan(model_cfg_like, sample_rows=run.eval.batch_size, **kw).kv_cache
         est = dataclasses.replace(
             est,
-            kv_cache=max(_rollout_kv(run, model_cfg_like, mesh_shape), evals),
+            kv_cache=max(_rollout_kv(run, model_cfg_like, mesh_shape, own), evals),
             sampler_copy=_copy_bytes(run, model_cfg_like, est) if copy else 0,
         )
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
@@ -520,25 +522,32 @@ def _run_kwargs(run, mesh_shape) -> dict:
     )
 
 
-def _paged(run) -> bool:
-    return getattr(run.sampling, "engine", "static") == "paged"
+def _engine_kv(run, model_cfg_like, mesh_shape) -> int | None:
+    """Per-device KV bytes of a step's rollouts as the engine counts them (the paged
+    engine: its pool, whole on each device; with partial rollouts, room for the next k
+    steps' prompts too), in the sampler's compute dtype; None: the static sampler's cache."""
+    copy = _copy_dtype(run, model_cfg_like)
+    dtype = copy or getattr(model_cfg_like, "dtype", None) or "float32"
+    cfg = dataclasses.replace(as_model_config(model_cfg_like), dtype=dtype)
+    b = run.train.batch_size
+    groups = b
+    if run.sampling.partial_rollouts:  # the next k steps' groups too
+        groups = (run.train.max_staleness + 1) * b
+    return get_engine(run.sampling.engine).kv_bytes(
+        run.sampling.sampler(), cfg, prompts=groups, samples=run.grpo.G, due=b,
+        mesh_shape=mesh_shape,
+    )  # fmt: skip
 
 
-def _rollout_kv(run, model_cfg_like, mesh_shape) -> int:
-    """Per-device KV bytes of a step's B * G rollouts, in the sampler's compute dtype: the
-    paged engine's pool (whole on each device, docs/engine.md; with partial rollouts, room
-    for the next k steps' prompts too) or the static engine's cache."""
+def _rollout_kv(run, model_cfg_like, mesh_shape, own: int | None = None) -> int:
+    """Per-device KV bytes of a step's B * G rollouts: the engine's own count
+    (:func:`_engine_kv`, ``own`` when known) or the static sampler's cache."""
+    if own is None:
+        own = _engine_kv(run, model_cfg_like, mesh_shape)
+    if own is not None:
+        return own
     n = run.train.batch_size * run.grpo.G
     copy = _copy_dtype(run, model_cfg_like)
-    if _paged(run):
-        cfg = as_model_config(model_cfg_like)
-        dtype = copy or getattr(model_cfg_like, "dtype", None) or "float32"
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-        b = run.train.batch_size
-        if getattr(run.sampling, "partial_rollouts", False):  # the next k steps' groups too
-            groups = (run.train.max_staleness + 1) * b
-            return paged_pool.pool_bytes(run.sampling.sampler(), cfg, groups, run.grpo.G, due=b)
-        return paged_pool.pool_bytes(run.sampling.sampler(), cfg, b, run.grpo.G)
     width = {"compute_bytes": _itemsize(copy)} if copy else {}
     kw = _run_kwargs(run, mesh_shape)
     return plan(model_cfg_like, sample_rows=n, **width, **kw).kv_cache

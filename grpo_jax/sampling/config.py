@@ -44,9 +44,10 @@ class SamplingConfig:
       pad_id: written after a row's end and to the left of short prompts.
       prompt_buckets: allowed padded prompt lengths, increasing; a batch is
         padded to the smallest bucket that holds its longest prompt.
-      engine: "static" (``grpo_jax.sampling.static``: one batch, a cache of P + T
-        slots per row) or "paged" (``grpo_jax.sampling.paged``: a paged KV cache and
-        continuously batched decode slots; docs/engine.md).
+      engine: the name of a registered engine (``grpo_jax.sampling.engines``):
+        "static" (``grpo_jax.sampling.static``: one batch, a cache of P + T slots
+        per row), "paged" (``grpo_jax.sampling.paged``: a paged KV cache and
+        continuously batched decode slots; docs/engine.md) or one of its own.
       page_size: tokens per KV page (paged engine).
       slots: decode slots of the paged engine; 0: one per row (B * G).
       pages: KV pages in the paged engine's pool; 0: enough for the worst case.
@@ -133,24 +134,25 @@ class SamplingSection:
         example, e.g. ``("\\n\\nQuestion:",)``. A single string is one stop
         string. With an environment (``env.name``), a stop string ends the
         model's turn.
-      engine: "static" or "paged" (docs/engine.md; single-turn rollouts only).
+      engine: "static", "paged" or another registered engine's name, checked when
+        the run's config is parsed (``grpo_jax.sampling.engines``; docs/engine.md).
       page_size, slots, pages, prefill_chunk: the paged engine's page size
         in tokens, decode slots (0: one per row), pool pages (0: the worst
         case) and prompt tokens per prefill call. Greedy completions are the
         same under any of them; sampled rollouts change with them (the same
         distribution, other draws; docs/engine.md, "Settings"). A page longer
         than the longest sequence, or a pool too small for any row, is refused
-        at start-up (``grpo_jax.run.config``).
+        at start-up (``PagedEngine.check`` in ``grpo_jax.sampling.engines``).
       param_dtype: "" (default): the sampler reads the trained parameters as
         they are. "bfloat16" (or "float16", "float32"): it samples with a
         copy of them in that dtype, computing in it too, made after each
         update (``grpo_jax.sampling.weights``; docs/engine.md). Evaluation
         always uses the trained parameters.
-      partial_rollouts: with ``engine = "paged"`` and ``train.max_staleness``
-        = k >= 1: the engine starts the next k steps' prompts in the slots the
-        step's rows leave free, and rows still unfinished when the step's
-        groups are done carry over to the next step, each token tagged with
-        the parameter version that drew it (``grpo_jax.rollout.partial``;
+      partial_rollouts: with ``engine = "paged"`` (an engine that carries rows)
+        and ``train.max_staleness`` = k >= 1: the engine starts the next k
+        steps' prompts in the slots the step's rows leave free, and rows still
+        unfinished when the step's groups are done carry over to the next step,
+        each token tagged with the parameter version that drew it (``grpo_jax.rollout.partial``;
         docs/engine.md).
     """
 
@@ -266,14 +268,14 @@ def _check_stop_sequences(value) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-ENGINES = ("static", "paged")
-
-
 def _check_engine(cfg) -> None:
-    """The engine keys of a ``SamplingConfig`` or ``SamplingSection``."""
-    if cfg.engine not in ENGINES:
+    """The engine keys of a ``SamplingConfig`` or ``SamplingSection``. The name is checked
+    against the registered engines when the run's config is parsed
+    (``grpo_jax.sampling.engines``, which sits above this module)."""
+    if not isinstance(cfg.engine, str) or not cfg.engine:
         raise ConfigError(
-            f"config key 'sampling.engine' = {cfg.engine!r} must be one of {', '.join(ENGINES)}"
+            f"config key 'sampling.engine' = {cfg.engine!r} must be the name of a registered "
+            "engine (a non-empty string)"
         )
     check_range("sampling.page_size", cfg.page_size, lo=1, integer=True)
     check_range("sampling.slots", cfg.slots, lo=0, integer=True)

@@ -16,6 +16,7 @@ from grpo_jax.models import create_model, from_pretrained
 from grpo_jax.run import config, memory
 from grpo_jax.sampling import paged, paged_pool
 from grpo_jax.sampling.draw import candidates
+from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.static import SamplingConfig, pad_prompts
 
 
@@ -154,7 +155,10 @@ def test_prompt_pages_are_shared_and_the_plan_counts_the_pool(policy):
 
 def test_engine_settings_are_checked():
     with pytest.raises(ConfigError, match="sampling.engine"):
-        SamplingConfig(max_new_tokens=4, engine="vllm")
+        SamplingConfig(max_new_tokens=4, engine="")
+    # The name is looked up among the registered engines (tests/sampling/test_engine_plugin.py).
+    with pytest.raises(ConfigError, match="'sampling.engine' = 'vllm' is not a registered engine"):
+        get_engine("vllm")
     with pytest.raises(ConfigError, match="sampling.page_size"):
         SamplingConfig(max_new_tokens=4, engine="paged", page_size=0)
 
