@@ -1,7 +1,9 @@
 """The base every run config starts from, and the parsing of a config's argument.
 
-Each ``configs/*.py`` file calls :func:`base` and sets only what its run
-changes; :func:`parse_arg` reads the ``:arg`` of ``--config=configs/x.py:arg``
+Each ``configs/*.py`` file loads this module with
+``common = grpo_jax.cli.config_module("common", beside=__file__)`` (a config file is
+loaded by its path, so its folder need not be importable), calls :func:`base` and sets
+only what its run changes; :func:`parse_arg` reads the ``:arg`` of ``--config=configs/x.py:arg``
 ("model=qwen3-0.6b,runlocal") into typed values, and every config file has a
 ``runlocal`` variant: the same run, shrunk to seconds or a minute on a CPU.
 A config file only describes a run: files a variant needs (a tiny checkpoint,

@@ -84,16 +84,13 @@ Where the numbers come from (checked against the sources named):
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 from ml_collections import ConfigDict, config_dict
 
-_spec = importlib.util.spec_from_file_location(
-    "grpo_jax_configs_common", pathlib.Path(__file__).with_name("common.py")
-)
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from grpo_jax.cli import config_module
+
+common = config_module("common", beside=__file__)
 
 # name -> (family, Hugging Face repo id, completion tokens)
 MODELS = {

@@ -22,16 +22,11 @@ Variants (``--config=configs/multiturn.py:<arg>``):
 Override anything, e.g. ``--config.seed=1 --config.env.max_turns=3``.
 """
 
-import importlib.util
-import pathlib
-
 from ml_collections import ConfigDict
 
-_spec = importlib.util.spec_from_file_location(
-    "grpo_jax_configs_common", pathlib.Path(__file__).with_name("common.py")
-)
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from grpo_jax.cli import config_module
+
+common = config_module("common", beside=__file__)
 
 
 def get_config(arg: str | None = None) -> ConfigDict:

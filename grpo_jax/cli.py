@@ -174,6 +174,23 @@ def load_config_file(spec: str):
         ) from e
 
 
+def config_module(name: str, *, beside: str):
+    """The module ``<name>.py`` in the folder of the config file ``beside`` (its ``__file__``).
+
+    How a config file reaches the shared base it builds on (``configs/common.py``), whether
+    ``--config`` loads it by its path or a test imports it as ``configs.<file>``: the
+    folder need not be on ``sys.path``.
+    """
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(beside).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"grpo_jax_configs_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _one_line(e: BaseException) -> str:
     return "; ".join(x.strip() for x in str(e).splitlines() if x.strip()) or type(e).__name__
 
