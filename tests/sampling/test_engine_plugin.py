@@ -14,11 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, smoke_config
+from helpers_episodes import EOS, PROMPTS, _envs, _model, decode, encode_obs
 
 from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.rollout import episodes
 from grpo_jax.run import config as config_lib
 from grpo_jax.run import memory
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
 from grpo_jax.sampling import engines, static
 from grpo_jax.sampling.static import SampleOutput, SamplingConfig, pad_prompts
 
@@ -149,10 +153,6 @@ def test_the_memory_plan_counts_the_engines_own_cache(tiny_model_config):
 
 @pytest.mark.slow  # compiles the multi-turn kernel twice (the engine's name is a static argument)
 def test_multi_turn_episodes_play_on_the_static_kernel_with_it():
-    from helpers_episodes import EOS, PROMPTS, _envs, _model, decode, encode_obs
-
-    from grpo_jax.rollout import episodes
-
     graphdef, params = _model("llama")
     toks, mask = pad_prompts(PROMPTS, pad_id=0, buckets=(8,))
     cfg = episodes.MultiTurnConfig(max_tokens=24, max_turns=3, max_obs_tokens=4, max_turn_tokens=5)
@@ -173,9 +173,6 @@ def test_multi_turn_episodes_play_on_the_static_kernel_with_it():
 
 @pytest.mark.slow  # trains the smoke config for three steps
 def test_a_run_selects_it_by_name_and_trains(tmp_path):
-    from grpo_jax.run.train import train
-    from grpo_jax.run.writers import read_metrics
-
     overrides = {
         **SHORT_RUN,
         "train.steps": 3,
