@@ -3,9 +3,11 @@
 ``smoke_config(**{"grpo.beta": 0.04, "rewards": "overlong:1.0"})`` is
 ``get_config("smoke")`` with those fields set; ``SHORT_RUN`` holds the overrides most
 whole-run tests start from (no warm start, no evaluation, four steps, a checkpoint every two).
+``run_config(**overrides)`` is that config parsed: the ``RunConfig`` library code takes.
 """
 
 from configs.default import get_config
+from grpo_jax.run.config import parse_config
 
 # A four-step run with the fewest compilations: no warm start, no sampled pass@k evaluation.
 SHORT_RUN = {
@@ -27,6 +29,12 @@ def apply_overrides(config, overrides):
             node = node[key]
         node[last] = value
     return config
+
+
+def run_config(**overrides):
+    """``parse_config(smoke_config(**overrides))``: a real ``RunConfig`` for code that reads
+    one (the memory plan), every section and field present."""
+    return parse_config(smoke_config(**overrides))
 
 
 def smoke_config(*, plain: bool = False, **overrides):

@@ -477,7 +477,7 @@ def plan_run(
     Without ``budget_bytes``, the run's ``mesh.memory_budget_gb`` (when > 0) is
     the budget.
     """
-    stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
+    stated_gb = run.mesh.memory_budget_gb
     if budget_bytes is None and stated_gb > 0:
         budget_bytes = int(stated_gb * 2**30)
     n = run.train.batch_size * run.grpo.G
@@ -506,9 +506,8 @@ def _run_kwargs(run, mesh_shape) -> dict:
     """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
     n = run.train.batch_size * run.grpo.G
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
-    warm = getattr(run, "warm_start", None)
-    if warm is not None and warm.enabled:
-        rows = max(rows, warm.batch_size)
+    if run.warm_start.enabled:
+        rows = max(rows, run.warm_start.batch_size)
     return dict(
         mesh_shape=mesh_shape,
         layout=run.mesh.layout,
@@ -517,7 +516,7 @@ def _run_kwargs(run, mesh_shape) -> dict:
         seq_len=run.sampling.max_new_tokens,
         prompt_len=max(run.sampling.prompt_buckets),
         beta=run.grpo.beta,
-        logits_chunk=getattr(run.train, "logits_chunk", 0),
+        logits_chunk=run.train.logits_chunk,
         **_lora_kwargs(run),
     )
 
@@ -527,8 +526,8 @@ def _engine_kv(run, model_cfg_like, mesh_shape) -> int | None:
     engine: its pool, whole on each device; with partial rollouts, room for the next k
     steps' prompts too), in the sampler's compute dtype; None: the static sampler's cache."""
     copy = _copy_dtype(run, model_cfg_like)
-    dtype = copy or getattr(model_cfg_like, "dtype", None) or "float32"
-    cfg = dataclasses.replace(as_model_config(model_cfg_like), dtype=dtype)
+    cfg = as_model_config(model_cfg_like)
+    cfg = dataclasses.replace(cfg, dtype=copy or cfg.dtype)
     b = run.train.batch_size
     groups = b
     if run.sampling.partial_rollouts:  # the next k steps' groups too
@@ -555,7 +554,7 @@ def _rollout_kv(run, model_cfg_like, mesh_shape, own: int | None = None) -> int:
 
 def _copy_dtype(run, model_cfg_like) -> str | None:
     """``sampling.param_dtype`` when the sampler makes a copy in it (not the model's own)."""
-    return copy_dtype(getattr(run.sampling, "param_dtype", ""), model_cfg_like)
+    return copy_dtype(run.sampling.param_dtype, model_cfg_like)
 
 
 def _copy_bytes(run, model_cfg_like, est: MemoryEstimate) -> int:
@@ -572,8 +571,8 @@ def _copy_bytes(run, model_cfg_like, est: MemoryEstimate) -> int:
 
 
 def _lora_kwargs(run) -> dict:
-    lora = getattr(getattr(run, "model", None), "lora", None)
-    if lora is None or not lora.enabled:
+    lora = run.model.lora
+    if not lora.enabled:
         return {}
     return {"lora_rank": lora.rank, "lora_targets": lora.projections}
 
@@ -593,7 +592,7 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
     if est.sampler_copy:  # the copy in sampling.param_dtype is all it holds of the policy
         est = dataclasses.replace(est, params=est.sampler_copy, sampler_copy=0)
     est = dataclasses.replace(est, grads=0, optimizer=0, reference=0, activations=0, kv_cache=kv)
-    stated_gb = getattr(run.mesh, "memory_budget_gb", 0.0)
+    stated_gb = run.mesh.memory_budget_gb
     if budget_bytes is None:
         budget_bytes = int(stated_gb * 2**30) if stated_gb > 0 else device_memory_bytes()
     if budget_bytes is not None:

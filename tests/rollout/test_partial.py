@@ -209,8 +209,6 @@ def test_bad_partial_rollout_settings_name_the_key(updates, match):
 def test_the_memory_plan_counts_the_pool_of_k_plus_one_steps_of_prompts(policy):
     """With partial rollouts the pool holds the next k steps' prompts beside the step's:
     the plan's KV figure is within 10% of the bytes the engine allocates (B = 2, k = 1)."""
-    import types
-
     from grpo_jax.run import memory
 
     b, k, g, t, z = 2, 1, 2, 9, 4
@@ -220,26 +218,26 @@ def test_the_memory_plan_counts_the_pool_of_k_plus_one_steps_of_prompts(policy):
     _, st = paged.generate_rows(
         *policy, _prompts(prompts), rows, jax.random.key(0), cfg, num_samples=g, due=b
     )
-    run = types.SimpleNamespace(
-        grpo=types.SimpleNamespace(G=g, beta=0.0),
-        train=types.SimpleNamespace(batch_size=b, minibatch_size=0, max_staleness=k),
-        optim=types.SimpleNamespace(grad_accum=1),
-        sampling=config_lib.SamplingSection(
-            max_new_tokens=t,
-            prompt_buckets=(8,),
-            engine="paged",
-            page_size=z,
-            partial_rollouts=True,
-        ),  # fmt: skip
-        eval=types.SimpleNamespace(batch_size=1),
-        mesh=types.SimpleNamespace(layout="fsdp"),
-        warm_start=types.SimpleNamespace(enabled=False, batch_size=1),
-    )
+    plan = {
+        "grpo.G": g,
+        "grpo.beta": 0.0,
+        "train.batch_size": b,
+        "train.minibatch_size": 0,
+        "train.max_staleness": k,
+        "optim.grad_accum": 1,
+        "sampling.max_new_tokens": t,
+        "sampling.prompt_buckets": (8,),
+        "sampling.engine": "paged",
+        "sampling.page_size": z,
+        "eval.batch_size": 1,
+        "mesh.layout": "fsdp",
+        "warm_start.enabled": False,
+    }
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-    planned = memory.plan_run(run, MODEL_CFG, mesh).kv_cache
-    assert abs(planned - st.pool_bytes) <= 0.1 * st.pool_bytes, (planned, st.pool_bytes)
-    # Without the later steps' prompts the plan would be short of the pool.
-    run.sampling = config_lib.SamplingSection(
-        max_new_tokens=t, prompt_buckets=(8,), engine="paged", page_size=z
+    planned = memory.plan_run(
+        _parse(**plan, **{"sampling.partial_rollouts": True}), MODEL_CFG, mesh
     )
+    assert abs(planned.kv_cache - st.pool_bytes) <= 0.1 * st.pool_bytes, (planned, st.pool_bytes)
+    # Without the later steps' prompts the plan would be short of the pool.
+    run = _parse(**plan)
     assert memory.plan_run(run, MODEL_CFG, mesh).kv_cache < 0.9 * st.pool_bytes

@@ -6,6 +6,7 @@ import types
 import jax
 import pytest
 from flax import nnx
+from helpers_config import run_config
 
 from grpo_jax.run import memory
 
@@ -262,22 +263,27 @@ def test_plan_reads_dtypes_and_checks_the_budget():
 def test_plan_run_takes_rows_and_lengths_from_the_run():
     from grpo_jax.run import config
 
-    run = types.SimpleNamespace(
-        grpo=types.SimpleNamespace(G=4, beta=0.04),
-        train=types.SimpleNamespace(batch_size=8, minibatch_size=16),
-        optim=types.SimpleNamespace(grad_accum=2),
-        sampling=config.SamplingSection(max_new_tokens=5, prompt_buckets=(2, 3)),
-        eval=types.SimpleNamespace(batch_size=64),
-        mesh=types.SimpleNamespace(layout="fsdp_tp"),
-        warm_start=types.SimpleNamespace(enabled=False, batch_size=100),
-    )
+    plan = {
+        "grpo.G": 4,
+        "grpo.beta": 0.04,
+        "train.batch_size": 8,
+        "train.minibatch_size": 16,
+        "optim.grad_accum": 2,
+        "sampling.max_new_tokens": 5,
+        "sampling.prompt_buckets": (2, 3),
+        "eval.batch_size": 64,
+        "mesh.layout": "fsdp_tp",
+        "warm_start.enabled": False,
+        "warm_start.batch_size": 100,
+    }
+    run = run_config(**plan)
     mesh = {"fsdp": 2, "tensor": 2}
     est = memory.plan_run(run, HAND, mesh)
     # 16 rows per update / 2 accumulation steps = 8; sampler: max(8 * 4, 64) = 64 rows.
     want = memory.estimate(HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=8,
                            sample_rows=64, seq_len=5, prompt_len=3)  # fmt: skip
     assert est == want
-    run.warm_start.enabled = True  # a bigger warm-start batch sets the training rows
+    run = run_config(**{**plan, "warm_start.enabled": True})  # its batch: the training rows
     assert memory.plan_run(run, HAND, mesh).activations == memory.estimate(
         HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=100, seq_len=5,
         prompt_len=3,
@@ -404,18 +410,22 @@ def test_the_documented_qwen_memory_tables_are_what_the_script_prints():
 
 def test_the_sampling_copy_is_counted_while_sampling_with_its_kv_cache_in_its_dtype():
     """sampling.param_dtype = "bfloat16" on the float32 HAND model (172 parameters)."""
-    from grpo_jax.run import config
 
     def run_with(param_dtype):
-        return types.SimpleNamespace(
-            grpo=types.SimpleNamespace(G=4, beta=0.0),
-            train=types.SimpleNamespace(batch_size=2, minibatch_size=0),
-            optim=types.SimpleNamespace(grad_accum=1),
-            sampling=config.SamplingSection(
-                max_new_tokens=5, prompt_buckets=(3,), param_dtype=param_dtype
-            ),
-            eval=types.SimpleNamespace(batch_size=2),
-            mesh=types.SimpleNamespace(layout="dp"),
+        return run_config(
+            **{
+                "grpo.G": 4,
+                "grpo.beta": 0.0,
+                "train.batch_size": 2,
+                "train.minibatch_size": 0,
+                "optim.grad_accum": 1,
+                "sampling.max_new_tokens": 5,
+                "sampling.prompt_buckets": (3,),
+                "sampling.param_dtype": param_dtype,
+                "eval.batch_size": 2,
+                "mesh.layout": "dp",
+                "warm_start.enabled": False,
+            }
         )
 
     mesh = {"data": 1}

@@ -1,19 +1,18 @@
 """The paged engine (sampling/paged.py) against the static sampler and full forward passes."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_config import run_config
 from helpers_hf import FAMILIES, make_tiny_hf_checkpoint
 from helpers_paged import BUCKETS, MODEL_CFG, PROMPTS, V, _both, _forward, _full_logps
 from scipy import stats
 
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.models import create_model, from_pretrained
-from grpo_jax.run import config, memory
+from grpo_jax.run import memory
 from grpo_jax.sampling import paged, paged_pool
 from grpo_jax.sampling.draw import candidates
 from grpo_jax.sampling.engines import get_engine
@@ -117,17 +116,22 @@ MESH = {"data": 1, "fsdp": 1, "tensor": 1}
 
 
 def _run(b, g, t, p, **engine):
-    """The parts of a RunConfig ``memory.plan_run`` reads, for B prompts of bucket P."""
-    return types.SimpleNamespace(
-        grpo=types.SimpleNamespace(G=g, beta=0.0),
-        train=types.SimpleNamespace(batch_size=b, minibatch_size=0),
-        optim=types.SimpleNamespace(grad_accum=1),
-        sampling=config.SamplingSection(
-            max_new_tokens=t, prompt_buckets=(p,), engine="paged", **engine
-        ),
-        eval=types.SimpleNamespace(batch_size=1),
-        mesh=types.SimpleNamespace(layout="fsdp"),
-        warm_start=types.SimpleNamespace(enabled=False, batch_size=1),
+    """The RunConfig ``memory.plan_run`` reads: B prompts of bucket P, G samples, T tokens."""
+    return run_config(
+        **{
+            "grpo.G": g,
+            "grpo.beta": 0.0,
+            "train.batch_size": b,
+            "train.minibatch_size": 0,
+            "optim.grad_accum": 1,
+            "sampling.max_new_tokens": t,
+            "sampling.prompt_buckets": (p,),
+            "sampling.engine": "paged",
+            **{f"sampling.{k}": v for k, v in engine.items()},
+            "eval.batch_size": 1,
+            "mesh.layout": "fsdp",
+            "warm_start.enabled": False,
+        }
     )
 
 
