@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from grpo_jax.tools import seccomp
+import grpo_jax.tools.seccomp as seccomp
 
 WORKDIR = "/sandbox"  # where the run's directory appears inside
 INSTALL = "apt-get install bubblewrap (Debian, Ubuntu; dnf or apk install bubblewrap elsewhere)"

@@ -42,8 +42,9 @@ import tempfile
 import threading
 import time
 
+import grpo_jax.tools.bubblewrap as bubblewrap
+import grpo_jax.tools.seccomp as seccomp
 from grpo_jax.core.errors import ConfigError
-from grpo_jax.tools import bubblewrap, seccomp
 
 # The boot script's text is given to the interpreter (``-c``), not its path: the run's user
 # need not be able to read the checkout.
