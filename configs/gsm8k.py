@@ -37,7 +37,16 @@ Data: TFDS ``gsm8k`` in ``data.data_dir`` (downloaded and prepared once), or
 offline from GSM8K-format JSONL files with ``--config.data.jsonl_dir=/data/gsm8k``
 (docs/data.md).
 
+Pod-scale models (with ``pod`` only): qwen3-8b (Qwen/Qwen3-8B), llama3.1-8b
+(meta-llama/Llama-3.1-8B-Instruct), qwen3-32b (Qwen/Qwen3-32B), gemma3-27b
+(google/gemma-3-27b-it).
+
 Variants (``:model=<name>,<flag>``):
+  pod       on a TPU slice: fsdp over every chip, remat, scanned layers; the pod-scale
+            models with 64 prompts a step, minibatches of 128 in 2 micro-batches,
+            logits 128 tokens at a time. What fits which slice, compiled ahead of time
+            on any host: python -m grpo_jax.plan --config=configs/gsm8k.py:model=qwen3-8b,pod
+            --topology=v5p-64 (docs/pods.md).
   words     (gemma3-270m only) a learning run that fits a CPU in about 20
             minutes: LoRA (rank 16, alpha 32, lr 3e-5), 60 steps of 4 x 8
             completions (24 tokens, stop at the next "Question:") on 2048
@@ -100,6 +109,13 @@ MODELS = {
     "llama3.2-1b": ("llama", "meta-llama/Llama-3.2-1B-Instruct", 512),
     "gemma3-1b": ("gemma3", "google/gemma-3-1b-it", 512),
 }
+# Pod-scale models (the ``pod`` variant; docs/pods.md): name -> (family, repo, completion tokens).
+POD_MODELS = {
+    "qwen3-8b": ("qwen3", "Qwen/Qwen3-8B", 1024),
+    "llama3.1-8b": ("llama", "meta-llama/Llama-3.1-8B-Instruct", 512),
+    "qwen3-32b": ("qwen3", "Qwen/Qwen3-32B", 1024),
+    "gemma3-27b": ("gemma3", "google/gemma-3-27b-it", 1024),
+}
 # Base models from a GGUF file: name -> (family, default file, completion tokens).
 GGUF_MODELS = {
     "gemma3-270m": (
@@ -125,27 +141,39 @@ FEW_SHOT_TEMPLATE = (
 
 def parse_arg(arg: str | None) -> tuple[str, set[str]]:
     """ "model=qwen3-0.6b,runlocal" -> ("qwen3-0.6b", {"runlocal"}); names case-insensitive."""
-    known = ", ".join([*MODELS, *GGUF_MODELS])
-    a = common.parse_arg(arg, where="configs/gsm8k.py", model="", runlocal=False, words=False)
-    aliases = {repo.split("/")[1].lower(): n for n, (_, repo, _) in MODELS.items()}
+    known = ", ".join([*MODELS, *GGUF_MODELS, *POD_MODELS])
+    a = common.parse_arg(
+        arg, where="configs/gsm8k.py", model="", runlocal=False, words=False, pod=False
+    )
+    models = {**MODELS, **POD_MODELS}
+    aliases = {repo.split("/")[1].lower(): n for n, (_, repo, _) in models.items()}
     model = aliases.get(a.model.lower(), a.model.lower())
     if not model:
         raise ValueError(f"configs/gsm8k.py needs 'model=<name>'; known models: {known}")
-    if model not in MODELS and model not in GGUF_MODELS:
+    if model not in models and model not in GGUF_MODELS:
         raise ValueError(f"configs/gsm8k.py: unknown model {model!r}; known models: {known}")
+    if model in POD_MODELS and not a.pod:
+        raise ValueError(
+            f"configs/gsm8k.py: {model} is a pod-scale model: 'model={model},pod' (docs/pods.md)"
+        )
+    if a.pod and (a.runlocal or a.words or model in GGUF_MODELS):
+        raise ValueError(
+            f"configs/gsm8k.py: 'pod' is for the Hugging Face models and does not combine "
+            f"with 'runlocal' or 'words' ({arg!r})"
+        )
     if a.words and (model not in GGUF_MODELS or a.runlocal):
         raise ValueError(
             f"configs/gsm8k.py: 'words' is a recipe for the GGUF base models "
             f"({', '.join(GGUF_MODELS)}) and does not combine with 'runlocal' ({arg!r})"
         )
-    return model, {f for f in ("runlocal", "words") if a[f]}
+    return model, {f for f in ("runlocal", "words", "pod") if a[f]}
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
     name, flags = parse_arg(arg)
     if name in GGUF_MODELS:
         return _gguf_base_model(name, flags)
-    family, repo, max_new_tokens = MODELS[name]
+    family, repo, max_new_tokens = {**MODELS, **POD_MODELS}[name]
     c = common.base()
 
     # Fails at start-up with this text in the message until --config.model.path is set.
@@ -214,6 +242,28 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.eval.batch_size = 4
         c.checkpoint.every = 0
         c.mesh.num_devices = 1
+    if "pod" in flags:
+        c = _pod(c, name)
+    return c
+
+
+def _pod(c: ConfigDict, name: str) -> ConfigDict:
+    """The recipe on a TPU slice (docs/pods.md): parameters, gradients and optimizer state
+    split over every chip (fsdp), each layer recomputed in the backward pass, the layers as
+    one scan (compile time and host memory flat in depth); pod-scale models score 64 prompts
+    of 1024-token completions a step in two updates of two micro-batches. Check a topology
+    with ``python -m grpo_jax.plan --config=configs/gsm8k.py:model=<name>,pod
+    --topology=<slice>``: the batch must hold a multiple of the chips' prompts."""
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.model.remat = True
+    c.model.scan_layers = True
+    if name in POD_MODELS:
+        c.train.batch_size = 64
+        c.train.minibatch_size = 128
+        c.optim.grad_accum = 2
+        c.train.logits_chunk = 128
+        c.train.steps = 117  # ~ one epoch of the 7473 training problems at B = 64
     return c
 
 

@@ -1,0 +1,112 @@
+"""The memory plan of each program: the terms the compiled programs showed it missed, the
+optimizer's bytes against the state's own, and the settings it suggests for a topology."""
+
+import math
+
+import jax
+
+from grpo_jax.aot import architectures, budget
+from grpo_jax.aot.topology import parse_topology
+
+GiB = 2**30
+
+
+def _run(model="qwen2.5-0.5b", **over):
+    """The gsm8k recipe, its layers scanned unless ``over`` says (an abstract scanned model
+    is made in 0.1 s, an unrolled one in seconds)."""
+    from configs import gsm8k
+    from grpo_jax.run.config import parse_config
+
+    c = gsm8k.get_config(f"model={model}")
+    c.model.scan_layers = True
+    for key, value in over.items():
+        section, field = key.split(".")
+        c[section][field] = value
+    run = parse_config(c)
+    return run, architectures.resolve(run)[0]
+
+
+FSDP16 = {"data": 1, "fsdp": 16, "tensor": 1}
+
+
+def test_the_scoring_pass_holds_the_whole_batchs_rows():
+    """A reference pass scores all N rows at once: N / shards per chip, not a micro-batch's."""
+    run, cfg = _run()
+    sh = budget.shapes(run, cfg, FSDP16)
+    assert (sh.n_s, sh.C) == (32 * 8 // 16, 64)
+    logits = sh.n_s * sh.C * cfg.vocab_size * 4 * 3
+    assert budget.scoring_phase(run, cfg, sh) >= logits
+    half, hcfg = _run(**{"train.logits_chunk": 32})
+    assert budget.scoring_phase(half, hcfg, budget.shapes(half, hcfg, FSDP16)) < logits
+    # No reference, old log-probs as sampled, no pass measuring the update's movement.
+    none, ncfg = _run(**{"grpo.beta": 0.0, "train.track_update": False})
+    assert budget.scoring_phase(none, ncfg, budget.shapes(none, ncfg, FSDP16)) == 0
+    assert "scoring" not in budget.needs(none, ncfg, FSDP16)
+
+
+def test_a_scanned_model_copies_its_stacked_cache():
+    # A chunk of 8 tokens: the cache, not the logits, is the larger.
+    run, cfg = _run(**{"train.logits_chunk": 8, "model.scan_layers": False})
+    scan, scfg = _run(**{"train.logits_chunk": 8})
+    one = budget.scoring_phase(run, cfg, budget.shapes(run, cfg, FSDP16))
+    two = budget.scoring_phase(scan, scfg, budget.shapes(scan, scfg, FSDP16))
+    sh = budget.shapes(run, cfg, FSDP16)
+    cache = 2 * cfg.num_layers * sh.n_s * sh.S * cfg.num_kv_heads * cfg.head_dim * sh.c
+    assert two - one == cache
+
+
+def test_sharded_parameters_add_the_heads_gradient_and_gathered_weights():
+    """Under fsdp the update holds the LM head's gradient whole (float32) inside the
+    logits-chunk loop and gathered layers; the decode loop gathered weights."""
+    run, cfg = _run()
+    from grpo_jax.run import memory
+
+    dp = {"data": 16, "fsdp": 1, "tensor": 1}
+    sharded, whole = budget.needs(run, cfg, FSDP16), budget.needs(run, cfg, dp)
+    s_est = memory.plan_run(run, cfg, FSDP16, budget_bytes=math.inf)
+    w_est = memory.plan_run(run, cfg, dp, budget_bytes=math.inf)
+    assert sharded["update"].own < whole["update"].own  # sharding still saves most
+    head = cfg.vocab_size * cfg.hidden_size * (4 + 2 * 2)
+    assert sharded["update"].own - (s_est.params + s_est.optimizer + s_est.reference) > head
+    # Scanned layers: two layers and the LM head gathered in bfloat16, the stacked cache copied.
+    gathered = sharded["decode"].own - whole["decode"].own + (w_est.params - s_est.params)
+    assert (
+        gathered
+        == s_est.kv_cache
+        + 2 * (cfg.num_params - cfg.vocab_size * cfg.hidden_size) // (cfg.num_layers) * 2
+        + cfg.vocab_size * cfg.hidden_size * 2
+    )
+
+
+def test_the_plans_optimizer_bytes_are_the_states_per_device_bytes():
+    """On 8 devices with fsdp 8: the moments laid out as the update's state is (abstract,
+    optimizer.opt_state_shardings) against the plan's optimizer term."""
+    from grpo_jax.aot.programs import Builder, per_device_bytes
+    from grpo_jax.core.sharding import make_mesh
+    from grpo_jax.learner import optimizer
+    from grpo_jax.run import memory
+
+    run, cfg = _run("gemma3-270m", **{"mesh.data": 1, "mesh.fsdp": 8})
+    mesh = make_mesh({"data": 1, "fsdp": 8}, jax.devices()[:8])
+    b = Builder(run, cfg, mesh)
+    tx, _ = optimizer.make_optimizer(run.optim, 10)
+    opt = b.opt_state(tx)
+    moments = [x for x in jax.tree.leaves(opt) if x.ndim]
+    est = memory.plan_run(run, cfg, dict(mesh.shape), budget_bytes=math.inf)
+    assert per_device_bytes(moments) == est.optimizer
+    assert per_device_bytes(b.params) == est.params
+
+
+def test_suggest_finds_settings_that_fit_and_changes_little():
+    run, cfg = _run()  # the recipe's default mesh: data parallel over every chip
+    topo = parse_topology("v5e-16")
+    assert not budget.fits(run, cfg, budget.mesh_shape(run, topo.chips), topo.chip.hbm_limit)[0]
+    changed, r, c, mesh = budget.suggest(run, cfg, topo.chips, topo.chip.hbm_limit)
+    assert changed == {"mesh.data": 1, "mesh.fsdp": 16}
+    assert budget.fits(r, c, mesh, topo.chip.hbm_limit)[0]
+
+
+def test_suggest_gives_up_on_a_run_nothing_fits():
+    run, cfg = _run("qwen2.5-1.5b", **{"train.batch_size": 256})
+    topo = parse_topology("v5e-1")
+    assert budget.suggest(run, cfg, topo.chips, topo.chip.hbm_limit) is None
