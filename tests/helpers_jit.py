@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.objective import logprobs as scoring
+from grpo_jax.objective import logprobs
 
-# scoring.completion_logps(graphdef, params, prompt_tokens, prompt_mask, tokens, mask,
+# logprobs.completion_logps(graphdef, params, prompt_tokens, prompt_mask, tokens, mask,
 # temperature, *, chunk_size=0, group_size=1), one program per graphdef, shape and option.
 completion_logps = jax.jit(
-    scoring.completion_logps, static_argnums=(0, 6), static_argnames=("chunk_size", "group_size")
+    logprobs.completion_logps, static_argnums=(0, 6), static_argnames=("chunk_size", "group_size")
 )
 
 

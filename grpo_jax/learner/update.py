@@ -50,7 +50,7 @@ from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
-from grpo_jax.objective.logprobs import completion_logps, completion_scores
+from grpo_jax.objective.logprobs import completion_logps, completion_logps_and_entropy
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -222,10 +222,10 @@ def _loss(plan: _Plan, params, mb):
     """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT).
 
     The completions are scored with their entropies in one pass
-    (``completion_scores``); the loss mask is :func:`_loss_mask`.
+    (``completion_logps_and_entropy``); the loss mask is :func:`_loss_mask`.
     """
     b, ref_NxT, w_NxT = mb
-    logps_NxT, entropy_NxT = completion_scores(
+    logps_NxT, entropy_NxT = completion_logps_and_entropy(
         plan.graphdef,
         params,
         b.prompt_tokens_NxP,
@@ -418,7 +418,7 @@ def update(
     :func:`_accumulate`), and reduce the metrics (:func:`_reduce_metrics`,
     :func:`_policy_movement`). ``key`` is used only by LoRA dropout (the update
     is otherwise deterministic); ``logits_chunk`` > 0 scores the completions in
-    chunks of that many tokens (``grpo_jax.objective.logprobs.completion_scores``);
+    chunks of that many tokens (``grpo_jax.objective.logprobs.completion_logps_and_entropy``);
     ``share_prompts`` and LoRA (``base_graphdef``, ``lora_dropout``): :class:`_Plan`.
 
     Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,

@@ -1,4 +1,4 @@
-"""Scoring completions with the model: log-probs, entropies and logits of the completion tokens.
+"""Completion log-probs under the model: log-probs, entropies and logits of the completion tokens.
 
 Shapes: N completion rows, P padded prompt length (left-padded), T completion
 length (right-padded), D model width, V vocabulary.
@@ -105,7 +105,7 @@ def _is_head(path, _) -> bool:
     return path[0] in ("final_norm", "embed", "lm_head")
 
 
-def completion_scores(
+def completion_logps_and_entropy(
     graphdef,
     params,
     prompt_tokens_NxP,
@@ -174,8 +174,8 @@ def completion_logps(
     chunk_size: int = 0,
     group_size: int = 1,
 ):
-    """log pi(completion tokens) [N, T] (:func:`completion_scores` without the entropy)."""
-    return completion_scores(
+    """log pi(completion tokens) [N, T]: :func:`completion_logps_and_entropy`'s log-probs."""
+    return completion_logps_and_entropy(
         graphdef,
         params,
         prompt_tokens_NxP,

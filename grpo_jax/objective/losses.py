@@ -68,7 +68,7 @@ def per_token_logps(
 
     Computed as gathered logit minus logsumexp, never forming the full
     log-softmax. Scoring in chunks of the completion (large vocabularies) is
-    ``grpo_jax.objective.logprobs.completion_scores``'s ``chunk_size``: it chunks the LM
+    ``grpo_jax.objective.logprobs.completion_logps_and_entropy``'s ``chunk_size``: it chunks the LM
     head too, so the logits themselves are never whole.
     """
     x_NxTxV = _scaled_f32(logits_NxTxV, temperature)

@@ -139,7 +139,7 @@ def test_layout_matches_one_device(setup, layout, axes):
 def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
     """The update's shared-prompt path (KV cache repeated to the group) under a mesh."""
     from grpo_jax.models import Transformer, param_shardings
-    from grpo_jax.objective import logprobs as scoring
+    from grpo_jax.objective import logprobs
 
     model, batch, _, _ = setup
     G = 2
@@ -155,7 +155,7 @@ def test_prompt_once_per_group_matches_one_device_per_row(setup, layout, axes):
 
     def score(params, graphdef, b, g):
         rows = (b["prompt_tokens"], b["prompt_mask"], b["tokens"], b["mask"])
-        logps, _ = scoring.completion_scores(graphdef, params, *rows, 1.0, group_size=g)
+        logps, _ = logprobs.completion_logps_and_entropy(graphdef, params, *rows, 1.0, group_size=g)
         return (logps * w_NxT).sum()
 
     graphdef1, params1 = nnx.split(model)

@@ -1,4 +1,4 @@
-"""Scoring completions: completion positions only, chunked scoring, the prompt once per group."""
+"""Completion log-probs: completion positions only, chunked log-probs, the prompt once per group."""
 
 import functools
 
@@ -11,13 +11,13 @@ from helpers_batches import grouped_batch
 from helpers_jit import completion_logps
 
 from grpo_jax import models
-from grpo_jax.objective import logprobs as scoring
+from grpo_jax.objective import logprobs
 
 N, P, T, V = 8, 6, 5, 100
 
 
 def _rows(b):
-    """The four row arrays of a batch dict, in the order the scoring functions take them."""
+    """The four row arrays of a batch dict, in the order the log-prob functions take them."""
     return b["prompt_tokens"], b["prompt_mask"], b["tokens"], b["mask"]
 
 
@@ -45,7 +45,7 @@ def test_completion_logits_score_only_the_completion_positions(setup):
     full_mask = np.concatenate([batch["prompt_mask"], batch["mask"]], axis=1)
     forward = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, mask_BxT=m))
     want = forward(params, full, full_mask)[:, P - 1 : P + T - 1]
-    got = jax.jit(functools.partial(scoring.completion_logits, graphdef))(params, *_rows(batch))
+    got = jax.jit(functools.partial(logprobs.completion_logits, graphdef))(params, *_rows(batch))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
@@ -57,7 +57,7 @@ def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
 
     @functools.partial(jax.jit, static_argnums=1)  # one program per chunk size, not op by op
     def scores(p, chunk):
-        return scoring.completion_scores(
+        return logprobs.completion_logps_and_entropy(
             graphdef, p, *_rows(b6), 0.7, chunk_size=chunk, with_entropy=True
         )
 
@@ -78,8 +78,8 @@ def test_chunked_scores_equal_unchunked_in_value_and_gradient(setup):
     g_lp = jax.jit(jax.grad(lambda p: (scores(p, 0)[0] * jnp.arange(1.0, 7.0)).sum()))(params)
     for x, y in zip(jax.tree.leaves(g_lp), jax.tree.leaves(g0), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
-    # completion_logps is the log-prob half of completion_scores.
-    logps = jax.jit(lambda p: scoring.completion_logps(graphdef, p, *_rows(b6), 0.7, chunk_size=3))
+    # completion_logps is the log-prob half of completion_logps_and_entropy.
+    logps = jax.jit(lambda p: logprobs.completion_logps(graphdef, p, *_rows(b6), 0.7, chunk_size=3))
     np.testing.assert_array_equal(np.asarray(logps(params)), np.asarray(lp2))
     with pytest.raises(ValueError, match="chunk_size = 4 must divide the completion length T = 6"):
         scores(params, 4)
@@ -100,7 +100,7 @@ def test_chunked_scoring_never_holds_all_the_logits(tiny_model_config):
 
     def temp_bytes(chunk):
         def loss(p):
-            return scoring.completion_logps(graphdef, p, *rows, 1.0, chunk_size=chunk).sum()
+            return logprobs.completion_logps(graphdef, p, *rows, 1.0, chunk_size=chunk).sum()
 
         compiled = jax.jit(jax.grad(loss)).lower(params).compile()
         return compiled.memory_analysis().temp_size_in_bytes
@@ -121,7 +121,7 @@ def test_prompt_run_once_per_group_equals_once_per_row(family):
     b = grouped_batch(np.random.default_rng(0), 3, 4, 7, 6, V)
 
     def loss(p, g):
-        logps, ent = scoring.completion_scores(
+        logps, ent = logprobs.completion_logps_and_entropy(
             graphdef, p, *_rows(b), 0.9, group_size=g, with_entropy=True
         )
         return (logps * b["mask"]).sum(), (logps, ent)
