@@ -149,6 +149,34 @@ class Placement:
     sampler_mesh: Mesh | None = None
 
 
+class OnMesh:
+    """A jitted function traced, lowered and called under ``jax.set_mesh(mesh)``.
+
+    The models constrain their activations by logical axes (rows over the batch axes) and
+    run Pallas kernels under ``shard_map`` only under a mesh with these axes
+    (``grpo_jax.models.partitioning.constrain``); a function jitted with its arguments'
+    shardings alone is traced without one. GSPMD then carries the parameters' fsdp
+    sharding into the activations: each device computed every row of a scoring pass over
+    part of the model width and all-reduced the whole result (a logits chunk of all 256
+    rows of a step on every chip: docs/pods.md), and a Pallas kernel could not be
+    partitioned at all. Other attributes are the jitted function's.
+    """
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
 def abstract_like(tree):
     """ShapeDtypeStructs (with shardings) for a pytree of arrays or of structs: what an
     Orbax restore is given to lay the arrays out (``grpo_jax.run.start``, the warm

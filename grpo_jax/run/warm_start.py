@@ -128,6 +128,23 @@ def sft_step(state, batch, *, graphdef, tx, schedule):
     return state, metrics
 
 
+def jit_sft_step(graphdef, tx, schedule, state_shardings, mesh):
+    """:func:`sft_step` jitted with the state's shardings and rows over the batch axes,
+    traced and called under the mesh (``sharding.OnMesh``: rows stay split through the
+    model, not its width)."""
+    rows = {
+        k: sharding.batch_sharding(mesh, 2)
+        for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")
+    }
+    jitted = jax.jit(
+        functools.partial(sft_step, graphdef=graphdef, tx=tx, schedule=schedule),
+        in_shardings=(state_shardings, rows),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnames=("state",),
+    )
+    return sharding.OnMesh(jitted, mesh)
+
+
 # ---------------------------------------------------------------------------
 # The phase, with its cache.
 
@@ -313,12 +330,7 @@ def warm_start(
         k: sharding.batch_sharding(mesh, 2)
         for k in ("prompt_tokens", "prompt_mask", "tokens", "mask")
     }
-    step_fn = jax.jit(
-        functools.partial(sft_step, graphdef=graphdef, tx=tx, schedule=schedule),
-        in_shardings=(state_sh, rows),
-        out_shardings=(state_sh, sharding.replicated(mesh)),
-        donate_argnames=("state",),
-    )
+    step_fn = jit_sft_step(graphdef, tx, schedule, state_sh, mesh)
     it = DataIterator(train_examples, cfg.batch_size, seed=seed + 7919)
     history: list[tuple[int, float]] = []
     val = float("nan")

@@ -220,3 +220,27 @@ def test_a_damaged_warm_start_cache_is_an_error_naming_it_and_an_old_one_loads(p
         f"the warm start cache in {cache} was saved without checksums (by an earlier version "
         "of grpo_jax): loaded unverified"
     ]
+
+
+@pytest.mark.slow
+def test_the_sft_step_keeps_rows_split_on_a_mesh(tiny_model_config):
+    """With fsdp over 8 devices the step reduces no activation: rows stay split through the
+    model. Jitted without the mesh set, the activations took the parameters' fsdp sharding
+    and each device computed every row, all-reducing them (logits [24, 6, 100], the MLP's
+    [24 x 14, 64], ...)."""
+    from helpers_hlo import reduced_activations
+
+    from grpo_jax.core import sharding
+    from grpo_jax.models import create_model
+
+    mesh = sharding.make_mesh({"fsdp": 8})
+    graphdef, params = nnx.split(create_model(tiny_model_config, seed=0, mesh=mesh, layout="fsdp"))
+    tx, schedule = optimizer.make_optimizer(optimizer.OptimConfig(), 4)
+    state = optimizer.init_state(params, tx, mesh)
+    step = sft.jit_sft_step(graphdef, tx, schedule, jax.tree.map(lambda x: x.sharding, state), mesh)
+    rows = sharding.batch_sharding(mesh, 2)
+    spec = lambda t, dt: jax.ShapeDtypeStruct((24, t), dt, sharding=rows)  # no model size
+    batch = dict(prompt_tokens=spec(8, jnp.int32), prompt_mask=spec(8, jnp.bool_),
+                 tokens=spec(6, jnp.int32), mask=spec(6, jnp.bool_))  # fmt: skip
+    text = step.lower(state, batch).compile().as_text()
+    assert reduced_activations(text, 24, (6, 8, 14)) == []
