@@ -33,6 +33,12 @@ if os.environ.get("GRPO_JAX_TEST_XLA_CACHE", "1") != "0":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # LRU, file-locked
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the tpu extra) loads only where a test compiles for a TPU topology
+# (tests/aot/test_aot_tpu.py): quiet on a host without a TPU, and loadable by every worker
+# of a run at once (its lockfile). JAX_PLATFORMS=cpu keeps every other test on the CPU.
+from grpo_jax.aot.topology import quiet_libtpu  # noqa: E402 - imports no JAX
+
+quiet_libtpu()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,7 +8,9 @@ if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
   # torch first and pinned: the CPU build, never a CUDA one (test-only dependency).
   .venv/bin/pip install -q -r requirements-test.txt
-  .venv/bin/pip install -q -r requirements.txt -e .
+  # The tpu extra: libtpu, for the slow tier's compiles for a TPU topology
+  # (tests/aot/test_aot_tpu.py); the tests stay on the CPU (JAX_PLATFORMS=cpu, conftest.py).
+  .venv/bin/pip install -q -r requirements.txt -e '.[tpu]'
   # verl for tests/objective/test_peer_verl.py, without its declared dependencies (requirements-test.txt).
   .venv/bin/pip install -q --no-deps verl==0.9.1
 fi
