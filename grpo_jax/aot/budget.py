@@ -22,8 +22,8 @@ pass, c the compute dtype's bytes, p the parameters'):
               the prompt-once KV cache (twice for scanned layers: the stacked cache is
               copied) + one layer's attention scores and probabilities, and
               one logits chunk, three float32 copies (logits, shifted, exponentials)
-  prefill   parameters + the KV cache of its N / s rows + the gathered weights
-            + one layer's activations over the B / s prompts
+  prefill   parameters + the KV cache of its N / s rows + two gathered layers and the
+            LM head in the compute dtype + one layer's activations over the B / s prompts
   decode    parameters + the KV cache + the decode state + the gathered weights: the
             whole model in the compute dtype (unrolled layers: XLA gathers every layer
             before the loop), or with scanned layers the stacked cache's copy, two layers
@@ -147,7 +147,8 @@ def scoring_phase(run, cfg, sh: Shapes) -> int:
     return max(cache + attention, logits)
 
 
-def _batch_bytes(sh: Shapes) -> int:
+def batch_bytes(sh: Shapes) -> int:
+    """A RolloutBatch's bytes on one chip (core.batch.batch_spec's arrays)."""
     return sh.n_s * (sh.P * 5 + sh.T * (4 + 1 + 4 + 4) + 16)
 
 
@@ -162,15 +163,11 @@ def _gathered(cfg, sh: Shapes, total: int, body: int, kv: int) -> int:
 
 
 def _prefill_gathered(cfg, sh: Shapes, body: int) -> int:
-    """The weights the prefill holds gathered: unrolled, a layer at a time (two in flight)
-    and the LM head in the compute dtype; scanned, the embedding table whole in the
-    parameters' dtype (and its compute-dtype copy when it is also the LM head)."""
+    """The weights the prefill holds gathered in the compute dtype: no loop runs over the
+    tokens, so a layer at a time (two in flight) and the LM head."""
     if not sh.sharded:
         return 0
-    table = cfg.vocab_size * cfg.hidden_size
-    if sh.scan:
-        return table * sh.p + (table * sh.c if cfg.tie_embeddings else 0)
-    return 2 * body // cfg.num_layers * sh.c + table * sh.c
+    return 2 * body // cfg.num_layers * sh.c + cfg.vocab_size * cfg.hidden_size * sh.c
 
 
 def needs(run, cfg, mesh_shape, *, learned_bytes: int = 0) -> dict[str, Need]:
@@ -185,14 +182,14 @@ def needs(run, cfg, mesh_shape, *, learned_bytes: int = 0) -> dict[str, Need]:
     if sh.sharded:  # the head's gradient whole in the chunk loop; layers gathered in flight
         training += V * D * (4 + 2 * sh.c) + 2 * body // L * sh.c
     scoring = scoring_phase(run, cfg, sh)
-    args = est.params + est.optimizer + est.reference + _batch_bytes(sh)
+    args = est.params + est.optimizer + est.reference + batch_bytes(sh)
     out = {
         "update": Need("update", args + max(training, scoring) + CODE_BYTES, est.learned),
     }
     if scoring:
         out["scoring"] = Need(
             "scoring",
-            est.params + _batch_bytes(sh) + scoring + CODE_BYTES,
+            est.params + batch_bytes(sh) + scoring + CODE_BYTES,
             est.optimizer + est.learned,
         )
     resident = est.optimizer + est.reference + est.learned
@@ -244,7 +241,8 @@ def model_flops(run, cfg, chips: int) -> dict[str, float]:
         "update": (train + passes * score) / chips,
         "scoring": score / chips,
         "decode": 2 * (body + embed) * N * T / chips,
-        "prefill": 2 * (body + embed) * sh_tokens_prompt / chips,
+        # the prompts once, the LM head on their last token only
+        "prefill": (2 * body * sh_tokens_prompt + 2 * embed * run.train.batch_size) / chips,
         "sampling": sample / chips,
     }
 
