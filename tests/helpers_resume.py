@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.run import config as config_lib
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import TIMING_PREFIXES, train
 
 

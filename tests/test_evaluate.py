@@ -18,8 +18,8 @@ from grpo_jax.export import export_hf
 from grpo_jax.rollout import rounds as rollout
 from grpo_jax.run import builders, evaluation
 from grpo_jax.run import config as config_lib
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.config import EvalConfig
-from grpo_jax.run.start import Checkpointer
 from grpo_jax.sampling.static import SampleOutput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -127,7 +127,7 @@ class DataIterator:
     def __iter__(self):
         return self
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """JSON-serialisable position (the same on every host), plus what it is valid with."""
         return {
             "epoch": self.epoch,
@@ -139,8 +139,8 @@ class DataIterator:
             "drop_remainder": self.drop_remainder,
         }
 
-    def restore(self, state: Mapping) -> None:
-        """Continues from ``state()`` of an iterator over the same data and settings.
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continues from ``state_dict()`` of an iterator over the same data and settings.
 
         The state holds no host layout, so a run saved on n hosts resumes on
         any other number with the same global batches. Raises ValueError
@@ -150,7 +150,7 @@ class DataIterator:
         for key in ("epoch", "position"):
             if key not in state:
                 raise ValueError(f"iterator state has no {key!r} (keys: {sorted(state)})")
-        mine = self.state()
+        mine = self.state_dict()
         for key in ("seed", "num_examples", "batch_size", "shuffle", "drop_remainder"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(

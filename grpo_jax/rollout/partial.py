@@ -152,12 +152,23 @@ class Carry:
             "partial/inflight_groups": float(len(carried)),
         }
 
-    # -- checkpoints -------------------------------------------------------------
+    # -- checkpoints: the groups carried (grpo_jax.run.state.Stateful) ----------------
 
-    def to_save(self):
-        """-> (arrays for the checkpoint's "inflight" item, their JSON description)."""
+    def state_dict(self) -> dict:
+        """The groups' examples and prompts, and their arrays' shapes (JSON)."""
         if not self.groups:
-            return {}, {"partial": {"groups": []}}
+            return {"partial": {"groups": []}}
+        groups = [
+            {"example": jsonable(x.example), "prompt": x.prompt.tolist()} for x in self.groups
+        ]
+        shapes = {k: [list(v.shape), str(v.dtype)] for k, v in self._arrays().items()}
+        return {"partial": {"groups": groups, "shapes": shapes}}
+
+    def state_arrays(self) -> dict:
+        """Their rows' tokens, log-probs, versions and counts (no keys or values)."""
+        return {"partial": self._arrays()} if self.groups else {}
+
+    def _arrays(self) -> dict[str, np.ndarray]:
         rows = stack_rows(self.groups)
         g = self.r.grpo.G
         arrays = {
@@ -165,44 +176,41 @@ class Carry:
             for name, x in rows._asdict().items()
         }
         arrays["versions_NxT"] = np.stack([x.versions_GxT for x in self.groups])
-        info = {
-            "groups": [
-                {"example": jsonable(x.example), "prompt": x.prompt.tolist()} for x in self.groups
-            ],
-            "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
-        }
-        return {"partial": arrays}, {"partial": info}
+        return arrays
 
-    def restore(self, checkpointer, mesh, step: int) -> None:
-        """The groups carried when the checkpoint of ``step`` was saved."""
-        saved = checkpointer.restore_meta(step).get("inflight") or {}
-        if not isinstance(saved, dict):
+    def arrays_like(self, state):
+        """What to read a checkpoint's carried rows into (None: it carries none)."""
+        if not isinstance(state, dict):
             raise ConfigError(
-                f"the checkpoint of step {step} holds batches sampled ahead by the "
-                "train.max_staleness pipeline, not partial rollouts: resume it with "
-                "sampling.partial_rollouts = False"
+                "the checkpoint holds batches sampled ahead by the train.max_staleness "
+                "pipeline, not partial rollouts: resume it with sampling.partial_rollouts = False"
             )
-        info = saved.get("partial")
-        self.groups = []
+        info = state.get("partial")
         if not info or not info["groups"]:
-            return
+            return None
         g, t = self.r.grpo.G, self.r.sampling.max_new_tokens
         saved_gt = info["shapes"]["tokens_NxT"][0][1:]
         if saved_gt != [g, t]:
             raise ConfigError(
-                f"the checkpoint of step {step} carries rows of {saved_gt} (grpo.G, "
-                f"sampling.max_new_tokens); this run has [{g}, {t}]: resume with the settings "
-                "it was saved with"
+                f"the checkpoint carries rows of {saved_gt} (grpo.G, sampling.max_new_tokens); "
+                f"this run has [{g}, {t}]: resume with the settings it was saved with"
             )
-        replicated = sharding_lib.replicated(mesh)
-        like = {
+        replicated = sharding_lib.replicated(self.r.mesh)
+        return {
             "partial": {
                 name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=replicated)
                 for name, (shape, dtype) in info["shapes"].items()
             }
         }
-        restored = checkpointer.restore_inflight(step, like=like)["partial"]
-        arrays = {k: np.asarray(v) for k, v in restored.items()}
+
+    def load_state_dict(self, state, arrays=None) -> None:
+        """The groups carried when the checkpoint was saved (``arrays``: as
+        :meth:`arrays_like` asked, read back)."""
+        info = state.get("partial") if isinstance(state, dict) else None
+        self.groups = []
+        if not info or not info["groups"] or arrays is None:
+            return
+        arrays = {k: np.asarray(v) for k, v in arrays["partial"].items()}
         self.groups = [
             Group(
                 example=meta["example"],

@@ -100,7 +100,7 @@ class Scorer:
         # the total alone but is logged (rewards/<name>/...) with its errors counted.
         return result, correct_N, invalid_N
 
-    def moments_state(self) -> dict[str, dict]:
+    def state_dict(self) -> dict[str, dict]:
         """The running normalisations' moments (``reward_model.normalize = "running"``) by
         reward name, for the checkpoint: a resumed run standardises as an uninterrupted one."""
         return {
@@ -109,7 +109,7 @@ class Scorer:
             if getattr(learned, "moments", None) is not None
         }
 
-    def restore_moments(self, states: dict[str, dict]) -> None:
+    def load_state_dict(self, states: dict[str, dict]) -> None:
         for name, learned, _ in self.learned:
             if name in states and getattr(learned, "moments", None) is not None:
                 learned.moments.restore(states[name])

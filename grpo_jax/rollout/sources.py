@@ -3,7 +3,8 @@
     source.submit(step, params, version)    # start the batch of ``step``, sampled by ``params``
     source.take(step) -> InFlight           # that batch, sampled and scored
 
-One protocol serves every kind of run, so ``grpo_jax.run.train`` has one loop:
+One interface (:class:`RolloutSource`) serves every kind of run, so ``grpo_jax.run.train`` has
+one loop with no branch on the kind of source:
 
   SingleTurn   one round of B prompts x G completions (``rollout.dispatch_round``):
                ``submit`` dispatches the generation and returns at once, ``take``
@@ -86,13 +87,51 @@ class InFlight:
 
 
 class RolloutSource(Protocol):
-    """What the loop needs of a source of batches (module doc)."""
+    """What the loop and the staleness wrapper need of a source of batches (module doc).
+
+    ``state_dict`` / ``load_state_dict`` (and, for arrays, ``state_arrays`` /
+    ``arrays_like``) carry what the source holds between steps through a checkpoint
+    (``grpo_jax.run.state.Stateful``): nothing, but for partial rollouts' carried rows.
+    """
 
     split: bool  # whether it samples on a mesh of its own (mesh.sampler_devices)
+    # Whether it spends train.max_staleness itself (partial rollouts: on rows carried
+    # between its engine's runs); the wrapper then samples each batch at its own step.
+    spends_staleness: bool
+
+    def params(self, params):
+        """The sampler's copy of ``params`` (the same arrays on one mesh)."""
 
     def submit(self, step: int, params, version: int) -> None: ...
 
     def take(self, step: int) -> InFlight: ...
+
+    def state_dict(self): ...
+
+    def state_arrays(self): ...
+
+    def arrays_like(self, state): ...
+
+    def load_state_dict(self, state, arrays=None) -> None: ...
+
+
+class _CarriesNothing:
+    """A source that holds nothing between steps: a checkpoint saves nothing of it, and
+    batches sampled ahead are the staleness wrapper's."""
+
+    spends_staleness = False
+
+    def state_dict(self):
+        return None
+
+    def state_arrays(self):
+        return None
+
+    def arrays_like(self, state):
+        return None
+
+    def load_state_dict(self, state, arrays=None) -> None:
+        del state, arrays  # a run with train.max_staleness changed leaves its queue behind
 
 
 def _on_mesh(shardings, mesh):
@@ -100,7 +139,7 @@ def _on_mesh(shardings, mesh):
     return jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh, sh.spec), shardings)
 
 
-class SingleTurn:
+class SingleTurn(_CarriesNothing):
     """One round of B prompts x G completions a step, on the learner's or its own mesh.
 
     ``wait_params``: wait for the parameters before dispatching, so the
@@ -200,7 +239,7 @@ class SingleTurn:
         )
 
 
-class _Eager:
+class _Eager(_CarriesNothing):
     """A source that samples and scores the whole batch in ``submit`` (module doc)."""
 
     split = False
@@ -251,11 +290,13 @@ class Partial:
     next k steps' groups, and carries their unfinished rows over.
 
     The run is synchronous (the paged engine returns when the step's groups are
-    done), so ``submit`` samples and ``take`` decodes and scores. ``to_save`` and
-    ``restore`` carry the groups in flight through a checkpoint.
+    done), so ``submit`` samples and ``take`` decodes and scores. It spends the staleness
+    bound on the rows it carries, and its state (``state_dict`` and its arrays) is those
+    groups in flight.
     """
 
     split = False
+    spends_staleness = True
 
     def __init__(self, r: rollout.Rollouts, iterator, base_key, *, k: int, on_prompts=None):
         self.r, self.iterator, self.base_key = r, iterator, base_key
@@ -297,11 +338,17 @@ class Partial:
             step, version, batch, host, d.t_params_ready, t_sampled, time.perf_counter()
         )
 
-    def to_save(self):
-        return self.carry.to_save()
+    def state_dict(self):
+        return self.carry.state_dict()
 
-    def restore(self, checkpointer, mesh, step: int) -> None:
-        self.carry.restore(checkpointer, mesh, step)
+    def state_arrays(self):
+        return self.carry.state_arrays()
+
+    def arrays_like(self, state):
+        return self.carry.arrays_like(state)
+
+    def load_state_dict(self, state, arrays=None) -> None:
+        self.carry.load_state_dict(state, arrays)
 
 
 def make_source(run, r: rollout.Rollouts, iterator, base_key, *, on_prompts=None):

@@ -1,51 +1,12 @@
-"""Off-policy, pipelined rollouts with a staleness bound (``train.max_staleness`` = k >= 1).
+"""Bounded staleness around any rollout source (``train.max_staleness`` = k; k = 0 is on-policy).
 
-Versions: parameter version v is the number of GRPO steps (updates) applied,
-so the update of step s turns version s - 1 into version s, and the
-on-policy loop (k = 0) samples step s's batch with version s - 1. With
-k >= 1 the batch of step s is sampled by version
-
-    v(s) = max(0, s - 1 - k),      staleness(s) = s - 1 - v(s)  in [0, k],
-
-so step s's batch is dispatched for sampling at step s - k, right before the
-update of step s - k, with the parameters that update starts from. At step s
-the loop
-
-  1. takes the batch of step s (sampled and scored earlier),
-  2. dispatches the sampling of step s + k's batch with version s - 1 (on the
-     one mesh, the same arrays the update reads; on a split mesh, a copy
-     moved device to device onto the sampler mesh),
-  3. dispatches the update of step s (it donates the train state),
-  4. waits for step s + k's samples and does its host work (decode, rewards,
-     advantages) while the devices run the update.
-
-JAX dispatch is asynchronous, so in step 4 the host blocks only on the
-samples: on one mesh the device runs the sampling, then the update, and the
-host decodes and scores during the update; on a split mesh
-(``mesh.sampler_devices``) the sampler devices sample while the learner
-devices update. Every batch is sampled with the PRNG key of its own step
-(``fold_in(key(seed), step)``) from the next prompts of the data iterator, so
-a run is deterministic, and the batch of step s equals what the on-policy loop
-would sample at step s with version v(s). The update takes the batch's
-recorded log-probs as pi_old (the sampling policy: the PPO ratio is against
-it), and ``grpo.behavior_correction`` / ``grpo.old_logps = "recompute"``
-apply as in the on-policy loop (docs/objective.md §11).
-
-A checkpoint at step s also holds the batches in flight (those of steps s + 1
-.. s + k, already sampled, with the data iterator past their prompts), so a
-resumed run continues exactly where an uninterrupted one would
-(``checkpoint.save_run``'s ``inflight``).
-
-Metrics per step: ``pipeline/staleness`` and ``pipeline/version`` of the batch
-used; the update's ratio statistics (``train/ratio_*``, ``policy/*``) are
-against the batch's sampling policy, i.e. the behaviour policy. Timings
-(``perf/``, not part of exact-resume comparisons): ``perf/learner_wait_s``
-(the learner idle between its previous update and this one),
-``perf/sampler_wait_s`` (the sampler waiting for the parameters it samples
-with), ``perf/update_s`` (dispatch to done), ``perf/overlap_host_s`` (host
-work of the next batch during this update), ``perf/overlap_sample_s`` (split
-mesh: sampling during this update) and ``perf/step_wall_s``. docs/pipeline.md
-describes the design and its measurements.
+The batch of step s is sampled by parameter version v(s) = max(0, s - 1 - k) (updates
+applied), so staleness(s) = s - 1 - v(s) is in [0, k]: with k >= 1 it is dispatched at step
+s - k, right before that step's update, and its host work (decoding, rewards) runs while the
+devices update, on one mesh or beside a split sampler mesh (``mesh.sampler_devices``). The
+batches in flight go into every checkpoint, so a resumed run continues exactly. Metrics:
+``pipeline/staleness`` and ``pipeline/version``, and timings under ``perf/`` (the waits,
+the update, the overlaps). docs/pipeline.md describes the design and its measurements.
 """
 
 from __future__ import annotations
@@ -83,50 +44,26 @@ _HOST_FIELDS = ("examples", "prompts_n", "completions", "metrics")
 _HOST_INTS = ("completion_tokens", "sampled_tokens", "prompt_tokens")
 
 
-def inflight_to_save(queue: list[InFlight]):
-    """-> (arrays to save as the checkpoint's "inflight" item, their JSON description).
+def _fields(batch) -> dict:
+    return {x.name: getattr(batch, x.name) for x in dataclasses.fields(batch)}
 
-    The JSON (in the checkpoint's meta) holds each batch's step, version,
-    field shapes and dtypes, and this process's HostRollout (in a multi-host
-    run, process 0's: the one that writes records and samples).
-    """
-    arrays, info = {}, []
-    for j, f in enumerate(queue):
-        fields = {x.name: getattr(f.batch, x.name) for x in dataclasses.fields(f.batch)}
-        arrays[str(j)] = fields
+
+def queue_state(queue: list[InFlight]) -> list[dict]:
+    """The JSON of the batches in ``queue`` (a checkpoint's ``meta["inflight"]``): each
+    batch's step, version, field shapes and dtypes, and this process's HostRollout (in a
+    multi-host run, process 0's: the one that writes records and samples)."""
+    info = []
+    for f in queue:
         host = {k: jsonable(getattr(f.host, k)) for k in _HOST_FIELDS}
         host.update({k: int(getattr(f.host, k)) for k in _HOST_INTS})
         host["total_n"] = np.asarray(f.host.total_n, np.float64).tolist()
-        info.append(
-            {
-                "step": f.step,
-                "version": f.version,
-                "shapes": {k: [list(v.shape), str(v.dtype)] for k, v in fields.items()},
-                "host": host,
-            }
-        )
-    return arrays, info
+        shapes = {k: [list(v.shape), str(v.dtype)] for k, v in _fields(f.batch).items()}
+        info.append({"step": f.step, "version": f.version, "shapes": shapes, "host": host})
+    return info
 
 
-def restore_inflight(checkpointer, mesh, step: int) -> list[InFlight]:
-    """The batches in flight when the checkpoint of ``step`` was saved ([] when none)."""
-    info = checkpointer.restore_meta(step).get("inflight") or []
-    if isinstance(info, dict):  # grpo_jax.rollout.partial's rows in flight
-        raise ConfigError(
-            f"the checkpoint of step {step} holds partial rollouts in flight: resume it with "
-            "sampling.partial_rollouts = True"
-        )
-    if not info:
-        return []
-    rows = lambda ndim: sharding_lib.batch_sharding(mesh, ndim)
-    like = {
-        str(j): {
-            name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=rows(len(shape)))
-            for name, (shape, dtype) in item["shapes"].items()
-        }
-        for j, item in enumerate(info)
-    }
-    arrays = checkpointer.restore_inflight(step, like=like)
+def queue_from_state(info: list[dict], arrays: dict) -> list[InFlight]:
+    """The batches :func:`queue_state` described, with their arrays read back."""
     queue = []
     for j, item in enumerate(info):
         h = item["host"]
@@ -176,11 +113,15 @@ class Staleness:
     A context manager: leaving it stops its timing threads.
     """
 
-    def __init__(self, source: RolloutSource, k: int, *, last: int, queue=()):
-        self.source, self.k = source, k
+    def __init__(self, source: RolloutSource, max_staleness: int, *, last: int, mesh):
+        self.source = source
+        # A source that spends the bound itself (partial rollouts, on the rows it carries
+        # between steps) has each batch sampled at its own step.
+        self.k = 0 if source.spends_staleness else max_staleness
         self.last = last  # train.steps: no batch is sampled for a step past it
-        self.queue: list[InFlight] = list(queue)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2) if k else None
+        self.mesh = mesh  # the learner's: where the batches in flight live
+        self.queue: list[InFlight] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2) if self.k else None
         # step -> (t_update, future of the update's end, the next batch's InFlight)
         self._timing = {}
         self._prev_done = None  # perf_counter() when the previous update ended
@@ -294,6 +235,41 @@ class Staleness:
         late[step] = m
         return t_done
 
-    def to_save(self):
-        """What a checkpoint saves of the batches in flight (None with k = 0)."""
-        return inflight_to_save(self.queue) if self.k else None
+    # -- checkpoints: the batches in flight (grpo_jax.run.state.Stateful) --------------
+
+    def state_dict(self):
+        """k >= 1: the batches queued (:func:`queue_state`); else the source's own."""
+        return queue_state(self.queue) if self.k else self.source.state_dict()
+
+    def state_arrays(self):
+        if not self.k:
+            return self.source.state_arrays()
+        return {str(j): _fields(f.batch) for j, f in enumerate(self.queue)}
+
+    def arrays_like(self, state):
+        """What to read a checkpoint's batches in flight into (None: it holds none)."""
+        if not self.k:
+            return self.source.arrays_like(state)
+        if isinstance(state, dict):  # grpo_jax.rollout.partial's rows in flight
+            raise ConfigError(
+                "the checkpoint holds partial rollouts in flight: resume it with "
+                "sampling.partial_rollouts = True"
+            )
+        if not state:
+            return None
+        rows = lambda ndim: sharding_lib.batch_sharding(self.mesh, ndim)
+        return {
+            str(j): {
+                name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=rows(len(shape)))
+                for name, (shape, dtype) in item["shapes"].items()
+            }
+            for j, item in enumerate(state)
+        }
+
+    def load_state_dict(self, state, arrays=None) -> None:
+        """Continues with the batches in flight when the checkpoint was saved (``arrays``:
+        as :meth:`arrays_like` asked, read back); :meth:`fill` samples the rest."""
+        if not self.k:
+            self.source.load_state_dict(state, arrays)
+        elif state and arrays is not None:
+            self.queue = queue_from_state(state, arrays)

@@ -50,6 +50,11 @@ class _OrbaxErrorsReported(logging.Filter):
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+# The items of a run's state that hold arrays, besides the parameters and the optimizer
+# state: the batches in flight (grpo_jax.run.state.RunState.parts names them).
+STATE_ITEMS = ("inflight",)
+
+
 class Checkpointer:
     """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for params, optimizer, meta."""
 
@@ -81,7 +86,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
-            item_names=("params", "opt_state", "meta", "inflight"),
+            item_names=("params", "opt_state", "meta", *STATE_ITEMS),
         )
 
     def latest_step(self) -> int | None:
@@ -90,17 +95,18 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, *, params, opt_state, meta: Mapping[str, Any], inflight=None) -> bool:
+    def save(self, step: int, *, params, opt_state, meta: Mapping[str, Any], arrays=None) -> bool:
         """Starts saving step ``step`` (returns at once when asynchronous).
 
-        ``inflight``: arrays of the batches sampled ahead of their steps
-        (``grpo_jax.rollout.staleness``), saved as a fourth item when given. The checksums of
-        every array and of the meta go into the meta (module doc).
+        ``arrays``: ``{item: arrays}`` of the run's state beside the parameters (the
+        batches in flight, ``STATE_ITEMS``), each saved as an item of its own. The
+        checksums of every array and of the meta go into the meta (module doc).
         """
         meta = dict(meta, step=int(step))
-        arrays = {"params": params, "opt_state": opt_state}
-        if inflight:
-            arrays["inflight"] = inflight
+        arrays = {"params": params, "opt_state": opt_state, **(arrays or {})}
+        unknown = set(arrays) - {"params", "opt_state", *STATE_ITEMS}
+        if unknown:
+            raise ValueError(f"no checkpoint item for {sorted(unknown)} (items: {STATE_ITEMS})")
         record = {
             "version": integrity.VERSION,
             "meta": integrity.json_digest(meta),
@@ -209,11 +215,12 @@ class Checkpointer:
         _, record = self._read_meta(step)
         return self._restore_arrays(step, record, params=params_like)["params"]
 
-    def restore_inflight(self, step: int, *, like):
-        """The "inflight" item of ``step`` into ``like`` (ShapeDtypeStructs with shardings)."""
+    def restore_arrays(self, step: int, item: str, *, like):
+        """The item ``item`` (one of ``STATE_ITEMS``) of ``step`` into ``like``
+        (ShapeDtypeStructs with shardings), verified against its checksums."""
         step = self._resolve(step)
         _, record = self._read_meta(step)
-        return self._restore_arrays(step, record, inflight=like)["inflight"]
+        return self._restore_arrays(step, record, **{item: like})[item]
 
     def restore_meta(self, step: int | None = None) -> dict:
         """The meta of ``step`` (the latest when None), verified against its checksum."""

@@ -1,31 +1,13 @@
-"""The training run's reporting: metrics one step late, alarms, progress and the schedule.
+"""The training run's records: metrics one step late, warnings, health alarms, progress.
 
-A :class:`Reporter` receives each step's device metrics (still on the device)
-and host metrics right after the step's update is dispatched, and writes the
-step's record only when the next step's sampling has waited for the update
-anyway, so the host never stalls the device to read a number. It owns:
-
-  * metrics.jsonl / TensorBoard records and the progress line,
-  * the loud warnings (skipped non-finite updates, a policy that moved too far
-    in one step, no reward variance for many steps),
-  * the training-health alarms (``grpo_jax.run.health``, section ``health``): after
-    each step's metrics, the rules run over a bounded history (the recent
-    records, the first ones, the last two evaluations). An alarm fires when it
-    starts and again only after it has been quiet for more than
-    ``health.rearm_steps`` steps; firing adds ``alarms/<name>: 1.0`` to that
-    step's record, prints a loud line, writes the step's samples to
-    ``samples/alarm_<name>_step_XXXXXXX.txt`` and, with ``health.stop_on_alarm``,
-    sets ``stop_requested`` (the loop then saves a checkpoint and raises
-    :class:`AlarmStop`). The history and the rearm steps (``health_state()``)
-    go into every checkpoint, so a resumed run raises the alarms an
-    uninterrupted one would,
-  * the non-finite stop (:class:`NonFiniteError`),
-  * sample completions as text,
-  * which steps evaluate and checkpoint.
-
-:class:`PulsedProgress` is the run's progress line (``grpo_jax.run.setup`` builds it): when
-nothing has been printed for ``PULSE_S`` seconds (a compilation, the warm start's first
-steps, an evaluation) it prints a short line saying the run is still at it.
+A :class:`Reporter` receives each step's device metrics (still on the device) and host
+metrics right after the step's update is dispatched, and writes the step's record only
+when the next step's sampling has waited for the update anyway, so the host never stalls
+the device to read a number. With the record go the loud warnings (skipped non-finite
+updates, a policy that moved too far, no reward variance), the non-finite stop, sample
+completions and the health alarms (:class:`Alarms`). Which steps evaluate and checkpoint
+is ``grpo_jax.run.schedule``'s. :class:`PulsedProgress` is the run's progress line.
+docs/architecture.md, "Reporter".
 """
 
 from __future__ import annotations
@@ -113,45 +95,107 @@ def _pulse(ref, stop: threading.Event) -> None:
         del progress
 
 
-class Reporter:
-    """Writes each step's record one step late and raises the run's alarms (module doc).
+class Alarms:
+    """The training-health alarms (``grpo_jax.run.health``, section ``health``; module doc).
 
-    ``records``: the run's ``setup.Records`` (writer, progress line, checkpointer);
-    ``iterator``: the data iterator, whose epoch each record gives.
+    ``check(step, record)`` returns the alarms that fire at ``step``; their history and
+    rearm steps carry across a restart (``state_dict``, with the alarms that stopped the
+    run, if any), so a resumed run raises the alarms an uninterrupted one would.
     """
 
-    def __init__(
-        self,
-        run: RunConfig,
-        records,
-        iterator=None,
-        *,
-        no_signal_run: int = 0,
-        start_step: int = 0,
-        sampled_tokens: int = 0,
-        health_state: dict | None = None,
-    ):
+    def __init__(self, cfg):
+        self.cfg = cfg  # the health section
+        self.stopped_by: list[health.Alarm] = []  # fired with health.stop_on_alarm
+        self._recent = collections.deque([], health.history_needed(cfg))
+        self._early: list[dict] = []  # the first records (early entropy level)
+        self._evals: list[dict] = []  # the last two records with an evaluation
+        self._seen: dict[str, int] = {}  # alarm name -> last step it was raised
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether an alarm asked the run to stop (``health.stop_on_alarm``)."""
+        return bool(self.stopped_by)
+
+    def check(self, step: int, m: dict) -> list[health.Alarm]:
+        """The alarms that fire at ``step`` (``m``: its record), by the rearm rule."""
+        if not self.cfg.enabled:
+            return []
+        rec = {k: m[k] for k in (*health.KEYS, self.cfg.hack_check) if k in m}
+        rec["step"] = step
+        if len(self._early) < self.cfg.entropy_window:
+            self._early.append(rec)
+        if "eval/pass_at_1" in rec:
+            self._evals = [*self._evals, rec][-2:]
+        self._recent.append(rec)
+        oldest = self._recent[0]["step"]
+        kept = [r for r in self._early + self._evals if r["step"] < oldest]
+        by_step = {r["step"]: r for r in kept}
+        history = [by_step[k] for k in sorted(by_step)] + list(self._recent)
+        fired = []
+        for a in health.diagnose(history, self.cfg):
+            last = self._seen.get(a.name)
+            if last is None or step - last - 1 > self.cfg.rearm_steps:  # quiet steps
+                fired.append(a)
+            self._seen[a.name] = step
+        return fired
+
+    def stop_error(self, step: int) -> AlarmStop:
+        """The error that ends a run stopped by an alarm, its checkpoint of ``step`` saved."""
+        return AlarmStop(
+            f"{describe_stop(self.stopped_by)} (health.stop_on_alarm); saved the checkpoint of "
+            f"step {step}. A rerun refuses to resume past it: look at samples/alarm_*.txt, "
+            "then rerun with --config.health.resume_after_stop=True to continue anyway"
+        )
+
+    def state_dict(self) -> dict:
+        """The history and rearm steps as JSON (a checkpoint's ``meta["health"]``), with
+        the alarms that stopped the run under "stopped_by"."""
+        records = lambda rs: [{k: _finite_or_none(v) for k, v in r.items()} for r in rs]
+        state = {
+            "recent": records(self._recent),
+            "early": records(self._early),
+            "evals": records(self._evals),
+            "seen": dict(self._seen),
+        }
+        if self.stopped_by:
+            state["stopped_by"] = [dataclasses.asdict(a) for a in self.stopped_by]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._recent = collections.deque(state.get("recent", []), health.history_needed(self.cfg))
+        self._early = list(state.get("early", []))
+        self._evals = list(state.get("evals", []))
+        self._seen = dict(state.get("seen", {}))
+
+
+class Reporter:
+    """Writes each step's record one step late, with its warnings and alarms (module doc).
+
+    ``records``: the run's ``setup.Records`` (writer, progress line, checkpointer);
+    ``iterator``: the data iterator, whose epoch each record gives. Across a restart it
+    carries the steps in a row without reward signal and the step its records reach
+    (``state_dict``); ``alarms`` carries the health alarms'.
+    """
+
+    def __init__(self, run: RunConfig, records, iterator=None):
         self.run, self.records, self.iterator = run, records, iterator
         self.cfg = run.train
-        self.no_signal_run = no_signal_run  # steps in a row with no reward variance
-        self.sampled_tokens = sampled_tokens  # completion tokens sampled so far
+        self.no_signal_run = 0  # steps in a row with no reward variance
         # The last step whose update was applied, finite and moved the policy no more
         # than train.update_kl_warn: its checkpoint is one to go back to after a blow-up.
-        self.last_healthy = start_step
+        self.last_healthy = 0
+        self.records_through = 0  # the last step whose record is written
         self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
-        self.health = run.health
-        self.stop_alarms: list[health.Alarm] = []  # fired with health.stop_on_alarm
-        h = health_state or {}  # from the checkpoint the run resumes from
-        self._recent = collections.deque(h.get("recent", []), health.history_needed(self.health))
-        self._early: list[dict] = h.get("early", [])  # the first records (early entropy level)
-        self._evals: list[dict] = h.get("evals", [])  # the last two records with an evaluation
-        # alarm name -> last step it was raised
-        self._alarm_seen: dict[str, int] = dict(h.get("seen", {}))
+        self.alarms = Alarms(run.health)
         # step -> metrics known only once its update has ended (grpo_jax.rollout.staleness's
         # timings, given to step_done and flush): they join the step's record when it is
         # written.
         self._late: dict[int, dict] = {}
-        if start_step < self.cfg.steps and hasattr(records, "progress"):
+
+    def begin(self, start_step: int) -> None:
+        """The run trains from step ``start_step + 1`` (its records reach ``start_step``)."""
+        self.last_healthy = self.records_through = start_step
+        if start_step < self.cfg.steps:
             # The first step waits for the sampler's and the update's compilation.
             self.message(
                 f"GRPO from step {start_step + 1}: compiling the sampler and the update first"
@@ -170,51 +214,52 @@ class Reporter:
     def message(self, text: str) -> None:
         self.records.progress.message(text)
 
-    # -- the schedule ----------------------------------------------------------
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a health alarm asked the run to stop (``health.stop_on_alarm``)."""
+        return self.alarms.stop_requested
 
-    def budget_spent(self) -> bool:
-        """Whether train.sampled_tokens_budget (when set) has been reached."""
-        budget = self.cfg.sampled_tokens_budget
-        return bool(budget) and self.sampled_tokens >= budget
+    # -- across a restart ----------------------------------------------------------
 
-    def ended_by(self, step: int) -> str:
-        """What ended the run at ``step``: "train.sampled_tokens_budget" (said in one line
-        with the figures) or "train.steps"."""
-        steps, budget = self.run.train.steps, self.cfg.sampled_tokens_budget
-        if step >= steps or not self.budget_spent():
-            return "train.steps"
-        self.message(
-            f"stopping after step {step} of {steps}: train.sampled_tokens_budget is spent "
-            f"({self.sampled_tokens} completion tokens sampled, budget {budget})"
-        )
-        return "train.sampled_tokens_budget"
+    def state_dict(self) -> dict:
+        return {"no_signal_run": self.no_signal_run, "records_through": self.records_through}
 
-    def due(self, step: int) -> tuple[bool, bool]:
-        """(evaluate, checkpoint) after ``step``; the last step's are the run's final ones."""
-        run = self.run
-        last = step == run.train.steps or self.budget_spent()
-        do_eval = bool(run.eval.every) and step % run.eval.every == 0 and not last
-        do_ckpt = bool(run.checkpoint.every) and step % run.checkpoint.every == 0 and not last
-        return do_eval, do_ckpt
+    def load_state_dict(self, state: dict) -> None:
+        """Continues a run's records: those after the step they reached are dropped (the
+        resumed run writes them again, exactly)."""
+        self.no_signal_run = int(state.get("no_signal_run", 0))
+        self.records_through = int(state["records_through"])
+        self.records.writer.truncate(self.records_through)
 
     # -- records -----------------------------------------------------------------
 
+    def write(self, step: int, metrics: dict) -> None:
+        """Writes a record of ``step`` now (an evaluation of its own)."""
+        self.records.writer.write(step, metrics)
+        self.records_through = step
+
     def step_done(
-        self, step: int, dev_metrics, host: HostRollout, t_update: float, late=None
+        self,
+        step: int,
+        dev_metrics,
+        host: HostRollout,
+        t_update: float,
+        *,
+        sampled_tokens: int,
+        late=None,
     ) -> None:
         """Queues ``step``'s record and writes the previous step's (its update is done).
 
         ``t_update``: ``perf_counter()`` when the update was called. The step's
         ``perf/time_train_s`` runs from then until the host saw the update done:
         the update itself (its compilation on the first step) plus at most the
-        host work that overlapped it. ``late``: ``{step: metrics}`` of earlier
-        steps known only now (their update has ended); they join those steps'
-        records.
+        host work that overlapped it. ``sampled_tokens``: the completion tokens sampled
+        so far, this step's included. ``late``: ``{step: metrics}`` of earlier steps known
+        only now (their update has ended); they join those steps' records.
         """
         self._late.update(late or {})
         m = dict(host.metrics)
-        self.sampled_tokens += host.sampled_tokens
-        m["rollout/sampled_tokens_total"] = float(self.sampled_tokens)
+        m["rollout/sampled_tokens_total"] = float(sampled_tokens)
         train_tokens = (host.prompt_tokens + host.completion_tokens) * self.run.grpo.mu
         m["train/epoch"] = float(self.iterator.epoch)
         m["_train_tokens"] = float(train_tokens)
@@ -238,7 +283,7 @@ class Reporter:
             self._finish(self._pending, t_ready, extra)
             self._pending = None
         elif extra is not None and write_alone:
-            self.records.writer.write(int(jax.device_get(state.step)), extra)
+            self.write(int(jax.device_get(state.step)), extra)
         return extra
 
     def _finish(self, pending, t_ready: float, extra: dict | None = None) -> dict:
@@ -251,43 +296,16 @@ class Reporter:
         m["perf/time_train_s"] = t_train
         m["perf/train_tokens_per_s"] = m.pop("_train_tokens") / max(t_train, 1e-9)
         m["perf/step_s"] = m["perf/time_sample_s"] + m["perf/time_reward_s"] + t_train
-        fired = self._health(step, m)
+        fired = self.alarms.check(step, m)
         m.update({f"alarms/{a.name}": 1.0 for a in fired})
-        self.records.writer.write(step, m)
+        self.write(step, m)
         self.records.progress.update(step, m)
         for a in fired:
             self._report_alarm(a, rollout)
         self._update_alarms(step, m)
         return m
 
-    # -- alarms ------------------------------------------------------------------
-
-    @property
-    def stop_requested(self) -> bool:
-        """Whether an alarm asked the run to stop (``health.stop_on_alarm``)."""
-        return bool(self.stop_alarms)
-
-    def health_state(self) -> dict:
-        """The alarms' history and rearm steps as JSON (a checkpoint's ``meta["health"]``),
-        with the alarms that stopped the run under "stopped_by"."""
-        records = lambda rs: [{k: _finite_or_none(v) for k, v in r.items()} for r in rs]
-        state = {
-            "recent": records(self._recent),
-            "early": records(self._early),
-            "evals": records(self._evals),
-            "seen": dict(self._alarm_seen),
-        }
-        if self.stop_alarms:
-            state["stopped_by"] = [dataclasses.asdict(a) for a in self.stop_alarms]
-        return state
-
-    def alarm_stop(self, step: int) -> AlarmStop:
-        """The error that ends a run stopped by an alarm, its checkpoint of ``step`` saved."""
-        return AlarmStop(
-            f"{describe_stop(self.stop_alarms)} (health.stop_on_alarm); saved the checkpoint of "
-            f"step {step}. A rerun refuses to resume past it: look at samples/alarm_*.txt, "
-            "then rerun with --config.health.resume_after_stop=True to continue anyway"
-        )
+    # -- warnings ----------------------------------------------------------------
 
     def _update_alarms(self, step: int, m: dict) -> None:
         cfg = self.cfg
@@ -319,37 +337,14 @@ class Reporter:
                 "optim.learning_rate or grpo.mu if this repeats"
             )
 
-    def _health(self, step: int, m: dict) -> list[health.Alarm]:
-        """The alarms that fire at ``step`` (``m``: its record), by the rearm rule (module doc)."""
-        if not self.health.enabled:
-            return []
-        rec = {k: m[k] for k in (*health.KEYS, self.health.hack_check) if k in m}
-        rec["step"] = step
-        if len(self._early) < self.health.entropy_window:
-            self._early.append(rec)
-        if "eval/pass_at_1" in rec:
-            self._evals = [*self._evals, rec][-2:]
-        self._recent.append(rec)
-        oldest = self._recent[0]["step"]
-        kept = [r for r in self._early + self._evals if r["step"] < oldest]
-        by_step = {r["step"]: r for r in kept}
-        history = [by_step[k] for k in sorted(by_step)] + list(self._recent)
-        fired = []
-        for a in health.diagnose(history, self.health):
-            last = self._alarm_seen.get(a.name)
-            if last is None or step - last - 1 > self.health.rearm_steps:  # quiet steps
-                fired.append(a)
-            self._alarm_seen[a.name] = step
-        return fired
-
     def _report_alarm(self, alarm: health.Alarm, host: HostRollout) -> None:
-        stop = self.health.stop_on_alarm
+        stop = self.alarms.cfg.stop_on_alarm
         self.loud(
             f"health alarm {alarm.name}: {alarm.message}"
             + (" (health.stop_on_alarm: saving a checkpoint and stopping)" if stop else "")
         )
         if stop:
-            self.stop_alarms.append(alarm)
+            self.alarms.stopped_by.append(alarm)
         if host is not None:
             self.records.writer.write_samples(
                 alarm.step,

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from grpo_jax import data
 from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, sharding
 from grpo_jax.learner import optimizer as optim_lib
@@ -98,14 +97,14 @@ class Data:
       train_examples: every training example, solutions included (the warm start's).
       eval_examples: the held-out problems.
       stats: ``"skipped/<split>"``: malformed rows skipped (``data.on_error = "skip"``).
-      iterator: the GRPO prompts (no solutions): this host's rows of each batch.
-        Its position is the one thing here that moves (restored from a checkpoint).
+      prompts: the GRPO problems: the training examples without their solutions (the
+        run's data iterator, ``grpo_jax.run.state.RunState``, reads them).
     """
 
     train_examples: list
     eval_examples: list
     stats: dict
-    iterator: data.DataIterator
+    prompts: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +115,10 @@ class Setup:
     ``rollouts`` what sampling and scoring a batch needs, ``trainer`` the
     optimizer and the jitted update, ``records`` what the run writes, ``data``
     its problems. Each part of the run takes the bundles it uses; only the run
-    layer (this module, ``train``, ``checkpoint``, ``base_policy``) sees them all.
+    layer (this module, ``train``, ``start``, ``base_policy``) sees them all.
+    What moves as the run trains is not here but in its
+    :class:`grpo_jax.run.state.RunState` (the scorer's running moments excepted: the
+    ``RunState`` names the scorer ``rollouts`` holds).
     """
 
     run: RunConfig
@@ -218,8 +220,8 @@ def use_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def build_data(run: RunConfig, rows_B: slice) -> Data:
-    """The run's problems: datasets, held-out split and the GRPO prompts' iterator."""
+def build_data(run: RunConfig) -> Data:
+    """The run's problems: datasets, held-out split and the GRPO prompts."""
     stats = {}
     datasets = build_datasets(run, stats)
     train_all = datasets["train"]
@@ -230,13 +232,12 @@ def build_data(run: RunConfig, rows_B: slice) -> Data:
             f"{len(train_all)} training problems to train on"
         )
     # The GRPO phase sees prompts and reference answers only, never worked solutions.
-    grpo_examples = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
-    B = run.train.batch_size
+    prompts = [{k: v for k, v in ex.items() if k != "solution"} for ex in train_all]
     return Data(
         train_examples=train_all,
         eval_examples=eval_examples(run, datasets),
         stats=stats,
-        iterator=data.DataIterator(grpo_examples, B, seed=run.seed, rows=rows_B),
+        prompts=prompts,
     )
 
 
@@ -308,7 +309,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     B = run.train.batch_size
     rows_B, rows_N = _host_rows(mesh, B, run.grpo.G)
     tokenizer = build_tokenizer(run, workdir)
-    data_ = build_data(run, rows_B)
+    data_ = build_data(run)
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     model_cfg = nnx.merge(graphdef, params).config
     _print_memory_plan(run, model_cfg, mesh, samp_mesh, stream)

@@ -2,35 +2,13 @@
 
     summary = train(config, workdir)
 
-Each step takes B prompts, samples G completions per prompt with the current
-policy (recording pi_old's log-probs), scores them with the reward functions
-and normalises the rewards into group advantages (a rollout source,
-``grpo_jax.rollout.sources``: single-turn, dynamic sampling or multi-turn episodes,
-behind ``pipeline.Staleness``, which with ``train.max_staleness`` = k >= 1
-samples each batch k updates ahead), then runs the jitted update
-(``grpo_jax.learner.update``: mu passes in minibatches, AdamW, gradient accumulation,
-non-finite guard). One loop serves every kind of run. The PRNG key of step s
-is ``fold_in(key(seed), s)``, so a resumed run draws exactly what an
-uninterrupted one would. Device metrics are read one step late
-(``grpo_jax.run.report``) so the host never waits for them.
-docs/architecture.md describes the parts and the data flow.
-
-A fresh run first makes its base policy: the built-in tiny model (or a
-Hugging Face checkpoint), optionally warm-started by supervised training on
-worked solutions (``grpo_jax.run.warm_start``, cached in <workdir>/warm_start), and
-evaluates it ("before"). Rerunning the same command resumes from the latest
-checkpoint in <workdir>/checkpoints, truncating metrics.jsonl to that step.
-SIGTERM saves a checkpoint at the end of the current step and returns; a
-health alarm with ``health.stop_on_alarm`` saves one and raises ``AlarmStop``. The
-run ends with a final evaluation ("after"), a final checkpoint and
-<workdir>/summary.json (``grpo_jax.run.summary``): the "before" and "after"
-evaluations, wall seconds, steps, seed, number of problems, what the warm
-start did, the completion tokens sampled and what ended the run (``train.steps``,
-or ``train.sampled_tokens_budget``, which also says so in one line).
-
-Workdir layout: metrics.jsonl, tensorboard/, samples/, checkpoints/,
-warm_start/, tokenizer/ (built-in tokenizer), config.json, summary.json,
-eval/step_<N>.jsonl (each evaluation's per-problem results, ``grpo_jax.core.problems``).
+Each step takes a batch from a rollout source (``grpo_jax.rollout.sources``) behind the
+staleness wrapper (``grpo_jax.rollout.staleness``), runs the jitted update on it
+(``grpo_jax.learner.update``) and hands the metrics to the reporter, which writes them one
+step late. One loop serves every kind of run, with no branch on the kind of source. What
+moves as it trains is the run's state (``grpo_jax.run.state``), which every checkpoint
+saves, so rerunning the same command resumes exactly; SIGTERM saves one at the end of the
+step. docs/architecture.md describes the parts, the workdir and the data flow.
 """
 
 from __future__ import annotations
@@ -51,15 +29,17 @@ from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, problems
 from grpo_jax.core.errors import AlarmStop, NonFiniteError, WorkdirWriteError
 from grpo_jax.core.sharding import replicated
+from grpo_jax.data import DataIterator
 from grpo_jax.learner import update as update_lib
-from grpo_jax.reward_models import Judge
 from grpo_jax.rollout import sources
-from grpo_jax.rollout import staleness as pipeline
+from grpo_jax.rollout.staleness import Staleness
 from grpo_jax.run import evaluation, record
 from grpo_jax.run import start as checkpoint
 from grpo_jax.run.config import parse_config
 from grpo_jax.run.report import Reporter
+from grpo_jax.run.schedule import Schedule
 from grpo_jax.run.setup import Setup, setup
+from grpo_jax.run.state import RunState
 from grpo_jax.run.summary import summarize
 
 log = logging.getLogger(__name__)
@@ -195,30 +175,13 @@ def _close(s: Setup, *, quietly: bool) -> None:
             s.records.lock.release()
 
 
-def _save(
-    s: Setup, state, step: int, *, start, report: Reporter, t_start: float, inflight=None
-) -> None:
-    wall = start.prior_seconds + time.time() - t_start
-    checkpoint.save_run(
-        s,
-        state,
-        step,
-        start,
-        no_signal_run=report.no_signal_run,
-        wall_seconds=wall,
-        sampled_tokens=report.sampled_tokens,
-        health=report.health_state(),
-        inflight=inflight,
-    )
-
-
-def _stop(s: Setup, report: Reporter, step: int) -> dict:
+def _stop(s: Setup, rs: RunState, step: int) -> dict:
     """The end of a run stopped by SIGTERM or a health alarm, its checkpoint of ``step``
     saved: an alarm raises ``AlarmStop`` (nothing resumes past it unasked)."""
     s.records.checkpointer.wait()
-    if report.stop_requested:
-        raise report.alarm_stop(step)
-    report.message(
+    if rs.report.stop_requested:
+        raise rs.report.alarms.stop_error(step)
+    rs.report.message(
         f"preempted: saved the checkpoint of step {step}; rerun the same command to resume"
     )
     return {"preempted": True, "step": step}
@@ -250,101 +213,98 @@ class _Update:
     batch once a source knows its prompt width (``compile_for``), while the sampler
     compiles and samples. The compilation's thread ends with the run (``run_scoped``)."""
 
-    def __init__(self, s: Setup, state, ref_params, first_step: int, run_scoped):
+    def __init__(self, s: Setup, run_scoped):
         self.fn = s.trainer.update
-        self._ahead = (s, state, ref_params, first_step, run_scoped)
+        self._s, self._run_scoped = s, run_scoped
+        self._ahead = None  # (state, ref_params, first step): known once the run has started
+
+    def starts(self, state, ref_params, first_step: int) -> None:
+        self._ahead = (state, ref_params, first_step)
 
     def compile_for(self, prompt_width: int) -> None:
-        s, state, ref_params, first_step, run_scoped = self._ahead
+        s, (state, ref_params, first_step) = self._s, self._ahead
         key = _train_key(s, first_step)
         ahead = _update_compiled_ahead(s, state, prompt_width, key, ref_params)
-        self.fn = run_scoped.enter_context(ahead)
+        self.fn = self._run_scoped.enter_context(ahead)
+
+
+def _run_state(s: Setup, state, t_start: float, on_prompts, run_scoped) -> RunState:
+    """The run's state as it starts afresh, with the source of its batches
+    (``on_prompts``: called with the first batch's prompt width)."""
+    run = s.run
+    iterator = DataIterator(
+        s.data.prompts, run.train.batch_size, seed=run.seed, rows=s.placement.rows_B
+    )
+    source = sources.make_source(run, s.rollouts, iterator, s.base_key, on_prompts=on_prompts)
+    pipe = Staleness(source, run.train.max_staleness, last=run.train.steps, mesh=s.placement.mesh)
+    return RunState(
+        train=state,
+        iterator=iterator,
+        scorer=s.rollouts.scorer,
+        pipe=run_scoped.enter_context(pipe),
+        report=Reporter(run, s.records, iterator),
+        schedule=Schedule(run, t_start, say=s.records.progress.message),
+    )
 
 
 def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -> dict:
     """The one training loop, for every source and staleness (docs/architecture.md)."""
     run = s.run
     evaluate_fn = functools.partial(evaluate_policy, s)
-    start = checkpoint.restore_or_init(s, state, evaluate=evaluate_fn, preempt=preempt)
+    update = _Update(s, run_scoped)
+    rs = _run_state(s, state, t_start, update.compile_for, run_scoped)
+    start = checkpoint.restore_or_init(s, rs, evaluate=evaluate_fn, preempt=preempt)
     if start is None:
         return {"preempted": True, "step": 0}
-    state, ref_params = start.state, start.ref_params
-    for _, learned, _ in s.rollouts.scorer.learned:  # the reference as judge: its own arrays
-        if isinstance(learned, Judge) and learned.params is None:
-            learned.bind(s.policy.graphdef, ref_params, s.policy.tokenizer)
-    report = Reporter(
-        run,
-        s.records,
-        s.data.iterator,
-        no_signal_run=start.no_signal_run,
-        start_step=start.start_step,
-        sampled_tokens=start.sampled_tokens,
-        health_state=start.health_state,
-    )
-    update = _Update(s, state, ref_params, start.start_step + 1, run_scoped)
-    # Partial rollouts spend the staleness bound on rows carried between the engine's
-    # runs (grpo_jax.rollout.partial), so their batches are sampled at their own step.
-    partial = run.sampling.partial_rollouts
-    k = 0 if partial else run.train.max_staleness
-    queue = []
-    if start.resumed and k:
-        queue = pipeline.restore_inflight(
-            s.records.checkpointer, s.placement.mesh, start.start_step
-        )
-    source = sources.make_source(
-        run, s.rollouts, s.data.iterator, s.base_key, on_prompts=update.compile_for
-    )
-    if start.resumed and partial:
-        source.restore(s.records.checkpointer, s.placement.mesh, start.start_step)
-    pipe = pipeline.Staleness(source, k, last=run.train.steps, queue=queue)
-    run_scoped.enter_context(pipe)
-    pipe.fill(start.start_step, state.params)
-
-    def save(state, step):
-        inflight = source.to_save() if partial else pipe.to_save()
-        _save(s, state, step, start=start, report=report, t_start=t_start, inflight=inflight)
+    ref_params, report, schedule, pipe = start.ref_params, rs.report, rs.schedule, rs.pipe
+    report.begin(start.start_step)
+    update.starts(rs.train, ref_params, start.start_step + 1)
+    pipe.fill(start.start_step, rs.train.params)
 
     for step in range(start.start_step + 1, run.train.steps + 1):
-        if report.budget_spent():  # train.sampled_tokens_budget
+        if schedule.budget_spent():  # train.sampled_tokens_budget
             break
         k_train = _train_key(s, step)
-        cur = pipe.take(step, state.params)
+        cur = pipe.take(step, rs.train.params)
         t_update = time.perf_counter()  # before the call: a CPU may run it inside the call
-        state, dev_metrics = update.fn(state, cur.batch, k_train, ref_params)
+        rs.train, dev_metrics = update.fn(rs.train, cur.batch, k_train, ref_params)
         host, late = pipe.settle(step, t_update, dev_metrics)
-        report.step_done(step, dev_metrics, host, t_update, late=late)
+        tokens = schedule.sampled(host.sampled_tokens)
+        report.step_done(step, dev_metrics, host, t_update, sampled_tokens=tokens, late=late)
         preempt.requested |= report.stop_requested  # a health alarm (health.stop_on_alarm)
 
-        do_eval, do_ckpt = report.due(step)
+        do_eval, do_ckpt = schedule.due(step)
         # With health.stop_on_alarm every record is written at its own step (the host
         # waits for the update rather than reading its metrics one step late), so an alarm
         # stops the run at the step it fires and the checkpoint saved is that step's.
-        at_once = run.health.stop_on_alarm and step < run.train.steps and not report.budget_spent()
+        at_once = (
+            run.health.stop_on_alarm and step < run.train.steps and not schedule.budget_spent()
+        )
         if do_eval or do_ckpt or preempt.requested or at_once:
             # Checkpoints and evaluations see this step's update: its record goes
             # first, so the record of a checkpointed step is always on disk.
-            evaluate = functools.partial(evaluate_fn, state.params, step) if do_eval else None
-            report.flush(state, evaluate, late=pipe.finish_step(step))
+            evaluate = functools.partial(evaluate_fn, rs.train.params, step) if do_eval else None
+            report.flush(rs.train, evaluate, late=pipe.finish_step(step))
             preempt.requested |= report.stop_requested
             if do_ckpt or preempt.requested:
-                save(state, step)
+                checkpoint.save_run(s, rs, step, start)
             if preempt.requested:
-                return _stop(s, report, step)
+                return _stop(s, rs, step)
         if step_callback is not None:
             step_callback(step)
 
-    final_step = int(jax.device_get(state.step))
-    ended_by = report.ended_by(final_step)
+    final_step = int(jax.device_get(rs.train.step))
+    ended_by = schedule.ended_by(final_step)
     # A rerun of a finished run re-evaluates (deterministically) for its summary but
     # leaves metrics.jsonl and the checkpoints as they are.
     after = report.flush(
-        state,
-        functools.partial(evaluate_fn, state.params, final_step),
+        rs.train,
+        functools.partial(evaluate_fn, rs.train.params, final_step),
         write_alone=not start.resumed,
         late=pipe.finish_step(final_step),
     )
     if final_step > start.start_step or not start.resumed:
-        save(state, final_step)
+        checkpoint.save_run(s, rs, final_step, start)
     s.records.checkpointer.wait()
     return summarize(
         run,
@@ -352,13 +312,13 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         start.before,
         after,
         start.warm_info,
-        start.prior_seconds,
-        t_start,
+        schedule.prior_seconds,
+        schedule.t_start,
         final_step,
         s.records.progress,
         s.records.is_main,
         data_stats=s.data.stats,
-        sampled_tokens=report.sampled_tokens,
+        sampled_tokens=schedule.sampled_tokens,
         ended_by=ended_by,
         record=record.run_record(run, s.data.eval_examples),
     )

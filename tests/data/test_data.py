@@ -184,7 +184,7 @@ def test_iterator_epochs_cover_shard_and_reshuffle():
     flat0, flat1 = sum(epoch0, []), sum(epoch1, [])
     assert len(set(flat0)) == 9 and len(set(flat1)) == 9  # one dropped per epoch
     assert flat0 != flat1  # reshuffled
-    assert it.state()["epoch"] == 1
+    assert it.state_dict()["epoch"] == 1
     # Same seed, same stream; another seed, another.
     again = DataIterator(EXAMPLES, 3, seed=0)
     assert [_ids(again.next()) for _ in range(6)] == epoch0 + epoch1
@@ -202,10 +202,10 @@ def test_iterator_save_restore_gives_same_following_batches():
     it = DataIterator(EXAMPLES, 3, seed=7, drop_remainder=False)
     for _ in range(5):
         it.next()
-    state = json.loads(json.dumps(it.state()))  # survives a JSON checkpoint
+    state = json.loads(json.dumps(it.state_dict()))  # survives a JSON checkpoint
     expected = [_ids(it.next()) for _ in range(7)]
     fresh = DataIterator(EXAMPLES, 3, seed=7, drop_remainder=False)
-    fresh.restore(state)
+    fresh.load_state_dict(state)
     assert [_ids(fresh.next()) for _ in range(7)] == expected
 
 
@@ -224,9 +224,9 @@ def test_iterator_hosts_read_their_blocks_of_the_one_host_stream():
     b = DataIterator(examples, 8, seed=5, rows=slice(6, 8))
     assert _ids(a.next()) + _ids(b.next()) == _ids(DataIterator(examples, 8, seed=5).next())
     # Every host holds the same state; a 4-host state resumes one host, same stream.
-    assert len({json.dumps(h.state()) for h in hosts}) == 1
+    assert len({json.dumps(h.state_dict()) for h in hosts}) == 1
     resumed = DataIterator(examples, 8, seed=5)
-    resumed.restore(hosts[2].state())
+    resumed.load_state_dict(hosts[2].state_dict())
     assert _ids(resumed.next()) == _ids(one.next())
 
 
@@ -261,10 +261,10 @@ def test_iterator_errors():
         DataIterator(EXAMPLES, 0, seed=0)
     it = DataIterator(EXAMPLES, 2, seed=0)
     with pytest.raises(ValueError, match="saved with seed=1, but this iterator has seed=0"):
-        it.restore({**it.state(), "seed": 1})
+        it.load_state_dict({**it.state_dict(), "seed": 1})
     with pytest.raises(ValueError, match="saved with num_examples=11"):
-        it.restore({**it.state(), "num_examples": 11})
+        it.load_state_dict({**it.state_dict(), "num_examples": 11})
     with pytest.raises(ValueError, match="iterator state has no 'position'"):
-        it.restore({"epoch": 0})
+        it.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match=r"position=99 is not in \[0, 10\]"):
-        it.restore({"epoch": 0, "position": 99})
+        it.load_state_dict({"epoch": 0, "position": 99})

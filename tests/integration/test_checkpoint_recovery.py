@@ -7,7 +7,7 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import flip_bytes, without_timings
 
-from grpo_jax.run.start import CheckpointError
+from grpo_jax.core.errors import CheckpointError
 
 pytestmark = pytest.mark.slow  # trains the smoke config twice
 
@@ -250,7 +250,7 @@ def test_a_kill_during_a_save_at_k1_resumes_with_the_alarms_of_the_whole_run(tmp
     """The alarms' state is in the checkpoint: after a kill while saving step 4 the rerun
     (from step 2) raises no alarm again that is still active (entropy, fired at step 1) and
     the one whose window spans the resume (truncation, steps 1-3) at the same step."""
-    from grpo_jax.run.start import Checkpointer
+    from grpo_jax.run.checkpoints import Checkpointer
     from grpo_jax.run.train import train
     from grpo_jax.run.writers import read_metrics
 
@@ -321,3 +321,48 @@ def test_a_damaged_warm_start_cache_is_set_aside_and_trained_again(tmp_path):
         assert (aside / "params").is_dir() and (aside / "info.json").is_file()
         assert "warm start step 2:" in out.getvalue() and summary["warm_start"]["steps"] == 2
         assert (cache / "info.json").is_file()  # cached anew
+
+
+def _as_written_before_the_run_state(step_dir) -> dict:
+    """Rewrites a checkpoint's meta in the layout grpo_jax wrote before each part of the
+    run's state saved itself under its own name: the reporter's and the schedule's
+    counters as top-level keys, the checksum of the meta recomputed. Returns them."""
+    from grpo_jax.core import integrity
+
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    record = meta.pop("integrity")
+    report, schedule = meta.pop("report"), meta.pop("schedule")
+    earlier = {
+        "no_signal_run": report["no_signal_run"],
+        "sampled_tokens": schedule["sampled_tokens"],
+        "wall_seconds": schedule["wall_seconds"],
+    }
+    meta.update(earlier)
+    record["meta"] = integrity.json_digest(meta)
+    path.write_text(json.dumps({**meta, "integrity": record}))
+    return earlier
+
+
+def test_a_checkpoint_in_the_earlier_layout_resumes_exactly(tmp_path):
+    """A checkpoint saved before the run's state was one mechanism resumes as it would
+    have: the completion tokens sampled (each record's running total) and the wall time
+    carry on from its top-level keys."""
+    from helpers_resume import train_killed_at
+
+    from grpo_jax.run.train import train
+    from grpo_jax.run.writers import read_metrics
+
+    c = _config(4)
+    train(c, tmp_path / "whole", stream=io.StringIO())
+    train_killed_at(c, tmp_path / "killed", 3, stream=io.StringIO())
+    earlier = _as_written_before_the_run_state(tmp_path / "killed" / "checkpoints" / "2")
+    assert earlier["sampled_tokens"] > 0 and earlier["wall_seconds"] > 0
+    out = io.StringIO()
+    summary = train(c, tmp_path / "killed", stream=out)
+    assert "resuming from the checkpoint at step 2" in out.getvalue()
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert without_timings(resumed) == without_timings(whole)
+    assert summary["wall_seconds"] > earlier["wall_seconds"]

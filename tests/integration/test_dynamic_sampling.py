@@ -10,7 +10,7 @@ from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import train_killed_at, without_timings
 
 from grpo_jax.rollout import rounds as rollout
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.writers import read_metrics
 
 # ---------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def _spied_run(workdir, monkeypatch, **updates):
                 np.asarray(jax.device_get(batch.weights_N)),
                 np.asarray(jax.device_get(batch.advantages_N)),
                 host.metrics,
-                draw.__self__.state()["position"],  # draw: the data iterator's next
+                draw.__self__.state_dict()["position"],  # draw: the data iterator's next
             )
         )
         return batch, host
@@ -170,7 +170,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, builtin_toke
         at_2 = ck.restore_meta(2)
     finally:
         ck.close()
-    assert meta["sampled_tokens"] == whole[-1]["rollout/sampled_tokens_total"]
+    assert meta["schedule"]["sampled_tokens"] == whole[-1]["rollout/sampled_tokens_total"]
     inflight = [(x["step"], x["version"]) for x in at_2.get("inflight") or []]
     assert inflight == ([(3, 1)] if k else [])
 

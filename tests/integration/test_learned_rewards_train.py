@@ -10,7 +10,7 @@ from helpers_config import SHORT_RUN, smoke_config
 from helpers_hf import make_tiny_hf_classifier
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 

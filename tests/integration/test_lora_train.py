@@ -14,7 +14,7 @@ from helpers_resume import train_killed_at, without_timings
 from grpo_jax.models import lora
 from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 

@@ -10,7 +10,7 @@ import pytest
 from helpers_config import apply_overrides
 from helpers_resume import train_killed_at, without_timings
 
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 

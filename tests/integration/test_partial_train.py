@@ -12,7 +12,7 @@ from helpers_resume import (
     without_timings,
 )
 
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 

@@ -155,14 +155,14 @@ def test_the_running_moments_survive_a_checkpoint_bit_for_bit():
     kw = dict(correct_reward="exact_match", timeout_s=5.0)
     before = Scorer((), **kw, learned=[(LEARNED, _WithMoments(), 1.0), ("fixed", _Fixed([1]), 1)])
     before.learned[0][1].moments = saved_at
-    meta = json.loads(json.dumps(before.moments_state()))
+    meta = json.loads(json.dumps(before.state_dict()))
     assert meta == {LEARNED: {"count": 37, "mean": saved_at.mean, "m2": saved_at.m2}}
     after = Scorer((), **kw, learned=[(LEARNED, _WithMoments(), 1.0)])
-    after.restore_moments(meta)
+    after.load_state_dict(meta)
     resumed = after.learned[0][1].moments
     resumed.add(b)
     assert resumed == whole  # count, mean and m2 equal as floats, not approximately
-    after.restore_moments({})  # an older checkpoint without them leaves the moments alone
+    after.load_state_dict({})  # an older checkpoint without them leaves the moments alone
     assert resumed == whole
 
 

@@ -25,8 +25,8 @@ from grpo_jax.rollout import sources
 from grpo_jax.rollout import staleness as pipeline
 from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
+from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.config import ConfigError
-from grpo_jax.run.start import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 

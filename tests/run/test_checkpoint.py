@@ -7,7 +7,7 @@ import optax
 import pytest
 from helpers_resume import flip_bytes
 
-from grpo_jax.run.start import Checkpointer
+from grpo_jax.run.checkpoints import Checkpointer
 
 
 def _state(seed):

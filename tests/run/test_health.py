@@ -180,8 +180,8 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     import io
 
     from configs.default import get_config
+    from grpo_jax.run.checkpoints import Checkpointer
     from grpo_jax.run.report import AlarmStop
-    from grpo_jax.run.start import Checkpointer
     from grpo_jax.run.train import train
     from grpo_jax.run.writers import read_metrics
 
@@ -278,14 +278,17 @@ def _reporter(health_state=None, **health):
     from grpo_jax.run.report import Reporter
 
     run = SimpleNamespace(train=TrainConfig(), health=HealthConfig(**health))
-    return Reporter(run, SimpleNamespace(), health_state=health_state)
+    rep = Reporter(run, SimpleNamespace())
+    if health_state is not None:
+        rep.alarms.load_state_dict(health_state)
+    return rep
 
 
 def test_reporter_fires_an_alarm_when_it_starts_and_after_a_quiet_spell():
     rep = _reporter(rearm_steps=2)
     ratio = {1: 50, 2: 50, 3: 50, 6: 50, 7: 50, 11: 50}  # quiet 4-5 (2 steps), 8-10 (3)
     fired = {
-        s: [a.name for a in rep._health(s, {"train/ratio_max": ratio.get(s, 1.0)})]
+        s: [a.name for a in rep.alarms.check(s, {"train/ratio_max": ratio.get(s, 1.0)})]
         for s in range(1, 12)
     }
     assert [s for s, names in fired.items() if names] == [1, 11]
@@ -296,13 +299,13 @@ def test_reporter_history_keeps_the_early_entropy_level():
     rep = _reporter()
     fired = []
     for s in range(1, 301):  # entropy decays to a tenth of its start, far past the window
-        fired += rep._health(s, {"train/entropy": 0.6 * (1 - 0.9 * s / 300)})
+        fired += rep.alarms.check(s, {"train/entropy": 0.6 * (1 - 0.9 * s / 300)})
     assert [a.name for a in fired] == ["entropy_collapse"]
-    assert len(rep._recent) < 100
+    assert len(rep.alarms._recent) < 100
 
 
 def test_reporter_alarm_state_survives_a_checkpoint():
-    """A reporter made from another's ``health_state()`` (JSON, as a checkpoint holds it)
+    """A reporter whose alarms load another's ``state_dict()`` (JSON, as a checkpoint holds it)
     fires what the uninterrupted one fires: the windows, the early entropy level and the
     rearm rule carry over."""
 
@@ -315,7 +318,7 @@ def test_reporter_alarm_state_survives_a_checkpoint():
 
     cfg = {"rearm_steps": 3, "truncation_window": 3}
     whole = _reporter(**cfg)
-    fired = {s: [a.name for a in whole._health(s, record(s))] for s in range(1, 15)}
+    fired = {s: [a.name for a in whole.alarms.check(s, record(s))] for s in range(1, 15)}
     assert {s: n for s, n in fired.items() if n} == {
         2: ["ratio_spike"],
         4: ["truncation"],
@@ -323,10 +326,10 @@ def test_reporter_alarm_state_survives_a_checkpoint():
     }
     first = _reporter(**cfg)
     for s in range(1, 5):
-        first._health(s, record(s))
-    state = json.loads(json.dumps(first.health_state(), allow_nan=False))
+        first.alarms.check(s, record(s))
+    state = json.loads(json.dumps(first.alarms.state_dict(), allow_nan=False))
     resumed = _reporter(state, **cfg)
-    assert {s: [a.name for a in resumed._health(s, record(s))] for s in range(5, 15)} == {
+    assert {s: [a.name for a in resumed.alarms.check(s, record(s))] for s in range(5, 15)} == {
         s: fired[s] for s in range(5, 15)
     }
 

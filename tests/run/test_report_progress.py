@@ -52,9 +52,9 @@ def test_the_reporter_says_the_first_step_compiles_first():
     said = []
     records = SimpleNamespace(progress=SimpleNamespace(message=said.append))
     run = SimpleNamespace(train=TrainConfig(steps=5), health=HealthConfig())
-    Reporter(run, records, start_step=2)
+    Reporter(run, records).begin(2)
     assert said == ["GRPO from step 3: compiling the sampler and the update first"]
-    Reporter(run, records, start_step=5)  # nothing left to run: nothing to say
+    Reporter(run, records).begin(5)  # nothing left to run: nothing to say
     assert len(said) == 1
 
 
