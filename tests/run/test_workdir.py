@@ -7,7 +7,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -94,30 +93,40 @@ def test_a_killed_run_leaves_no_stuck_lock(tmp_path):
     WorkdirLock(tmp_path).release()
 
 
+def _compiles_logged(cache: pathlib.Path, code: list[str], cwd):
+    """Runs ``python <code>`` with JAX's persistent compilation cache in ``cache``, every
+    program written there: (the finished process, the entries it left)."""
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    # A hang guard only: the refusal comes before any model is built or compiled.
+    proc = subprocess.run(
+        [sys.executable, *code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    return proc, sorted(cache.iterdir()) if cache.exists() else []
+
+
 @pytest.mark.slow
 def test_second_run_on_a_busy_workdir_refuses_at_once(tmp_path):
-    lock = WorkdirLock(tmp_path)  # a run in progress
+    """The refusal comes before any work: one line naming the holder, nothing written to
+    the workdir (no config, tokenizer, checkpoints or records) and nothing compiled."""
+    workdir, cache = tmp_path / "run", tmp_path / "jax_cache"
+    lock = WorkdirLock(workdir)  # a run in progress
     try:
-        t0 = time.time()
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "grpo_jax.main",
-                "--config=configs/default.py:smoke",
-                f"--workdir={tmp_path}",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        cmd = ["-m", "grpo_jax.main", "--config=configs/default.py:smoke", f"--workdir={workdir}"]
+        proc, compiled = _compiles_logged(cache, cmd, ROOT)
     finally:
         lock.release()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"is in use by another run (pid {os.getpid()} " in proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.json").exists()
-    assert time.time() - t0 < 60  # before any model is built
+    assert sorted(p.name for p in workdir.iterdir()) == [".lock"]  # the holder's own file
+    assert compiled == []
+    # The probe sees a compilation where there is one.
+    _, compiled = _compiles_logged(cache, ["-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"], ROOT)
+    assert compiled
 
 
 @pytest.mark.slow
