@@ -84,3 +84,13 @@ def test_libtpus_environment_keeps_what_the_user_set(monkeypatch):
     assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8"
     assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"
     assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"
+
+
+def test_the_module_imports_no_jax():
+    """tests/conftest.py and the plan command import it before JAX may load."""
+    import subprocess
+    import sys
+
+    code = "import sys, grpo_jax.aot.topology; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
