@@ -24,11 +24,7 @@ from grpo_jax.core.batch import jsonable
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.rollout.sources import InFlight, RolloutSource
 
-__all__ = [
-    "InFlight",
-    "Staleness",
-    "sampled_version",
-]
+__all__ = ["Staleness", "queue_from_state", "queue_state", "sampled_version"]
 
 
 def sampled_version(step: int, max_staleness: int) -> int:
