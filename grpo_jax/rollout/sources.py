@@ -131,7 +131,9 @@ class _CarriesNothing:
         return None
 
     def load_state_dict(self, state, arrays=None) -> None:
-        del state, arrays  # a run with train.max_staleness changed leaves its queue behind
+        # Only a queue saved at k >= 1 and resumed at k = 0 (checkpoint.allow_changed_config)
+        # reaches here: those batches are not taken up, and the run samples afresh.
+        del state, arrays
 
 
 def _on_mesh(shardings, mesh):
