@@ -1,6 +1,6 @@
 """Coverage of compare's intervals and size of its paired test, by simulation.
 
-    .venv/bin/python benchmarks/interval_coverage.py [--sims 1000] [--problems 100]
+    .venv/bin/python benchmarks/interval_coverage.py [--sims 1000] [--problems 100] [--workers 2]
 
 Simulated evaluations of several training seeds (S = 3 and 5) on P problems, either the
 same problems for every seed ("shared") or problems of each seed's own ("per seed").
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import sys
 import time
 
@@ -134,7 +135,7 @@ def simulate(layout, num_seeds, icc, *, sims, num_problems=100, seed_sd=0.0, rng
         if S >= compare.MIN_SEEDS_ACROSS:
             acr = compare.across_seeds(units, y)
             hits["across"] += acr["lo"] <= pop_a <= acr["hi"]
-            acr = compare.across_seeds(units, d)
+            acr = compare.across_seeds(units, d, diff=True)
             hits["across_diff"] += acr["lo"] <= pop_b - pop_a <= acr["hi"]
     out = {k: v / sims for k, v in hits.items()}
     if seed_sd and S > 1:
@@ -172,18 +173,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sims", type=int, default=1000)
     ap.add_argument("--problems", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=1, help="processes, one row at a time each")
     a = ap.parse_args(argv)
     t0 = time.time()
     print(f"{a.sims} simulations per row, {a.problems} problems per seed, mean accuracy {MEAN}")
     print()
     print("| problems | seeds | ICC | seed sd | " + " | ".join(n for _, n in COLUMNS) + " |")
     print("|---|---|---|---|" + "---|" * len(COLUMNS))
-    for i, (layout, S, icc, sd) in enumerate(SETTINGS):
-        r = simulate(layout, S, icc, sims=a.sims, num_problems=a.problems, seed_sd=sd, rng_seed=i)
-        cells = ["-" if r[k] is None else f"{r[k]:.3f}" for k, _ in COLUMNS]
-        print(f"| {layout} | {S} | {icc} | {sd} | " + " | ".join(cells) + " |", flush=True)
+    jobs = [(setting, a.sims, a.problems, i) for i, setting in enumerate(SETTINGS)]
+    with multiprocessing.Pool(a.workers) as pool:
+        for (layout, S, icc, sd), r in zip(SETTINGS, pool.imap(_row, jobs), strict=True):
+            cells = ["-" if r[k] is None else f"{r[k]:.3f}" for k, _ in COLUMNS]
+            print(f"| {layout} | {S} | {icc} | {sd} | " + " | ".join(cells) + " |", flush=True)
     print(f"\n{time.time() - t0:.0f} s")
     return 0
+
+
+def _row(job):
+    (layout, S, icc, sd), sims, problems, i = job
+    return simulate(layout, S, icc, sims=sims, num_problems=problems, seed_sd=sd, rng_seed=i)
 
 
 if __name__ == "__main__":

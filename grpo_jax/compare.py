@@ -381,11 +381,13 @@ def paired_test(units: Units, diffs: np.ndarray, scale: int) -> dict:
     return out
 
 
-def across_seeds(units: Units, values: np.ndarray) -> dict | None:
-    """The interval across training seeds (None with fewer than MIN_SEEDS_ACROSS seeds)."""
+def across_seeds(units: Units, values: np.ndarray, diff: bool = False) -> dict | None:
+    """The interval across training seeds of a figure (a share) or, with ``diff``, of a
+    difference of two (None with fewer than MIN_SEEDS_ACROSS seeds)."""
     if units.num_seeds < MIN_SEEDS_ACROSS:
         return None
-    return stats.across_seeds_interval(values, units.seeds, units.ids, units.strata)
+    bounds = (-1.0, 1.0) if diff else (0.0, 1.0)
+    return stats.across_seeds_interval(values, units.seeds, units.ids, units.strata, bounds=bounds)
 
 
 def _check_same_problems(a: problems.Problems, b: problems.Problems, what: str) -> None:
@@ -447,7 +449,7 @@ def group_rows(g: Group, k: int | None, allow_mixed_steps: bool = False) -> list
         if across is not None:
             row["across_seeds"] = {"after": across}
             if name in bv:
-                row["across_seeds"]["change"] = across_seeds(units, a - bv[name])
+                row["across_seeds"]["change"] = across_seeds(units, a - bv[name], diff=True)
         rows.append(row)
     return rows
 
@@ -489,7 +491,7 @@ def paired_rows(
         diff = stats.cluster_bootstrap_interval(b - a, units.ids, units.strata)
         row["diff"] = (float((b - a).mean()), *diff)
         row["test"] = paired_test(units, b - a, _test_scale(name, num_samples))
-        across = across_seeds(units, b - a)
+        across = across_seeds(units, b - a, diff=True)
         if across is not None:
             row["across_seeds"] = {"diff": across}
             row["p_improvement"] = stats.probability_of_improvement(
@@ -553,9 +555,9 @@ def task_rows(groups: Sequence[Group], k: int | None) -> list[dict]:
 
 INTERVALS = (
     "Wilson: Wilson score interval (one run); bootstrap: percentile bootstrap over problems "
-    "(one run); cluster bootstrap: problems resampled with all their seeds (seeds share "
-    "problems); stratified bootstrap: each seed's problems resampled on their own (each seed "
-    "has its own problems)"
+    "(one run); cluster bootstrap: problems resampled with all their seeds (seeds that share "
+    "some or all of their problems); stratified bootstrap: each seed's problems resampled on "
+    "their own (each seed has its own problems)"
 )
 CAPTIONS = {
     "groups": (

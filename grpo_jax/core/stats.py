@@ -477,6 +477,7 @@ def across_seeds_interval(
     strata_U: np.ndarray | None = None,
     confidence: float = 0.95,
     *,
+    bounds: tuple[float, float] | None = None,
     num_resamples: int = NUM_RESAMPLES,
     seed: int = 0,
 ) -> dict:
@@ -492,6 +493,9 @@ def across_seeds_interval(
     interval is mean -+ t sqrt(V_p + sigma_a^2 / S), t Student's with Satterthwaite's
     degrees of freedom (S - 1 when the seeds' spread dominates). A bootstrap over three
     seeds would see 10 distinct resamples and shrink their spread by (S - 1) / S.
+
+    ``bounds``: the range the mean cannot leave ((0, 1) for a share, (-1, 1) for a difference
+    of shares); the interval is cut to it, which changes no coverage.
 
     Returns ``mean``, ``lo``, ``hi``, ``df``, ``between`` (sigma_a, the standard deviation
     between seeds) and ``seeds``. Needs two seeds or more.
@@ -525,10 +529,13 @@ def across_seeds_interval(
     df = max(df, float(num_seeds - 1))
     half = _t_quantile(1.0 - (1.0 - _check_confidence(confidence)) / 2.0, df) * math.sqrt(var)
     m = float(means.mean())
+    lo, hi = m - half, m + half
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
     return {
         "mean": m,
-        "lo": m - half,
-        "hi": m + half,
+        "lo": lo,
+        "hi": hi,
         "df": float(df),
         "between": math.sqrt(between),
         "seeds": num_seeds,

@@ -328,6 +328,11 @@ def test_across_seeds_interval_by_hand():
     got = stats.across_seeds_interval(w, np.repeat([0, 1, 2], 100), np.tile(np.arange(100), 3))
     lo, hi = stats.cluster_bootstrap_interval(w, np.tile(np.arange(100), 3))
     assert got["between"] == 0.0 and got["hi"] - got["lo"] == pytest.approx(hi - lo, rel=0.15)
+    # A share's interval stays within [0, 1]: three seeds far apart reach past it unbounded.
+    far = np.concatenate([np.full(50, 1.0), np.full(50, 1.0), (np.arange(50) < 20) * 1.0])
+    args = (far, np.repeat([0, 1, 2], 50), np.arange(150), np.repeat([0, 1, 2], 50))
+    assert stats.across_seeds_interval(*args)["hi"] > 1.0
+    assert stats.across_seeds_interval(*args, bounds=(0.0, 1.0))["hi"] == 1.0
     with pytest.raises(ValueError, match="two seeds or more"):
         stats.across_seeds_interval(w[:100], np.zeros(100), np.arange(100))
 
