@@ -49,7 +49,7 @@ def code_version() -> dict:
     Read once per process (at the first record, the run's start): a commit made while a
     run goes on is not the code it runs.
     """
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]  # grpo_jax/run/record.py -> checkout
     try:
         git = lambda *a: subprocess.run(
             ["git", "-C", str(root), *a], capture_output=True, text=True, timeout=10, check=True
