@@ -355,3 +355,12 @@ def test_runs_on_several_tasks_pair_within_a_task_and_report_an_iqm(tmp_path):
     # Task add: b beats a in 8 of 9 pairs of runs and ties one (a half); mul: all 9.
     assert tasks[1]["p_improvement"] == pytest.approx((8.5 / 9 + 1.0) / 2)
     assert "interquartile mean" in compare.markdown(table, paired, tasks)
+
+
+def test_a_p_value_from_random_flips_that_never_hit_is_shown_as_a_bound():
+    d = np.linspace(0.1, 0.9, 40)  # every problem favours the other run; not integers
+    t = {**stats.cluster_sign_flip_test(d, np.arange(40), num_flips=999), "name": "sign-flip"}
+    assert not t["exact"] and t["p_value"] == 1 / 1000
+    assert compare._test(t) == "<0.001 (0 / 40, sign-flip)"
+    exact = {**stats.cluster_sign_flip_test(np.ones(12), np.arange(12)), "name": "McNemar"}
+    assert compare._test(exact) == "0.000488 (0 / 12, McNemar)"

@@ -419,7 +419,7 @@ def cluster_sign_flip_test(
     P(|sum e_c D_c| >= |sum D_c|). Exact when the D_c are integers (0/1 correctness, or
     shares of a fixed number of samples scaled by it): by convolution, and with one unit
     per cluster it is McNemar's exact test. Otherwise ``num_flips`` random sign vectors,
-    p = (1 + hits) / (1 + num_flips).
+    p = (1 + hits) / (1 + num_flips) (``flips`` in the result), never below 1 / (1 + num_flips).
 
     Returns ``p_value``, ``clusters`` (how many), ``positive`` and ``negative`` (clusters
     whose difference is above or below zero) and ``exact``.
@@ -448,7 +448,7 @@ def cluster_sign_flip_test(
     for lo in range(0, num_flips, 1000):
         signs = rng.integers(0, 2, size=(min(1000, num_flips - lo), nz.size)) * 2 - 1
         hits += int((np.abs(signs @ nz) >= observed * (1 - 1e-12)).sum())
-    return {**out, "p_value": (1 + hits) / (1 + num_flips), "exact": False}
+    return {**out, "p_value": (1 + hits) / (1 + num_flips), "exact": False, "flips": num_flips}
 
 
 def _t_quantile(q: float, df: float) -> float:
