@@ -4,10 +4,14 @@
 ``get_config("smoke")`` with those fields set; ``SHORT_RUN`` holds the overrides most
 whole-run tests start from (no warm start, no evaluation, four steps, a checkpoint every two).
 ``run_config(**overrides)`` is that config parsed: the ``RunConfig`` library code takes.
+``Console`` is a run's progress line that keeps its messages for a test to read.
 """
+
+import io
 
 from configs.default import get_config
 from grpo_jax.run.config import parse_config
+from grpo_jax.run.writers import ProgressLine
 
 # A four-step run with the fewest compilations: no warm start, no sampled pass@k evaluation.
 SHORT_RUN = {
@@ -29,6 +33,19 @@ def apply_overrides(config, overrides):
             node = node[key]
         node[last] = value
     return config
+
+
+class Console(ProgressLine):
+    """A progress line (the type a run's ``Records`` holds) whose messages are kept in
+    ``said`` instead of printed; ``enabled=False`` is another host's, which has none."""
+
+    def __init__(self, total_steps: int = 1, *, enabled: bool = True):
+        super().__init__(total_steps, stream=io.StringIO(), enabled=enabled)
+        self.said: list[str] = []
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.said.append(text)
 
 
 def run_config(**overrides):

@@ -205,7 +205,7 @@ class Reporter:
         """A warning in a banner on the progress line; logged instead where this process
         has no progress line (the other hosts), so a console shows it once, not twice."""
         progress = self.records.progress
-        if not getattr(progress, "enabled", True):
+        if not progress.enabled:
             log.warning(text)
             return
         bar = "!" * 78

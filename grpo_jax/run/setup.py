@@ -72,7 +72,7 @@ class Records:
     workdir: pathlib.Path
     checkpointer: Checkpointer
     writer: writers.MetricsWriter
-    progress: writers.ProgressLine
+    progress: PulsedProgress
     lock: workdir_lib.WorkdirLock | None
 
     @property
@@ -83,7 +83,7 @@ class Records:
         try:
             self.checkpointer.close()  # may raise: a save that failed in the background
         finally:
-            getattr(self.progress, "close", lambda: None)()  # its pulses end with the run
+            self.progress.close()  # its pulses end with the run
             self.writer.close()
             if self.lock is not None:
                 self.lock.release()

@@ -288,9 +288,8 @@ def _prefill(
     if mesh is not None:
         # Rows of the cache live with their rows of the batch (KV heads split
         # too under tensor parallelism); the loop then never moves them.
-        layout = getattr(model, "layout", "fsdp")
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(
-            c, cache_shardings(c, mesh, layout)
+            c, cache_shardings(c, mesh, model.layout)
         )
     logits_Bx1xV, cache = model.forward_with_cache(
         tokens_BxP,

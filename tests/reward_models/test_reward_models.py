@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_config import Console
 from helpers_hf import (
     hf_classifier_scores,
     load_hf_classifier,
@@ -219,8 +220,9 @@ def test_a_step_whose_rewards_are_all_unscored_blames_the_rewards_not_the_policy
     from grpo_jax.run.config import HealthConfig, TrainConfig
     from grpo_jax.run.report import Reporter
 
-    said = []
-    records = SimpleNamespace(progress=SimpleNamespace(message=said.append))
+    console = Console()
+    said = console.said
+    records = SimpleNamespace(progress=console)
     run = SimpleNamespace(train=TrainConfig(no_signal_steps=2), health=HealthConfig())
     rep = Reporter(run, records)
     nan_N, zero_N = np.full(4, np.nan), np.zeros(4)

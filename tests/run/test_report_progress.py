@@ -6,6 +6,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+from helpers_config import Console
+
 from grpo_jax.run.config import HealthConfig, TrainConfig
 from grpo_jax.run.report import PULSE_S, PulsedProgress, Reporter
 
@@ -49,8 +51,9 @@ def test_the_pulse_thread_ends_with_the_line_and_a_disabled_line_has_none():
 
 
 def test_the_reporter_says_the_first_step_compiles_first():
-    said = []
-    records = SimpleNamespace(progress=SimpleNamespace(message=said.append))
+    console = Console()
+    said = console.said
+    records = SimpleNamespace(progress=console)
     run = SimpleNamespace(train=TrainConfig(steps=5), health=HealthConfig())
     Reporter(run, records).begin(2)
     assert said == ["GRPO from step 3: compiling the sampler and the update first"]

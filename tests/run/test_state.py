@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from helpers_config import Console
 
 from grpo_jax.core import sharding
 from grpo_jax.core.batch import HostRollout, RolloutBatch
@@ -64,8 +65,9 @@ def _run_state(mesh, *, max_staleness=0, source=None):
     params = {"w": jax.numpy.ones((2, 2))}
     tx, _ = optim_lib.make_optimizer(optim_lib.OptimConfig(), 10)
     iterator = DataIterator([{"prompt": str(i)} for i in range(10)], 2, seed=0)
-    said = []
-    records = SimpleNamespace(writer=_Writer(), progress=SimpleNamespace(message=said.append))
+    console = Console()
+    said = console.said
+    records = SimpleNamespace(writer=_Writer(), progress=console)
     return RunState(
         train=optim_lib.init_state(params, tx, mesh),
         iterator=iterator,
