@@ -25,6 +25,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from grpo_jax import cli  # noqa: E402
 from grpo_jax.core import distributed  # noqa: E402
+from grpo_jax.core.errors import AlarmStop, NonFiniteError  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
@@ -48,7 +49,7 @@ def main(argv):
 
     if jax.process_index() == 0:  # the imports and the setup below take seconds, say so
         print(f"setting up the run in {FLAGS.workdir}", flush=True)
-    from grpo_jax.run.train import AlarmStop, NonFiniteError, train
+    from grpo_jax.run.train import train
 
     try:
         summary = train(FLAGS.config, FLAGS.workdir, start_time=_T0)

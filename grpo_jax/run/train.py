@@ -27,7 +27,7 @@ import jax
 
 from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, problems
-from grpo_jax.core.errors import AlarmStop, NonFiniteError, WorkdirWriteError
+from grpo_jax.core.errors import WorkdirWriteError
 from grpo_jax.core.sharding import replicated
 from grpo_jax.data import DataIterator
 from grpo_jax.learner import update as update_lib
@@ -51,7 +51,7 @@ _WRITE_FAILED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 # Keys that measure the machine, not the run: excluded from exact-resume comparisons.
 TIMING_PREFIXES = ("perf/", "sft/seconds")
 
-__all__ = ["TIMING_PREFIXES", "AlarmStop", "NonFiniteError", "train"]
+__all__ = ["TIMING_PREFIXES", "train"]
 
 
 class _Preemption:

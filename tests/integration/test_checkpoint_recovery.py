@@ -102,7 +102,8 @@ def test_resume_refuses_a_config_that_changes_the_run(tmp_path):
 def test_after_a_blow_up_the_advice_to_resume_works(tmp_path):
     """lr 1e30 after a warmup step: the stop names the last healthy checkpoint, and the
     rerun it advises (that step, a lower learning rate) trains on."""
-    from grpo_jax.run.train import NonFiniteError, train
+    from grpo_jax.core.errors import NonFiniteError
+    from grpo_jax.run.train import train
 
     c = _config(6)
     c.rewards = "overlong(max_len=16,buffer=15):1.0"  # variance on an untrained model

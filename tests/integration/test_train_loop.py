@@ -17,9 +17,10 @@ import pytest
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_resume import train_killed_at, without_timings
 
+from grpo_jax.core.errors import NonFiniteError
 from grpo_jax.objective import losses
 from grpo_jax.run.checkpoints import Checkpointer
-from grpo_jax.run.train import NonFiniteError, train
+from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # every test trains the smoke config end to end

@@ -180,8 +180,8 @@ def test_alarm_stops_a_run_with_a_checkpoint(tmp_path):
     import io
 
     from configs.default import get_config
+    from grpo_jax.core.errors import AlarmStop
     from grpo_jax.run.checkpoints import Checkpointer
-    from grpo_jax.run.report import AlarmStop
     from grpo_jax.run.train import train
     from grpo_jax.run.writers import read_metrics
 
