@@ -30,7 +30,23 @@ import pathlib
 import sys
 
 from grpo_jax import cli
-from grpo_jax.core.errors import CheckpointError, ConfigError
+
+cli.quiet()  # before the imports of JAX, Flax and the model code below
+
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from grpo_jax import models  # noqa: E402
+from grpo_jax.core.errors import CheckpointError, ConfigError  # noqa: E402
+from grpo_jax.models import lora  # noqa: E402
+from grpo_jax.run import runlocal  # noqa: E402
+from grpo_jax.run.builders import (  # noqa: E402
+    build_mesh,
+    build_tokenizer,
+    restore_policy,
+    restore_warm_start,
+)
+from grpo_jax.run.config import parse_config  # noqa: E402
 
 
 class ExportError(ValueError):
@@ -81,22 +97,6 @@ def export_hf(
     ``warm_start``: the warm-started policy GRPO began from (``<workdir>/warm_start``, a
     LoRA run's base) instead of a checkpoint, e.g. to start a reward model from it.
     """
-    # Inside the function on purpose: JAX, Flax and the model code are heavy, and the
-    # command imports them only after cli.quiet() (main below); grpo_jax.cli and
-    # grpo_jax.core.errors, imported above, are light.
-    from flax import nnx
-
-    from grpo_jax import models
-    from grpo_jax.models import lora
-    from grpo_jax.run import runlocal
-    from grpo_jax.run.builders import (
-        build_mesh,
-        build_tokenizer,
-        restore_policy,
-        restore_warm_start,
-    )
-    from grpo_jax.run.config import parse_config
-
     if format not in FORMATS:
         raise ExportError(f"--format={format!r} is not one of {list(FORMATS)}")
     if warm_start and (step is not None or format != "merged"):
@@ -146,10 +146,7 @@ def _mark(out: pathlib.Path, workdir: pathlib.Path, step, format: str) -> pathli
 
 
 def main(argv):
-    from absl import flags
-
     del argv
-    cli.quiet()
     FLAGS = flags.FLAGS
     try:
         path = export_hf(
@@ -166,8 +163,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import app, flags
-
     flags.DEFINE_string("workdir", None, "Training workdir (config.json + checkpoints/).")
     flags.DEFINE_string("out", None, "Output Hugging Face model directory.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
