@@ -65,15 +65,24 @@ projection W [in, out] gets float32 adapters A [in, r] and B [r, out]
   reference    0 (the reference is the base with the adapters off)
   activations  + c * r per target projection, layer and token (x A is kept)
 
-The sampler (KV cache) and the update (gradients, activations) run one after
-the other, so the peak is
+For a run (``plan_run``) three more terms count, the ones the TPU compiler showed
+each program holds (the section "The programs of a run" below; docs/pods.md):
+``update_buffers`` (the accumulation's carry, the non-finite guard's copies, under
+fsdp the LM head's gradient and the layers gathered in flight), ``scoring`` (a pass
+over the whole batch: the reference's, "recompute"'s, track_update's) and
+``gathered`` (the weights the decode loop holds gathered under fsdp). The sampler
+and the update run one after the other, and inside the update the scoring pass and
+the micro-batches, so the peak is
 
-  total = params + optimizer + reference + max(kv_cache, grads + activations).
+  resident = params + optimizer + reference (+ a reward model or judge)
+  sampling = resident + sampler_copy + gathered + kv_cache
+  training = resident + max(grads + activations + update_buffers, scoring)
+  total    = max(sampling, training).
 
-Not counted: under fsdp, XLA may hoist the decode loop's parameter
-all-gathers out of the loop (XLA:CPU does: on 8 fake devices the compiled
-decode loop gathers no weights per token, only before the loop), so the
-sampler can hold one unsharded copy of the weights while it runs.
+``plan_programs`` gives each compiled program's own figure; ``python -m
+grpo_jax.plan`` prints them beside XLA's for a TPU topology, and for the shipped
+recipes on four topologies the update's and the scoring pass's are within 15% of
+XLA's (docs/pods.md names the other differences).
 
 ``tests/run/test_memory.py`` checks the activation term against the tensors JAX
 itself saves for the backward pass (``saved_residuals``) for Llama, Qwen and
@@ -115,8 +124,11 @@ COMPONENTS = (
     "reference",
     "learned",
     "sampler_copy",
+    "gathered",
     "kv_cache",
     "activations",
+    "update_buffers",
+    "scoring",
 )
 _NAMES = {
     "params": "parameters",
@@ -127,6 +139,9 @@ _NAMES = {
     "sampler_copy": "sampling copy",
     "kv_cache": "KV cache",
     "activations": "activations",
+    "gathered": "gathered weights",
+    "update_buffers": "update buffers",
+    "scoring": "scoring pass",
 }
 
 
@@ -153,18 +168,25 @@ class MemoryEstimate:
     trainable_params: int | None = None  # None: every parameter trains
     learned: int = 0  # a reward model's and a judge's weights (grpo_jax.reward_models)
     sampler_copy: int = 0  # the sampler's copy in sampling.param_dtype (while it samples)
+    # A run's (plan_run): the update's buffers beside gradients and activations, a scoring
+    # pass over the whole batch, the weights the sampler holds gathered.
+    update_buffers: int = 0
+    scoring: int = 0
+    gathered: int = 0
 
     @property
     def sampling(self) -> int:
-        """Peak while sampling: everything resident plus the sampler's copy and the KV cache."""
+        """Peak while sampling: everything resident plus the sampler's copy, the weights it
+        holds gathered and the KV cache."""
         resident = self.params + self.optimizer + self.reference + self.learned
-        return resident + self.sampler_copy + self.kv_cache
+        return resident + self.sampler_copy + self.gathered + self.kv_cache
 
     @property
     def training(self) -> int:
-        """Peak while updating: everything resident plus gradients and activations."""
+        """Peak while updating: everything resident plus the larger of its two phases, the
+        scoring pass and the micro-batches (gradients, activations, the update's buffers)."""
         resident = self.params + self.optimizer + self.reference + self.learned
-        return resident + self.grads + self.activations
+        return resident + max(self.grads + self.activations + self.update_buffers, self.scoring)
 
     @property
     def total(self) -> int:
@@ -404,6 +426,15 @@ def _hint(est: MemoryEstimate, part: str) -> str:
             "use remat (model.remat = True), a smaller minibatch (train.minibatch_size) or "
             "more gradient-accumulation steps (optim.grad_accum), or more data/fsdp devices"
         )
+    if part == "scoring":
+        return (
+            "use a smaller train.logits_chunk or more data/fsdp devices (a scoring pass "
+            "holds every row of the batch that is on the device)"
+        )
+    if part == "gathered":
+        return "use scanned layers (model.scan_layers = True: one layer gathered at a time)"
+    if part == "update_buffers":
+        return "use more fsdp devices, or layout fsdp_tp with tensor > 1"
     return "sample fewer rows at once, shorten max_new_tokens, or use more data/fsdp devices"
 
 
@@ -496,6 +527,7 @@ def plan_run(
             kv_cache=max(_rollout_kv(run, model_cfg_like, mesh_shape, own), evals),
             sampler_copy=_copy_bytes(run, model_cfg_like, est) if copy else 0,
         )
+    est = _with_run_terms(est, run, as_model_config(model_cfg_like), mesh_shape)
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
@@ -591,7 +623,10 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
     kv = _rollout_kv(run, model_cfg_like, mesh_shape)  # training rows only
     if est.sampler_copy:  # the copy in sampling.param_dtype is all it holds of the policy
         est = dataclasses.replace(est, params=est.sampler_copy, sampler_copy=0)
-    est = dataclasses.replace(est, grads=0, optimizer=0, reference=0, activations=0, kv_cache=kv)
+    est = dataclasses.replace(
+        est, grads=0, optimizer=0, reference=0, activations=0, kv_cache=kv, update_buffers=0,
+        scoring=0,
+    )  # fmt: skip
     stated_gb = run.mesh.memory_budget_gb
     if budget_bytes is None:
         budget_bytes = int(stated_gb * 2**30) if stated_gb > 0 else device_memory_bytes()
@@ -613,3 +648,205 @@ def device_memory_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return int(limit) if limit else None
+
+
+# ---------------------------------------------------------------------------
+# The programs of a run: what each one holds per device, beside the run's peaks.
+#
+# What the TPU compiler showed each program holds besides the terms above (docs/pods.md
+# compares every figure with XLA's), s the batch shards, n_s = N / s, c and p the
+# compute and parameter bytes:
+#
+#   update buffers  gradients once more with grad_accum > 1 (the accumulation's carry);
+#                   three copies of the largest parameter tensor's shard (the non-finite
+#                   guard's lax.cond writes new parameters and both moments, not in place);
+#                   with sharded parameters also the LM head's gradient, V x D x (4 + 2c):
+#                   float32 and whole inside the logits-chunk loop, with its reduction's
+#                   input and output in the compute dtype (full fine-tuning only), and two
+#                   layers gathered in the compute dtype (an fsdp all-gather in flight)
+#   scoring pass    (beta > 0, grpo.old_logps "recompute" or train.track_update) one pass
+#                   over the whole batch, n_s rows per device: the larger of the
+#                   prompt-once KV cache (twice for scanned layers: the stacked cache is
+#                   copied) plus one layer's attention working set, and one logits chunk
+#                   in three float32 copies (logits, shifted, exponentials); the update
+#                   runs it and the micro-batches one after the other
+#   gathered        with sharded parameters, the weights the decode loop holds gathered in
+#                   the compute dtype: the whole model (unrolled layers: XLA gathers each
+#                   layer once, before the loop), or with scanned layers the stacked
+#                   cache's copy, two layers and the LM head; the paged engine's step, the
+#                   whole model
+#
+# A program's own need adds its arguments (the batch: n_s rows of prompts, completions,
+# log-probs) and an allowance for its generated code before it is compiled (CODE_BYTES:
+# the recipes' updates compiled to 0.08-0.15 GiB); while the sampler runs, the optimizer
+# state and the reference stay resident beside it.
+
+CODE_BYTES = int(0.1 * 2**30)
+_STATE_BYTES_PER_TOKEN = 4 * 3 + 4  # a decode step's token, two log-probs, its length
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPlan:
+    """One program's bytes per device: ``own`` (what the program holds: arguments,
+    outputs, temporaries, code) and ``resident`` (what stays beside it, not its argument)."""
+
+    program: str
+    own: int
+    resident: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.own + self.resident
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShapes:
+    """The sizes the programs' terms read (per device where it says so)."""
+
+    N: int
+    B: int
+    P: int
+    T: int
+    S: int
+    C: int  # completion tokens scored at a time
+    c: int  # compute bytes
+    p: int  # parameter bytes
+    n_s: int  # rows of a whole-batch pass on one device
+    b_s: int  # prompts on one device
+    tp_h: int
+    tp_k: int
+    tp_v: int
+    tp_f: int
+    scan: bool
+    sharded: bool  # parameters split over fsdp (or fsdp and tensor)
+
+
+def run_shapes(run, cfg, mesh_shape: Mapping[str, int]) -> RunShapes:
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    s = mesh["data"] * mesh["fsdp"]
+    B, G = run.train.batch_size, run.grpo.G
+    N, P, T = B * G, max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
+    layout = run.mesh.layout
+    split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1)
+    return RunShapes(
+        N=N, B=B, P=P, T=T, S=P + T, C=min(run.train.logits_chunk, T) or T,
+        c=_itemsize(cfg.dtype), p=_itemsize(cfg.param_dtype),
+        n_s=N // s if N % s == 0 else N, b_s=B // s if B % s == 0 else B,
+        tp_h=tensor_ways(cfg.num_heads, "heads", mesh, layout),
+        tp_k=tensor_ways(cfg.num_kv_heads, "kv_heads", mesh, layout),
+        tp_v=tensor_ways(cfg.vocab_size, "vocab", mesh, layout),
+        tp_f=tensor_ways(cfg.mlp_dim, "mlp", mesh, layout),
+        scan=bool(cfg.scan_layers), sharded=layout != "dp" and split > 1,
+    )  # fmt: skip
+
+
+def _sizes(cfg, mesh_shape, layout) -> tuple[int, int, int]:
+    """(parameters, those outside the embedding and LM head, the largest tensor's shard)."""
+    tensors = param_tensors(cfg)
+    total = sum(math.prod(shape) for _, shape, _, _ in tensors)
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    largest = max(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
+    return total, total - embed, largest
+
+
+def _attention_per_row(cfg, sh: RunShapes, queries: int, keys: int) -> int:
+    """One layer's attention working set for one row: einsum's scores and probabilities,
+    blockwise's block, splash's log-sum-exp (its blocks live in the core's VMEM)."""
+    H = cfg.num_heads // sh.tp_h
+    if cfg.attention == "splash":
+        return 8 * H * queries
+    if cfg.attention == "blockwise":
+        return 20 * H * queries * min(cfg.attention_block_size, keys)
+    return (4 + sh.c) * H * queries * keys
+
+
+def scoring_bytes(run, cfg, sh: RunShapes) -> int:
+    """The working set of a scoring pass over the whole batch; 0 when the update runs none."""
+    if not (run.grpo.beta > 0 or run.grpo.old_logps == "recompute" or run.train.track_update):
+        return 0
+    L, K, Dh = cfg.num_layers, cfg.num_kv_heads // sh.tp_k, cfg.head_dim
+    cache = 2 * L * sh.n_s * sh.S * K * Dh * sh.c * (2 if sh.scan else 1)
+    attention = sh.n_s * _attention_per_row(cfg, sh, sh.T, sh.S)
+    logits = sh.n_s * sh.C * (cfg.vocab_size // sh.tp_v) * 4 * 3
+    return max(cache + attention, logits)
+
+
+def batch_bytes(sh: RunShapes) -> int:
+    """A RolloutBatch's bytes on one device (``core.batch.batch_spec``'s arrays)."""
+    return sh.n_s * (sh.P * 5 + sh.T * (4 + 1 + 4 + 4) + 16)
+
+
+def _update_buffers(run, cfg, sh: RunShapes, grads: int, body: int, largest: int) -> int:
+    out = grads * (run.optim.grad_accum > 1) + 3 * largest * sh.p
+    if sh.sharded:
+        out += 2 * body // cfg.num_layers * sh.c
+        if not run.model.lora.enabled:  # the LM head trains
+            out += cfg.vocab_size * cfg.hidden_size * (4 + 2 * sh.c)
+    return out
+
+
+def _decode_gathered(run, cfg, sh: RunShapes, total: int, body: int) -> int:
+    if not sh.sharded:
+        return 0
+    if run.sampling.engine != "static" or not sh.scan:
+        return total * sh.c
+    kv = 2 * cfg.num_layers * sh.n_s * sh.S * (cfg.num_kv_heads // sh.tp_k) * cfg.head_dim * sh.c
+    return kv + 2 * body // cfg.num_layers * sh.c + cfg.vocab_size * cfg.hidden_size * sh.c
+
+
+def _with_run_terms(est: MemoryEstimate, run, cfg, mesh_shape) -> MemoryEstimate:
+    """``est`` with the run's update buffers, scoring pass and gathered weights."""
+    sh = run_shapes(run, cfg, mesh_shape)
+    total, body, largest = _sizes(cfg, mesh_shape, run.mesh.layout)
+    return dataclasses.replace(
+        est,
+        update_buffers=_update_buffers(run, cfg, sh, est.grads, body, largest),
+        scoring=scoring_bytes(run, cfg, sh),
+        gathered=_decode_gathered(run, cfg, sh, total, body),
+    )
+
+
+def plan_programs(
+    run, model_cfg_like, mesh_shape: Mapping[str, int], learned_bytes: int = 0
+) -> dict[str, ProgramPlan]:
+    """{program: :class:`ProgramPlan`} for the programs a run compiles: the update, a
+    scoring pass (when the update runs one), and the sampler's (the static engine's
+    prefill and decode loop, or the paged engine's prefill chunk and decode step)."""
+    cfg = as_model_config(model_cfg_like)
+    est = plan_run(run, cfg, mesh_shape, budget_bytes=math.inf, learned_bytes=learned_bytes)
+    sh = run_shapes(run, cfg, mesh_shape)
+    total, body, _ = _sizes(cfg, mesh_shape, run.mesh.layout)
+    L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    K, Dh, H = cfg.num_kv_heads // sh.tp_k, cfg.head_dim, cfg.num_heads // sh.tp_h
+    state = est.params + est.optimizer + est.reference + batch_bytes(sh)
+    phase = max(est.grads + est.activations + est.update_buffers, est.scoring)
+    out = {"update": ProgramPlan("update", state + phase + CODE_BYTES, est.learned)}
+    if est.scoring:
+        own = est.params + batch_bytes(sh) + est.scoring + CODE_BYTES
+        out["scoring"] = ProgramPlan("scoring", own, est.optimizer + est.learned)
+    resident = est.optimizer + est.reference + est.learned
+    weights = est.sampler_copy or est.params
+    if run.sampling.engine == "paged":
+        from grpo_jax.sampling import paged_pool
+
+        shape = paged_pool.engine_shape(
+            run.sampling.sampler(), sh.B, run.grpo.G, sh.P, window=paged_pool.model_window(cfg)
+        )
+        slots = shape.slots * shape.table * shape.page_size
+        gather = 2 * slots * K * Dh * sh.c + slots * H * 4  # one layer's rows, gathered
+        own = weights + est.kv_cache + est.gathered + gather + CODE_BYTES
+        out["paged_prefill"] = ProgramPlan("paged_prefill", own, resident)
+        out["paged_decode"] = ProgramPlan("paged_decode", own, resident)
+        return out
+    kv = 2 * L * sh.n_s * sh.S * K * Dh * sh.c
+    decode_state = sh.n_s * sh.T * _STATE_BYTES_PER_TOKEN + sh.n_s * sh.S
+    own = weights + kv + decode_state + est.gathered + CODE_BYTES
+    out["decode"] = ProgramPlan("decode", own, resident)
+    # No loop runs over the prompt's tokens: a layer at a time (two in flight) and the LM
+    # head gathered, and one layer's activations over this device's prompts.
+    layers = 2 * body // L * sh.c + V * D * sh.c if sh.sharded else 0
+    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh + 4 * cfg.mlp_dim // sh.tp_f)
+    acts = sh.b_s * (sh.P * per_token + _attention_per_row(cfg, sh, sh.P, sh.P))
+    out["prefill"] = ProgramPlan("prefill", weights + kv + layers + acts + CODE_BYTES, resident)
+    return out

@@ -7,6 +7,7 @@ import jax
 
 from grpo_jax.aot import architectures, budget
 from grpo_jax.aot.topology import parse_topology
+from grpo_jax.run import memory
 
 GiB = 2**30
 
@@ -32,15 +33,15 @@ FSDP16 = {"data": 1, "fsdp": 16, "tensor": 1}
 def test_the_scoring_pass_holds_the_whole_batchs_rows():
     """A reference pass scores all N rows at once: N / shards per chip, not a micro-batch's."""
     run, cfg = _run()
-    sh = budget.shapes(run, cfg, FSDP16)
+    sh = memory.run_shapes(run, cfg, FSDP16)
     assert (sh.n_s, sh.C) == (32 * 8 // 16, 64)
     logits = sh.n_s * sh.C * cfg.vocab_size * 4 * 3
-    assert budget.scoring_phase(run, cfg, sh) >= logits
+    assert memory.scoring_bytes(run, cfg, sh) >= logits
     half, hcfg = _run(**{"train.logits_chunk": 32})
-    assert budget.scoring_phase(half, hcfg, budget.shapes(half, hcfg, FSDP16)) < logits
+    assert memory.scoring_bytes(half, hcfg, memory.run_shapes(half, hcfg, FSDP16)) < logits
     # No reference, old log-probs as sampled, no pass measuring the update's movement.
     none, ncfg = _run(**{"grpo.beta": 0.0, "train.track_update": False})
-    assert budget.scoring_phase(none, ncfg, budget.shapes(none, ncfg, FSDP16)) == 0
+    assert memory.scoring_bytes(none, ncfg, memory.run_shapes(none, ncfg, FSDP16)) == 0
     assert "scoring" not in budget.needs(none, ncfg, FSDP16)
 
 
@@ -48,9 +49,9 @@ def test_a_scanned_model_copies_its_stacked_cache():
     # A chunk of 8 tokens: the cache, not the logits, is the larger.
     run, cfg = _run(**{"train.logits_chunk": 8, "model.scan_layers": False})
     scan, scfg = _run(**{"train.logits_chunk": 8})
-    one = budget.scoring_phase(run, cfg, budget.shapes(run, cfg, FSDP16))
-    two = budget.scoring_phase(scan, scfg, budget.shapes(scan, scfg, FSDP16))
-    sh = budget.shapes(run, cfg, FSDP16)
+    one = memory.scoring_bytes(run, cfg, memory.run_shapes(run, cfg, FSDP16))
+    two = memory.scoring_bytes(scan, scfg, memory.run_shapes(scan, scfg, FSDP16))
+    sh = memory.run_shapes(run, cfg, FSDP16)
     cache = 2 * cfg.num_layers * sh.n_s * sh.S * cfg.num_kv_heads * cfg.head_dim * sh.c
     assert two - one == cache
 

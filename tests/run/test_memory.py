@@ -1,5 +1,6 @@
 """Memory planning: hand-computed numbers, parity with the real model's shards, refusals."""
 
+import dataclasses
 import math
 import types
 
@@ -282,7 +283,9 @@ def test_plan_run_takes_rows_and_lengths_from_the_run():
     # 16 rows per update / 2 accumulation steps = 8; sampler: max(8 * 4, 64) = 64 rows.
     want = memory.estimate(HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=8,
                            sample_rows=64, seq_len=5, prompt_len=3)  # fmt: skip
-    assert est == want
+    # The run's own terms beside the model's (tests/aot/test_aot_budget.py).
+    assert est.update_buffers and est.scoring and est.gathered
+    assert dataclasses.replace(est, update_buffers=0, scoring=0, gathered=0) == want
     run = run_config(**{**plan, "warm_start.enabled": True})  # its batch: the training rows
     assert memory.plan_run(run, HAND, mesh).activations == memory.estimate(
         HAND, mesh_shape=mesh, layout="fsdp_tp", beta=0.04, batch_rows=100, seq_len=5,
