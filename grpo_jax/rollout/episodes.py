@@ -26,7 +26,7 @@ tokens, rendered through the chat template's turn markers when the run uses one
 (:class:`ObservationEncoder`), and the next phase starts. Rows may be in different
 turns, and an idle row writes nothing, so rows fall out of step in the cache. Before
 each phase, every row's cache is therefore rolled so that its real tokens end at the
-same slot (``turn_decode.align``): real tokens stay contiguous, slot distance equals position
+same slot (``static_turns.align``): real tokens stay contiguous, slot distance equals position
 distance, and a sliding window masks exactly what a full forward pass over the
 transcript masks. Keys carry their rotary phase from their position, not their slot,
 so the roll changes nothing else.
@@ -62,7 +62,7 @@ from grpo_jax.core.batch import HostRollout, RolloutBatch
 from grpo_jax.objective import advantages as adv_lib
 from grpo_jax.rewards.scoring import limit_rewards
 from grpo_jax.rollout.stats import duplicate_flags, rollout_metrics
-from grpo_jax.sampling import static_turns as turn_decode
+from grpo_jax.sampling import static_turns
 from grpo_jax.sampling.engines import STATIC, get_engine
 from grpo_jax.sampling.static import SamplingConfig, pad_prompts, problem_keys
 from grpo_jax.sampling.static_turns import MultiTurnConfig
@@ -276,7 +276,7 @@ class _Book:
         observation's tokens to queue, or None when the episode ends (done, a budget,
         an error: reward NaN, counted)."""
         self.turn_texts[i].append(text)
-        if reason == turn_decode.BUDGET:
+        if reason == static_turns.BUDGET:
             self.done[i] = self.truncated[i] = True
             return None
         if env is None:  # broken before the episode (reported by play)

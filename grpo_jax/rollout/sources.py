@@ -6,14 +6,14 @@
 One interface (:class:`RolloutSource`) serves every kind of run, so ``grpo_jax.run.train`` has
 one loop with no branch on the kind of source:
 
-  SingleTurn   one round of B prompts x G completions (``rollout.dispatch_round``):
+  SingleTurn   one round of B prompts x G completions (``rounds.dispatch_round``):
                ``submit`` dispatches the generation and returns at once, ``take``
                waits for it, decodes and scores (host work that overlaps whatever
                the devices run in between: with ``train.max_staleness`` >= 1, the
                update).
-  Dynamic      DAPO's dynamic sampling (``rollout.collect_dynamic``): rounds of B
+  Dynamic      DAPO's dynamic sampling (``rounds.collect_dynamic``): rounds of B
                prompts until B groups have reward signal.
-  MultiTurn    episodes against an environment (``multiturn.collect``).
+  MultiTurn    episodes against an environment (``episodes.collect``).
   Partial      single-turn rounds on the paged engine whose unfinished rows carry
                over to the next step (``grpo_jax.rollout.partial``; ``sampling.partial_rollouts``).
 
@@ -40,9 +40,7 @@ from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed
 from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.core.batch import rollout_batch_shardings
-from grpo_jax.rollout import episodes as multiturn
-from grpo_jax.rollout import partial
-from grpo_jax.rollout import rounds as rollout
+from grpo_jax.rollout import episodes, partial, rounds
 from grpo_jax.sampling import paged
 from grpo_jax.sampling.static import pad_prompts
 
@@ -153,7 +151,7 @@ class SingleTurn(_CarriesNothing):
 
     def __init__(
         self,
-        r: rollout.Rollouts,
+        r: rounds.Rollouts,
         iterator,
         base_key: jax.Array,
         *,
@@ -209,8 +207,8 @@ class SingleTurn(_CarriesNothing):
         if self.on_prompts is not None:
             on_prompts, self.on_prompts = self.on_prompts, None
             T = r.sampling.max_new_tokens
-            on_prompts(rollout.prompt_width(r.encoder, examples, max_new_tokens=T))
-        d = rollout.dispatch_round(
+            on_prompts(rounds.prompt_width(r.encoder, examples, max_new_tokens=T))
+        d = rounds.dispatch_round(
             r,
             params,
             examples,
@@ -222,8 +220,8 @@ class SingleTurn(_CarriesNothing):
 
     def take(self, step: int) -> InFlight:
         version, d = self._pending.pop(step)
-        rd = rollout.finish_round(self.r, d)
-        batch, host = rollout.batch_from_round(self.r, rd)
+        rd = rounds.finish_round(self.r, d)
+        batch, host = rounds.batch_from_round(self.r, rd)
         if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
             batch = jax.device_put(batch, self.batch_shardings)
         elif self.split:  # several processes: each moves its own rows (the same block)
@@ -246,7 +244,7 @@ class _Eager(_CarriesNothing):
 
     split = False
 
-    def __init__(self, r: rollout.Rollouts, iterator, base_key: jax.Array):
+    def __init__(self, r: rounds.Rollouts, iterator, base_key: jax.Array):
         self.r, self.iterator, self.base_key = r, iterator, base_key
         self._done: dict[int, InFlight] = {}
 
@@ -273,7 +271,7 @@ class Dynamic(_Eager):
 
     def _collect(self, params, key):
         draw = self.iterator.next
-        return rollout.collect_dynamic(self.r, params, draw, key, max_rounds=self.max_rounds)
+        return rounds.collect_dynamic(self.r, params, draw, key, max_rounds=self.max_rounds)
 
 
 class MultiTurn(_Eager):
@@ -284,7 +282,7 @@ class MultiTurn(_Eager):
         self.env = env
 
     def _collect(self, params, key):
-        return multiturn.collect(self.r, self.env, params, self.iterator.next(), key)
+        return episodes.collect(self.r, self.env, params, self.iterator.next(), key)
 
 
 class Partial:
@@ -300,7 +298,7 @@ class Partial:
     split = False
     spends_staleness = True
 
-    def __init__(self, r: rollout.Rollouts, iterator, base_key, *, k: int, on_prompts=None):
+    def __init__(self, r: rounds.Rollouts, iterator, base_key, *, k: int, on_prompts=None):
         self.r, self.iterator, self.base_key = r, iterator, base_key
         self.carry = partial.Carry(r, k)
         self.on_prompts = on_prompts
@@ -327,13 +325,13 @@ class Partial:
         metrics = self.carry.metrics(done, version)
         rows = partial.stack_rows(done)
         out = paged.output_rows(rows, tokens_BxP, mask_BxP, r.grpo.G, mesh=r.mesh)
-        d = rollout.Dispatched(out, examples, texts, int(mask_BxP.sum()), t0, stats)
+        d = rounds.Dispatched(out, examples, texts, int(mask_BxP.sum()), t0, stats)
         self._pending[step] = (version, d, metrics)
 
     def take(self, step: int) -> InFlight:
         version, d, metrics = self._pending.pop(step)
-        rd = rollout.finish_round(self.r, d)
-        batch, host = rollout.batch_from_round(self.r, rd)
+        rd = rounds.finish_round(self.r, d)
+        batch, host = rounds.batch_from_round(self.r, rd)
         host = dataclasses.replace(host, metrics={**host.metrics, **metrics})
         t_sampled = d.t_params_ready + rd.t_sample
         return InFlight(
@@ -353,7 +351,7 @@ class Partial:
         self.carry.load_state_dict(state, arrays)
 
 
-def make_source(run, r: rollout.Rollouts, iterator, base_key, *, on_prompts=None):
+def make_source(run, r: rounds.Rollouts, iterator, base_key, *, on_prompts=None):
     """The source ``run`` asks for: multi-turn with ``env.name``, dynamic with
     ``train.dynamic_sampling``, partial rollouts with ``sampling.partial_rollouts``,
     else single-turn."""

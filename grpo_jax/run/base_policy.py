@@ -19,7 +19,7 @@ import jax
 from grpo_jax.core.errors import CheckpointError
 from grpo_jax.learner import optimizer as optim_lib
 from grpo_jax.models import lora
-from grpo_jax.run import warm_start as sft
+from grpo_jax.run import warm_start
 from grpo_jax.run import workdir as workdir_lib
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def warm_start_fingerprints(run) -> tuple[str, str]:
         "correct_reward": run.rewards.correct,
     }
     base = {k: v for k, v in parts["model"].items() if k != "lora"}
-    return sft.fingerprint({**parts, "model": base}), sft.fingerprint(parts)
+    return warm_start.fingerprint({**parts, "model": base}), warm_start.fingerprint(parts)
 
 
 def base_policy(s: Setup, init_params, *, evaluate, preempt):
@@ -63,9 +63,11 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     cached = None
     if ws.cache:
         try:
-            cached = sft.load_cached(workdir, init_params, (fp, legacy_fp), say=progress.message)
+            cached = warm_start.load_cached(
+                workdir, init_params, (fp, legacy_fp), say=progress.message
+            )
         except CheckpointError as e:  # damaged: kept aside, and the warm start trains again
-            aside = sft.set_cache_aside(workdir)
+            aside = warm_start.set_cache_aside(workdir)
             progress.message(f"{e}; set aside in {aside}, training the warm start again")
     if cached is not None:
         params, info = cached
@@ -118,7 +120,7 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         )
         + f"; a line every {ws.eval_every} steps, the first after compiling"
     )
-    params, info = sft.warm_start(
+    params, info = warm_start.warm_start(
         s.policy.graphdef,
         init_params,
         sft_examples,
@@ -135,7 +137,7 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     )
     info["fingerprint"] = fp
     if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
-        sft.save_cache(workdir, params, info)
+        warm_start.save_cache(workdir, params, info)
     return params, dict(info, cached=False)
 
 

@@ -19,7 +19,7 @@ from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward
 from grpo_jax.rollout.rounds import PromptEncoder
 from grpo_jax.rollout.scorer import Scorer
-from grpo_jax.run import warm_start as sft
+from grpo_jax.run import warm_start
 from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.config import BUILTIN_TOKENIZER, ConfigError, RunConfig, check_known_keys
 from grpo_jax.sampling.static import SamplingConfig
@@ -204,7 +204,7 @@ def restore_policy(run: RunConfig, tokenizer, mesh, checkpoints, step: int | Non
         saved = ck.restore_meta(step).get("lora_base") or {}
         base, fresh = lora.split(params)
         if saved.get("warm_start"):  # the base was warm-started: the run's cache holds it
-            cached = sft.load_cached(ck.directory.parent, base, saved["warm_start"])
+            cached = warm_start.load_cached(ck.directory.parent, base, saved["warm_start"])
             if cached is None:
                 raise lora.BaseMismatchError(
                     f"the adapters in {ck.directory} were trained on a warm-started base, "
@@ -225,7 +225,7 @@ def restore_warm_start(run: RunConfig, tokenizer, mesh, workdir):
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     if lora_run is not None:
         graphdef, params = lora_run.base_graphdef, lora.split(params)[0]
-    return graphdef, sft.restore_cache(workdir, params)
+    return graphdef, warm_start.restore_cache(workdir, params)
 
 
 def build_sampler_weights(run: RunConfig, graphdef, params, model_cfg) -> SamplerWeights | None:

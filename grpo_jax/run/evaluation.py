@@ -26,7 +26,7 @@ import numpy as np
 
 from grpo_jax.core import distributed
 from grpo_jax.core import problems as problems_lib
-from grpo_jax.rollout import episodes as multiturn
+from grpo_jax.rollout import episodes as episodes_lib
 from grpo_jax.rollout.rounds import PromptEncoder, Rollouts, decode
 from grpo_jax.rollout.scorer import Scorer
 from grpo_jax.run.config import EvalConfig
@@ -69,7 +69,7 @@ def evaluate_policy(
     t0 = time.perf_counter()
     k = cfg.k if cfg.num_samples else None
     if env is not None and env.name:
-        prob, episodes = multiturn.evaluate_problems(r, env, params, examples, key, cfg=cfg)
+        prob, episodes = episodes_lib.evaluate_problems(r, env, params, examples, key, cfg=cfg)
         out = problems_lib.figures(prob, k, prefix)
         out.update({f"{prefix}/{name}": value for name, value in episodes.items()})
     else:

@@ -34,11 +34,11 @@ from grpo_jax.learner import update as update_lib
 from grpo_jax.rollout import sources
 from grpo_jax.rollout.staleness import Staleness
 from grpo_jax.run import evaluation, record
-from grpo_jax.run import start as checkpoint
 from grpo_jax.run.config import parse_config
 from grpo_jax.run.report import Reporter
 from grpo_jax.run.schedule import Schedule
 from grpo_jax.run.setup import Setup, setup
+from grpo_jax.run.start import restore_or_init, save_run
 from grpo_jax.run.state import RunState
 from grpo_jax.run.summary import summarize
 
@@ -253,7 +253,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
     evaluate_fn = functools.partial(evaluate_policy, s)
     update = _Update(s, run_scoped)
     rs = _run_state(s, state, t_start, update.compile_for, run_scoped)
-    start = checkpoint.restore_or_init(s, rs, evaluate=evaluate_fn, preempt=preempt)
+    start = restore_or_init(s, rs, evaluate=evaluate_fn, preempt=preempt)
     if start is None:
         return {"preempted": True, "step": 0}
     ref_params, report, schedule, pipe = start.ref_params, rs.report, rs.schedule, rs.pipe
@@ -287,7 +287,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
             report.flush(rs.train, evaluate, late=pipe.finish_step(step))
             preempt.requested |= report.stop_requested
             if do_ckpt or preempt.requested:
-                checkpoint.save_run(s, rs, step, start)
+                save_run(s, rs, step, start)
             if preempt.requested:
                 return _stop(s, rs, step)
         if step_callback is not None:
@@ -304,7 +304,7 @@ def _loop(s: Setup, state, preempt, t_start: float, step_callback, run_scoped) -
         late=pipe.finish_step(final_step),
     )
     if final_step > start.start_step or not start.resumed:
-        checkpoint.save_run(s, rs, final_step, start)
+        save_run(s, rs, final_step, start)
     s.records.checkpointer.wait()
     return summarize(
         run,
