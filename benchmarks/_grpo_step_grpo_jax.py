@@ -29,7 +29,7 @@ is timed by wrapping the loop's ``generate`` (blocking on its tokens, which
 the loop reads to the host at once anyway); the loop's own reward time and
 update time (perf/time_reward_s, perf/time_train_s in metrics.jsonl) are
 averaged over the timed steps and reported alongside. The first step is
-timed from the moment the loop begins (``checkpoint.restore_or_init``
+timed from the moment the loop begins (``grpo_jax.run.start.restore_or_init``
 returned: tokenizer, model, data and optimizer made), as TRL's side starts its
 clock at ``on_train_begin`` once its model, tokenizer and trainer exist; the
 setup before it is reported as ``setup_s``.
@@ -169,8 +169,8 @@ def main(path: str) -> None:
     from flax import nnx
 
     from grpo_jax import models, rewards
-    from grpo_jax.rollout import rounds as rollout
     from grpo_jax.run import train as train_lib
+    from grpo_jax.sampling import static as static_sampler
 
     @rewards.register(REWARD_NAME, override=True)
     def bench_digit_fraction(prompts, completions, **_):
@@ -185,23 +185,22 @@ def main(path: str) -> None:
     # The loop reads the sampled tokens to the host right after generate, so
     # blocking on them here adds no wait; it only stops the clock at the right time.
     sample_s: list[float] = []
-    rollout.generate = common.timed(
-        rollout.generate, sample_s, block=lambda out: jax.block_until_ready(out.tokens)
+    # The static engine calls static.generate through the module, so this wraps its calls.
+    static_sampler.generate = common.timed(
+        static_sampler.generate, sample_s, block=lambda out: jax.block_until_ready(out.tokens)
     )
     # The clock starts where TRL's does (on_train_begin: model, tokenizer and trainer
     # made): when the loop begins, after setup (tokenizer, model, data, optimizer) and
-    # the run's start (checkpoint.restore_or_init). Setup's own time is reported apart.
-    from grpo_jax.run import start as checkpoint_lib
-
+    # the run's start (run.start.restore_or_init). Setup's own time is reported apart.
     clock = common.StepClock()
-    restore_or_init = checkpoint_lib.restore_or_init
+    restore_or_init = train_lib.restore_or_init
 
     def start_clock_after(*args, **kwargs):
         out = restore_or_init(*args, **kwargs)
         clock.start()
         return out
 
-    checkpoint_lib.restore_or_init = start_clock_after
+    train_lib.restore_or_init = start_clock_after  # the name the loop calls
     t_call = time.perf_counter()
     workdir = work / "run"
     # A workdir with a checkpoint would resume; every benchmark run starts fresh.

@@ -14,7 +14,7 @@ the reference model's forward pass when beta > 0. The first step's time
 separately and never mixed into the throughput. Every side starts that clock
 when its training loop begins, once its model, tokenizer, data and trainer or
 optimizer exist (TRL: ``on_train_begin``; grpo_jax: after setup and
-``checkpoint.restore_or_init``; Tunix: its first global step); grpo_jax
+``grpo_jax.run.start.restore_or_init``; Tunix: its first global step); grpo_jax
 reports the setup before it as ``setup_s``.
 
 Same work on every system:

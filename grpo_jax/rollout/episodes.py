@@ -375,7 +375,7 @@ def _first_prompt_tokens(encoder, examples, first_obs) -> tuple[list[list[int]],
 def play(r, env, params, examples, key, *, num_samples: int, greedy=False, graphdef=None):
     """Resets the run's environments on ``examples`` and plays ``num_samples`` episodes each.
 
-    ``r``: the run's ``rollout.Rollouts``; ``env``: its ``env`` section;
+    ``r``: the run's ``rounds.Rollouts``; ``env``: its ``env`` section;
     ``graphdef``: the graph ``params`` go with (None: the policy's).
 
     -> (Episodes, prompt texts B, reset error messages).

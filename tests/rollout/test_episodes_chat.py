@@ -154,7 +154,7 @@ class MemorizedLM(nnx.Module):
 
 
 def _state(tok, script, *, chat, env, default):
-    """What ``multiturn.play`` reads: the run's rollout bundle (no scorer, batch or mesh:
+    """What ``episodes.play`` reads: the run's rollout bundle (no scorer, batch or mesh:
     play uses none), its env section, and the parameters."""
     env_section = EnvSection(name=env, max_tokens=192, max_obs_tokens=64)
     graphdef, params = nnx.split(MemorizedLM(script, default))
@@ -311,7 +311,7 @@ class _ResetFailsOnBad:
 
 
 def _collect_state(env, mesh, said):
-    """What ``multiturn.collect`` reads of the trainer's state: configs/multiturn.py at G = 2,
+    """What ``episodes.collect`` reads of the trainer's state: configs/multiturn.py at G = 2,
     B = 3 (prompt bucket 16), a model whose every turn is one EOS; messages go to ``said``."""
     from integration.test_multiturn_train import _config
 
