@@ -2,61 +2,10 @@
 
     alarms = diagnose(history, cfg)   # cfg: HealthConfig (the health section)
 
-``history`` is the metric records of recent steps, oldest first, each one
-step's dict as written to metrics.jsonl. :func:`diagnose` is pure: it reads
-only the keys named below, skips a rule whose keys are missing or whose
-windows are not yet full (a short history is quiet), and never raises on a
-missing or non-finite value. Each :class:`Alarm` names the rule, the step of
-the newest record and the numbers that set it off.
-
-The rules (thresholds and windows: ``HealthConfig``, whose defaults keep a
-healthy run quiet):
-
-  entropy_collapse        mean ``train/entropy`` of the last ``entropy_window``
-                          records < ``entropy_frac`` x that of the first
-                          ``entropy_window`` records, or < ``entropy_floor``.
-  length_blowup /         mean ``rollout/length_mean`` of the last
-  length_collapse         ``length_window`` records over that of the
-                          ``length_baseline`` records before them is
-                          > ``length_blowup`` / < ``length_collapse``.
-  truncation              mean ``rollout/truncated_frac`` of the last
-                          ``truncation_window`` records > ``truncation_max``.
-  clip_frac_spike         the newest ``train/clip_frac_low`` +
-                          ``train/clip_frac_high`` > ``clip_frac_max``.
-  ratio_spike             the newest ``train/ratio_max`` > ``ratio_max``.
-  kl_spike                the newest ``train/kl`` > ``kl_spike_factor`` x the
-                          median of the ``kl_window`` records before it and
-                          > ``kl_min``. Only with a KL penalty (grpo.beta > 0):
-                          where ``train/kl`` is absent or 0, never.
-  zero_var_groups         ``rollout/frac_zero_var_groups`` >= ``zero_var_max``
-                          in each of the last ``zero_var_steps`` records.
-  reward_vs_eval          between the last two evaluations (records with
-                          ``eval/pass_at_1``), ``rewards/mean`` (averaged over
-                          the records of the ``reward_window`` steps up to each
-                          evaluation) rose by > ``reward_rise_min`` while
-                          ``eval/pass_at_1`` fell by > ``pass_drop_min``.
-  reward_hacking          over the last ``hack_window`` records, the learned
-                          reward (``rewards/reward_model/mean``, else
-                          ``rewards/judge/mean``) rose by > ``hack_rise_min``
-                          (mean of the window's second half minus its first)
-                          and by more than ``hack_rise_z`` standard errors of
-                          that difference (the step-to-step noise of the
-                          learned reward's mean within each half)
-                          while the check ``hack_check`` (default
-                          ``rollout/pass_rate``, the verifiable correctness; or
-                          a second reward's ``rewards/<name>/mean``) rose by no
-                          more than ``hack_flat_max``: fell or stayed flat.
-  logp_mismatch_policy    mean ``policy/abs_log_ratio_mean`` (how far one step's
-                          update moved the policy) of the last
-                          ``mismatch_window`` records > ``mismatch_growth`` x
-                          the median of the ``mismatch_baseline`` records
-                          before them and > ``mismatch_min``.
-  logp_mismatch_behavior  the same rule on ``behavior/abs_log_diff_mean``:
-                          the mean |log pi_old - log q| of the sampled tokens
-                          (q: the distribution the sampler drew from), logged
-                          by every update. With ``grpo.old_logps = "sampler"``
-                          it is the truncation gap alone; the sampler/trainer
-                          precision gap enters it only with ``"recompute"``.
+Each rule compares a few keys of the recent records with the thresholds and windows of
+``HealthConfig``, whose defaults keep a healthy run quiet. The rules with their defaults are
+README.md's "Health alarms"; how the reporter raises, re-arms and stops on them,
+docs/architecture.md's "Reporter and Schedule".
 """
 
 from __future__ import annotations
@@ -345,7 +294,14 @@ def history_needed(cfg: HealthConfig) -> int:
 
 
 def diagnose(history: Sequence[Mapping[str, float]], cfg: HealthConfig) -> list[Alarm]:
-    """The alarms the metric records ``history`` (oldest first) set off at its newest step."""
+    """The alarms the metric records ``history`` (oldest first) set off at its newest step.
+
+    ``history`` holds each step's dict as written to metrics.jsonl. Pure: it reads only the
+    keys its rules name, skips a rule whose keys are missing or whose windows are not yet full
+    (a short history is quiet), and never raises on a missing or non-finite value. Each
+    :class:`Alarm` names the rule, the step of the newest record and the numbers that set it
+    off.
+    """
     if not history:
         return []
     step = _num(history[-1], "step")
