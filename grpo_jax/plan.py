@@ -94,8 +94,8 @@ def _plan(config, opts: Options, out, err) -> int:
         found = budget.suggest(run, cfg, topo.chips, chip.hbm_limit, topo.slices)
         if found is None:
             raise ConfigError(
-                f"no mesh, grad_accum, logits_chunk, remat or scan_layers setting fits the "
-                f"run on {topo.name} by the memory plan: a smaller batch "
+                f"no mesh, grad_accum, logits_chunk, attention, remat or scan_layers setting "
+                f"fits the run on {topo.name} by the memory plan: a smaller batch "
                 "(train.batch_size, sampling.max_new_tokens) or a larger topology"
             )
         overrides, run, cfg, mesh_shape = found

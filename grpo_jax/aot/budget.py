@@ -94,7 +94,8 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
     """Overrides (config key -> value) that make ``run`` fit ``chips`` chips of ``limit``
     bytes each, by the plan, changing as little as it can: the mesh first (all chips in
     fsdp, data over the slices), then more gradient-accumulation steps, a smaller logits
-    chunk, remat, scanned layers, tensor parallelism. None when nothing tried fits.
+    chunk, tensor parallelism, splash attention, remat, scanned layers (the last the most
+    disruptive). None when nothing tried fits.
 
     Returns (overrides, the run with them, its model config, the mesh shape).
     """
@@ -126,23 +127,22 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
     if est.params + est.optimizer + est.reference > limit:
         return None
     plans = [
-        (scan, remat, tensor, accum, chunk)
+        (scan, remat, attention, tensor, accum, chunk)
         for scan in dict.fromkeys((bool(cfg.scan_layers), True))
         for remat in dict.fromkeys((bool(cfg.remat), True))
+        for attention in dict.fromkeys((cfg.attention, "splash"))  # no [T, S] scores
         for tensor in (1, 2, 4, 8)
         for accum in accums
         for chunk in chunks
     ]
-    seen = set()
-    for scan, remat, tensor, accum, chunk in plans:
-        if (scan, remat, tensor, accum, chunk) in seen or chips % (tensor * slices):
+    for scan, remat, attention, tensor, accum, chunk in plans:
+        if chips % (tensor * slices):
             continue
-        seen.add((scan, remat, tensor, accum, chunk))
         over = dict(base, **{"mesh.fsdp": chips // (tensor * slices), "mesh.tensor": tensor})
         if tensor > 1:
             over["mesh.layout"] = "fsdp_tp"
         over.update({"optim.grad_accum": accum, "train.logits_chunk": chunk})
-        over.update({"model.remat": remat, "model.scan_layers": scan})
+        over.update({"model.remat": remat, "model.scan_layers": scan, "model.attention": attention})
         mesh_shape = {"data": over["mesh.data"], "fsdp": over["mesh.fsdp"], "tensor": tensor}
         shards = over["mesh.data"] * over["mesh.fsdp"]
         if N % (shards * run.grpo.G) or (minibatch // accum) % shards:
@@ -150,13 +150,19 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
         r, c = with_(run, cfg, **over)
         ok, _ = fits(r, c, mesh_shape, limit)
         if ok:
-            changed = {k: v for k, v in over.items() if _current(run, k) != v}
+            changed = {k: v for k, v in over.items() if _current(run, k, chips) != v}
             return changed, r, c, mesh_shape
     return None
 
 
-def _current(run, key: str):
+def _current(run, key: str, chips: int):
+    """The run's value of ``key``; a mesh axis as it lays out ``chips`` (-1 resolved)."""
     section, field = key.split(".")
+    if section == "mesh" and field in ("data", "fsdp", "tensor"):
+        try:
+            return mesh_shape(run, chips)[field]
+        except Exception:  # noqa: BLE001 - a mesh that does not lay them out: every axis changes
+            return None
     return getattr(getattr(run, section), field, None)
 
 
