@@ -1,23 +1,12 @@
 """Verifiable reward functions, their registry, and robust batch scoring.
 
-A reward function is ``fn(prompts, completions, **fields) -> list[float]``
-(one float per completion, NaN where it cannot score); ``fields`` holds the
-examples' dataset columns as lists (``answer``, ...) and ``completion_lengths``.
-
     from grpo_jax import rewards
     specs = [rewards.RewardSpec("gsm8k", 1.0), rewards.RewardSpec("format", 0.1)]
     result = rewards.score(specs, prompts, completions, {"answer": answers})
-    result.total            # float32[N], weighted sum, NaN -> advantage 0
-    result.per_reward       # each reward on its own, for logging
-    result.errors           # completions whose reward raised, timed out or was infinite
-    result.clipped          # completions whose reward was clipped to +-REWARD_LIMIT
 
-Built-in names: ``gsm8k``, ``math_verify``, ``format``, ``overlong``,
-``exact_match``, ``countdown``, ``code_tests`` (runs code in the sandbox of
-``grpo_jax.tools``); options as ``"overlong(max_len=256, buffer=64)"``.
-They run in this process; rewards registered by user code run in worker
-processes that are killed at their deadline (:mod:`grpo_jax.rewards.isolation`;
-:func:`shutdown` stops the workers, and runs at interpreter exit).
+Built-in names: ``gsm8k``, ``math_verify``, ``format``, ``overlong``, ``exact_match``,
+``countdown``, ``code_tests``. Rewards registered by user code run in worker processes killed
+at their deadline (:func:`shutdown` stops them, and runs at interpreter exit). docs/rewards.md.
 """
 
 from grpo_jax.rewards import builtin as builtin

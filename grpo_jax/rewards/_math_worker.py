@@ -1,14 +1,9 @@
 """Child process of the ``math_verify`` reward: one JSON request per line in, one reply out.
 
-Run as a script (``python _math_worker.py``), so it imports neither grpo_jax
-nor JAX. math-verify's own timeouts use SIGALRM, which works here because each
-request runs in this process's main thread; the parent kills this process when
-a request outlives even those (sympy stuck in C).
-
-Request: {"gold": str, "pred": str, "timeout": int}. Reply: {"value": 1.0 | 0.0}
-or {"value": null} (the reference cannot be parsed: unscorable) or
-{"error": str}. The field "sleep" (seconds, before verifying) exists for tests
-to stand in for a stuck verifier.
+Run as a script (``python _math_worker.py``), so it imports neither grpo_jax nor JAX;
+math-verify's SIGALRM timeouts work here because each request runs in the main thread, and
+the parent kills this process when a request outlives even those. The request and reply
+fields: docs/rewards.md, "The built-in rewards".
 """
 
 import json

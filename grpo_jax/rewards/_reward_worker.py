@@ -1,28 +1,10 @@
 """Worker process of :mod:`grpo_jax.rewards.isolation`: runs user reward functions on request.
 
-Started as a script (``python _reward_worker.py <parent pid>``) by the parent's
-worker pool, never forked from it. Messages in both directions are pickled
-objects, each preceded by its length (8 bytes, little-endian), on the
-process's stdin and on a duplicate of its original stdout; the reward code's
-own prints (fd 1 included) go to stderr and it reads stdin from /dev/null.
-
-First message in: ``{"sys_path": [...], "modules": [(name, file), ...]}``, the
-parent's ``sys.path`` and the modules to import at once (those that registered
-the user rewards scored so far). Reply: ``("ready", {index: error text})`` for
-the modules that failed to import.
-
-Then, one reply per request:
-
-* ``("load", name, file)`` -> ``("loaded", None | error text)``: imports the
-  module that registered a reward, as :func:`_load` describes.
-* ``("call", spec, identity, prompts, completions, fields)`` -> ``("ok",
-  values)``, ``("raised", exception)``, ``("malformed", type name)`` (a
-  return value that cannot be sent back) or ``("unavailable", why)`` (this
-  process's registry has no such reward, or a different function under its
-  name).
-
-The worker exits at the end of its input, and with its parent: through
-``PR_SET_PDEATHSIG`` on Linux, else a thread that watches the parent's pid.
+Started as a script (``python _reward_worker.py <parent pid>``) by the parent's worker pool,
+never forked from it; it speaks length-prefixed pickled messages on its stdin and on a
+duplicate of its original stdout (the reward code's prints go to stderr). The messages
+and their replies: docs/rewards.md, "The worker's protocol". It exits at the end of its
+input, and with its parent (``PR_SET_PDEATHSIG`` on Linux, else a thread that watches it).
 """
 
 import importlib

@@ -2,50 +2,11 @@
 
     reward = fraction of the example's ``tests`` that the completion's code passes
 
-Each example carries a ``tests`` field, a list of test cases in either form:
-
-* a string: a Python statement, usually an ``assert``, run after the completion's
-  code in the same interpreter (``"assert add(2, 3) == 5"``);
-* a mapping ``{"input": ..., "output": ...}``: the code runs as a program with that
-  standard input, and passes when its standard output, stripped of surrounding
-  white space, equals ``output`` stripped. Its output may be twice the expected
-  output's length (at least the sandbox's default cap) before it is cut.
-
-The code is the last fenced ```` ```python ```` block of the completion (or the last
-fenced block of any language), else the whole completion. Everything runs in the
-sandbox of :func:`grpo_jax.tools.run_python`: a separate process per program with
-limits on time, memory, processes and output, no network, and a private directory.
-All assert-style cases of a completion run in one process, each guarded, so a failing
-case does not stop the rest; a case that hangs uses up the run's time and the cases
-after it count as failed. Completions are run in parallel (one thread waiting per
-process, ``workers`` at a time).
-
-How a pass is reported, and what that protects against. The completion's code shares
-stdout with the harness that runs the cases, so a plain "case i passed" line could be
-printed by the code itself. Instead, the parent draws a fresh random nonce for every
-run and sends it on stdin; the harness reads it before the completion's code runs,
-keeps it in its own frame (not in the code's globals, not in ``main.py``), binds
-``exec``, ``compile`` and everything else it needs before the code can replace them,
-and after each case that passes writes a marker with the nonce on a private copy of
-stdout. The parent counts only markers with that nonce. So printing markers, reading
-stdin or the program's files, replacing builtins the harness uses, and exiting early
-(``os._exit(0)``, ``sys.exit``: no marker is written for the cases not yet run) all
-score nothing.
-
-It does not protect against code deliberately written against this harness: code in
-the same interpreter can still reach the nonce by frame inspection (``sys._getframe``,
-a traceback's frames) and then print valid markers. Nor does it
-judge what the cases compare: an object whose ``__eq__`` always says True passes
-``assert f(x) == y``, and builtins the cases themselves call can be replaced by the
-code; write cases that check types (``assert type(f(x)) is int and f(x) == y``) where
-that matters, and inspect high-reward completions.
-
-Options: ``code_tests(timeout_s=5.0, memory_mb=256, workers=4, sandbox=None)``;
-``sandbox`` is "kernel" (bubblewrap, the default) or "hooks" (the weaker audit-hook
-sandbox, only when named; None reads ``GRPO_JAX_SANDBOX``). A machine where the kernel
-sandbox cannot run is refused when the reward is built, in one line. A reward that cannot
-score (no ``tests`` for an example) gives NaN. The reward bounds its own time (each
-program has ``timeout_s``), so ``train.reward_timeout_s`` does not cut it short.
+A case is an assert statement run after the code, or ``{"input": ..., "output": ...}`` for
+the code run as a program. Everything runs in the sandbox of :func:`grpo_jax.tools.run_python`,
+and a pass counts only when the harness writes a marker with a fresh nonce, so printing
+markers or exiting early scores nothing. docs/multiturn.md (the ``code_tests`` reward) has
+the cases, the options, what the nonce protects against and what it does not.
 """
 
 from __future__ import annotations

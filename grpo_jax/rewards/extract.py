@@ -1,16 +1,10 @@
 """Final-answer extraction and number normalisation for verifiable math rewards.
 
-A model states its final answer in many ways: inside ``<answer>...</answer>``,
-in a LaTeX ``\\boxed{...}``, after GSM8K's ``####`` marker, or simply as the
-last number it writes, often wrapped in currency signs, thousands separators,
-units, a percent sign or a trailing ``.0``. :func:`extract_answer` finds the
-segment that holds the final answer (in that order of precedence) and
-:func:`normalize_number` turns it into an exact :class:`fractions.Fraction`, so
-that ``$1,080.00``, ``1080`` and ``\\boxed{1080}`` all compare equal and no
-float rounding enters the comparison.
-
-Everything here is pure Python and regex-only: the GSM8K reward built on it
-scores tens of thousands of completions per second.
+:func:`extract_answer` finds the segment that holds a completion's final answer
+(``<answer>...</answer>``, then ``\\boxed{...}``, then GSM8K's ``####``, then the last number)
+and :func:`normalize_number` turns it into an exact :class:`fractions.Fraction`, so that
+``$1,080.00``, ``1080`` and ``\\boxed{1080}`` compare equal with no float rounding. Regex-only
+and pure Python (docs/rewards.md, "The built-in rewards").
 """
 
 from __future__ import annotations

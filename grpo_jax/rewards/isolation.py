@@ -1,56 +1,11 @@
 """Worker processes for user reward functions: a deadline that can always be enforced.
 
-Python cannot stop a thread, so a reward that spins in pure Python keeps
-running (and taking CPU and the interpreter lock from the trainer) after its
-deadline, and one stuck in C code that holds the interpreter lock (a regex
-backtracking catastrophically) stops the whole process. Reward functions
-registered by user code therefore run in a small pool of long-lived worker
-processes (:mod:`grpo_jax.rewards._reward_worker`); a request past its
-deadline costs its worker, which is killed (SIGKILL, with its process group)
-and replaced in the background while the other workers go on.
-
-Which rewards run where (:func:`runs_in_worker`):
-
-* in this process: the built-in rewards of grpo_jax.rewards (``gsm8k``,
-  ``exact_match``, ``countdown``, ``overlong``, ``format`` with its own
-  template), which are linear-time Python and regexes, and ``math_verify``,
-  which runs the verifier in a killable process of its own;
-* in a worker: every reward registered by other code, and ``format`` given a
-  ``pattern`` (a user's regex may backtrack catastrophically);
-* in this process, with a warning once per reward: a user reward that a
-  worker cannot import, because its ``register`` call ran in ``__main__`` (a
-  script or notebook, which a worker must not re-run) or its function is
-  defined inside another function; or when the workers cannot start or import
-  its module. Move such a reward to the top level of a module and load it with
-  :func:`grpo_jax.rewards.load_user_module` (the run config's
-  ``reward_modules``) to have it run in a worker.
-
-How a worker finds a user reward: :func:`grpo_jax.rewards.register` records
-the module whose code called it (``__name__`` and ``__file__``). The worker
-gets the parent's ``sys.path``, imports that module the same way (a file
-given to ``load_user_module`` through ``load_user_module``; another module by
-name, else from its file), which registers the reward in the worker's own
-registry, then checks that the entry is the same function (module and
-qualified name) and builds it from the same spec, options included.
-Arguments and results travel pickled, so every reward sees its own copy of
-the fields.
-
-The workers and their pool are in :mod:`grpo_jax.rewards.worker_pool`: fresh
-interpreters (never a fork of this process and its JAX threads) with
-``JAX_PLATFORMS=cpu``, each in a process group of its own, that die with this
-process. Workers are started on the first call that needs one (the pool fills up to
-``workers``: 2, or the environment variable ``GRPO_JAX_REWARD_WORKERS``, or
-:func:`configure`; 0 scores every reward in this process, e.g. to debug one),
-and a killed one is replaced at once, in the background, so the next call does
-not wait for a start-up (nor does a deadline count the wait for one).
-
-What this means for a user reward: its module is imported again in each
-worker (keep module-level work light, and guard a script's work with ``if
-__name__ == "__main__":``); module-level state lives per worker and is lost
-when a worker is killed; side effects on objects of this process (appending
-to a list) do not happen here. Arguments and return values must pickle (an
-argument that does not makes that call run in this process, with the
-warning).
+Python cannot stop a thread, and a reward stuck in C code holding the interpreter lock stops
+the whole process; so rewards registered by user code run in a pool of long-lived worker
+processes (:mod:`grpo_jax.rewards.worker_pool`), and a request past its deadline costs its
+worker, which is killed and replaced in the background. :func:`runs_in_worker` says which
+rewards run where. docs/rewards.md, "Where a reward runs", has the rules, how a worker finds
+a user reward, and what this means for one.
 """
 
 from __future__ import annotations

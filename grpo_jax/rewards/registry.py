@@ -1,29 +1,11 @@
 """Reward functions by name: the registry that configs select from.
 
-A reward function is ``fn(prompts, completions, **fields) -> list[float]``:
-one float per completion, NaN where it cannot score. ``fields`` carries each
-example's dataset columns as lists aligned with ``completions`` (``answer``,
-``numbers``, ...) and, when the trainer has them, ``completion_lengths`` (tokens
-per completion). Reward functions should accept and ignore fields they do not
-use (``**_``).
-
-Names are registered two ways:
-
-* ``@register("name")`` on a reward function;
-* ``@register("name", factory=True)`` on a function that *builds* a reward
-  function from keyword options. ``get("overlong")`` calls it with its
-  defaults, ``get("overlong(max_len=256, buffer=64)")`` with those options
-  (Python literals only), so a config can choose options without code.
-
-Users add their own rewards in a module that registers them on import and name
-that module (``pkg.my_rewards``) or file (``/path/to/my_rewards.py``) in the
-run config's ``reward_modules`` key; :func:`load_user_module` imports it.
-
-:func:`register` records the module that called it, so that a worker process
-can import the same module to find a user reward: user rewards are scored in
-worker processes that a deadline can kill (:mod:`grpo_jax.rewards.isolation`),
-and a reward registered where a worker cannot re-import it (in ``__main__``,
-or defined inside a function) is scored in this process instead.
+A reward function is ``fn(prompts, completions, **fields) -> list[float]``, one float per
+completion, NaN where it cannot score. ``@register("name")`` registers one;
+``@register("name", factory=True)`` a function that builds one from keyword options
+(``"overlong(max_len=256, buffer=64)"``). :func:`load_user_module` imports a user's module
+of rewards (the run config's ``reward_modules``). docs/rewards.md, "A reward function and
+the registry".
 """
 
 from __future__ import annotations

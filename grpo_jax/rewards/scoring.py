@@ -1,50 +1,11 @@
 """Scoring a rollout batch with several weighted rewards, robust to failures.
 
-A reward that raises, runs past its time budget, returns something other than
-one number per completion, or returns an infinite value must never stop a
-training run: the affected completions get NaN (which
-:func:`grpo_jax.objective.advantages.group_advantages` leaves out of their group's
-statistics and gives advantage 0) and are counted in ``RewardResult.errors``
-(logged as ``rewards/<name>/errors``). NaN (or None) returned by a reward is
-its documented way of saying "cannot score this one" (a reference answer with
-no number): unscored, not an error; the share of unscored completions is
-logged per reward and for the total (``rewards/<name>/unscored_frac``,
-``rewards/total/unscored_frac``). Finite values beyond ``REWARD_LIMIT``
-(1e6) in magnitude are clipped to +-``REWARD_LIMIT`` and counted
-(``RewardResult.clipped``, ``rewards/<name>/clipped``), so that the advantages
-computed from them in float32 stay finite.
-
-Where a reward runs (:mod:`grpo_jax.rewards.isolation`): rewards registered by
-user code run in worker processes that are killed at their deadline; the
-built-in rewards (``gsm8k``, ``exact_match``, ``countdown``, ``overlong``,
-``format`` without a custom ``pattern``, ``math_verify``) run in this process.
-
-How a reward runs (N completions), in a worker or in this process alike:
-
-1. one call on the whole batch, with a deadline of ``timeout_s`` seconds
-   (cheap rewards stay one Python call per batch);
-2. if that call raises, times out or kills its worker, the completions are
-   re-scored one at a time, so that only the completions that raise or hang
-   get NaN. In a worker each completion has its own deadline of ``timeout_s``
-   (the completions are spread over the pool's workers; a completion past its
-   deadline costs its worker, which is replaced in the background, and once
-   as many completions as the pool has workers, at least 2, have cost one,
-   the rest of the batch is given up: NaN, counted). In this process each
-   runs in its own daemon thread, all under one further deadline of
-   ``timeout_s``.
-
-In this process, a thread past its deadline is abandoned, not stopped (Python
-cannot stop a thread): enough for the built-in rewards, which are linear-time,
-and the fallback for a user reward that a worker cannot import (a warning then
-says so). A reward that must bound its own work (``math_verify``, whose
-verifier runs in a process of its own) sets the attribute ``manages_timeout =
-True`` on its function: in this process it is then called directly, with
-exceptions still caught, and may report per-completion failures by returning
-an ``Exception`` instance in place of a float.
-
-Each reward sees its own copy of the fields (deep-copied in this process,
-pickled to a worker), so a reward that mutates them cannot change what the
-rewards after it see.
+A reward that raises, runs past its time budget, returns something other than one number per
+completion, or returns an infinite value never stops a run: the completions it affects get
+NaN (advantage 0) and are counted in ``RewardResult.errors``; NaN returned by a reward is
+"unscored", not an error; finite values beyond ``REWARD_LIMIT`` are clipped and counted. A
+batch is one call, then one completion at a time if that call fails. docs/rewards.md,
+"Scoring a batch, robust to failures", has the whole contract.
 """
 
 from __future__ import annotations

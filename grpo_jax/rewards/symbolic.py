@@ -1,13 +1,9 @@
 """Symbolic answer equivalence through the math-verify library, in a killable process.
 
-``math_verify`` (Hugging Face) parses LaTeX and plain expressions into sympy and
-decides equivalence (``\\frac{1}{2}`` = ``0.5``, ``(x+1)^2`` = ``x^2+2x+1``).
-sympy can hang, sometimes inside C code where no Python timeout reaches, and
-math-verify's own timeouts use SIGALRM, which only works in a main thread. So
-the verifier runs in one persistent child process (``_math_worker.py``, started
-on first use, about a second): each completion is one request with a
-deadline, and a request past its deadline kills the child, costs that
-completion a NaN counted as an error, and the next request starts a new child.
+sympy can hang, sometimes in C code no Python timeout reaches, and math-verify's own
+timeouts work only in a main thread; so the verifier runs in one persistent child process
+(``_math_worker.py``), each completion a request with a deadline, and a request past it
+kills the child and costs that completion a NaN counted as an error (docs/rewards.md).
 """
 
 from __future__ import annotations

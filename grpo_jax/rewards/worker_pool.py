@@ -1,17 +1,10 @@
 """The processes that score user rewards for :mod:`grpo_jax.rewards.isolation`: a pool of them.
 
-A :class:`Worker` is one process running :mod:`grpo_jax.rewards._reward_worker` and the
-two pipes it is spoken to through (pickled messages, each after its length as 8 bytes); a
-:class:`Pool` holds up to ``size`` of them, idle, busy or starting, and replaces one that
-was killed in the background.
-
-Workers are started with ``subprocess`` (a fresh interpreter, never a fork of
-this process and its JAX threads), with ``JAX_PLATFORMS=cpu`` so that reward
-code importing JAX never claims an accelerator, in a process group of their
-own. They exit with this process: :func:`grpo_jax.rewards.isolation.shutdown` runs at
-interpreter exit,
-and a worker dies with its parent even when the parent is killed
-(``PR_SET_PDEATHSIG`` on Linux, else a thread that watches the parent).
+A :class:`Worker` is one process running :mod:`grpo_jax.rewards._reward_worker` and the two
+pipes it is spoken to through; a :class:`Pool` holds up to ``size`` of them, idle, busy or
+starting, and replaces one that was killed in the background. Workers are fresh interpreters
+(never a fork of this process and its JAX threads) with ``JAX_PLATFORMS=cpu``, in process
+groups of their own, that die with this process (docs/rewards.md, "Where a reward runs").
 """
 
 from __future__ import annotations
