@@ -59,6 +59,11 @@ def candidates(
 ) -> tuple[jax.Array, jax.Array | None]:
     """The tokens a draw may pick, as (logits_NxK, ids_NxK); -inf marks dropped ones.
 
+    The usual filters, in order: top-k (Fan et al. 2018) keeps the k largest logits, top-p
+    (nucleus sampling, Holtzman et al. 2020) the smallest prefix of those, sorted by
+    probability, whose renormalised mass reaches top_p, and min-p the candidates at least
+    min_p times as likely as the most likely one; the draw then renormalises what is kept.
+
     ``scaled_NxV`` holds logits / temperature. With no filter on this is
     (scaled_NxV, None): all V tokens, ids implicit; min-p alone also keeps
     ids implicit. top-k alone costs one ``lax.top_k`` (no sort of the

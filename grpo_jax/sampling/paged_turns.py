@@ -1,28 +1,11 @@
 """Multi-turn episodes on the paged engine: each row continues from its own pages.
 
-``TurnEngine`` plays N = B * G episodes (row b*G + g plays prompt b) one phase
-at a time, with the interface of the static kernel's loop in
-``grpo_jax.rollout.episodes``: :meth:`TurnEngine.phase` advances every row in play
-until its turn ends (an EOS, a stop sequence within the turn,
-``max_turn_tokens`` model tokens) or its transcript is full (T =
-``max_tokens``); the host steps the environments; :meth:`TurnEngine.queue`
-appends a row's observation; :meth:`TurnEngine.finish` ends its episode.
-
-The cache is the paged engine's pool (``grpo_jax.sampling.paged``), kept for the whole
-episode: prompt pages shared by a prompt's G rows, then each row's own pages,
-which hold its transcript (model and environment tokens) and stay with the row
-between turns. A queued observation is written into the row's pages by
-prefill calls (all its tokens but the last, after the turn's last model
-token; the last is fed by the next decode step), not one token per decode
-step as the static kernel's teacher forcing does, and nothing is re-aligned:
-a key is visible by its position. Rows leave their decode slot when their turn
-ends and take any free slot when their next turn starts.
-
-The draw and the turn-end rules are the static kernel's (``draw.sample_with``;
-a stop sequence matches within the turn's model tokens only), so greedy
-transcripts are equal token for token. Random draws are per decode call (as the
-paged engine's), so evaluation, whose results must not depend on a row's
-neighbours (row keys), plays on the static kernel.
+``TurnEngine`` plays N = B * G episodes (row b*G + g plays prompt b) one phase at a time,
+with the interface of the static kernel's loop in ``grpo_jax.rollout.episodes``
+(:meth:`TurnEngine.phase`, :meth:`TurnEngine.queue`, :meth:`TurnEngine.finish`). Prompt pages
+are shared by a prompt's G rows and each row's transcript lives in pages of its own for the
+whole episode; observations are written by prefill calls and nothing is re-aligned.
+docs/multiturn.md, "How the sampler continues from the KV cache" (on the paged engine).
 """
 
 from __future__ import annotations

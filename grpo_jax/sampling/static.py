@@ -1,46 +1,11 @@
 """Jitted KV-cache sampler: prefill a left-padded batch, then decode in a ``lax.while_loop``.
 
 Shapes: B prompts, G samples per prompt (``num_samples``), N = B*G rows grouped
-contiguously (row b*G + g is sample g of prompt b), P padded prompt length (a
-bucket), T = ``max_new_tokens`` completion slots, S = P + T KV-cache slots,
-V vocabulary, K candidate tokens kept by top-k / top-p.
-
-The sampler reads the policy's own parameter pytree (``nnx.split`` of the
-model), so the log-probs it records are pi_old's:
-
-    logp_t = log softmax(logits_t / temperature)[o_t]
-
-over the *untruncated* vocabulary, whatever top-k / top-p did to the draw.
-That is the formula of ``grpo_jax.objective.losses.per_token_logps(logits, tokens,
-temperature=temperature)`` on a full forward pass over [prompt | completion]
-(docs/objective.md); the KV-cache decode and that batched forward differ only in the
-order of their floating-point operations. With float32 compute the two agree
-to float32 rounding, so the first update's GRPO ratio is 1 up to rounding.
-With bfloat16 compute they differ (up to about 3e-2 per token on a small
-model), so the first ratio is not 1 and clipping can bind on the first pass.
-
-The draw itself follows the usual pipeline (Holtzman et al. 2020 for top-p,
-Fan et al. 2018 for top-k): scale by 1/temperature, keep the k largest
-logits, keep the smallest prefix of those (sorted by probability) whose
-renormalised mass reaches top_p, renormalise, sample. Greedy takes the argmax.
-
-Work: ``generate`` runs two jitted functions. ``prefill`` runs the B distinct
-prompts through the model once (not B*G rows), repeats the KV cache and the
-last logits G times, and draws token 0. ``decode`` is the while loop: one
-1-token forward, the filter and one categorical draw per step (:func:`draw`, one
-uniform number per row by inverse CDF), over a donated state, exiting as soon
-as every row has ended (an EOS id or a stop sequence, :class:`SamplingConfig`).
-Both are compiled once per (graphdef, SamplingConfig, shapes, mesh); prompt
-lengths are bucketed by :func:`pad_prompts` so steady-state steps reuse the
-compiled code (:func:`compile_count` counts compilations). Prefill asks the
-model for the last position's logits only, so no [B, P, V] buffer is formed.
-
-Sharding: with a mesh, rows are split over ("data", "fsdp") in whole groups,
-the parameters keep the shardings they arrive with, the cache follows the
-rows (``grpo_jax.models.cache_shardings``), and the model's own activation
-constraints apply (the calls run under ``jax.set_mesh``). Draws use JAX's
-default partitionable threefry, so a key gives the same samples however rows
-are split.
+contiguously (row b*G + g is sample g of prompt b), P padded prompt length (a bucket),
+T = ``max_new_tokens`` completion slots, S = P + T KV-cache slots, V vocabulary, K candidate
+tokens kept by top-k / top-p. :func:`generate` records pi_old's log-probs as it samples.
+docs/engine.md, "The static sampler", has the two jitted functions, what compiles when, and
+the sharding.
 """
 
 from __future__ import annotations
@@ -440,6 +405,14 @@ def generate(
     mesh: Mesh | None = None,
 ) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt with the model ``(graphdef, params)``.
+
+    Each token's recorded log-prob is pi_old's over the untruncated vocabulary,
+
+        logp_t = log softmax(logits_t / temperature)[o_t],
+
+    the formula of ``grpo_jax.objective.losses.per_token_logps`` on a full forward pass over
+    [prompt | completion]; the two differ only in the order of their floating-point
+    operations (docs/objective.md, sections 3 and 9).
 
     Args:
       graphdef, params: ``nnx.split(model)``; params are read, never copied

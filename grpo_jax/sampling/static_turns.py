@@ -1,33 +1,11 @@
 """The multi-turn decode kernel: the model continues an episode from its KV cache.
 
-Shapes: B prompts, G episodes per prompt, N = B*G rows (grouped contiguously), P
-padded prompt length, T transcript slots per episode (``MultiTurnConfig.max_tokens``),
-S = P + T cache slots, O the most observation tokens appended at once
-(``max_obs_tokens``), V vocabulary.
-
-How the sampler continues without re-tokenising the past. The device loop
-(:func:`phase`) advances every active row by one token per step at a shared cache
-slot: a row either feeds its pending token and draws the next from the model, or, while
-it has observation tokens queued, writes the next of those instead (teacher forcing).
-A row whose turn ends (an EOS, a stop sequence of ``SamplingConfig.stop_sequences``
-within the turn, or ``max_turn_tokens`` model tokens) goes idle, and the loop exits
-when every row is idle; the host (``grpo_jax.rollout.episodes``) then steps the environments
-and queues their observations, and the next phase starts. Rows may be in different
-turns, and an idle row writes nothing, so rows fall out of step in the cache. Before
-each phase, every row's cache is therefore rolled so that its real tokens end at the
-same slot (:func:`align`): real tokens stay contiguous, slot distance equals position
-distance, and a sliding window masks exactly what a full forward pass over the
-transcript masks. Keys carry their rotary phase from their position, not their slot,
-so the roll changes nothing else.
-
-The token draw is the single-turn sampler's (``draw.sample_with``, with its
-stop-sequence check ``draw.stop_hits`` and the G-fold row repeat
-``sampling.repeat_rows``). The key is one key for all rows (training's episodes: it
-advances every loop step) or one key per prompt ("row keys", evaluation's: episode g
-of prompt b draws from ``fold_in(key_b, g)``, and its key advances only when it draws
-a token, so its episode depends on nothing but its own key, environment and the
-parameters, not on the other rows of its call). The jitted functions run without
-explicit shardings (rows on whatever devices the inputs sit on).
+Shapes: B prompts, G episodes per prompt, N = B*G rows (grouped contiguously), P padded
+prompt length, T transcript slots per episode (``MultiTurnConfig.max_tokens``), S = P + T
+cache slots, O the most observation tokens appended at once (``max_obs_tokens``), V
+vocabulary. :func:`phase` advances every active row one token per step until every turn has
+ended; :func:`align` rolls each row's cache so that its real tokens end at one shared slot.
+docs/multiturn.md, "How the sampler continues from the KV cache", explains both and the keys.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The sampler's own copy of the policy's weights in another dtype (``sampling.param_dtype``).
 
-Decoding reads every weight once per token, so its speed is the weights' bytes
-over the memory bandwidth: a bfloat16 copy halves them for a float32 policy.
-
     w = sampler_weights(graphdef, params, "bfloat16")
     tokens = generate(w.graphdef, w(params), ...)
 
-``w.graphdef`` is the policy's graph with its ``ModelConfig`` computing and
-storing in that dtype (every module that holds the config gets the new one),
-so the copy runs as a model built in bfloat16 from the start would.
-``w.cast`` is one jitted function: every floating ``nnx.Param`` cast, other
-variables (integer indices) as they are, each output sharded like its input.
-The trained parameters are never changed; the copy is made once per sampling
-round (after the update that produced the parameters) and dropped with it.
-
-What the copy changes is the distribution the sampler draws from: its
-log-probs (``logps``, ``behavior_logps``) are those of the bfloat16 model.
-``grpo.old_logps = "recompute"`` rescores pi_old with the trained parameters,
-and ``grpo.behavior_correction`` ("tis" / "mis") then weights pi_old against
-what was drawn (docs/objective.md).
+``w.graphdef`` is the policy's graph with its ``ModelConfig`` computing and storing in that
+dtype; ``w.cast`` is one jitted cast of every floating ``nnx.Param``. The trained parameters
+never change. docs/engine.md, "Sampling with a copy of the weights in another dtype", says
+why (decoding's speed is the weights' bytes) and what the copy changes.
 """
 
 from __future__ import annotations
