@@ -1,46 +1,11 @@
 """Multi-turn rollouts: the model and an environment take turns, continuing from the KV cache.
 
-Shapes: B prompts, G episodes per prompt, N = B*G rows (grouped contiguously), P
-padded prompt length, T transcript slots per episode (model and environment tokens,
-``MultiTurnConfig.max_tokens``), S = P + T cache slots, O the most observation tokens
-appended at once (``max_obs_tokens``), V vocabulary.
-
-An episode's transcript is everything after the first prompt: the model's turns and
-the environment's observations, in the order the model saw them, as one row of
-``tokens_NxT``. ``mask_NxT`` is 1 on the tokens the model wrote and 0 on the
-environment's, so the update (which takes the mask as its loss mask and treats every
-token up to the last masked one as real, ``grpo_jax.objective.logprobs.span_mask``) scores the
-transcript in one forward pass and gives environment tokens no gradient. The recorded
-log-probs exist for model tokens only (0 elsewhere).
-
-How the sampler continues without re-tokenising the past. The device loop
-(``grpo_jax.sampling.static_turns.phase``) advances every active row by one token per
-step at a shared cache slot: a row either feeds its pending token and draws the next from
-the model, or, while it has observation tokens queued, writes the next of those instead
-(teacher forcing).
-A row whose turn ends (an EOS, a stop sequence of ``SamplingConfig.stop_sequences``
-within the turn, or ``max_turn_tokens`` model tokens) goes idle, and the
-loop exits when every row is idle. The host then gives each finished turn's text to
-its environment (:func:`grpo_jax.envs.safe_step`) and queues the observation's
-tokens, rendered through the chat template's turn markers when the run uses one
-(:class:`ObservationEncoder`), and the next phase starts. Rows may be in different
-turns, and an idle row writes nothing, so rows fall out of step in the cache. Before
-each phase, every row's cache is therefore rolled so that its real tokens end at the
-same slot (``static_turns.align``): real tokens stay contiguous, slot distance equals position
-distance, and a sliding window masks exactly what a full forward pass over the
-transcript masks. Keys carry their rotary phase from their position, not their slot,
-so the roll changes nothing else.
-
-Budgets: at most ``max_turns`` model turns and ``max_tokens`` transcript tokens per
-episode (an observation that would leave no room for a model token, or is longer than
-``max_obs_tokens``, ends the episode instead), at most ``max_turn_tokens`` per turn.
-An episode that ends on a budget is marked truncated. An environment that raises or
-runs past ``env_timeout_s`` ends its episode with reward NaN (advantage 0), counted;
-so does one that cannot start (its constructor or ``reset`` fails, its first
-observation fits no prompt bucket, or the G first observations of a group differ).
-
-Sharding: the jitted parts run without explicit shardings (rows on whatever devices
-the inputs sit on); the trainer places the finished batch like any other.
+Shapes: B prompts, G episodes per prompt, N = B*G rows (grouped contiguously), P padded
+prompt length, T transcript slots per episode (``MultiTurnConfig.max_tokens``), S = P + T
+cache slots, O the most observation tokens appended at once (``max_obs_tokens``), V
+vocabulary. An episode is one row: the model's turns and the environment's observations,
+with ``mask_NxT`` 1 on the model's tokens only. docs/multiturn.md has the transcript and its
+loss, how the sampler continues, the observations' encoding, the budgets and the errors.
 """
 
 from __future__ import annotations

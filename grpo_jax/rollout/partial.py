@@ -1,36 +1,11 @@
 """Partial rollouts: rows still unfinished when a step's groups are done carry over
-(``sampling.partial_rollouts`` on an engine that carries rows, ``"paged"``; docs/engine.md).
+(``sampling.partial_rollouts`` on an engine that carries rows, ``"paged"``).
 
-With ``train.max_staleness`` = k >= 1, the engine run of step s holds the groups
-of steps s .. s + k in prompt order, B per step: step s's own B groups first
-(due: the run ends when their rows have all finished), then k B groups of later
-steps, which take the decode slots the due rows leave free. When the due groups
-are done the run stops, and every later row stays where it is: unfinished, or
-not started. Step s + 1's run starts from those rows. It prefills each carried
-group's prompt and writes each unfinished row's drawn tokens (all but the last)
-after it, with its own parameters, so the keys and values are the current
-policy's and the next token is drawn from it given the whole prefix.
-
-Versions: step s's run samples with version s - 1 (the parameters its update
-starts from). A group trained at step s' entered the runs at step s' - k at the
-earliest, so each of its tokens was drawn by a version v in [s' - 1 - k, s' - 1]:
-staleness (s' - 1) - v in [0, k], the bound of ``train.max_staleness``. Each
-token's version is recorded beside it; ``partial/*`` metrics report them.
-
-pi_old: each token's log-probs are recorded under the version that drew it
-(``logps`` at the temperature, and ``behavior_logps``), so with
-``grpo.old_logps = "sampler"`` the ratio of every token is against the policy
-that drew it; with ``"recompute"``, pi_old is the parameters of the step's
-update and ``grpo.behavior_correction`` weights each token by pi_old over the
-policy that drew it (docs/objective.md §11).
-
-Prompts: the iterator is read one batch of B per step, as without partial
-rollouts (k batches ahead once, at the start), and step s trains on the same
-prompts, in the same order: only when their rows are drawn differs.
-
-Exact resume: a checkpoint holds the carried groups (their examples, and their
-rows' tokens, log-probs, versions and counts; no keys or values, which the next
-run computes again), so a resumed run samples what an uninterrupted one would.
+With ``train.max_staleness`` = k >= 1 the engine run of step s holds the groups of steps
+s .. s + k; it stops once step s's own groups are done, and the next run continues the rest
+with its own parameters. Each token's version and log-probs are recorded beside it, and a
+checkpoint holds the carried groups. docs/engine.md, "Partial rollouts", has the versions
+and their bound, the objective, exact resume and the metrics.
 """
 
 from __future__ import annotations

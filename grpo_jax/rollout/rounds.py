@@ -1,23 +1,11 @@
 """Host-side glue between examples, tokens and rewards, shared by training and evaluation.
 
-  PromptEncoder   examples -> prompt texts -> left-padded prompt tokens
-  decode          completion tokens -> texts (up to each row's length, EOS dropped)
-  (Scorer, in grpo_jax.rollout.scorer: texts -> weighted rewards, correctness, format validity)
-  host_prompts    this host's examples -> its rows of the global prompt arrays
-  dispatch_round, finish_round, batch_from_round
-                  one round of rollouts: sample, decode, score, normalise -> RolloutBatch
-                  (``grpo_jax.rollout.sources.SingleTurn`` drives them)
-  collect_dynamic DAPO's dynamic sampling: rounds until B groups have reward signal
-
-Shapes: B prompts, G completions per prompt, N = B*G rows (grouped
-contiguously), P padded prompt length, T completion slots. Lower-case b, n:
-the rows of one host (all of them in a one-process run).
-
-In a multi-host run every host encodes, decodes and scores only its own block
-of rows (the rows its devices hold), so the reward functions, the slowest
-host code, run in parallel on all hosts; the groups of G never straddle hosts,
-and only per-row numbers cross hosts: the rewards, for the advantages and the
-batch's statistics.
+:class:`PromptEncoder` turns examples into left-padded prompt tokens, :func:`decode`
+completion tokens into texts; :func:`dispatch_round`, :func:`finish_round` and
+:func:`batch_from_round` are one round of rollouts (sample, decode, score, normalise ->
+``RolloutBatch``), and :func:`collect_dynamic` is DAPO's dynamic sampling. Shapes: B prompts,
+G completions per prompt, N = B*G rows, P padded prompt length, T completion slots; lower-case
+b, n: this host's rows, the only ones it encodes, decodes and scores (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -3,28 +3,10 @@
     source.submit(step, params, version)    # start the batch of ``step``, sampled by ``params``
     source.take(step) -> InFlight           # that batch, sampled and scored
 
-One interface (:class:`RolloutSource`) serves every kind of run, so ``grpo_jax.run.train`` has
-one loop with no branch on the kind of source:
-
-  SingleTurn   one round of B prompts x G completions (``rounds.dispatch_round``):
-               ``submit`` dispatches the generation and returns at once, ``take``
-               waits for it, decodes and scores (host work that overlaps whatever
-               the devices run in between: with ``train.max_staleness`` >= 1, the
-               update).
-  Dynamic      DAPO's dynamic sampling (``rounds.collect_dynamic``): rounds of B
-               prompts until B groups have reward signal.
-  MultiTurn    episodes against an environment (``episodes.collect``).
-  Partial      single-turn rounds on the paged engine whose unfinished rows carry
-               over to the next step (``grpo_jax.rollout.partial``; ``sampling.partial_rollouts``).
-
-Dynamic and MultiTurn decide what to sample next from what they have sampled,
-so they do a batch's whole work in ``submit``: the parameters they read may be
-donated to the update right after ``submit`` returns.
-
-The batch of step s is sampled with ``split(fold_in(key(seed), s))[0]`` from the
-next prompts of the data iterator, whatever the source and whenever it is
-submitted, so a run is deterministic and resumes exactly. Bounded staleness is
-a wrapper around any source (``grpo_jax.rollout.staleness.Staleness``).
+One interface (:class:`RolloutSource`) serves every kind of run (:class:`SingleTurn`,
+:class:`Dynamic`, :class:`MultiTurn`, :class:`Partial`), so the loop has no branch on the kind
+of source; bounded staleness wraps any of them (``grpo_jax.rollout.staleness``).
+docs/architecture.md, "Rollout sources", has the interface, the four sources and the keys.
 """
 
 from __future__ import annotations
