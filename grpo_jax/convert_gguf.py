@@ -1,15 +1,11 @@
 """Converts a GGUF file (llama.cpp's format) into a Hugging Face checkpoint directory.
 
-    python -m grpo_jax.convert_gguf gemma-3-270m-q4_k_m.gguf /models/gemma-3-270m \
+    python -m grpo_jax.convert_gguf gemma-3-270m-q4_k_m.gguf /models/gemma-3-270m \\
         [--dtype=bfloat16] [--no-tokenizer]
 
-The directory (config.json, generation_config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json) is what ``--config.model.path`` and
-transformers' ``AutoModelForCausalLM.from_pretrained`` read. Weights are
-dequantised with numpy (no torch); float32 keeps every dequantised value
-exactly. Supported: Gemma 3, Llama, Qwen2 and Qwen3 text models
-(docs/gguf.md). A conversion that fails changes nothing in the directory;
-a bad file or destination is one ``error:`` line and exit status 2.
+Supported: Gemma 3, Llama, Qwen2 and Qwen3 text models. The directory is what
+``--config.model.path`` and transformers read; a conversion that fails changes nothing in it,
+and a bad file or destination is one ``error:`` line and exit status 2 (docs/gguf.md).
 """
 
 from __future__ import annotations

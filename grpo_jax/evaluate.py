@@ -2,28 +2,11 @@
 
     python -m grpo_jax.evaluate --checkpoint=<workdir> [--config=configs/default.py]
 
-``--checkpoint`` is a training workdir (its latest checkpoint), a checkpoint
-directory (``<workdir>/checkpoints``, latest step), one step of it
-(``<workdir>/checkpoints/120``) or a Hugging Face model directory
-(``config.json`` + safetensors, e.g. one written by ``grpo_jax.export``). The
-dataset, prompts, correctness reward and eval settings come from the run's
-own ``<workdir>/config.json``, or from ``--config`` (override them as usual,
-``--config.eval.num_samples=8``); a ``--config`` whose model or tokenizer
-differs from the run's is refused, naming the keys.
-
-pass@1 is greedy: one argmax completion per problem, the share that is
-correct. pass@k draws n = ``eval.num_samples`` completions per problem at
-``eval.temperature`` and averages Chen et al.'s unbiased estimator
-1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.core.stats.pass_at_k_values``).
-Batches have a fixed size (the last one padded) so each sampler compiles once.
-Every figure has its 95% interval (``grpo_jax.core.problems``); ``--output`` adds the
-record of what ran (``grpo_jax.run.record``, with the checkpoint's path) and
-``--problems=PATH`` writes the per-problem results that ``grpo_jax.compare`` reads.
-
-The sampled completions draw from the key the run's own evaluation at the
-checkpoint's step drew from (``grpo_jax.run.evaluation.eval_key``), so a run's
-checkpoint of step s gives the figures of its ``eval/step_<s>.jsonl``, problem by
-problem. A Hugging Face directory has no step: it draws from step 0's key.
+``--checkpoint`` is a training workdir, its ``checkpoints/`` directory, one step of it, or a
+Hugging Face model directory; the settings come from the run's own ``config.json`` or from
+``--config``. A run's checkpoint of step s gives the figures of its ``eval/step_<s>.jsonl``,
+problem by problem: the samples draw from the same key. README.md, "Evaluating a checkpoint",
+and docs/evaluation.md have the rest.
 """
 
 from __future__ import annotations

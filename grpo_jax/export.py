@@ -3,24 +3,11 @@
     python -m grpo_jax.export --workdir=/tmp/grpo_tiny --out=/tmp/grpo_tiny_hf [--step=200]
     python -m grpo_jax.export --workdir=/tmp/grpo_tiny --out=/tmp/grpo_tiny_sft --warm_start
 
-Restores the parameters of a checkpoint of a training workdir (the latest by
-default) and writes config.json, generation_config.json, model.safetensors and
-the tokenizer's files (``grpo_jax.models.save_pretrained``), so that
-``transformers.AutoModelForCausalLM.from_pretrained(out)`` and
-``grpo_jax.models.from_pretrained(out)`` load it. The run's config is read from
-``<workdir>/config.json``. A LoRA run (``model.lora``) exports its adapters
-folded into the base's weights (``--format=merged``, the default) or as
-Hugging Face PEFT adapters (``--format=peft``: ``adapter_config.json`` and
-``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(base, out)``).
-``out`` may not lie inside a training workdir or hold a run: an export there
-would replace the run's config.json. Nor may it hold other files of its own
-(a model, the user's config.json): only a new or empty directory, or an
-earlier export (marked by ``export.json``), is written into.
-
-A PEFT export names its base in ``base_model_name_or_path``: the run's
-``model.path`` when the adapters were trained on that checkpoint as it is,
-otherwise (a warm-started base, the built-in tiny model, a GGUF file) the base
-is written beside the adapters in ``out/base`` and named there.
+Writes a checkpoint of a training workdir (the latest by default) as config.json,
+generation_config.json, model.safetensors and the tokenizer's files; a LoRA run's adapters
+merged (``--format=merged``, the default) or as PEFT adapters (``--format=peft``). ``out`` is
+a new or empty directory or an earlier export (docs/recipes.md, "After training";
+docs/lora.md, "Export").
 """
 
 from __future__ import annotations

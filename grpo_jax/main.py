@@ -2,15 +2,11 @@
 
     python -m grpo_jax.main --config=configs/default.py --workdir=/tmp/grpo_tiny
 
-Override config values on the command line (``--config.seed=1``,
-``--config.grpo.beta=0.04``, ``--config.train.steps=50``); a misspelled key
-fails at start-up naming it. Running the same command again resumes from the
-workdir's latest checkpoint; SIGTERM saves a checkpoint and exits with status 0.
-
-Exit status: 0 done (or preempted by SIGTERM), 2 a user error (one line on
-stderr), 3 stopped by non-finite updates, 4 stopped by a health alarm
-(``health.stop_on_alarm``: a checkpoint is saved; rerunning refuses, also with
-4, until ``--config.health.resume_after_stop=True``).
+Override config values on the command line (``--config.grpo.beta=0.04``). Running the same
+command again resumes from the workdir's latest checkpoint; SIGTERM saves one and exits 0.
+Exit status: 0 done (or preempted), 2 a user error (one line on stderr), 3 stopped by
+non-finite updates, 4 stopped by a health alarm (``health.stop_on_alarm``; a rerun refuses,
+also with 4, until ``--config.health.resume_after_stop=True``).
 """
 
 from __future__ import annotations

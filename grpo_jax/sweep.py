@@ -3,20 +3,10 @@ r"""Run a config file's sweep: one ``grpo_jax.main`` command per point, printed 
     python -m grpo_jax.sweep --config=configs/gsm8k.py:model=qwen2.5-0.5b \
         --workdir_root=/runs/sweep [--run] [-- --config.model.path=/models/Qwen2.5-0.5B-Instruct]
 
-A config file with sweeps defines ``sweep(arg=None) -> list[dict]``, each dict
-a set of overrides by dotted key, ``{"optim.learning_rate": 1e-6,
-"grpo.beta": 0.04}`` (big_vision's ``configs/*.py`` style). Each point becomes
-
-    python -m grpo_jax.main --config=<file>:<arg> --workdir=<root>/<name> \
-        --config.<key>=<value> ... <arguments after -->
-
-where <name> joins the last part of each key with its value
-(``learning_rate=1e-06,beta=0.04``). Without ``--run`` the commands are only
-printed, one per line, to hand to a cluster scheduler or a shell loop; with
-it they run one after another (a rerun resumes each finished or interrupted
-point from its workdir). Every key is checked against the config first, so a
-misspelled sweep fails before anything runs, and an argument after ``--`` may
-not override a swept key (every point would run with its value).
+A config file with sweeps defines ``sweep(arg=None) -> list[dict]``, each dict a set of
+overrides by dotted key; each point runs in ``<root>/<name>``, where <name> joins the last
+part of each key with its value (``learning_rate=1e-06,beta=0.04``). Every key is checked
+against the config before anything runs (README.md, "Sweeps"; docs/recipes.md).
 """
 
 from __future__ import annotations

@@ -6,33 +6,9 @@
     python -m grpo_jax.train_reward_model --pairs=tfds:NAME --split=train --data_dir=/data/tfds \\
         [--fields=prompt,chosen,rejected] --out=/tmp/rm ...
 
-``pairs.jsonl`` holds one ``{"prompt", "chosen", "rejected"}`` object a line;
-``tfds:NAME`` reads split ``--split`` of a TFDS dataset prepared in ``--data_dir``, with
-no download (``grpo_jax.data.pairs.load_pairs``: a malformed line or row is an error
-naming the file or dataset and the line or row; ``--fields`` names the prompt's, chosen
-and rejected features when they are called otherwise). The flags, and every pair's length
-against what the model reads (``check_pairs``), are checked before any work. A seeded share
-``heldout_frac`` of the pairs is held out; the rest train the model, ``batch_size`` pairs
-drawn at random per step, with the project's optimizer (``grpo_jax.learner.optimizer``: global-norm
-clipping, AdamW, the non-finite guard) on the loss mean(-log sigmoid(r_chosen - r_rejected)).
-``--init`` is a Hugging Face checkpoint: a ``*ForSequenceClassification`` one is trained further, a
-causal LM gets a fresh scalar head on its decoder; without it the built-in tiny model
-starts from random weights with the built-in tokenizer.
-
-The model trains on a mesh of ``--num_devices`` devices (0: all), its
-parameters and optimizer state sharded by the policy's "fsdp" layout and each
-batch's pairs split over the devices (``--batch_size`` a multiple of their
-number). The pairs of every step come from one ``default_rng(seed)`` stream,
-which a resumed run replays up to its checkpoint's step. Every ``--checkpoint_every`` steps (and
-at the end) the parameters, optimizer state and counters are saved with Orbax
-under ``<out>/checkpoints`` (``grpo_jax.run.checkpoints``); rerunning the same
-command resumes from the latest one, to the same parameters as a run never
-stopped, and refuses checkpoints of other pairs or settings.
-
-The result is a Hugging Face ``*ForSequenceClassification`` directory
-(``reward_models.training.save_reward_model``) that ``reward_model.path`` and
-transformers load, with ``reward_model.json``: the held-out pairwise accuracy
-and loss before and after training, and the steps' last loss.
+The result is a Hugging Face ``*ForSequenceClassification`` directory that
+``reward_model.path`` and transformers load. docs/learned_rewards.md has the pairs, the
+loss, the mesh, checkpoints and resume, and what ``reward_model.json`` holds.
 """
 
 from __future__ import annotations
