@@ -1,20 +1,9 @@
 """The project's own character-level tokenizer, in Hugging Face format.
 
-The tiny CPU default needs a tokenizer that exists without a download: one
-token per character over printable ASCII and newline, plus four special
-tokens. It is built with the ``tokenizers`` library, wrapped as a
-``PreTrainedTokenizerFast`` and saved as a Hugging Face directory
-(``tokenizer.json`` + ``tokenizer_config.json``), so every consumer loads it
-the ordinary way, ``transformers.AutoTokenizer.from_pretrained(path)``.
-
-Ids are fixed (a vocabulary is part of a model's identity):
-
-  0 <pad>   1 <bos>   2 <eos>   3 <unk>   4.. ' ' .. '~' (ASCII 32-126), '\\n'
-
-Encoding with ``add_special_tokens=True`` prepends ``<bos>`` (as Llama's
-tokenizer does); decoding joins characters with nothing between them. Any other
-character (a letter with an accent, a tab, an emoji) is read as ``<unk>``:
-:func:`warn_missing_characters` says which, and where they came from.
+One token per character over printable ASCII and newline, plus four special tokens, with
+fixed ids; saved as a Hugging Face directory, so every consumer loads it with
+``transformers.AutoTokenizer.from_pretrained(path)``. Any other character is ``<unk>``, and
+:func:`warn_missing_characters` says which. docs/models.md, "The built-in tokenizer".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Architecture of a decoder-only transformer: one frozen, validated, hashable dataclass.
 
-One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3 and Gemma 3
-text models; ``family`` names the Hugging Face checkpoint layout (tensor
-names, ``model_type``), the boolean switches say what the math does. The
-config is hashable because the model keeps it as static structure: it is part
-of the ``nnx.split`` graphdef that jitted functions key their caches on.
-
-Per-family switches (set by :func:`family_config`):
-
-  ========  ========  ========  ===========  ==============================
-  family    qkv_bias  qk_norm   activation   Gemma-style (norm_plus_one,
-                                             sandwich_norm, scale_embeddings)
-  ========  ========  ========  ===========  ==============================
-  llama     no        no        silu         no
-  qwen2     yes       no        silu         no
-  qwen3     no        yes       silu         no
-  gemma3    no        yes       gelu_tanh    yes
-  ========  ========  ========  ===========  ==============================
+One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3 and Gemma 3 text models:
+``family`` names the Hugging Face checkpoint layout, the boolean switches say what the math
+does (:func:`family_config` sets them per family). It is hashable because the model keeps it
+as static structure, part of the graphdef jitted functions key their caches on. Also the
+run's ``model`` section (:class:`ModelSection`, :class:`LoRAConfig`). docs/models.md has the
+families' switches.
 """
 
 from __future__ import annotations

@@ -4,27 +4,10 @@
     tokenizer = load_gguf_tokenizer("gemma-3-270m-q4_k_m.gguf")
     convert_gguf("model.gguf", "hf_dir")                     # a Hugging Face checkpoint
 
-A GGUF file holds the architecture as metadata keys (``gemma3.block_count``,
-...), the tokenizer's vocabulary, and the tensors under llama.cpp's names
-(``blk.3.attn_q.weight``), many of them quantised. The import goes through
-the Hugging Face route: the metadata becomes a config.json, each tensor of
-the family's weight table (``hf_weights.weight_table``) is found under its
-GGUF name, dequantised with numpy (``gguf_quants``), and the changes
-llama.cpp's converter made are undone:
-
-  * Gemma stores every RMSNorm weight as 1 + w (its norm is x * (1 + w)):
-    1 is subtracted again.
-  * Llama's q and k projections (weights and biases) are stored with the
-    two halves of each head's rotary dimensions interleaved (llama.cpp
-    rotates adjacent pairs, transformers rotates halves): the rows are
-    permuted back.
-
-The result is written as config.json + safetensors (float32 unless asked
-otherwise) and read by ``from_pretrained``, so the GGUF route loads, shards
-and checks tensors exactly as the safetensors route does. ``from_gguf``
-keeps the converted directory in ``cache_dir`` when one is given (reused
-while the GGUF file's size and modification time are unchanged), else in a
-temporary directory removed after loading.
+The import goes through the Hugging Face route: the metadata becomes a config.json, each
+tensor of the family's weight table is found under its GGUF name and dequantised, what
+llama.cpp's converter changed is undone, and ``from_pretrained`` reads the result.
+docs/gguf.md, "What the import does".
 """
 
 from __future__ import annotations

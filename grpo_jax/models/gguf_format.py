@@ -1,15 +1,8 @@
 """A reader of the GGUF file format (version 2 and 3), numpy and the standard library only.
 
-Layout (little-endian): magic "GGUF", uint32 version, uint64 tensor count,
-uint64 metadata count; the metadata as (string key, uint32 type, value);
-the tensor infos as (string name, uint32 n_dims, uint64 dims[n_dims] fastest
-first, uint32 ggml type, uint64 offset); then, aligned to
-``general.alignment`` (default 32), the tensor data, each tensor at its
-offset from there. Strings are a uint64 byte length + UTF-8 bytes; an array
-is uint32 element type + uint64 count + elements.
-
-The metadata is parsed once (a 262k-entry vocabulary in a fraction of a
-second); tensor data stays memory-mapped until a tensor is read.
+The metadata is parsed once (a 262k-entry vocabulary in a fraction of a second); tensor data
+stays memory-mapped until a tensor is read. The layout: docs/gguf.md, "The file and its
+quantised blocks".
 """
 
 from __future__ import annotations

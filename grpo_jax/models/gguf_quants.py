@@ -1,32 +1,11 @@
 """Dequantisation of GGUF tensors to float32 with numpy.
 
-A quantised GGUF tensor is a row-major sequence of fixed-size blocks; each
-block holds ``block_size`` consecutive values of a row as small integers and
-one or two float16 factors. The layouts (ggml's ``block_*`` structs) and the
-value each block encodes, with ``d``/``m`` float16 and ``q`` the stored codes:
-
-  ==========  =====  =====  ====================================================
-  type        size   bytes  value
-  ==========  =====  =====  ====================================================
-  Q4_0        32     18     d, 16 B nibbles: d * (q - 8)
-  Q4_1        32     20     d, m, 16 B nibbles: d * q + m
-  Q5_0        32     22     d, 4 B high bits, 16 B nibbles: d * (q - 16)
-  Q5_1        32     24     d, m, 4 B high bits, 16 B nibbles: d * q + m
-  Q8_0        32     34     d, 32 int8: d * q
-  Q4_K        256    144    d, dmin, 12 B of 6-bit (scale, min) for 8 groups of
-                            32, 128 B nibbles: (d * sc) * q - (dmin * mn)
-  Q5_K        256    176    as Q4_K plus 32 B of fifth bits
-  Q6_K        256    210    128 B low nibbles, 64 B high 2-bit pairs, 16 int8
-                            scales (groups of 16), d: (d * sc) * (q - 32)
-  ==========  =====  =====  ====================================================
-
-In a block of 32 (Q4/Q5 *_0/_1), byte j's low nibble is value j and its high
-nibble value j + 16; bit j of the high-bit word is value j's fifth bit. In the
-256-value K-quants, each run of 64 values takes 32 bytes of nibbles, low
-nibbles first. The float32 arithmetic follows ggml's order (scale products
-first), so the results equal ggml's and the ``gguf`` package's bit for bit
-(tests/models/test_models_gguf.py checks that on random blocks). Other types go to
-``gguf.quants.dequantize`` when that package knows them.
+A quantised tensor is a row-major sequence of fixed-size blocks, each holding ``block_size``
+values of a row as small integers and one or two float16 factors. :func:`dequantize` handles
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16 and BF16 in ggml's order of float32
+operations, so the values equal ggml's bit for bit; other types go to
+``gguf.quants.dequantize`` when that package knows them. The block layouts and the value
+each encodes: docs/gguf.md, "The file and its quantised blocks".
 """
 
 from __future__ import annotations

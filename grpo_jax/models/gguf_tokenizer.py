@@ -1,28 +1,9 @@
 """The tokenizer of a GGUF file, built from its metadata with the ``tokenizers`` library.
 
-A GGUF file carries its tokenizer as metadata: ``tokenizer.ggml.model``
-("llama" for SentencePiece BPE vocabularies as in Gemma and Llama 2),
-``tokens``, ``scores``, ``token_type`` (1 normal, 2 unknown, 3 control,
-4 user-defined, 6 byte), the special token ids, ``add_bos_token`` /
-``add_space_prefix`` and optionally a chat template. SentencePiece BPE is
-rebuilt as a byte-fallback BPE:
-
-  * Merges are not stored; every split of a token into two vocabulary
-    tokens is a merge, ranked by the merged token: by score, except for
-    Gemma, whose scores do not follow its merge order while its token order
-    does (token index ascending). Among the splits of one token, the longer
-    left piece ranks first.
-  * Spaces become U+2581 ("▁") before the model sees the text (and a leading
-    one is added when ``add_space_prefix``); Gemma's tokens made of spaces
-    only are stored with real spaces and are respelled with "▁".
-  * Control tokens are special added tokens, user-defined ones (Gemma's
-    newline runs, "<start_of_image>", ...) are matched whole as plain added
-    tokens, byte tokens <0xNN> serve the byte fallback.
-  * ``add_bos_token`` puts the BOS token in front of every encoded text.
-
-The result is a transformers ``PreTrainedTokenizerFast`` (no torch), whose
-encodings tests/models/test_models_gguf.py checks against transformers' own GGUF
-tokenizer on many strings.
+A SentencePiece-BPE vocabulary (``tokenizer.ggml.model = "llama"``: Gemma, Llama 2) is
+rebuilt as a byte-fallback BPE whose merges are ranked from the vocabulary (merges are not
+stored), as a transformers ``PreTrainedTokenizerFast`` (no torch). docs/gguf.md, "The
+tokenizer", has the rules and the test against transformers' own GGUF tokenizer.
 """
 
 from __future__ import annotations

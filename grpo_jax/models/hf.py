@@ -1,16 +1,9 @@
 """Loading and saving Hugging Face checkpoints: config.json + safetensors.
 
-``from_pretrained`` reads the config (any of the layouts ``hf_config``
-accepts), builds the model abstractly (no memory), and fills each parameter
-from its checkpoint tensor through the family's table (``hf_weights``):
-memory-mapped, transformed as a numpy view, and placed with
-``jax.make_array_from_callback`` straight into its target sharding, so each
-device's shard is the only thing copied and no full second copy of the
-model ever exists on the host.
-
-``save_pretrained`` writes the inverse: config.json (+ generation_config.json)
-and safetensors streamed tensor by tensor, which transformers'
-``AutoModelForCausalLM.from_pretrained`` and vLLM load.
+``from_pretrained`` builds the model abstractly and places each parameter's shard straight
+from the memory-mapped checkpoint tensor (``jax.make_array_from_callback``), so no full
+second copy of the model exists on the host; ``save_pretrained`` streams config.json and
+safetensors that transformers and vLLM load (docs/models.md, "Hugging Face checkpoints").
 """
 
 from __future__ import annotations

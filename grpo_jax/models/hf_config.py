@@ -1,25 +1,10 @@
 """Hugging Face ``config.json`` <-> :class:`ModelConfig`.
 
-config.json files in the wild were written by many transformers versions,
-with different layouts for the same setting; all of these are read:
-
-  * RoPE: ``rope_theta`` at top level, or inside ``rope_parameters`` (5.x) or
-    ``rope_scaling`` (4.x; type under "rope_type" or "type"); Gemma 3's
-    per-layer-type ``rope_parameters = {"full_attention": {...},
-    "sliding_attention": {...}}`` or the older ``rope_theta`` +
-    ``rope_local_base_freq`` + ``rope_scaling`` (global layers only).
-  * Gemma 3's text settings flat at top level (``gemma3_text``) or nested
-    under ``text_config`` (the multimodal ``gemma3``; its vision tower is
-    ignored), where missing keys take transformers' defaults.
-  * Sliding layers from ``layer_types``, or Gemma 3's ``sliding_window_pattern``
-    (every n-th layer global), or Qwen's ``use_sliding_window`` +
-    ``max_window_layers``.
-  * ``dtype`` (5.x) or ``torch_dtype`` (4.x); ``eos_token_id`` int or list;
-    ``head_dim`` explicit or hidden_size / num_attention_heads.
-
-Missing keys take the defaults of transformers' config class for that
-``model_type`` (copied below), so sparse configs read as transformers reads
-them. The inverse, ``ModelConfig`` -> config.json, is in ``hf_config_export``.
+config.json files in the wild were written by many transformers versions, with different
+layouts for the same setting (RoPE, Gemma 3's nested text config, sliding layers, dtype);
+all of them are read, and missing keys take the defaults of transformers' config class for
+that ``model_type`` (copied below). docs/models.md, "Hugging Face checkpoints", lists the
+layouts. The inverse, ``ModelConfig`` -> config.json, is in ``hf_config_export``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Per-family table: Hugging Face tensor name -> model parameter path + transform.
 
-Hugging Face stores ``nn.Linear`` weights as [out, in] with heads flattened
-into the out (or in) dimension; the model keeps [in, out] with heads as their
-own axis, so every projection is a reshape plus a transpose. All transforms
-are numpy views of the (memory-mapped) checkpoint tensor, so a loader can
-slice one device's shard out of them without reading the rest.
-
-  HF name (under ``model.``)                  param path                  HF shape -> ours
-  embed_tokens.weight                         embed                       [V, D]
-  norm.weight                                 final_norm.scale            [D]
-  lm_head.weight (top level; untied only)     lm_head                     [V, D] -> [D, V]
-  layers.i.input_layernorm.weight             layers.i.attn_norm.scale    [D]
-  layers.i.self_attn.q_proj.weight            layers.i.attn.q_proj        [H*Dh, D] -> [D, H, Dh]
-  layers.i.self_attn.{k,v}_proj.weight        layers.i.attn.{k,v}_proj    [K*Dh, D] -> [D, K, Dh]
-  layers.i.self_attn.o_proj.weight            layers.i.attn.o_proj        [D, H*Dh] -> [H, Dh, D]
-  layers.i.self_attn.{q,k,v}_proj.bias        layers.i.attn.{q,k,v}_bias  [N*Dh] -> [N, Dh]
-  layers.i.self_attn.o_proj.bias              layers.i.attn.o_bias        [D]
-  layers.i.self_attn.{q,k}_norm.weight        layers.i.attn.{q,k}_norm.scale  [Dh]
-  layers.i.mlp.{gate,up}_proj.weight          layers.i.mlp.{gate,up}_proj [F, D] -> [D, F]
-  layers.i.mlp.down_proj.weight               layers.i.mlp.down_proj      [D, F] -> [F, D]
-  layers.i.mlp.*_proj.bias                    layers.i.mlp.*_bias
-
-The norms differ by family: in Llama/Qwen ``post_attention_layernorm`` is the
-norm *before* the MLP (our ``mlp_norm``); Gemma 3 has four per layer,
-``input_layernorm`` -> attn_norm, ``post_attention_layernorm`` ->
-post_attn_norm, ``pre_feedforward_layernorm`` -> mlp_norm,
-``post_feedforward_layernorm`` -> post_mlp_norm.
+Hugging Face stores ``nn.Linear`` weights as [out, in] with heads flattened into the out (or
+in) dimension; the model keeps [in, out] with heads as their own axis, so every projection
+is a reshape plus a transpose, each a numpy view of the memory-mapped checkpoint tensor (a
+loader slices one device's shard without reading the rest). The table, and how the norms
+differ by family: docs/models.md, "Hugging Face checkpoints".
 """
 
 from __future__ import annotations

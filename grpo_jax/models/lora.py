@@ -1,29 +1,14 @@
 """LoRA: trainable low-rank adapters on a frozen base model (Hu et al. 2021).
 
-A target projection with weight W [in, out] computes
-
     y = x W + s (x A) B,     A [in, r], B [r, out], s = alpha / r
-
-(``x`` after dropout in the update's forward pass when ``dropout`` > 0). A is
-drawn uniform(-1/sqrt(in), 1/sqrt(in)) and B is zero, PEFT's default, so the
-adapted model starts as the base, and ``(x A) 0`` adds an exact zero.
-
-The adapters are ``nnx.Param`` variables attached beside their projection
-(``q_proj`` gets ``q_proj_lora_a`` and ``q_proj_lora_b``; a scanned model's
-carry the leading "layers" axis like its weights), always float32 whatever the
-base's ``param_dtype``. The projections add ``s (x A) B`` when the adapters are
-there (:func:`add`), so there is no merged copy of any weight:
 
     graphdef, params, base_graphdef = attach_params(graphdef, params, cfg, key)
     base, adapters = split(params)            # the frozen base and the trainable part
-    params = join(base, adapters)             # a union of the two pytrees, no arithmetic
-    nnx.merge(graphdef, params)               # the policy: base + adapters
+    nnx.merge(graphdef, join(base, adapters)) # the policy: base + adapters
     nnx.merge(base_graphdef, base)            # the reference: the base, adapters off
 
-The reference is the same base arrays under the graphdef of the model without
-adapters: no second copy of the weights and no second parameter pytree.
-:func:`merged` folds the adapters into the weights for a full export and
-:func:`save_peft` writes them as Hugging Face PEFT loads them. See docs/lora.md.
+The adapters are float32 ``nnx.Param``s beside their projection, added by :func:`add`, with
+no merged copy of any weight (docs/lora.md).
 """
 
 from __future__ import annotations

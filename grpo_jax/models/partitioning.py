@@ -1,16 +1,9 @@
 """Logical-axis annotations of the model, and the shardings they give on a mesh.
 
-Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata, one
-name per dimension ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim",
-"norm"); :func:`grpo_jax.core.sharding.logical_to_spec` maps the names to mesh axes
-under a layout ("dp", "fsdp", "fsdp_tp"). Activations are constrained the same
-way inside the forward pass whenever a mesh with the ("data", "fsdp",
-"tensor") axes is set (``jax.set_mesh``); without one the constraints are
-no-ops and GSPMD propagates the parameters' shardings.
-
-A dimension whose size its mesh axes do not divide (2 KV heads over 4-way
-tensor parallelism, a batch of 1 over 8 data shards) stays replicated instead
-of failing.
+Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata, one name per
+dimension; :func:`grpo_jax.core.sharding.logical_to_spec` maps the names to mesh axes under a
+layout, and activations are constrained the same way when a mesh is set. A dimension its
+mesh axes do not divide stays replicated (docs/models.md, "Sharding: logical axes").
 """
 
 from __future__ import annotations

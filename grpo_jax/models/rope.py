@@ -1,16 +1,8 @@
-"""Rotary position embeddings (RoPE; Su et al. 2021, "RoFormer").
+"""Rotary position embeddings (RoPE; Su et al. 2021, "RoFormer"): :func:`apply_rope`.
 
-For a head vector x of even width Dh split into halves (x1, x2) and a
-position p, with inverse frequencies inv_freq_i = theta^(-2i/Dh),
-i = 0..Dh/2-1, and angle a_i = p * inv_freq_i:
-
-    rope(x, p) = x * cos(a ++ a) + rotate_half(x) * sin(a ++ a),
-    rotate_half(x1 ++ x2) = (-x2) ++ x1.
-
-This is the "half-split" pairing of Hugging Face checkpoints (whose q/k
-projections were permuted at conversion), not the interleaved pairing of the
-original paper. The frequencies are numpy constants derived from the static
-config at trace time: the model holds no RoPE state.
+The half-split pairing of Hugging Face checkpoints, not the paper's interleaved one. The
+frequencies are numpy constants derived from the static config at trace time: the model
+holds no RoPE state.
 """
 
 from __future__ import annotations
@@ -54,7 +46,17 @@ def rope_cos_sin(
 
 
 def apply_rope(x_BxTxNxDh: jax.Array, cos_BxTxDh: jax.Array, sin_BxTxDh: jax.Array) -> jax.Array:
-    """x * cos + rotate_half(x) * sin, broadcast over the heads axis N."""
+    """x * cos + rotate_half(x) * sin, broadcast over the heads axis N.
+
+    RoPE (Su et al. 2021, "RoFormer"): for a head vector x of even width Dh split into halves
+    (x1, x2) and a position p, with inverse frequencies inv_freq_i = theta^(-2i/Dh),
+    i = 0..Dh/2-1, and angle a_i = p * inv_freq_i:
+
+        rope(x, p) = x * cos(a ++ a) + rotate_half(x) * sin(a ++ a),
+        rotate_half(x1 ++ x2) = (-x2) ++ x1,
+
+    the half-split pairing of Hugging Face checkpoints, not the paper's interleaved one.
+    """
     x1, x2 = jnp.split(x_BxTxNxDh, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     cos, sin = cos_BxTxDh[:, :, None, :], sin_BxTxDh[:, :, None, :]

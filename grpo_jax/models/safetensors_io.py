@@ -1,15 +1,8 @@
 """Reading and writing safetensors checkpoints tensor by tensor, without torch.
 
-The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian
-header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
-[begin, end]}, "__metadata__": {...}}``, then the raw little-endian tensor
-bytes, offsets counted from the end of the header.
-
-Reading memory-maps each file, so a tensor is a lazy numpy view: the loader
-slices out each device's shard and copies only that (bfloat16 through
-``ml_dtypes``). Writing streams one tensor at a time, splitting into
-``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``
-when the total exceeds ``max_shard_bytes``, as transformers does.
+Reading memory-maps each file, so a tensor is a lazy numpy view of which a loader copies one
+device's shard; writing streams one tensor at a time, split into shards with an index as
+transformers does. The format: docs/models.md, "Hugging Face checkpoints".
 """
 
 from __future__ import annotations
