@@ -5,11 +5,8 @@
     first = env.reset({"answer": "7"})            # 'guess 0-9:'
     obs, reward, done, info = env.step("5")       # ('H', 0.0, False, {...})
 
-Registered: ``guess_number`` (find a hidden number from higher/lower feedback) and
-``tool_use`` (call tools, then answer; the answer is scored by a reward). Register
-your own with ``@envs.register("name")`` in a module named in the config's
-``env.modules``. The interface and how errors are contained: :mod:`grpo_jax.envs.base`;
-the rollout that drives them: :mod:`grpo_jax.rollout.episodes`; docs/multiturn.md.
+Registered: ``guess_number`` and ``tool_use``; register your own with
+``@envs.register("name")`` in a module named in ``env.modules`` (docs/multiturn.md).
 """
 
 from grpo_jax.envs import guess_number as guess_number

@@ -1,27 +1,11 @@
 """The environment interface, the registry of environments by name, and error containment.
 
-An environment is one object per episode (one row of a rollout)::
-
-    class MyEnv:
-        def reset(self, example) -> str | list[dict] | None:
-            '''The first observation: the prompt as text, as chat messages, or None
-            for the example's usual prompt (the config's template).'''
-        def step(self, text: str) -> tuple[str | list[dict] | None, float, bool, dict]:
-            '''Takes the model's turn (its text); returns (observation, reward, done,
-            info). The observation is appended to the transcript and the model
-            continues; None (or done=True) ends the episode.'''
-
-The episode's reward is the sum of the rewards ``step`` returns. ``info`` may hold
-``"success": bool`` (counted as the pass rate). Register a class or factory under a
-name with :func:`register`; the run config's ``env.name`` selects it, with options as
-``"guess_number(high=9, max_turns=4)"`` (Python literals only), and ``env.modules``
-imports user modules (dotted names or ``.py`` paths) that register more.
-
-Errors are contained as reward errors are (docs/multiturn.md): an environment whose
-constructor, ``reset`` or ``step`` raises (``SystemExit`` and ``KeyboardInterrupt``
-included), returns something malformed, or runs past its time budget ends that episode
-with reward NaN (advantage 0, no gradient), is counted, and the run goes on. A real
-Ctrl-C (SIGINT) that arrives while the environment runs still stops the run.
+An environment is one object per episode (one row of a rollout): ``reset(example)`` gives the
+first observation (text, chat messages, or None for the usual prompt), and ``step(text)``
+takes the model's turn and returns ``(observation, reward, done, info)``. :func:`register`
+names a class or factory; ``env.name`` selects it with options. An environment that raises,
+returns something malformed or runs past its time budget ends its episode with reward NaN,
+counted, and the run goes on. docs/multiturn.md, "Writing an environment".
 """
 
 from __future__ import annotations

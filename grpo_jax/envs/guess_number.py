@@ -1,18 +1,9 @@
 """``guess_number``: find a hidden integer from higher/lower feedback (a multi-turn task).
 
-The first observation is ``"guess {low}-{high}:"``. Each model turn is a guess: the
-first integer in the turn's text. The environment answers ``"H"`` (the hidden number is
-higher), ``"L"`` (lower) or ``"?"`` (no number in the turn) and the model guesses again,
-up to ``max_turns`` turns. Finding it on turn k of K scores ``1 - (k - 1) / K``
-(graded: sooner is better); not finding it scores 0. ``info["success"]`` says whether
-it was found. With ``high - low + 1 = 10`` numbers, bisection always finds it within 4
-turns; guessing at random without using the feedback finds it within 4 with
-probability 1 - 0.9^4 = 0.34 (with repeats).
-
-The hidden number comes from the example: its ``target`` field when present, else its
-``answer`` (an integer) reduced into ``[low, high]`` (``low + answer mod (high-low+1)``),
-so any dataset with integer answers (e.g. the synthetic arithmetic task) can carry
-episodes, and an example always gives the same hidden number.
+The first observation is ``"guess {low}-{high}:"``; each model turn is a guess, answered
+``"H"``, ``"L"`` or ``"?"``, up to ``max_turns`` turns. Finding it on turn k of K scores
+``1 - (k - 1) / K``. The hidden number is the example's ``target``, else its integer
+``answer`` reduced into ``[low, high]`` (docs/multiturn.md, "Writing an environment").
 """
 
 from __future__ import annotations

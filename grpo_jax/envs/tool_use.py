@@ -1,17 +1,11 @@
 """``tool_use``: the model may call tools for several turns, then answers; the answer is scored.
 
-Each model turn is read for tool calls (``grpo_jax.tools.parse_tool_calls``: JSON in
-``<tool_call>`` tags, or the short ``<calculator>...</calculator>`` form). A turn with
-calls gets their results as the next observation (``<tool_result name=...>`` blocks, or
-``role: "tool"`` chat messages with ``chat=True``, which a chat template renders in its
-own tool format); a turn without calls is the final answer, scored by the reward
-``reward`` (a registry name of ``grpo_jax.rewards``, options allowed) against the
-example's fields. Running out of ``max_turns`` while still calling tools scores 0.
-``sandbox`` is the sandbox of the tools that run code (``python``): "kernel" (the default)
-or "hooks", as for ``grpo_jax.tools.run_python``; a machine where it cannot run is refused
-when the environment is made.
-
     env.name = "tool_use(reward='exact_match', tools=('calculator',), max_turns=3)"
+
+A turn with tool calls gets their results as the next observation; a turn without is the
+final answer, scored by the reward ``reward`` against the example's fields; running out of
+``max_turns`` while still calling tools scores 0 (docs/multiturn.md, "Writing an
+environment").
 """
 
 from __future__ import annotations

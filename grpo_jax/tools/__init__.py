@@ -4,12 +4,9 @@
     r = tools.run_python("print(sum(range(10)))", timeout_s=5, memory_mb=256)
     r.stdout, r.exit_code, r.timed_out            # '45\\n', 0, False
     tools.calculate("17*23")                       # '391'
-    calls = tools.parse_tool_calls("<calculator>17*23</calculator>")
-    tools.format_results(tools.run_tool_calls(calls))
+    tools.format_results(tools.run_tool_calls(tools.parse_tool_calls("<calculator>17*23</calculator>")))
 
-docs/multiturn.md describes the tool-call format, the sandbox's limits and what
-enforces each (the kernel, through bubblewrap, by default; ``sandbox="hooks"`` names the
-weaker sandbox of Python audit hooks).
+docs/multiturn.md has the tool-call format, the sandbox's limits and what enforces each.
 """
 
 from grpo_jax.tools.calculator import CalculatorError, calculate

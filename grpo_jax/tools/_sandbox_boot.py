@@ -2,21 +2,11 @@
 
     python -I -c "<this file's text>" <workdir> <code file> <limits json>
 
-Runs in the child before the user's code: lowers its own resource limits, drops root to
-the user id the parent chose for this run (under ``unshare``, making the Python
-installation readable to it first), removes the os functions that make files without an
-audit event (``mkfifo``, ``mknod``), installs an audit hook (PEP 578) that refuses
-processes, sockets, native code, directory descriptors and file access outside the working
-directory, then runs the code as a fresh ``__main__`` module. Only the standard library is
-imported here. Under the kernel sandbox (bubblewrap) the hook gives ordinary attempts a
-clear error; the wall is the kernel's (docs/multiturn.md).
-
-What the hook decides must not be changeable by the code it judges, which runs in the
-same interpreter: the hook keeps its policy in frozen values bound when it is installed
-(not in this module's globals, which any function defined here leads to), calls only
-functions implemented in C that it bound itself (not ``os.path.realpath``, whose helpers
-are module globals the code may replace), and refuses the ways to reach its frame's cells
-(``gc`` referent walks, ``sys.settrace``/``setprofile``).
+In the child, before the user's code: lowers its own resource limits, drops root to the
+run's user id, removes ``os.mkfifo`` and ``os.mknod``, installs an audit hook (PEP 578) whose
+policy the code it judges cannot change, then runs the code as a fresh ``__main__``. Only the
+standard library is imported here. docs/multiturn.md, "The sandbox", has what the hook
+refuses and how it guards its own state.
 """
 
 import json

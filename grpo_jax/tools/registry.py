@@ -1,27 +1,11 @@
 """Tools by name, and the tool-call format a model's turn uses.
 
-A tool is ``fn(arguments: dict) -> ToolResult``. Registered names: ``calculator``
-(argument ``expression``) and ``python`` (argument ``code``, run by
-:func:`grpo_jax.tools.run_python`); add your own with :func:`register_tool`. A tool that
-runs code is registered ``runs_code=True`` and takes the caller's ``sandbox=`` as well
-(never the model's: :func:`run_tool_calls` gives it).
-
-Tool calls in a model's turn, two formats (both may appear, in any number):
-
-* JSON in ``<tool_call>`` tags, the format of the Qwen 2.5 / Hermes chat templates
-  (``tools=`` in ``tokenizer.apply_chat_template``)::
-
-      <tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>
-
-* the short tag form for a tool with one text argument, easier for a small model::
-
-      <calculator>17*23</calculator>        <python>print(2**10)</python>
-
-  The text between the tags is the tool's first argument (``expression``, ``code``).
-
-:func:`parse_tool_calls` finds the calls in order; :func:`run_tool_calls` runs them
-and :func:`format_results` writes the results back as text, one
-``<tool_result name="...">...</tool_result>`` block per call.
+A tool is ``fn(arguments: dict) -> ToolResult``; ``calculator`` and ``python`` are built in,
+:func:`register_tool` adds more. :func:`parse_tool_calls` finds a turn's calls in order
+(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, or the short
+``<calculator>17*23</calculator>``), :func:`run_tool_calls` runs them and
+:func:`format_results` writes the results back as ``<tool_result>`` blocks
+(docs/multiturn.md, "Tools").
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Running untrusted Python code: a separate, limited process in a private directory.
 
     result = run_python("print(2 + 3)", timeout_s=5.0, memory_mb=256)
-    result.stdout, result.stderr, result.exit_code, result.timed_out   # '5\n', '', 0, False
+    result.stdout, result.stderr, result.exit_code, result.timed_out   # '5\\n', '', 0, False
 
-Two sandboxes, chosen by ``sandbox=`` (or ``GRPO_JAX_SANDBOX``):
-
-* ``"kernel"`` (the default): bubblewrap (:mod:`grpo_jax.tools.bubblewrap`) runs the
-  interpreter in namespaces of its own: a file system holding only the Python
-  installation and its libraries (read-only) and the run's directory, no network, its own
-  pids, no capabilities, no new privileges, and a seccomp filter
-  (:mod:`grpo_jax.tools.seccomp`). What is not there cannot be read or written, whatever
-  the code does. Where bubblewrap cannot run, :class:`SandboxUnavailable` says why in one
-  line.
-* ``"hooks"``: ``unshare`` namespaces where the machine allows them, and a Python audit
-  hook (PEP 578) as the wall. Weaker: code written to escape the hook has found ways past
-  it. Used only when named.
-
-In both, the parent keeps the wall clock, the output cap and the end of every process of
-the run; the child lowers its own rlimits and, under a root trainer, runs as a user id of
-this run alone; the audit hook refuses the ordinary ways to processes, sockets, native code
-and files outside the directory, with a clear error. docs/multiturn.md ("The sandbox")
-says which layer enforces what.
+Two sandboxes, chosen by ``sandbox=`` (or ``GRPO_JAX_SANDBOX``): ``"kernel"`` (the default),
+bubblewrap namespaces with a seccomp filter, where :class:`SandboxUnavailable` says in one
+line why it cannot run; and ``"hooks"``, a Python audit hook as the wall (weaker, only when
+named). docs/multiturn.md, "The sandbox", says which layer enforces what.
 """
 
 from __future__ import annotations

@@ -3,12 +3,9 @@
     program = filter_program()          # bytes: struct sock_filter[], this machine's arch
     bwrap --seccomp FD ...              # FD reads ``program``
 
-The system calls that have no business in a sandboxed program (mounts, namespaces,
-tracing, kernel modules, keyrings, io_uring, device nodes, the clock, ...) fail with
-EPERM; ``clone`` asking for a new namespace fails with EPERM; ``clone3``, whose flags a
-classic filter cannot read, fails with ENOSYS, so the C library falls back to ``clone``; a
-system call of another ABI (32-bit, x32) kills the process. Everything else is allowed.
-docs/multiturn.md ("The sandbox") lists what the sandbox's other layers enforce.
+The system calls a sandboxed program has no business with fail with EPERM, ``clone3`` with
+ENOSYS, and a call of another ABI kills the process; everything else is allowed. The list:
+docs/multiturn.md, "The sandbox".
 """
 
 from __future__ import annotations
