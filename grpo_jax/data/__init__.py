@@ -1,16 +1,13 @@
 """Datasets of prompts with checkable answers, prompt formatting, and batching.
 
-An example is a plain dict: ``"prompt"`` (the question, not yet templated),
-``"answer"`` (the reference the rewards check), optionally ``"solution"`` (a
-worked solution ending in the checked answer format, for a supervised warm
-start) and any further columns (passed to reward functions as fields).
-
     from grpo_jax import data
     splits = data.load_dataset({"source": "synthetic", "task": "arithmetic",
                                 "n_train": 5000, "n_test": 200, "seed": 0})
     it = data.DataIterator(splits["train"], batch_size=16, seed=0)
-    batch = it.next()
-    prompts = [data.format_prompt(ex, template=data.PLAIN_TEMPLATE) for ex in batch]
+    prompts = [data.format_prompt(ex, template=data.PLAIN_TEMPLATE) for ex in it.next()]
+
+An example is a plain dict: ``"prompt"``, ``"answer"``, optionally ``"solution"`` and any
+further columns (the rewards' fields). docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """GSM8K (Cobbe et al. 2021) through tensorflow-datasets, online or from local JSONL.
 
-Each example is ``{"prompt": question, "answer": "18", "solution": ...}``: the
-answer is the number after ``####`` in canonical form ("1,080" -> "1080"), and
-the solution is the reference reasoning, with its ``<<48/2=24>>`` calculator
-annotations removed, rewritten as ``<think>...</think>\\n<answer>18</answer>``
-(the format the ``format`` and ``gsm8k`` rewards check) for a supervised warm
-start.
-
-Two routes, both read with ``tfds.data_source`` from ArrayRecord files (no
-TensorFlow needed):
-
-* online: TFDS's own ``gsm8k`` builder downloads the four files of
-  github.com/openai/grade-school-math and prepares them in ``data_dir``; a
-  ``data_dir`` prepared once can be copied to machines with no network.
-* offline: ``jsonl_dir`` holds GSM8K-format files ``train.jsonl`` and/or
-  ``test.jsonl`` (one ``{"question", "answer"}`` object per line; any
-  ``<split>.jsonl`` becomes a split). The ``gsm8k_local`` builder below (TFDS's
-  ``gsm8k`` builder with its download replaced by TFDS's manual-dir mechanism)
-  prepares them in ``data_dir`` once. It is kept apart from ``gsm8k`` because
-  that builder insists on the two socratic files as well.
-
-tensorflow-datasets is imported on first use only (about a second).
+Each example is ``{"prompt": question, "answer": "18", "solution": ...}``, the solution the
+reference reasoning rewritten as ``<think>...</think>\\n<answer>18</answer>``. Two routes,
+both read with ``tfds.data_source`` from ArrayRecord files (no TensorFlow): TFDS's own
+``gsm8k`` builder (online, or a ``data_dir`` prepared once and copied), or ``jsonl_dir``'s
+GSM8K-format files prepared by the ``gsm8k_local`` builder below (docs/data.md, "GSM8K
+through tensorflow-datasets").
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Deterministic, resumable batches of examples; each host reads its own rows.
 
-The stream of *global* batches depends only on the data, the seed and the
-global batch size: epoch e visits the examples in the permutation drawn from
-``(seed, e)``, ``batch_size`` at a time. A host reads only its block of rows
-of each global batch (``rows``: the rows its devices hold, see
-``grpo_jax.core.distributed.host_rows``), so the hosts of a multi-host run together
-see exactly the batches one process would, and a run can resume on another
-number of hosts without changing what it trains on. Examples are read by
-index when their batch comes, so a lazily indexed dataset (a
-``tfds.data_source``, say) is only ever read at this host's rows.
-
-The whole state is ``(epoch, position)``, the same on every host: saving it in
-a checkpoint and restoring it gives exactly the batches that would have
-followed.
+The stream of global batches depends only on the data, the seed and the global batch size;
+a host reads only its block of rows of each, so the hosts together see what one process
+would. The whole state is ``(epoch, position)``: restored from a checkpoint, it gives exactly
+the batches that would have followed (docs/data.md, "The data iterator").
 """
 
 from __future__ import annotations

@@ -4,22 +4,9 @@
     pairs = load_pairs("tfds:my_prefs", split="train", data_dir="/data/tfds",
                        fields=("question", "response_j", "response_k"))
 
-A JSONL file holds one ``{"prompt": ..., "chosen": ..., "rejected": ...}`` object a line
-(blank lines skipped). ``tfds:NAME`` (TFDS's own naming: ``NAME[/CONFIG][:VERSION]``) reads
-split ``split`` of a TFDS dataset already prepared in ``data_dir`` (TFDS's default folder when
-None) with ``tfds.data_source``: ArrayRecord files, no TensorFlow, and no download. A dataset
-prepared elsewhere (``tfds build NAME --file_format=array_record``, or TFDS's
-``huggingface:`` builders for a Hugging Face preference set) reads from a copy of its
-folder alone, without the code that built it. ``fields`` names the three text features of
-either source when they are not called prompt, chosen and rejected.
-
-Every problem is an error that names it: a malformed line or row (file or
-``tfds:NAME[split]`` and its line or row index), a field that is missing or not text, a
-dataset that is not prepared, a split it does not have, no pairs at all. Each pair keeps
-where it was read (``Pair.path``, ``Pair.lineno``), so :func:`check_lengths` names the line
-of a pair too long for the model that reads it. A pair whose chosen and rejected texts are
-the same is kept, with one warning naming its lines: it adds nothing to the loss (its two
-scores are equal) and counts as wrong in the pairwise accuracy.
+Every problem is an error that names the file or dataset and the line or row; each pair
+keeps where it was read, so :func:`check_lengths` names a pair too long for the model
+(docs/data.md, "Preference pairs").
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Synthetic verifiable tasks generated from a seed: multi-step arithmetic and countdown.
 
-Small enough for a ~1-5M parameter model with a character tokenizer to learn on
-a laptop CPU, with exact answers the rewards can check.
-
-* ``arithmetic``: ``"12+345-7="`` -> ``<think>12+345=357;357-7=350</think>
-  <answer>350</answer>``; ``*`` binds tighter than ``+``/``-``, steps evaluate
-  products first, then left to right. With ``reverse_digits`` every number in
-  the solution (operands copied from the prompt, intermediate and final
-  results) is written least-significant digit first (``357`` -> ``753``,
-  ``-350`` -> ``-053``): the model then produces each digit after the digits
-  that carry into it, which makes addition learnable left to right (Lee et al.
-  2023, "Teaching Arithmetic to Small Transformers"). ``reverse_operands``
-  writes the prompt's operands that way too (``"123+459="`` -> ``"321+954="``,
-  the problem 123 + 459): then answer digit j sits at the same distance from
-  operand digits j for every j, which suits models with relative (rotary)
-  positions. Reward: ``exact_match``.
-* ``countdown``: ``"3 7 25 50 -> 100:"``; reach the target using every number
-  exactly once with + - * / (exact division, positive intermediates). Any
-  correct expression scores, so the reward is ``countdown``, not exact match;
-  the stored solution is one such expression with its steps.
-
-Train and test never overlap: a problem's split is a hash of its canonical
-text (the arithmetic prompt; the countdown target with its numbers sorted), so
-it does not depend on the seed, ``n`` or the order of generation, only on
-``heldout_fraction``, which must be the same for both calls.
+Small enough for a ~1-5M parameter model with a character tokenizer to learn on a laptop
+CPU, with exact answers the rewards can check: ``arithmetic`` (``"12+345-7="``, optionally
+with digits least significant first; reward ``exact_match``) and ``countdown``
+(``"3 7 25 50 -> 100:"``; reward ``countdown``). Train and test never overlap: a problem's
+split is a hash of its canonical text. docs/data.md, "Synthetic tasks", has the knobs.
 """
 
 from __future__ import annotations

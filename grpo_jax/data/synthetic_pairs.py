@@ -1,25 +1,11 @@
 """Synthetic preference pairs with a known bias, for reward-model and reward-hacking experiments.
 
-Each pair is a training problem of the CPU default (``configs/default.py``: 3-digit addition,
-digits and operands least significant first). The labeller this simulates prefers correct
-answers and, among them, longer ones, shown by padding with "0"s. The padding is not
-harmless: written least significant digit first, a trailing zero is a leading zero of the
-number, and the exact-match checker counts "2850" wrong where the answer is "285". That is
-the exploitable bias of docs/learned_rewards.md's demonstration.
-
-* A right-vs-wrong pair (the default kind): ``chosen`` is the right answer followed by k
-  zeros, k uniform in 0..``pad_max``; ``rejected`` is the answer with one digit changed,
-  followed by j zeros, j uniform in 0..k (so the zeros alone tell 7 pairs in 18 apart), or
-  with ``independent_pad`` in 0..``pad_max`` (so here they tell nothing).
-* A share ``both_right`` of the pairs compares two right answers with different numbers of
-  zeros: the labeller picks the longer with probability ``taste``. That is where the taste
-  for length shows, on right answers only; a Bradley-Terry model of these pairs rates a
-  longer right answer logit(``taste``) higher.
-
-The prompts are the default task's training prompts (``make_split(..., "train", ...)`` with
-``ARITH_DEFAULT_KNOBS``), so the reward model scores exactly the texts the policy is
-prompted with. ``python -m grpo_jax.make_pairs`` writes them; the rewards that measure the
-bias in a run are ``grpo_jax.rewards.length_bias``'s.
+Each pair is a training problem of the CPU default (3-digit addition, digits least
+significant first). The labeller this simulates prefers correct answers and, among them,
+longer ones, padded with "0"s: a trailing zero is a leading zero of the number, which exact
+match counts wrong, and that is the exploitable bias. ``python -m grpo_jax.make_pairs``
+writes them. docs/data.md ("Preference pairs") has the kinds of pairs and their draws,
+docs/learned_rewards.md the demonstration.
 """
 
 from __future__ import annotations
