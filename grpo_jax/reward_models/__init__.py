@@ -1,15 +1,12 @@
-"""Learned rewards: sequence-classification reward models (docs/learned_rewards.md).
+"""Learned rewards: sequence-classification reward models and LLM judges.
 
-    from grpo_jax import reward_models
     model = reward_models.load_reward_model(path, mesh=mesh)   # *ForSequenceClassification
-    scores_BxC = model.scores(tokens_BxT, mask_BxT)
     learned = reward_models.LearnedReward.load(run.reward_model, mesh)
     values_N = learned(prompts, completions, questions, group_size=G)
     judge = reward_models.Judge.load(run.judge, mesh)            # an LLM judge's expected score
 
-This package sits above ``grpo_jax.rewards`` and ``grpo_jax.models`` in the layers
-(pyproject.toml): a reward model needs JAX and the model code, which the verifiable
-rewards, run in worker processes, must not import.
+Above ``grpo_jax.rewards`` and ``grpo_jax.models`` in the layers: a reward model needs JAX
+and the model code, which the verifiable rewards must not import (docs/learned_rewards.md).
 """
 
 from grpo_jax.reward_models.judge import JUDGE, REFERENCE, Judge, expected_score

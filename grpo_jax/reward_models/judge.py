@@ -3,20 +3,10 @@
     judge = Judge.load(section, mesh)          # section: rewards.JudgeSection
     values_N = judge(prompts, completions, questions, group_size=G)   # float32[N]
 
-For each completion the rubric is filled in (``{question}``: the example's prompt,
-``{completion}``), optionally put in a user turn of the judge's chat template, and
-run through the model once, no sampling. With l_k the next-token logit of score
-token k after the prompt, the reward is
-
-    E[score] = sum_k softmax(l)_k v_k,
-
-the softmax taken over the score tokens alone (their probabilities renormalised
-among themselves), v_k their values. The rubric prompts are batched and bucketed
-as the reward model's rows are (``scorer.score_in_batches``).
-
-The reference policy as judge (``judge.path = "reference"``) is bound to the run's
-reference parameters once they exist (:meth:`Judge.bind`): it holds those arrays
-themselves, no copy.
+Each completion's rubric runs through the model once, no sampling, and the reward is the
+expected score over the score tokens (:func:`expected_score`). The reference policy as judge
+is bound to the run's reference parameters once they exist (:meth:`Judge.bind`), no copy.
+docs/learned_rewards.md, "LLM judges".
 """
 
 from __future__ import annotations
@@ -44,7 +34,12 @@ JUDGE = "judge"  # the judge's name among a RewardResult's rewards
 
 
 def expected_score(logits_BxV: jax.Array, ids_K: jax.Array, values_K: jax.Array) -> jax.Array:
-    """[B]: sum_k softmax(logits[:, ids])_k values_k (the softmax over the K ids alone)."""
+    """[B]: sum_k softmax(logits[:, ids])_k values_k (the softmax over the K ids alone).
+
+    With l_k the next-token logit of score token k after the rubric prompt and v_k its
+    value, the judge's reward is E[score] = sum_k softmax(l)_k v_k: the score tokens'
+    probabilities renormalised among themselves.
+    """
     p_BxK = jax.nn.softmax(logits_BxV[:, ids_K].astype(jnp.float32), axis=-1)
     return p_BxK @ values_K
 

@@ -3,16 +3,9 @@
     model = load_reward_model("/path/to/LlamaForSequenceClassification", mesh=mesh)
     scores_BxC = model.scores(tokens_BxT, mask_BxT)            # float32, C = num_labels
 
-As transformers' ``*ForSequenceClassification`` computes it: the last layer's
-hidden state after the final norm, at each row's last real token, times the
-bias-free ``score`` matrix [D, C]. transformers finds that token as the last
-one not equal to ``pad_token_id``; here it is the last one the mask marks, the
-same token for any left- or right-padded batch whose real tokens are contiguous
-(and also right when a real token happens to equal the pad id).
-
-The backbone is the policy's :class:`~grpo_jax.models.Transformer`, built with
-tied embeddings so that it holds no LM head: a classifier never computes
-logits over the vocabulary, and its checkpoint stores none.
+As transformers' ``*ForSequenceClassification`` computes it, at each row's last real token
+(the last one the mask marks); built with tied embeddings, so it holds no LM head
+(docs/learned_rewards.md, "Reward models").
 """
 
 from __future__ import annotations

@@ -3,28 +3,10 @@
     learned = LearnedReward.load(section, mesh)    # section: rewards.RewardModelSection
     values_N = learned(prompts, completions, questions, group_size=G)   # float32[N]
 
-Each text (prompt + completion, or the reward model's chat template over
-[user: question, assistant: completion] with ``chat``) is tokenized, and the
-rows are scored ``batch_size`` at a time, left-padded to the smallest of
-``buckets`` that holds the batch's longest (one compiled shape per bucket,
-the last batch padded with empty rows). The forward pass is jitted once per
-bucket; its rows are split over the mesh's batch axes and the parameters keep
-their layout's shardings, so the scores are those of one device
-(``tests/reward_models/test_reward_models.py`` checks 8 fake devices against one).
-
-With several processes each host scores its own rows (the rows of the batch
-its devices hold, as it scores its verifiable rewards): every call takes each
-host's next ``batch_size / hosts`` texts into one global batch, the hosts agree
-on the number of calls and on each call's bucket, and each host reads back its
-own rows' scores; the running moments are updated with every host's scores, so
-they are the same on all hosts (``tests/reward_models/test_reward_models.py``: 2 processes x 2
-devices score as one process).
-
-Containment: a text longer than the largest bucket, or a score that is not
-finite, is NaN: unscored, advantage 0, counted by the caller as an error, as
-for a verifiable reward that fails. Scores that are not finite (the model's
-weights damaged or diverged) are said in one warning, at the first batch that
-has them.
+Texts are tokenized and scored ``batch_size`` at a time in bucketed shapes, split over the
+mesh's batch axes; with several processes each host scores its own rows. A text longer than
+the largest bucket, or a score that is not finite, is NaN (unscored, counted).
+docs/learned_rewards.md ("In a run", "Containment", "Several processes") has the rest.
 """
 
 from __future__ import annotations

@@ -4,13 +4,7 @@
     loss, acc = pair_loss(params, graphdef, batch, label=0)
     save_reward_model(model, "/out/rm", tokenizer=tok)   # transformers reads it, and we do
 
-The Bradley-Terry model of a preference: P(chosen > rejected) = sigmoid(r_c - r_r), with r
-the reward model's score of prompt + response; training minimises the mean over pairs of
-
-    L = -log sigmoid(r_c - r_r) = softplus(r_r - r_c),
-    dL/dr_c = -sigmoid(r_r - r_c) = -dL/dr_r.
-
-A pair counts as right (pairwise accuracy) when r_c > r_r.
+The loss is :func:`bradley_terry`'s; docs/learned_rewards.md, "Training one".
 """
 
 from __future__ import annotations
@@ -33,7 +27,16 @@ from grpo_jax.sampling.static import pad_prompts
 
 
 def bradley_terry(r_chosen_B: jax.Array, r_rejected_B: jax.Array) -> jax.Array:
-    """mean(-log sigmoid(r_c - r_r)), computed as softplus(r_r - r_c) (no overflow)."""
+    """mean(-log sigmoid(r_c - r_r)), computed as softplus(r_r - r_c) (no overflow).
+
+    The Bradley-Terry model of a preference: P(chosen > rejected) = sigmoid(r_c - r_r), with
+    r the reward model's score of prompt + response; per pair
+
+        L = -log sigmoid(r_c - r_r) = softplus(r_r - r_c),
+        dL/dr_c = -sigmoid(r_r - r_c) = -dL/dr_r.
+
+    A pair counts as right (pairwise accuracy) when r_c > r_r.
+    """
     return jnp.mean(jax.nn.softplus(r_rejected_B - r_chosen_B))
 
 
