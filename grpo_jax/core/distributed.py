@@ -1,31 +1,12 @@
 """Multi-host start-up: one program per host, ``jax.distributed`` joins them.
 
-On a Cloud TPU pod slice every host (worker) runs the same command; after
-:func:`maybe_initialize` has called ``jax.distributed.initialize``,
-``jax.devices()`` lists every chip of every host, one global
-``jax.sharding.Mesh`` spans them (``grpo_jax.core.sharding.make_mesh``) and the
-jitted train step runs as one SPMD program. Each host reads only its own
-block of rows of every global batch (:func:`host_rows`), feeds them in
-(:func:`global_batch`), reads its completions back (:func:`local_rows`) and
-scores them; only per-row statistics cross hosts (:func:`gather_rows`). Only
-the primary host (process 0) writes metrics files and TensorBoard events
-(:func:`is_primary`); Orbax's checkpointing is already multi-host aware
-(every process calls save).
-
-Where the run's shape comes from, first match wins:
-
-  1. explicit arguments (``--coordinator_address``, ``--num_processes``,
-     ``--process_id`` on the command line of ``grpo_jax.main``);
-  2. the environment variables ``GRPO_JAX_COORDINATOR``,
-     ``GRPO_JAX_NUM_PROCESSES``, ``GRPO_JAX_PROCESS_ID`` (set by
-     ``launch/local_multiprocess.sh`` and usable from any launcher);
-  3. a cluster JAX recognises by itself (SLURM with more than one task,
-     Cloud TPU pod slices of more than one host, Open MPI, ...): then
-     ``jax.distributed.initialize()`` is called with no arguments and works
-     the addresses out on its own.
-
-One process (the default everywhere else: a laptop, one GPU host, one TPU VM
-host) needs no initialisation and :func:`maybe_initialize` does nothing.
+After :func:`maybe_initialize` every host's chips are in ``jax.devices()`` and one global mesh
+spans them. Each host feeds and reads only its own block of rows of every global batch
+(:func:`host_rows`, :func:`global_batch`, :func:`local_rows`), only per-row statistics cross
+hosts (:func:`gather_rows`), and only process 0 writes logs (:func:`is_primary`). Where the
+run's shape comes from (flags, ``GRPO_JAX_*`` variables, a cluster JAX recognises):
+docs/recipes.md, "Multi-host and launch scripts". This module imports no JAX at the top:
+``main.py`` imports it first, to join a multi-process run.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The error types that mean the user's input is wrong; this module imports nothing from grpo_jax.
 
-The bottom layer of the package (docs/architecture.md, "Layers"): a lower module that
-needs to report a bad setting raises :class:`ConfigError` from here, never from
-``grpo_jax.run.config`` (the run layer, which composes the sections and imports them). The
-command line (``grpo_jax.cli.user_errors``) catches these without importing the modules
-that raise them (JAX, Orbax). Each is also importable where it was first defined:
-``grpo_jax.data.jsonl`` (``MalformedRowError``, ``NotUTF8Error``), ``grpo_jax.core.distributed``
-(``DistributedError``), ``grpo_jax.run.workdir`` (``WorkdirBusyError``), ``grpo_jax.run.config``,
-``grpo_jax.run.start`` (``CheckpointError``), ``grpo_jax.run.train`` and ``grpo_jax.run.report``
-(``AlarmStop``, ``NonFiniteError``).
+The bottom layer of the package: a lower module that needs to report a bad setting raises
+:class:`ConfigError` from here, never from ``grpo_jax.run.config``, and the command line
+(``grpo_jax.cli.user_errors``) catches these without importing the modules that raise them
+(JAX, Orbax).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""Checksums of what a run saves, verified when it is read back (docs/architecture.md).
+"""Checksums of what a run saves, verified when it is read back.
 
-Arrays get value digests: two 32-bit sums of each array's bits, every word weighted
-by an odd multiple of its position, one of them after a bijective mix. They are
-computed where the arrays live, a small jitted reduction per shard on its device, before
-a save is handed to Orbax, and again on the restored arrays. Integer sums wrap, so the
-shards' sums add up to the array's and the digest does not depend on the mesh, the
-layout or the order of the reduction: a resume on other devices verifies too. A change
-of any one element changes both sums; several changes cancel with odds of about 2^-64.
-
-JSON is digested as sha256 of its canonical text, files as sha256 of their bytes (a
-``SHA256SUMS`` file that ``sha256sum -c`` reads).
+Arrays get value digests, two 32-bit sums of each array's bits computed where the arrays
+live and independent of the mesh and layout; JSON is digested as sha256 of its canonical
+text, files as sha256 of their bytes (a ``SHA256SUMS`` file that ``sha256sum -c`` reads).
+docs/architecture.md ("Checkpoints", the checksums) has how the digests are made and what a
+mismatch does. A change of any one element changes both sums; several changes cancel with
+odds of about 2^-64.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Device mesh, named axes and sharding rules.
 
-One global ``jax.sharding.Mesh`` with named axes spans every device of every
-host:
-
-  data    pure data parallelism: batch rows split, parameters replicated;
-  fsdp    batch rows split *and* parameters/optimizer state sharded (ZeRO-3);
-  tensor  Megatron-style tensor parallelism inside each layer.
-
-Model code names its parameter and activation dimensions with *logical* axis
-names (``"embed"``, ``"mlp"``, ...); a layout's rules map each logical name to
-mesh axes. Batches are split over ("data", "fsdp") and a prompt's G
-completions stay on one shard (rows are grouped contiguously and the batch is
-a multiple of G per shard), so group statistics need no communication.
+One global ``jax.sharding.Mesh`` spans every device of every host, with axes ``data`` (batch
+rows split, parameters replicated), ``fsdp`` (rows split and parameters and optimizer state
+sharded, ZeRO-3) and ``tensor`` (Megatron-style, inside each layer). A layout's rules map
+the model's logical axis names to mesh axes. Batches are split over ("data", "fsdp") with a
+prompt's G completions on one shard, so group statistics need no communication
+(README.md, "Choosing a layout"; docs/architecture.md, "Data flow").
 """
 
 from __future__ import annotations

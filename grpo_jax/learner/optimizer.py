@@ -4,14 +4,10 @@
     state = init_state(params, tx, mesh)
     state, grad_norm, finite = apply_guarded(state, grads, loss, tx)
 
-Both the GRPO update (``grpo_jax.learner.update``) and the supervised warm start
-(``grpo_jax.run.warm_start``) take their optimizer steps through :func:`apply_guarded`.
-
-Non-finite guard: an update whose loss or gradient norm is not finite is
-dropped inside the jitted step (a ``lax.cond`` skips the optimizer, so
-parameters and optimizer state keep their values bit for bit), counted in
-``state.skipped`` and ``state.skipped_in_row``; the host stops the run after
-too many in a row.
+The GRPO update and the supervised warm start both step through :func:`apply_guarded`, which
+drops an update whose loss or gradient norm is not finite inside the jitted step (parameters
+and optimizer state keep their values bit for bit) and counts it (docs/architecture.md,
+"update").
 """
 
 from __future__ import annotations
