@@ -1,15 +1,11 @@
 """The workdir's checkpoints as files: an Orbax manager of params, optimizer state, meta and
 the batches in flight, and the checks a resumed run passes before it touches anything.
 
-``Checkpointer`` saves asynchronously and atomically (Orbax writes into a temporary
-directory and renames it when complete, so a run killed mid-save resumes from the
-previous checkpoint), keeps the last K, restores in place and sets damaged steps aside.
-Every step carries checksums (``grpo_jax.core.integrity``) in its meta: a digest of each
-array's values and one of the meta itself, computed before the save and verified on
-every restore; a step that differs raises ``IntegrityError``.
-``check_resume_config`` refuses a config that would make the resumed run a different
-run; ``check_alarm_stop`` refuses to train past a stop on a health alarm unasked.
-What a checkpoint holds and how a run starts from one: ``grpo_jax.run.start``.
+``Checkpointer`` saves asynchronously and atomically, keeps the last K, verifies every
+restore against the checksums in the step's meta and sets damaged steps aside;
+``check_resume_config`` refuses a config that would make the resumed run a different run,
+``check_alarm_stop`` a resume past a health alarm's stop. What a checkpoint holds and how a
+run starts from one: ``grpo_jax.run.start`` and docs/architecture.md, "Checkpoints".
 """
 
 from __future__ import annotations

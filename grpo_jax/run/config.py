@@ -1,26 +1,11 @@
 """The run's configuration: the sections composed into one validated :class:`RunConfig`.
 
-The ml_collections ``ConfigDict`` of a run stops at ``train.py``; library code
-takes small frozen dataclasses, whose fields carry the paper's symbols. Every
-check raises :class:`ConfigError` naming the offending key, its value and what
-is allowed, so that a bad sweep value fails at start-up, not mid-run.
-
-This module is the run layer's view of the config (docs/architecture.md,
-"Layers"): each lower package owns its own section and its registry check, and
-this module imports them, never the reverse:
-
-  ``grpo_jax.models.config``    ``ModelSection``, ``LoRAConfig``, ``ATTENTION``
-  ``grpo_jax.sampling.static``         ``SamplingSection`` (-> ``SamplingConfig``)
-  ``grpo_jax.data``             ``DataSection``, ``PromptConfig``
-  ``grpo_jax.rewards.section``  ``RewardsSection``, ``RewardModelSection``, ``parse_rewards``, ...
-  ``grpo_jax.envs.section``     ``EnvSection``
-  ``grpo_jax.objective.config``        ``GRPOConfig``
-  ``grpo_jax.learner.optimizer``        ``OptimConfig``
-
-Here live the sections only the run reads (train, eval, checkpoint, mesh, warm
-start, health), :func:`parse_config` and the cross-section checks. The names
-above stay importable from here; the ``check_*`` helpers are ``grpo_jax.core.checks``
-and :class:`ConfigError` is ``grpo_jax.core.errors``.
+The ml_collections ``ConfigDict`` of a run stops at :func:`parse_config`; library code takes
+small frozen dataclasses. Each lower package owns its section and its registry check, and
+this module imports them (and re-exports their names), never the reverse; here live the
+sections only the run reads (train, eval, checkpoint, mesh, warm start, health) and the
+cross-section checks. Every check raises :class:`ConfigError` naming the key, its value and
+what is allowed (docs/architecture.md, "Config").
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Held-out evaluation: greedy pass@1 and unbiased pass@k, for single- and multi-turn runs.
 
-pass@1 is greedy: one argmax completion per problem, the share that is
-correct. pass@k draws n = ``eval.num_samples`` completions per problem at
-``eval.temperature`` and averages Chen et al.'s unbiased estimator
-1 - C(n-c, k) / C(n, k) over the problems (``grpo_jax.core.stats.pass_at_k_values``).
-Batches have a fixed size (the last one padded) so each sampler compiles once.
-
-:func:`evaluate_policy` is the one evaluator a run calls: :func:`evaluate_problems`
-for single-turn runs, ``grpo_jax.rollout.episodes.evaluate_problems`` (episodes) with an
-environment, both into the same per-problem results and figures. The command line
-is ``grpo_jax.evaluate``.
-
-A run's evaluation at step s draws from :func:`eval_key` (seed, s), and so does
-``grpo_jax.evaluate`` on that step's checkpoint: it reproduces the run's figures.
+:func:`evaluate_policy` is the one evaluator a run calls: :func:`evaluate_problems` for
+single-turn runs, ``grpo_jax.rollout.episodes.evaluate_problems`` with an environment, both
+into the same per-problem results and figures. A run's evaluation at step s draws from
+:func:`eval_key` (seed, s), and so does ``grpo_jax.evaluate`` on that step's checkpoint, so it
+reproduces the run's figures (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """A record of what ran: config, code, library versions, devices, seeds and data.
 
-:func:`run_record` is written into ``summary.json`` (``"record"``) and into the
-header of every evaluation file (``grpo_jax.core.problems``), so a figure carries
-what produced it:
-
-  config_sha256, config   the run's config as canonical JSON (sorted keys) and its hash
-  code                    ``{"git_commit", "git_dirty"}`` when the package runs from a git
-                          checkout, else ``{"package_version"}``
-  versions                python, numpy, jax, jaxlib, flax, optax, orbax-checkpoint,
-                          transformers (None: not installed)
-  devices                 platform, device kind, the run's device count, the visible
-                          devices, process count
-  seeds                   the run seed, the data seed, the evaluation seeds
-  data                    the data section, and sha256 of the evaluated problems' ids
+:func:`run_record` is written into ``summary.json`` (``"record"``) and into the header of
+every evaluation file (``grpo_jax.core.problems``), so a figure carries what produced it.
+Its fields: docs/evaluation.md, "The record of what ran".
 """
 
 from __future__ import annotations

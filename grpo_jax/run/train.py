@@ -2,13 +2,11 @@
 
     summary = train(config, workdir)
 
-Each step takes a batch from a rollout source (``grpo_jax.rollout.sources``) behind the
-staleness wrapper (``grpo_jax.rollout.staleness``), runs the jitted update on it
-(``grpo_jax.learner.update``) and hands the metrics to the reporter, which writes them one
-step late. One loop serves every kind of run, with no branch on the kind of source. What
-moves as it trains is the run's state (``grpo_jax.run.state``), which every checkpoint
-saves, so rerunning the same command resumes exactly; SIGTERM saves one at the end of the
-step. docs/architecture.md describes the parts, the workdir and the data flow.
+One loop serves every kind of run, with no branch on the kind of source: each step takes a
+batch from a rollout source behind the staleness wrapper, runs the jitted update and hands
+the metrics to the reporter, one step late. What moves as it trains is the run's state,
+which every checkpoint saves, so rerunning the command resumes exactly.
+docs/architecture.md, "The loop".
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Supervised warm start (cold-start SFT): next-token loss on worked solutions.
 
-Each example contributes [prompt | solution <eos>]; the prompt is formatted
-and tokenized exactly as the GRPO phase will prompt the policy, and only the
-solution and EOS tokens carry loss:
-
-    L = -(1 / sum_i |s_i|) sum_i sum_t log pi(s_it | prompt_i, s_i,<t)
-
-(the token mean over the batch, temperature 1). The layout is the GRPO
-batch's (left-padded prompt, right-padded completion of T =
-``sampling.max_new_tokens`` slots) and the logits come from the same
-``grpo_jax.objective.logprobs.completion_logits``, so the warm-started policy is scored
-the same way the sampler and the GRPO loss score it. Its optimizer steps are
-the GRPO update's: ``grpo_jax.learner.optimizer.make_optimizer`` with
-``WarmStartConfig.optim()``, each step through ``optimizer.apply_guarded``
-(a non-finite step is skipped, parameters and optimizer state unchanged).
-
-The phase stops on a validation criterion, not a step count: every
-``eval_every`` steps pass@1 on ``val_problems`` training problems that it
-never trains on is measured (greedy, or of completions sampled at the GRPO
-temperature: ``warm_start.metric``), and it stops as soon as that reaches
-``target_pass_at_1`` (or at ``max_steps``). A fixed step count leaves some
-seeds with a base policy that almost never samples a correct answer, and
-GRPO, which learns only from groups with reward variance, then has nothing to
-learn from. The result is cached in ``<workdir>/warm_start`` with a
-fingerprint of everything it depends on, so a rerun loads it instead.
+Each example contributes [prompt | solution <eos>] in the GRPO batch's layout, scored by the
+same log-prob code, and only the solution and EOS tokens carry loss (:func:`sft_loss`); its
+optimizer steps are the GRPO update's, guarded. It stops when pass@1 on held-back training
+problems reaches ``warm_start.target_pass_at_1``, not after a step count, and its result is
+cached in ``<workdir>/warm_start`` under a fingerprint of what it depends on.
+docs/recipes.md, "The supervised warm start", says why.
 """
 
 from __future__ import annotations
@@ -94,7 +76,12 @@ def sft_batch(
 
 
 def sft_loss(params, batch, *, graphdef):
-    """Token-mean negative log-likelihood of the completion tokens (see module doc)."""
+    """Token-mean negative log-likelihood of the completion tokens:
+
+        L = -(1 / sum_i |s_i|) sum_i sum_t log pi(s_it | prompt_i, s_i,<t)
+
+    over the batch's targets s_i (solution and EOS tokens), at temperature 1.
+    """
     logits_BxTxV = completion_logits(
         graphdef,
         params,

@@ -1,18 +1,9 @@
 """A run's directory: one run at a time, and fresh starts that never mix logs.
 
-``WorkdirLock`` holds an exclusive ``flock`` on ``<workdir>/.lock`` and one on
-the workdir itself for the life of a run (process 0 only: the other hosts of a
-multi-host run share its workdir). A second run on the same workdir fails at
-once naming the process that holds it, even when ``.lock`` was deleted (the
-lock on the directory holds; a file system that cannot lock a directory, NFS
-for one, keeps the file's alone). The kernel drops the locks when their
-process dies, so a killed run never leaves them stuck. A workdir that cannot be
-written (read-only, no permission) fails there too, in one line.
-
-``set_aside`` moves an earlier attempt's log (metrics.jsonl, TensorBoard
-events, the warm start's metrics.jsonl) to ``<name>.old-<k>`` when a run
-starts fresh in a workdir that holds one, so the new records never mix with
-records of a run that no checkpoint continues.
+``WorkdirLock`` holds an exclusive ``flock`` on ``<workdir>/.lock`` and one on the workdir
+itself for the life of a run (process 0 only), so a second run fails at once naming the
+holder; ``set_aside`` moves an earlier attempt's logs to ``<name>.old-<k>`` when a run starts
+fresh. docs/architecture.md, "Checkpoints" (what protects a run's directory).
 """
 
 from __future__ import annotations
