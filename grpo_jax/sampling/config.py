@@ -38,7 +38,7 @@ class SamplingConfig:
         match over the completion only, never reaching into the prompt). The
         sequence's tokens are part of the completion, as an EOS is. Tokens
         are the unit: the run config's ``sampling.stop`` strings arrive here
-        as their tokenizer encodings (``grpo_jax.run.setup.tokenizer_sampling``),
+        as their tokenizer encodings (``grpo_jax.run.builders.tokenizer_sampling``),
         and the same text written as other tokens does not match. Empty: no
         stop logic is traced at all.
       pad_id: written after a row's end and to the left of short prompts.
@@ -227,7 +227,7 @@ class SamplingSection:
         """The jitted sampler's static ``SamplingConfig`` for this section.
 
         ``stop_sequences`` are the token ids of ``stop`` (the section holds
-        strings; ``grpo_jax.run.setup.tokenizer_sampling`` encodes them).
+        strings; ``grpo_jax.run.builders.tokenizer_sampling`` encodes them).
         """
         return SamplingConfig(
             max_new_tokens=self.max_new_tokens,
