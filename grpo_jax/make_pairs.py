@@ -1,6 +1,6 @@
 """The make_pairs command: synthetic preference pairs with a known bias, as JSONL.
 
-    python -m grpo_jax.make_pairs --out=/tmp/pairs.jsonl [--n=4000] [--pad_max=2] \
+    python -m grpo_jax.make_pairs --out=/tmp/pairs.jsonl [--n=4000] [--pad_max=2] \\
         [--both_right=0.3 --taste=0.85] [--independent_pad] [--seed=0]
 
 The pairs (``grpo_jax.data.synthetic_pairs``) are what ``python -m grpo_jax.train_reward_model``
