@@ -614,7 +614,7 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
 
     Its devices hold a second copy of the parameters (laid out by
     ``mesh.layout`` on the sampler mesh, replicated when its fsdp and tensor
-    axes are 1, as ``grpo_jax.rollout.staleness.sampler_mesh`` makes them) and the KV
+    axes are 1, as ``grpo_jax.run.builders.sampler_mesh`` makes them) and the KV
     cache of the step's B * G rows split over its batch shards; no optimizer
     state, gradients, activations or reference (the learner mesh holds those,
     and evaluates).
