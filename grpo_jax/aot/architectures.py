@@ -133,6 +133,8 @@ def resolve(run, *, model: str = "", model_config: str = ""):
     The run's model settings (dtype, param_dtype, remat, attention, scan_layers) apply.
     No weight file is opened.
     """
+    # Inside the function on purpose: this module imports no JAX (the plan command reads
+    # its table and refuses what cannot fit before libtpu loads); the models package does.
     from grpo_jax.models.hf_config import config_from_hf
     from grpo_jax.models.safetensors_io import CheckpointError
 
@@ -174,6 +176,7 @@ def resolve(run, *, model: str = "", model_config: str = ""):
 
 def _builtin_tiny(run):
     """The built-in tiny model with the run's tokenizer's vocabulary (the built-in one's)."""
+    # Inside the function on purpose, as in resolve: the models package imports JAX.
     from grpo_jax.models import builtin_tokenizer, tiny_config
 
     if run.tokenizer not in ("", "builtin"):

@@ -113,6 +113,7 @@ from grpo_jax.models.param_tensors import (  # noqa: F401
     shard_numel,
     tensor_ways,
 )
+from grpo_jax.sampling import paged_pool
 from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.weights import copy_dtype
 
@@ -828,8 +829,6 @@ def plan_programs(
     resident = est.optimizer + est.reference + est.learned
     weights = est.sampler_copy or est.params
     if run.sampling.engine == "paged":
-        from grpo_jax.sampling import paged_pool
-
         shape = paged_pool.engine_shape(
             run.sampling.sampler(), sh.B, run.grpo.G, sh.P, window=paged_pool.model_window(cfg)
         )
