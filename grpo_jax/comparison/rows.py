@@ -285,6 +285,7 @@ def task_rows(groups: Sequence[Group], k: int | None) -> list[dict]:
         for name, per_task in figs[m].items():
             row = {"method": label, "tasks": len(tasks), "metric": name}
             row["runs"] = sum(v.size for v in per_task)
+            row["steps"] = [r.after_step for t in tasks for r in by_task[t].runs]
             row["iqm"] = (
                 stats.interquartile_mean(np.concatenate(per_task)),
                 *stats.stratified_bootstrap_interval(per_task),

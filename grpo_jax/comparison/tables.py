@@ -40,7 +40,7 @@ CAPTIONS = {
         "Across tasks: the interquartile mean (IQM) of every run's figure on every task, with "
         "rliable's 95% stratified bootstrap interval (each task's runs resampled on their own); "
         "P(improvement): over tasks, the mean share of pairs of runs in which the method beats "
-        "the first method."
+        "the first method. Steps: the runs' training steps, task by task (one where they agree)."
     ),
 }
 
@@ -152,12 +152,14 @@ def _across(group_table: Sequence[dict]) -> dict:
 
 def _paired_across(paired_table: Sequence[dict]) -> dict:
     """Other - base across training seeds, and the probability of improvement."""
-    header = ["comparison", "seeds", "metric", "other - base [95% CI across seeds]",
-              "sd between seeds", "P(other > base)"]  # fmt: skip
+    header = ["comparison", "seeds", "steps (base / other)", "metric",
+              "other - base [95% CI across seeds]", "sd between seeds",
+              "P(other > base)"]  # fmt: skip
     rows = [
         [
             f"{r['other']} vs {r['base']}",
             _seeds(r["seeds"]),
+            f"{_steps(r['steps']['base'])} / {_steps(r['steps']['other'])}",
             r["metric"],
             _across_ci(r["across_seeds"]["diff"], True),
             _num(r["across_seeds"]["diff"]["between"]),
@@ -170,12 +172,14 @@ def _paired_across(paired_table: Sequence[dict]) -> dict:
 
 def _tasks(task_table: Sequence[dict]) -> dict:
     """Each method's interquartile mean over tasks."""
-    header = ["method", "tasks", "runs", "metric", "IQM [95% CI]", "P(improvement) vs first"]
+    header = ["method", "tasks", "runs", "steps", "metric", "IQM [95% CI]",
+              "P(improvement) vs first"]  # fmt: skip
     rows = [
         [
             r["method"],
             str(r["tasks"]),
             str(r["runs"]),
+            _steps(r["steps"]),
             r["metric"],
             _ci(r["iqm"]),
             "-" if "p_improvement" not in r else f"{r['p_improvement']:.2f}",
