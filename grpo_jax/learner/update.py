@@ -4,11 +4,10 @@ Shapes: N completion rows (B prompts x G, grouped contiguously), P padded
 prompt length, T completion length, U optimizer updates per step (mu * N / M
 for minibatches of M rows), A gradient-accumulation micro-batches per update.
 
-``update(state, batch, key, ref_params) -> (state, metrics)`` is a pure function compiled once
-with explicit shardings, donating ``state`` (:func:`jit_update`). pi_old's log-probs come with
-the batch (a ``grpo_jax.core.batch.RolloutBatch``); each update goes through the non-finite
-guard. docs/architecture.md, "update", has its parts; docs/objective.md the loss, pi_old (§4),
-row weights (§7) and the behaviour correction (§11).
+``update(state, batch, key, ref_params) -> (state, metrics)`` is pure, compiled once with
+explicit shardings and ``state`` donated (:func:`jit_update`); pi_old's log-probs come with the
+``grpo_jax.core.batch.RolloutBatch``, and each update passes the non-finite guard. Its parts:
+docs/architecture.md, "update"; pi_old, row weights, behaviour correction: docs/objective.md.
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 Shapes: N = B*G completion rows, grouped contiguously (G rows per prompt), T completion tokens
 (padded), V vocabulary; ``mask_NxT`` is 1 on real completion tokens, |o_i| its row's sum.
-Per token (DeepSeekMath, Shao et al. 2024, eq. 3), with rho_t = exp(logp_theta - logp_old),
+Per token (DeepSeekMath, Shao et al. 2024, eq. 3; derived in docs/objective.md),
 
     objective_t = min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) - beta KL_t,
 
-and the default ("grpo") loss is L = -(1/N) sum_i (1/|o_i|) sum_t objective_it. The other
-policy terms are ``grpo_jax.objective.policy_terms``', the KL estimators
-``grpo_jax.objective.kl``'s. docs/objective.md derives each piece (sections 3-7, 10).
+rho_t = exp(logp_theta - logp_old); the default ("grpo") loss is L = -(1/N) sum_i (1/|o_i|)
+sum_t objective_it; the other policy terms are in ``policy_terms.py``, KL estimators in ``kl.py``.
 """
 
 from __future__ import annotations
