@@ -33,17 +33,20 @@ def without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in records]
 
 
-def flip_bytes(step_dir, item="params", n=64):
+def flip_bytes(step_dir, item="params", n=64, every=False):
     """Flips ``n`` bytes in the middle of the largest data file of a step's item: bit rot
     that leaves every file in place, of its size. (Small arrays live in the item's d/
     b-tree nodes, which carry a CRC of their own; a process's copy of a node in
-    ocdbt.process_0/ is not read, so of equal sizes the item's own is taken.)"""
+    ocdbt.process_0/ is not read, so of equal sizes the item's own is taken.) ``every``:
+    in every data file of the item, for a small item whose largest file may be a copy
+    that is not read (the sizes of its compressed files vary from run to run)."""
     files = [p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"]
-    data = max(files, key=lambda p: (p.stat().st_size, p.parent.parent.name == item))
-    b = bytearray(data.read_bytes())
-    mid = len(b) // 2
-    b[mid : mid + n] = bytes(x ^ 0xFF for x in b[mid : mid + n])
-    data.write_bytes(bytes(b))
+    largest = max(files, key=lambda p: (p.stat().st_size, p.parent.parent.name == item))
+    for data in files if every else [largest]:
+        b = bytearray(data.read_bytes())
+        mid = len(b) // 2
+        b[mid : mid + n] = bytes(x ^ 0xFF for x in b[mid : mid + n])
+        data.write_bytes(bytes(b))
 
 
 def _restore(workdir, like, step=4, latest=4):
