@@ -80,6 +80,7 @@ __all__ = [
     # The run's own.
     "BUILTIN_TOKENIZER",
     "METRICS",
+    "PACKING",
     "TARGETS",
     "TINY_PREFIX",
     "TOP_KEYS",
@@ -93,6 +94,9 @@ __all__ = [
     "check_batch_layout",
     "parse_config",
 ]
+
+
+PACKING = ("off", "on")  # train.packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,15 @@ class TrainConfig:
         head, log-softmax and entropy rematerialised per chunk), so the
         float32 logits are never [rows, T, V] at once; 0: all T together. Must
         divide sampling.max_new_tokens. For large vocabularies (Qwen, Gemma).
+      packing: "on": the update, its scoring passes (pi_old recomputed, the
+        reference, track_update) and the learned rewards' scoring run on packed
+        rows, no slot on padding, in micro-batches of ``microbatch_tokens``
+        (``grpo_jax.learner.packing``, docs/packing.md); "off": padded rows, in
+        optim.grad_accum equal parts of each minibatch.
+      microbatch_tokens: with packing, the token slots of one micro-batch on
+        one device: whole packed rows of P + T slots, at least one (0: as many
+        as a padded micro-batch's rows hold, minibatch rows / optim.grad_accum
+        per batch shard).
       dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025): keep only
         groups whose rewards are not all equal, drawing further rounds of B
         prompts until B groups are kept or max_sampling_rounds are spent;
@@ -164,6 +177,8 @@ class TrainConfig:
     sampled_tokens_budget: int = 0
     max_staleness: int = 0
     compilation_cache_dir: str = ""
+    packing: str = "off"
+    microbatch_tokens: int = 0
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -188,6 +203,14 @@ class TrainConfig:
         check_range("train.max_sampling_rounds", self.max_sampling_rounds, lo=1, integer=True)
         check_range("train.sampled_tokens_budget", self.sampled_tokens_budget, lo=0, integer=True)
         check_range("train.max_staleness", self.max_staleness, lo=0, integer=True)
+        check_choice("train.packing", self.packing, PACKING)
+        check_range("train.microbatch_tokens", self.microbatch_tokens, lo=0, integer=True)
+        if self.microbatch_tokens and self.packing != "on":
+            raise ConfigError(
+                f"config key 'train.microbatch_tokens' = {self.microbatch_tokens} needs "
+                f"train.packing = 'on' (it is {self.packing!r}): padded micro-batches are "
+                "optim.grad_accum equal parts of a minibatch's rows"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
