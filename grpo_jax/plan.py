@@ -82,6 +82,8 @@ def plan(config, opts: Options, out=None, err=None) -> int:
 
 
 def _plan(config, opts: Options, out, err) -> int:
+    # Here and in the two functions below, inside the function on purpose: these modules
+    # import JAX, which loads libtpu; --help and the one-line refusals need neither.
     from grpo_jax.aot import architectures, budget
     from grpo_jax.run.config import check_batch_layout, parse_config
 

@@ -364,3 +364,25 @@ def test_a_p_value_from_random_flips_that_never_hit_is_shown_as_a_bound():
     assert compare._test(t) == "<0.001 (0 / 40, sign-flip)"
     exact = {**stats.cluster_sign_flip_test(np.ones(12), np.arange(12)), "name": "McNemar"}
     assert compare._test(exact) == "0.000488 (0 / 12, McNemar)"
+
+
+def test_with_mixed_steps_allowed_every_table_names_the_steps(tmp_path, capsys):
+    """Three seeds on two tasks give all five tables; one run's evaluation is of step 50."""
+    runs = []
+    for task in ("add", "mul"):
+        for s in range(3):
+            late = 50 if (task, s) == ("mul", 2) else 100
+            runs.append(_greedy_run(tmp_path, f"{task}a{s}", s, {late: _solved(8 + s)}, task=task))
+            runs.append(_greedy_run(tmp_path, f"{task}b{s}", s, {100: _solved(9 + s)},
+                                    lr=1e-3, task=task))  # fmt: skip
+    assert compare.main([*map(str, runs), "--allow_mixed_steps"]) == 0
+    tables = [t for t in capsys.readouterr().out.split("\n\n") if "\n| " in t]
+    assert len(tables) == 5
+    shown = []
+    for t in tables:
+        header, _, *rows = [x.split(" | ") for x in t.strip().split("\n")]
+        (col,) = [i for i, name in enumerate(header) if "steps" in name]
+        shown += [row[col] for row in rows]
+    assert "100/100/50" in shown and "100/100/50 / 100" in shown  # mul's base, mul's pair
+    assert "100/100/100/100/100/50" in shown  # the base method's runs over both tasks
+    assert all(any(c.isdigit() for c in cell) for cell in shown if cell != "- -> 100/100/50")

@@ -8,10 +8,12 @@ library's typed defaults rather than copies of them.
 """
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 
 import pytest
+import tomllib
 
 from configs import common
 from grpo_jax import data
@@ -85,3 +87,73 @@ def test_the_base_config_is_the_typed_defaults(builtin_tokenizer):
     # Every field of these sections is a key of the base (settable on the command line).
     for name, cls in SECTIONS.items():
         assert set(c[name]) >= {f.name for f in dataclasses.fields(cls)}, name
+
+
+# -- The layer picture of docs/architecture.md, drawn from pyproject.toml's contract ----------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WIDTH = 96  # the picture's lines wrap before this column
+NAME_COLUMN = 24  # the top-level layers' notes start here
+
+
+def _layer_notes(pyproject: str) -> list[str]:
+    """The comment above each layer of the top-level "layers" contract, in order."""
+    block = pyproject.split('id = "layers"', 1)[1].split("layers = [", 1)[1].split("]", 1)[0]
+    notes, comment = [], []
+    for line in block.splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            comment.append(line.lstrip("# ").rstrip("."))
+        elif line.startswith('"'):
+            notes.append(" ".join(comment))
+            comment = []
+    return notes
+
+
+def _wrapped(head: str, tokens: list[str], indent: int) -> list[str]:
+    """``head`` padded to ``indent``, then ``tokens``, wrapped before WIDTH at that indent."""
+    lines, line = [], head.ljust(indent)
+    for token in tokens:
+        if len(line) + len(token) > WIDTH and len(line) > indent:
+            lines.append(line.rstrip())
+            line = " " * indent
+        line += token + " "
+    return lines + [line.rstrip()]
+
+
+def layer_picture() -> str:
+    """The picture docs/architecture.md's "Layers" shows: the folders top to bottom with what
+    each layer holds, then each folder's modules top to bottom (``>`` between layers, ``|``
+    between modules of a layer, which may not import each other)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    contracts = tomllib.loads(text)["tool"]["importlinter"]["contracts"]
+    layers = {c["id"]: c["layers"] for c in contracts if c["type"] == "layers"}
+    top = layers.pop("layers")
+    lines = []
+    for names, note in zip(top, _layer_notes(text), strict=True):
+        note = note[:1].lower() + note[1:]
+        if len(names) >= NAME_COLUMN:
+            lines.append(names)
+            names = ""
+        lines += _wrapped(names, note.split(" "), NAME_COLUMN)
+    lines += ["", "inside each folder, top to bottom:"]
+    folders = [name.strip() for names in top for name in names.split("|")]
+    for folder in [f for f in folders if f in layers] + sorted(set(layers) - set(folders)):
+        tokens = " > ".join(layers[folder]).split(" ")
+        lines += _wrapped(f"{folder}/", tokens, 16)
+    return "\n".join(lines) + "\n"
+
+
+def _doc_picture() -> str:
+    layers = (ROOT / "docs" / "architecture.md").read_text().split("\n## Layers\n", 1)[1]
+    return layers.split("```\n", 2)[1]
+
+
+def test_the_layer_picture_is_the_import_contract():
+    """docs/architecture.md's picture is pyproject.toml's contract, drawn by layer_picture():
+    a layer or module added, moved or renamed there fails here until the picture follows."""
+    want = layer_picture()
+    assert _doc_picture() == want, (
+        "docs/architecture.md's layer picture differs from pyproject.toml's contract; its code "
+        f"block under '## Layers' should read:\n{want}"
+    )

@@ -22,6 +22,10 @@ import pathlib
 import re
 
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.models import builtin_tokenizer, gguf, tiny_config
+from grpo_jax.models.gguf_format import GGUFFile
+from grpo_jax.models.hf_config import config_from_hf
+from grpo_jax.models.safetensors_io import CheckpointError
 
 _QWEN = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False)
 _LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, hidden_act="silu", rope_theta=500_000.0)
@@ -133,9 +137,6 @@ def resolve(run, *, model: str = "", model_config: str = ""):
     The run's model settings (dtype, param_dtype, remat, attention, scan_layers) apply.
     No weight file is opened.
     """
-    from grpo_jax.models.hf_config import config_from_hf
-    from grpo_jax.models.safetensors_io import CheckpointError
-
     fields = run.model.loader_kwargs()
     if model_config:
         hf, source = read_config_file(model_config), f"--model_config={model_config}"
@@ -145,10 +146,7 @@ def resolve(run, *, model: str = "", model_config: str = ""):
             raise ConfigError(f"--model={model} is not a known model; known: {', '.join(CONFIGS)}")
         hf, source = CONFIGS[name], f"{REPOS[name]} (built-in table)"
     elif run.model.path.endswith(".gguf") and pathlib.Path(run.model.path).expanduser().is_file():
-        from grpo_jax.models.gguf import hf_config
-        from grpo_jax.models.gguf_format import GGUFFile
-
-        hf, source = hf_config(GGUFFile(run.model.path)), run.model.path  # its metadata alone
+        hf, source = gguf.hf_config(GGUFFile(run.model.path)), run.model.path  # its metadata alone
     elif run.model.path and (pathlib.Path(run.model.path).expanduser() / "config.json").is_file():
         file = pathlib.Path(run.model.path).expanduser() / "config.json"
         hf, source = read_config_file(str(file)), str(file)
@@ -174,8 +172,6 @@ def resolve(run, *, model: str = "", model_config: str = ""):
 
 def _builtin_tiny(run):
     """The built-in tiny model with the run's tokenizer's vocabulary (the built-in one's)."""
-    from grpo_jax.models import builtin_tokenizer, tiny_config
-
     if run.tokenizer not in ("", "builtin"):
         raise ConfigError(
             f"the built-in tiny model with tokenizer {run.tokenizer!r}: give its size with "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from grpo_jax.core.errors import ConfigError
 from grpo_jax.run import memory
 
 GiB = 2**30
@@ -169,8 +170,6 @@ def _current(run, key: str, chips: int):
 def mesh_shape(run, chips: int) -> dict[str, int]:
     """The run's mesh axes on ``chips`` devices, -1 resolved as ``sharding.make_mesh`` does;
     a one-line ConfigError when they do not multiply to ``chips``."""
-    from grpo_jax.core.errors import ConfigError
-
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
     known = math.prod(v for v in axes.values() if v != -1)
     free = [a for a, v in axes.items() if v == -1]

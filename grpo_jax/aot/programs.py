@@ -28,7 +28,7 @@ from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.learner import optimizer as optim_lib
 from grpo_jax.learner import update as update_lib
 from grpo_jax.learner.optimizer import TrainState
-from grpo_jax.models.partitioning import param_shardings
+from grpo_jax.models.partitioning import cache_shardings, param_shardings
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.objective.logprobs import completion_logps
 from grpo_jax.sampling import paged, paged_pool
@@ -210,8 +210,6 @@ class Builder:
 def _decode_state_shardings(cfg, state, mesh, layout):
     """The shardings ``sampling.static``'s prefill gives its decode state: rows over the
     batch axes, the KV cache by the model's layout, the step and key replicated."""
-    from grpo_jax.models.partitioning import cache_shardings
-
     rows = lambda x: sharding_lib.batch_sharding(mesh, x.ndim)
     sh = jax.tree.map(rows, state)
     return sh._replace(

@@ -210,6 +210,8 @@ def make_mesh(topology: Topology, axes: dict[str, int], devs: list):
     """The run's ("data", "fsdp", "tensor") mesh over ``devs``; over several slices the data
     axis spans the slices (``create_hybrid_device_mesh``) and fsdp and tensor stay inside one,
     so only the gradients' data-parallel reduction crosses the data-centre network."""
+    # Inside the function on purpose: this module imports no JAX (it names the libtpu
+    # settings that must be in the environment before JAX loads libtpu).
     from grpo_jax.core import sharding
 
     if topology.slices == 1:

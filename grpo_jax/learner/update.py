@@ -8,7 +8,7 @@ for minibatches of M rows), A gradient-accumulation micro-batches per update.
 
 is a pure function of its arguments, compiled once with explicit shardings and
 ``donate_argnames=("state",)`` (:func:`jit_update`). ``batch`` is a
-``grpo_jax.rollout.rounds.RolloutBatch``; it carries pi_old's log-probs as the
+``grpo_jax.core.batch.RolloutBatch``; it carries pi_old's log-probs as the
 sampler recorded them, so no old-policy forward pass is needed: the first
 update starts from the parameters that sampled the batch, and pi_old's
 log-probs stay fixed while the parameters move over the mu passes. With

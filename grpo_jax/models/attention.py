@@ -3,46 +3,11 @@
 Shapes: B batch, T queries, S key slots, K key/value heads, G = H / K query
 heads per KV head, Dh head width, C keys per block, N = ceil(S / C) blocks.
 
-Every implementation computes, per query head h (KV head h // G),
-
-    s[t, j]   = (q_t . k_j) * scale          [c * tanh(s / c) when soft-capped]
-    out_t     = sum_j softmax_j(s[t, j] masked to the allowed keys) v_j
-
-where a query in slot i sees key slot j iff j <= i (causal), the key slot
-holds a real token (``kv_mask``), and, with a window W, i - j < W (see
-:class:`AttnMask`). A query that sees no key (a left pad) gets finite
-values, never NaN (a mean of values, which ones depending on the
-implementation; nothing downstream reads a pad's output).
-
-  einsum       the reference: [B, K, G, T, S] float32 scores, softmax, einsum.
-               Memory quadratic in T.
-  blockwise    online softmax (Milakov & Gimelshein 2018; Rabe & Staats 2021;
-               FlashAttention, Dao et al. 2022) over key blocks of C slots in a
-               ``lax.scan``, pure JAX, with a custom gradient that recomputes
-               each block's scores from the saved per-row max and normaliser:
-               forward and backward hold [B, K, G, T, C] scores at a time, so
-               memory grows linearly in T for a fixed C.
-  dot_product  ``jax.nn.dot_product_attention`` with an explicit mask: cuDNN's
-               fused kernel on a GPU with a half-precision compute dtype, XLA's
-               implementation elsewhere. Its options have no soft-capping, so a
-               config with ``attn_logit_softcap`` is refused.
-  splash       TPU splash attention (Pallas; JAX's
-               ``jax.experimental.pallas.ops.tpu.splash_attention``): the causal
-               or sliding-window mask as a static block-sparse mask, left padding
-               as segment ids (real tokens segment 1, pads 0: a real query sees
-               real keys only, a pad query sees pads, so no row is empty), the
-               soft-cap in the kernel, a fused backward. Compiled by Mosaic in a
-               program lowered for a TPU (also ahead of time on a CPU host);
-               elsewhere run by Pallas's interpreter (slow; for tests). The mask
-               is static, so the kernel serves calls whose queries sit in
-               consecutive slots from a known offset
-               (``AttnMask.q_offset``): the uncached forward pass, the sampler's
-               prefill and the update's prompt-once scoring. A one-token decode
-               step runs ``einsum`` (its scores are [B, H, 1, S], linear in S),
-               on the paged engine the Pallas paged decode kernel
-               (``paged_decode_attention``);
-               several tokens written at a traced slot (a multi-turn
-               observation) run ``blockwise``.
+Each computes softmax((q . k) * scale, soft-capped, over the keys :class:`AttnMask` allows)
+times v: ``einsum`` (the reference), ``blockwise`` (online softmax over key blocks of C slots
+with a recomputing gradient: Milakov & Gimelshein 2018, Rabe & Staats 2021, Dao et al. 2022),
+``dot_product`` (``jax.nn.dot_product_attention``), ``splash`` (TPU Pallas) and the paged
+engine's decode kernel. docs/long_context.md, "model.attention", has the formulas and mask.
 """
 
 from __future__ import annotations

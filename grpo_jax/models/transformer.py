@@ -3,27 +3,11 @@
 Shapes: B batch, T tokens of this call, S cache slots, V vocabulary, D width,
 L layers, K key/value heads, Dh head width.
 
-The module holds nnx.Param state only, so ``graphdef, params = nnx.split(model)``
-and ``nnx.merge(graphdef, params)`` are the pure boundary that jitted code
-works across; the config and the sharding layout are static structure.
-
-Masking, the same rule in both entry points: a query in slot i sees key slot j
-iff j <= i (causal), j holds a real token (the mask), and, in a sliding-window
-layer, i - j < W. With left padding, real tokens are contiguous, so slot
-distance equals position distance. A query that sees no key (a left pad)
-gets finite garbage, never NaN.
-
-Layers as a scan (``cfg.scan_layers``): the L layers' parameters are one
-``Block`` whose every parameter has a leading [L] axis (logical axis
-"layers", never sharded), run by one ``jax.lax.scan`` (each step merges
-one slice into a Block), remat inside the step when ``cfg.remat``: the
-compiled program holds one layer however deep the model. What differs
-between layers is a scanned input: the sliding window (``NO_WINDOW`` for a
-global layer) and which RoPE table (Gemma 3's local and global bases). The
-KV cache is then one array per kind, batch-major with a layer axis,
-``{"k": [B, L, K, S, Dh], "v": [B, L, K, Dh, S]}``, carried through the scan
-and updated in place. ``stack_layers`` / ``unstack_layers`` convert
-parameters between the two layouts.
+The module holds nnx.Param state only: ``nnx.split(model)`` is the pure boundary for jitted
+code (docs/models.md). The full pass and the KV-cache calls mask alike (docs/long_context.md,
+"model.attention"). With ``cfg.scan_layers`` the layers are one stacked ``Block`` run by a
+``jax.lax.scan``, and the KV cache is ``{"k": [B, L, K, S, Dh], "v": [B, L, K, Dh, S]}``
+(``grpo_jax.models.stacking`` converts parameters; docs/long_context.md, "model.scan_layers").
 """
 
 from __future__ import annotations

@@ -1,94 +1,11 @@
 """Per-device memory plan of a GRPO run, and an early refusal of layouts that cannot fit.
 
-Sizes: V vocabulary, D width, L layers, H query heads, K key/value heads, Dh
-head width, F MLP width; P prompt tokens, T completion tokens, S = P + T
-positions (the KV cache's slots and the trainer's forward length).
-
-Every parameter tensor is read, with its shape, dtype and logical axis
-names, from the model itself (``grpo_jax.models.param_tensors``: an abstract
-``grpo_jax.models.Transformer`` built by ``nnx.eval_shape``, nothing
-allocated), and sharded by the layout's rules (``grpo_jax.core.sharding.LAYOUTS``)
-the way ``grpo_jax.models.param_shardings`` shards it: a dimension is split
-over its mesh axes only when they divide it.
-So with mesh axes of sizes (data, fsdp, tensor):
-
-  dp       parameters, gradients, optimizer state and reference replicated;
-  fsdp     each of them divided by ``fsdp`` (the "embed" dimension is split);
-  fsdp_tp  divided by ``fsdp * tensor`` (heads, MLP width and vocabulary also
-           split over ``tensor``, where ``tensor`` divides them).
-
-Batch rows are split over data * fsdp (the batch shards); activations and the
-KV cache are divided by that, and their head / MLP / vocabulary dimensions by
-``tensor`` under fsdp_tp.
-
-Per device, in bytes (p = param_bytes, c = compute_bytes, n = training rows
-per device, m = sampling rows per device, tp_x = the tensor ways of dimension
-x, 1 where it is not split):
-
-  params       sum over tensors of numel / ways * p
-  grads        the same as params (gradients have the parameters' dtype and sharding)
-  optimizer    moments * params (AdamW/Adam 2, Lion/momentum 1, SGD 0; optax keeps
-               the moments in the parameters' dtype)
-  reference    the same as params when beta > 0, else 0 (beta = 0 skips it)
-  kv_cache     2 * L * m * S * (K / tp_k) * Dh * c
-  activations  saved for the backward pass of one forward over n rows of S tokens:
-                 per layer and token
-                   a = c * (6 D + 2 (H / tp_h) Dh + 2 (K / tp_k) Dh + 4 F / tp_f)
-                       + (4 + c) * (H / tp_h) * S
-                 (residual stream, norms, attention and MLP outputs; q, k, v and the
-                 attention output; gate, up, activation and product; float32 scores
-                 and the softmax probabilities: attention "einsum" or "dot_product");
-                 with attention "blockwise" the last term is 8 * (H / tp_h) (the
-                 float32 row maximum and normaliser; the scores are recomputed
-                 block by block), plus, once, the working set of one block of
-                 one layer: 5 * 4 * n * (H / tp_h) * S * C_a (C_a = the block size);
-                 with attention "splash" it is 4 * (H / tp_h) (the float32
-                 log-sum-exp the kernel's backward reads) and the block working set
-                 lives in the TPU core's VMEM, not in HBM;
-                 sandwich norms add 2 D, q/k norms (H + K) Dh, a GELU gate 2 F
-                 (its tanh intermediates),
-                 plus float32 logits and their gradient, 8 * V / tp_v per scored
-                 token: the LM head runs on the T completion positions only, or on
-                 C = train.logits_chunk of them at a time (C = T when 0):
-                 no remat:  n * S * L * a + n * C * 8 V / tp_v
-                 remat:     n * S * (L * c * D + a) + n * C * 8 V / tp_v
-                 (only each layer's input is kept; one layer is recomputed at a time)
-                 Layers as a scan (``scan_layers``) save the same tensors, stacked.
-
-With LoRA (``lora_rank`` = r > 0, ``grpo_jax.models.lora``) each target
-projection W [in, out] gets float32 adapters A [in, r] and B [r, out]
-(sharded like W's in and out dimensions; the rank is never split). Then
-
-  params       the base as above (its own param_bytes, e.g. bfloat16) + 4 * adapters
-  grads        4 * adapters (the base gets no gradient)
-  optimizer    moments * 4 * adapters
-  reference    0 (the reference is the base with the adapters off)
-  activations  + c * r per target projection, layer and token (x A is kept)
-
-For a run (``plan_run``) three more terms count, the ones the TPU compiler showed
-each program holds (the section "The programs of a run" below; docs/pods.md):
-``update_buffers`` (the accumulation's carry, the non-finite guard's copies, under
-fsdp the LM head's gradient and the layers gathered in flight), ``scoring`` (a pass
-over the whole batch: the reference's, "recompute"'s, track_update's) and
-``gathered`` (the weights the decode loop holds gathered under fsdp). The sampler
-and the update run one after the other, and inside the update the scoring pass and
-the micro-batches, so the peak is
-
-  resident = params + optimizer + reference (+ a reward model or judge)
-  sampling = resident + sampler_copy + gathered + kv_cache
-  training = resident + max(grads + activations + update_buffers, scoring)
-  total    = max(sampling, training).
-
-``plan_programs`` gives each compiled program's own figure; ``python -m
-grpo_jax.plan`` prints them beside XLA's for a TPU topology, and for the shipped
-recipes on four topologies the update's and the scoring pass's are within 15% of
-XLA's (docs/pods.md names the other differences).
-
-``tests/run/test_memory.py`` checks the activation term against the tensors JAX
-itself saves for the backward pass (``saved_residuals``) for Llama, Qwen and
-Gemma layers, with and without remat. XLA's buffer reuse and fusion move the
-real peak by tens of percent either way; the estimate is for refusing
-layouts that cannot fit, not for tuning.
+Parameter tensors are read from the model itself (``grpo_jax.models.param_tensors``: an
+abstract model, nothing allocated) and sharded as ``grpo_jax.models.param_shardings`` shards
+them; gradients, optimizer state, reference, KV cache and activations follow by formula.
+:func:`estimate` gives the model's terms, :func:`plan_run` a run's peaks, :func:`plan_programs`
+each compiled program's figure. The estimate refuses layouts that cannot fit; it is not for
+tuning. docs/recipes.md, "The formulas", has them; docs/pods.md compares them with XLA's.
 """
 
 from __future__ import annotations
@@ -113,6 +30,7 @@ from grpo_jax.models.param_tensors import (  # noqa: F401
     shard_numel,
     tensor_ways,
 )
+from grpo_jax.sampling import paged_pool
 from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.weights import copy_dtype
 
@@ -246,7 +164,7 @@ def estimate(
     lora_rank: int = 0,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 ) -> MemoryEstimate:
-    """Per-device memory of a GRPO run (formulas in the module docstring).
+    """Per-device memory of a GRPO run (formulas: docs/recipes.md, "The formulas").
 
     Args:
       model_cfg_like: a ``grpo_jax.models.ModelConfig``, or any object with
@@ -371,7 +289,7 @@ def _numel_per_device(tensors, mesh, layout: str, lora_rank: int, targets) -> tu
 def _activation_bytes(
     cfg, mesh, layout, *, n, m, S, T, c, attention, attention_block_size, remat, lora_act
 ):
-    """Per-device (kv_cache, activations) bytes (formulas in the module docstring).
+    """Per-device (kv_cache, activations) bytes (formulas: docs/recipes.md, "The formulas").
 
     ``n`` / ``m``: the rows of one forward/backward pass / of the sampler on
     one device; S = P + T tokens per row; ``T`` here the completion tokens
@@ -614,7 +532,7 @@ def plan_sampler(run, model_cfg_like, mesh_shape: Mapping[str, int], budget_byte
 
     Its devices hold a second copy of the parameters (laid out by
     ``mesh.layout`` on the sampler mesh, replicated when its fsdp and tensor
-    axes are 1, as ``grpo_jax.rollout.staleness.sampler_mesh`` makes them) and the KV
+    axes are 1, as ``grpo_jax.run.builders.sampler_mesh`` makes them) and the KV
     cache of the step's B * G rows split over its batch shards; no optimizer
     state, gradients, activations or reference (the learner mesh holds those,
     and evaluates).
@@ -828,8 +746,6 @@ def plan_programs(
     resident = est.optimizer + est.reference + est.learned
     weights = est.sampler_copy or est.params
     if run.sampling.engine == "paged":
-        from grpo_jax.sampling import paged_pool
-
         shape = paged_pool.engine_shape(
             run.sampling.sampler(), sh.B, run.grpo.G, sh.P, window=paged_pool.model_window(cfg)
         )

@@ -1,52 +1,13 @@
 """The paged, continuously batched rollout engine (``sampling.engine = "paged"``; docs/engine.md).
 
-Shapes: B prompts, G samples per prompt, N = B*G requests (request b*G + g is
-sample g of prompt b, the row it fills in the output), P padded prompt length,
-T = ``max_new_tokens``, V vocabulary, Z ``page_size`` tokens per page, M pages
-in a block table, R rows of a decode call (a power of two, at most the slots),
-C prompt tokens per prefill call, L the longest stop sequence.
-
-The KV cache is a pool of fixed-size pages (``Transformer.init_pages``; page
-0 is scratch, never handed out: writes that must land nowhere go there). A
-prompt of n tokens is prefilled once, in chunks of C tokens, into
-ceil(n / Z) pages of its own; the prefill's last logits draw token 0 of its G
-samples (as the static sampler's prefill does). Each sample's block table is
-then the prompt's pages followed by pages of its own, taken from the pool as
-its tokens are written and handed back when it ends; the G samples read the
-prompt's pages, which are never copied. The prompt's partly filled last page
-is shared too: the sample's own tokens start on a fresh page, and the unused
-tail of the prompt's last page is masked out (a key is visible by its
-position, not by its slot), so no page is copied on write. A prompt's pages
-return to the pool when its last sample ends.
-
-A sliding-window layer never reads a key more than W - 1 positions back: when
-a slot could never see all its own pages at once, those layers get a pool of
-their own (``paged_pool.Window``), whose page goes back as soon as every row reading it
-has moved past it, while the global layers keep the main pool.
-
-``generate_rows`` continues rows an earlier call left unfinished (partial
-rollouts, ``grpo_jax.rollout.partial``): it prefills their prompt again and writes
-their drawn tokens into pages of their own, with the parameters it is given,
-and returns once the ``due`` groups are done, whatever the others' state.
-
-Scheduling is a host loop over jitted calls of static shapes (one compiled
-program per shape): each turn admits waiting requests into free slots, runs at
-most one prefill chunk of the next prompt when fewer requests wait than slots
-are free, and runs one decode step over the occupied slots. The decode step's
-rows are the occupied slots packed into the smallest power of two that holds
-them, and its block tables are cut to the smallest power of two of pages the
-longest live row needs (every per-slot quantity is host state passed in, the
-KV lives in the pool), so a long tail of a few long completions costs steps of
-a few rows, not of N. A host loop, not a ``lax.while_loop``: the queue, the allocator and the
-packing are plain Python over small integer arrays, and on CPU the step's
-compute dwarfs its dispatch (benchmarks/engine.py measures the whole).
-
-The draw is :func:`grpo_jax.sampling.draw.sample_with` and the stop check
-:func:`grpo_jax.sampling.draw.stop_hits`, the static sampler's; only the random
-numbers differ (they are drawn per call, not per static row), so samples
-agree with the static engine in distribution, and greedy completions token
-for token. The result is a :class:`grpo_jax.sampling.static.SampleOutput` of the
-same shapes and meaning as ``sampling.generate``'s.
+Shapes: B prompts, G samples per prompt, N = B*G requests (request b*G + g fills row b*G + g
+of the output), P padded prompt length, T = ``max_new_tokens``, V vocabulary, Z ``page_size``
+tokens per page, M pages in a block table, R rows of a decode call (a power of two, at most
+the slots), C prompt tokens per prefill call, L the longest stop sequence. The KV cache is a
+pool of pages (page 0 is scratch); a prompt's pages are shared by its G samples, never copied.
+A host loop admits requests into free slots, interleaves prefill chunks with decode steps over
+the occupied slots, and packs those into static shapes. docs/engine.md has the pages, the
+sliding-window pool, the loop, partial rollouts (:func:`generate_rows`) and what is tested.
 """
 
 from __future__ import annotations
