@@ -1,9 +1,8 @@
 """Packing sequences into rows of a fixed length, and rows into balanced bins (numpy).
 
 The host-side half of sequence packing (docs/packing.md): the update's planner
-(``grpo_jax.learner.packing``) and the learned rewards' scorer
-(``grpo_jax.reward_models.scorer``) decide here which sequence goes in which row and
-which row in which micro-batch and shard, then build their index arrays.
+(``grpo_jax.learner.packing``) decides here which sequence goes in which row and which
+row in which micro-batch and shard, then builds its index arrays.
 """
 
 from __future__ import annotations
