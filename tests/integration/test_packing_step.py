@@ -29,3 +29,30 @@ def test_the_packed_golden_step_matches_the_padded_metrics(tmp_path, microbatch_
             assert got[key] == want, key
         else:
             assert math.isfinite(got[key]) and got[key] == pytest.approx(want, rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_exact_with_packing(tmp_path):
+    """tests/integration/test_train_loop.py's exact resume, packed in micro-batches of one
+    row: the plan is a function of the batch alone, so the resumed run's records equal the
+    whole run's, the packing's fill included."""
+    from helpers_config import SHORT_RUN
+    from helpers_resume import train_killed_at, without_timings
+
+    from grpo_jax.run.train import train
+    from grpo_jax.run.writers import read_metrics
+
+    cfg = smoke_config(**SHORT_RUN, **{"train.packing": "on", "train.microbatch_tokens": 32})
+    train(cfg, tmp_path / "whole", stream=io.StringIO())
+    train_killed_at(cfg, tmp_path / "killed", 3, stream=io.StringIO())
+    train(cfg, tmp_path / "killed", stream=io.StringIO())
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert without_timings(resumed) == without_timings(whole)
+    packed = lambda rs: [
+        (r["perf/pack_fill"], r["perf/pack_micro_batches"]) for r in rs if "train/loss" in r
+    ]
+    assert packed(resumed) == packed(whole) and len(packed(whole)) == 4
+    summary = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["after"]
+    assert summary("killed") == summary("whole")
