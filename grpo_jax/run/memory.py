@@ -456,6 +456,7 @@ def _run_kwargs(run, mesh_shape) -> dict:
     """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
     n = run.train.batch_size * run.grpo.G
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
+    rows = _packed_rows(run, mesh_shape) or rows
     if run.warm_start.enabled:
         rows = max(rows, run.warm_start.batch_size)
     return dict(
@@ -469,6 +470,18 @@ def _run_kwargs(run, mesh_shape) -> dict:
         logits_chunk=run.train.logits_chunk,
         **_lora_kwargs(run),
     )
+
+
+def _packed_rows(run, mesh_shape) -> int:
+    """With ``train.packing`` and a ``train.microbatch_tokens`` budget, the rows of one packed
+    micro-batch over all devices: ``microbatch_tokens`` // (P + T) packed rows of P + T slots
+    (at least one) on each batch shard (``grpo_jax.learner.packing``); 0 otherwise (the
+    padded micro-batch's rows, which the default budget holds). docs/packing.md."""
+    if run.train.packing != "on" or not run.train.microbatch_tokens:
+        return 0
+    slots = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    return shards * max(1, run.train.microbatch_tokens // slots)
 
 
 def _engine_kv(run, model_cfg_like, mesh_shape) -> int | None:
