@@ -258,3 +258,24 @@ def test_the_packed_step_equals_the_padded_step(setup, one_device_mesh):
     ):
         np.testing.assert_allclose(mb[k], ma[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert 0 < mb["perf/pack_fill"] <= 1 and mb["perf/pack_micro_batches"] > 2
+
+
+# ---------------------------------------------------------------------------
+# The settings.
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"train.packing": "yes"}, "train.packing"),
+        ({"train.microbatch_tokens": 64}, "'train.microbatch_tokens' = 64 needs train.packing"),
+        ({"train.packing": "on", "train.microbatch_tokens": -1}, "train.microbatch_tokens"),
+    ],
+)
+def test_bad_packing_settings_name_the_key(overrides, message):
+    from helpers_config import run_config
+
+    from grpo_jax.run.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        run_config(**overrides)
