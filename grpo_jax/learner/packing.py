@@ -11,8 +11,8 @@ there (:func:`plan_packs`) and runs ``grpo_jax.learner.update.update`` with the 
    masked token: with ``two_level`` as many of the group's completions as fit a row
    (each sees the prompt and itself), else one. Rows of weight 0 and rows without a
    masked token are left out: they add nothing to the loss.
-2. Packed rows of L = P + T slots (the padded row's length, which holds any single
-   unit), filled by first fit decreasing.
+2. Packed rows of L slots (``row_slots``, default P + T: the padded row's length, which
+   holds any single unit), filled by first fit decreasing.
 3. Micro-batches of R = S x R_s rows, R_s = ``microbatch_tokens`` // L on each of the S
    batch shards: as few as hold the rows, the rows dealt to the micro-batches' shards
    largest first, each to the one with the fewest tokens so far.
@@ -54,6 +54,8 @@ class PackSettings:
         attention, whose segment ids say only "same sequence").
       head_multiple: head slots per shard are a multiple of this (the LM head's
         chunk, ``train.logits_chunk``; 8 without one).
+      row_slots: L, the slots of a packed row (0: P + T; more: a prompt with more of
+        its group's completions in a row, ``train.pack_row_tokens``).
     """
 
     group_size: int
@@ -63,6 +65,7 @@ class PackSettings:
     default_rows: int = 1
     two_level: bool = True
     head_multiple: int = 8
+    row_slots: int = 0
 
 
 def _units(rows_g, live, span, plen, group_size, two_level, capacity):
@@ -95,11 +98,13 @@ def plan_packs(prompt_mask_NxP, mask_NxT, weights_N, s: PackSettings):
     weights = np.asarray(weights_N, np.float32)
     N, P = pmask.shape
     T = mask.shape[1]
-    L, U, S = P + T, s.num_minibatches, s.shards
+    L, U, S = s.row_slots or P + T, s.num_minibatches, s.shards
     if N % (S * U):
         raise ValueError(f"{N} rows do not split into {U} minibatches over {S} shards")
+    if L < P + T:
+        raise ValueError(f"packed rows of {L} slots do not hold a prompt and completion of {P + T}")
     per, Nm = N // (S * U), N // U
-    R_s = max(1, (s.microbatch_tokens or s.default_rows * L) // L)
+    R_s = max(1, (s.microbatch_tokens or s.default_rows * (P + T)) // L)
     has = mask.any(axis=1)
     span = np.where(has, T - np.argmax(mask[:, ::-1], axis=1), 0)
     plen = pmask.sum(axis=1)

@@ -311,6 +311,7 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
             # splash's segment ids cannot say "the prompt, or this completion"
             two_level=attention != "splash",
             head_multiple=run.train.logits_chunk or 8,
+            row_slots=run.train.pack_row_tokens,
         )
         step_fn = packing.jit_packed_update(settings=pack, **settings)
     else:

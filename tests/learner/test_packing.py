@@ -46,8 +46,9 @@ def setup(tiny_policy):
     return graphdef, params, ref, jax.tree.map(jnp.asarray, batch)
 
 
-def _settings(two_level=True, tokens=0, shards=1, minibatches=1, default_rows=N):
+def _settings(two_level=True, tokens=0, shards=1, minibatches=1, default_rows=N, row=0):
     return packing.PackSettings(
+        row_slots=row,
         group_size=G,
         shards=shards,
         num_minibatches=minibatches,
@@ -69,7 +70,7 @@ def _plan(batch, s):
 def test_the_plan_scores_every_loss_token_once_and_restarts_positions(setup):
     *_, batch = setup
     mask = np.asarray(batch.mask_NxT) & (np.asarray(batch.weights_N) > 0)[:, None]
-    for s in (_settings(), _settings(two_level=False), _settings(tokens=P + T)):
+    for s in (_settings(), _settings(two_level=False), _settings(tokens=P + T), _settings(row=64)):
         packs, stats = _plan(batch, s)
         dst = np.asarray(packs.head_dst_SxM).reshape(-1)
         dst = dst[dst < N * T]
@@ -86,6 +87,11 @@ def test_the_plan_scores_every_loss_token_once_and_restarts_positions(setup):
         ((np.asarray(p.id_RxL) > 0) & (np.asarray(p.src_RxL) < N * P)).sum()
     )
     assert prompt_slots(two) < prompt_slots(one)
+    # Rows long enough for a whole group: its prompt once.
+    whole, _ = _plan(batch, _settings(row=P + G * T))
+    assert prompt_slots(whole) == int(np.asarray(batch.prompt_mask_NxP)[::G].sum())
+    with pytest.raises(ValueError, match="do not hold"):
+        _plan(batch, _settings(row=P + T - 1))
 
 
 def test_a_small_token_budget_gives_more_micro_batches_and_a_power_of_two_count(setup):
@@ -181,13 +187,20 @@ def _id(kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=[_id(kw) for kw in OBJECTIVES])
 def test_packed_loss_and_gradient_equal_the_padded(setup, objective):
-    """Each objective on three plans: two levels in one micro-batch, one level in one, and
-    two levels in micro-batches of one row (several, the count rounded up with empty ones:
-    the reductions divide by the minibatch's counts; Clip-Cov and KL-Cov take two passes)."""
+    """Each objective on four plans: two levels in one micro-batch, one level in one, two
+    levels in micro-batches of one row (several, the count rounded up with empty ones: the
+    reductions divide by the minibatch's counts; Clip-Cov and KL-Cov take two passes), and
+    rows of a whole group (its prompt once)."""
     *_, batch = setup
     grpo = GRPOConfig(G=G, beta=0.1, **objective)
     padded = _loss_and_grads(setup, grpo, None)
-    for s in (_settings(), _settings(two_level=False), _settings(tokens=P + T)):
+    plans = (
+        _settings(),
+        _settings(two_level=False),
+        _settings(tokens=P + T),
+        _settings(row=P + G * T),
+    )
+    for s in plans:
         packs, _ = _plan(batch, s)
         _assert_same_loss_and_grads(padded, _loss_and_grads(setup, grpo, packs))
 
@@ -270,6 +283,9 @@ def test_the_packed_step_equals_the_padded_step(setup, one_device_mesh):
         ({"train.packing": "yes"}, "train.packing"),
         ({"train.microbatch_tokens": 64}, "'train.microbatch_tokens' = 64 needs train.packing"),
         ({"train.packing": "on", "train.microbatch_tokens": -1}, "train.microbatch_tokens"),
+        ({"train.pack_row_tokens": 64}, "'train.pack_row_tokens' = 64 needs train.packing"),
+        # The smoke config's prompt buckets reach 32; 6 new tokens.
+        ({"train.packing": "on", "train.pack_row_tokens": 37}, "at least .* = 38"),
     ],
 )
 def test_bad_packing_settings_name_the_key(overrides, message):
