@@ -56,3 +56,28 @@ def test_resume_after_kill_is_exact_with_packing(tmp_path):
     assert packed(resumed) == packed(whole) and len(packed(whole)) == 4
     summary = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["after"]
     assert summary("killed") == summary("whole")
+
+
+@pytest.mark.slow
+def test_a_packed_lora_step_equals_the_padded(tmp_path):
+    """LoRA (the reference is the base with the adapters off, scored packed under the base's
+    graph) and longer packed rows (a whole group a row): the golden step's run, packed,
+    reports the padded run's figures."""
+    from grpo_jax.run.train import train
+
+    lora = {"model.lora.rank": 2, "model.lora.alpha": 4.0}
+    records = {}
+    for name, extra in (
+        ("padded", {}),
+        ("packed", {"train.packing": "on", "train.pack_row_tokens": 160}),
+    ):
+        train(smoke_config(**RUN, **lora, **extra), tmp_path / name, stream=io.StringIO())
+        rows = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        (records[name],) = [r for r in map(json.loads, rows) if "train/loss" in r]
+    a, b = records["padded"], records["packed"]
+    assert a["train/kl"] > 0 and a["policy/kl_old_new"] > 0  # the adapters moved
+    for key in a:
+        if key.startswith(("rollout/", "rewards/")):
+            assert b[key] == a[key], key
+        elif key.startswith(("train/", "policy/")):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
