@@ -3,23 +3,11 @@
     python -m grpo_jax.plan --config=configs/gsm8k.py:model=qwen2.5-0.5b --topology=v5e-16 \\
         [--config.mesh.fsdp=-1 --config.mesh.data=1 ...] [--json=plan.json]
 
-From abstract parameters (no weight is read, nothing is downloaded: the model's sizes come
-from ``--model_config``, ``--model``, the checkpoint's config.json or the built-in table of
-``grpo_jax.aot.architectures``), on the run's mesh over the topology's devices, it compiles
-every program the run would run (the update with its micro-batches, a scoring pass, the
-sampler's prefill and decode loop or the paged engine's prefill chunk and decode step) and
-prints, per chip: XLA's arguments, outputs, temporaries, code and total against the chip's
-HBM beside the memory plan's figure; FLOPs of one whole step (loop bodies times their
-trips); the roofline time at the chip's peaks and the MFU it implies (docs/pods.md).
-
-A run whose plan does not fit the chip is refused in one line before anything compiles
-(``--force`` compiles it anyway); ``--suggest`` looks for the mesh, gradient accumulation,
-logits chunk, remat and scanned layers that fit and compiles those. ``--plan_only`` prints
-the plan without compiling. Compiling for a TPU needs libtpu (``pip install
-'grpo_jax[tpu]'``); without it the command says so in one line.
-
-Exit status: 0 every program fits, 2 a user error or a program that does not fit (one
-line on stderr).
+From abstract parameters (no weight is read, nothing is downloaded) it compiles every program
+the run would run and prints, per chip, XLA's memory beside the memory plan's, the FLOPs of a
+whole step, its roofline time and MFU. A run that cannot fit is refused in one line before
+anything compiles. Needs libtpu (``pip install 'grpo_jax[tpu]'``). Exit status: 0 every
+program fits, 2 a user error or a program that does not fit. docs/pods.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A run's model architecture without its weights: from a built-in table, or a config.json.
 
-The plan compiles a run's programs from abstract parameters, so it needs the model's
-sizes, never its weights. They come, in this order, from ``--model_config`` (a Hugging
-Face config.json, or the directory holding one), ``--model`` (a name of ``CONFIGS``), the
-run's ``model.path`` when it is a checkpoint directory here (its config.json alone is read),
-a ``model.path`` whose last part (``/models/Qwen3-8B``) or quoted repository
-(configs/gsm8k.py's "<set --config.model.path to your local Qwen/Qwen2.5-0.5B-Instruct
-directory>") names a ``CONFIGS`` entry, or the built-in tiny model (``model.path`` "").
-
-``CONFIGS`` holds the config.json keys that size each model the recipes name
-(configs/gsm8k.py) and the pod-scale ones of docs/pods.md, as Hugging Face publishes them
-for the repositories of ``REPOS``; ``grpo_jax.models.hf_config.config_from_hf`` reads them
-as it reads a checkpoint's. tests/aot/test_aot_architectures.py checks the parameter
-counts they give against the models' published sizes.
+The plan compiles a run's programs from abstract parameters, so it needs the model's sizes,
+never its weights (:func:`resolve` says where they come from). ``CONFIGS`` holds the
+config.json keys that size each model the recipes name (configs/gsm8k.py) and the pod-scale
+ones of docs/pods.md, as Hugging Face publishes them for the repositories of ``REPOS``;
+``grpo_jax.models.hf_config.config_from_hf`` reads them as it reads a checkpoint's.
+tests/aot/test_aot_architectures.py checks their parameter counts against published sizes.
 """
 
 from __future__ import annotations
@@ -134,8 +127,14 @@ def read_config_file(path: str) -> dict:
 def resolve(run, *, model: str = "", model_config: str = ""):
     """-> (``grpo_jax.models.ModelConfig``, where its sizes came from) for ``run``.
 
-    The run's model settings (dtype, param_dtype, remat, attention, scan_layers) apply.
-    No weight file is opened.
+    The sizes come, in this order, from ``model_config`` (a Hugging Face config.json, or the
+    directory holding one), ``model`` (a name of ``CONFIGS``), the run's ``model.path`` when it
+    is a checkpoint directory here (its config.json alone is read), a ``model.path`` whose last
+    part (``/models/Qwen3-8B``) or quoted repository (configs/gsm8k.py's "<set
+    --config.model.path to your local Qwen/Qwen2.5-0.5B-Instruct directory>") names a
+    ``CONFIGS`` entry, or the built-in tiny model (``model.path`` ""). The run's model
+    settings (dtype, param_dtype, remat, attention, scan_layers) apply. No weight file is
+    opened.
     """
     fields = run.model.loader_kwargs()
     if model_config:

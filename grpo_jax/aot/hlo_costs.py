@@ -1,25 +1,10 @@
 """FLOPs and collective bytes of one whole run of a compiled program, from its HLO text.
 
 XLA's ``cost_analysis()`` counts the body of a while loop once: a decode loop of 512
-steps, or a scan over 24 layers, weighs as one step or one layer. This reads the
-optimized HLO (``compiled.as_text()``) and counts each loop body times its trip count:
-
-  * ``dot``: 2 x the output's elements x the contracted size;
-  * ``convolution`` (the TPU compiler writes batched matmuls as convolutions whose
-    windows, padding and ``lhs_dilate`` select one input per tap): 2 x the output's
-    batch and features x the input features x the kernel taps that land on a real input,
-    as XLA's HloCostAnalysis counts them;
-  * a ``while`` loop: its body times the trip count, the constant its condition compares
-    the counter with (one more for ``LE``) divided by the counter's step (the TPU
-    compiler's windowed einsums step by 2); unknown (a loop that also stops on data, the
-    sampler's "every row done") counts the bound, the most it can run;
-  * a ``conditional``: its largest branch; fusions, calls and asynchronous starts: their
-    callees.
-
-Collective bytes are the outputs of the all-gathers, all-reduces, reduce-scatters,
-all-to-alls and collective permutes, times the trips of the loops around them: what one
-chip moves over the interconnect. Pallas kernels (``tpu_custom_call``) have no FLOPs
-here; they are counted by target.
+steps, or a scan over 24 layers, weighs as one step or one layer. :func:`analyse` reads the
+optimized HLO (``compiled.as_text()``) and counts each loop body times its trip count
+(:func:`trip_count`), each matmul as XLA's HloCostAnalysis does, and the bytes each
+collective writes: what one chip moves over the interconnect (docs/pods.md, "What it prints").
 """
 
 from __future__ import annotations
@@ -152,9 +137,12 @@ def _leaves(ins: Instr, comps, op: str, table: dict[str, Instr], root_only: bool
 
 
 def trip_count(comps, ins: Instr) -> tuple[int | None, bool]:
-    """(trips, exact) of the while loop ``ins`` (module docstring): XLA's own count when it
-    wrote one (``known_trip_count``), else from its condition and body. Exact when known
-    or when the condition makes one comparison (a scan's counter < n)."""
+    """(trips, exact) of the while loop ``ins``: XLA's own count when it wrote one
+    (``known_trip_count``), else from its condition and body: the constant the condition
+    compares the counter with (one more for ``LE``) divided by the counter's step (the TPU
+    compiler's windowed einsums step by 2). Exact when known or when the condition makes one
+    comparison (a scan's counter < n); otherwise (a loop that also stops on data, the
+    sampler's "every row done") the bound, the most it can run."""
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
     if known:
         return int(known.group(1)), True
@@ -199,6 +187,10 @@ def _taps(n_in, n_out, win, stride, pad_lo, lhs_dil, rhs_dil) -> int:
 
 
 def conv_flops(lhs_dims, out_dims, labels, attrs: str) -> float:
+    """2 x the output's batch and features x the input features x the kernel taps that land
+    on a real input, as XLA's HloCostAnalysis counts a convolution. The TPU compiler writes
+    batched matmuls as convolutions whose windows, padding and ``lhs_dilate`` select one
+    input per tap."""
     lhs_l, _, out_l = labels
     spatial = sorted(c for c in lhs_l if c.isdigit())
     w = re.search(r"window=\{([^}]*)\}", attrs)
@@ -223,6 +215,8 @@ def conv_flops(lhs_dims, out_dims, labels, attrs: str) -> float:
 
 
 def _flops(ins: Instr, table: dict[str, str]) -> float:
+    """A ``dot``'s 2 x the output's elements x the contracted size, a convolution's
+    :func:`conv_flops`; 0 for anything else."""
     out = shapes_in(ins.shape)
     if not out or ins.op not in ("dot", "convolution") or not ins.operands:
         return 0.0
@@ -261,6 +255,12 @@ class Costs:
 
 
 def analyse(hlo: str) -> Costs:
+    """The costs of one run of the entry computation: a ``while`` counts its body times
+    :func:`trip_count`, a ``conditional`` its largest branch, fusions, calls and asynchronous
+    starts their callees. Collective bytes are the outputs of the all-gathers, all-reduces,
+    reduce-scatters, all-to-alls and collective permutes, times the trips of the loops around
+    them. Pallas kernels (``tpu_custom_call``) have no FLOPs here; they are counted by
+    target."""
     comps, entry = parse(hlo)
     memo: dict[tuple[str, bool], tuple[float, float]] = {}
     loops: list[tuple[int | None, bool]] = []

@@ -1,18 +1,11 @@
 """TPU slices by the names users give them, their chips' figures, and libtpu on a CPU host.
 
-A user says ``v5e-16`` (16 chips), ``v5p-128`` or ``v4-8`` (the number counts TensorCores:
-64 and 4 chips), ``v6e-256``, ``2xv5e-16`` (two slices), or a topology string
-(``v5e:4x8``, ``v5p:4x4x4``). :func:`parse_topology` maps the name to what
-``jax.experimental.topologies.get_topology_desc`` takes: a topology string, a chip config
-("megacore" for v4 and v5p, whose two TensorCores are one device) and, for several
-slices, the hosts' chip bounds and the torus wrap-around (the table of MaxText's
-``accelerator_to_spec_map.py``). Nothing here imports JAX at module level: the plan's
-refusals of an unknown topology, or of a run that cannot fit, come before libtpu loads.
-
-The chips' figures (``CHIPS``) are the public Cloud TPU pages' (``source``; their "16 GB"
-and "32 GB" of HBM are GiB, as the compiler's limits show); ``hbm_limit``
-is the HBM the TPU compiler lets one program use, read from its own refusal of a larger
-one ("RESOURCE_EXHAUSTED: Ran out of memory on HBM ... exceeds available HBM (15.75G)").
+A user says ``v5e-16``, ``v5p-128`` (TensorCores: 64 chips), ``2xv5e-16`` (two slices) or a
+topology string (``v5e:4x8``); :func:`parse_topology` maps the name to what
+``jax.experimental.topologies.get_topology_desc`` takes (MaxText's table). ``CHIPS`` holds
+the chips' public figures and ``hbm_limit``, the HBM the TPU compiler lets one program use.
+Nothing here imports JAX at module level: the plan's refusals of an unknown topology, or of a
+run that cannot fit, come before libtpu loads. docs/pods.md, "Topologies and chips".
 """
 
 from __future__ import annotations
@@ -44,6 +37,9 @@ class Chip:
     source: str
 
 
+# The Cloud TPU pages' "16 GB" and "32 GB" of HBM are GiB, as the compiler's limits show.
+# hbm_limit is read from the TPU compiler's own refusal of a larger program
+# ("RESOURCE_EXHAUSTED: Ran out of memory on HBM ... exceeds available HBM (15.75G)").
 CHIPS = {
     "v4": Chip(
         "v4", "TPU v4", 275e12, 32 * GiB, 1200e9, 300e9, 30.75 * GiB, True,

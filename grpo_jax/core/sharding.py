@@ -10,6 +10,7 @@ prompt's G completions on one shard, so group statistics need no communication
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -154,17 +155,24 @@ class OnMesh:
     part of the model width and all-reduced the whole result (a logits chunk of all 256
     rows of a step on every chip: docs/pods.md), and a Pallas kernel could not be
     partitioned at all. Other attributes are the jitted function's.
+
+    A one-device mesh has nothing to lay out: there the function runs without the context,
+    as before, because the constraints the context adds change XLA's fusions and with them
+    the last bits of a float32 step (the default run's records and figures).
     """
 
     def __init__(self, jitted, mesh: Mesh):
         self.jitted, self.mesh = jitted, mesh
 
+    def _context(self):
+        return contextlib.nullcontext() if self.mesh.size == 1 else jax.set_mesh(self.mesh)
+
     def __call__(self, *args, **kwargs):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted.lower(*args, **kwargs)
 
     def __getattr__(self, name):

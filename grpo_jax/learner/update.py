@@ -4,30 +4,10 @@ Shapes: N completion rows (B prompts x G, grouped contiguously), P padded
 prompt length, T completion length, U optimizer updates per step (mu * N / M
 for minibatches of M rows), A gradient-accumulation micro-batches per update.
 
-    update(state, batch, key, ref_params) -> (state, metrics)
-
-is a pure function of its arguments, compiled once with explicit shardings and
-``donate_argnames=("state",)`` (:func:`jit_update`). ``batch`` is a
-``grpo_jax.core.batch.RolloutBatch``; it carries pi_old's log-probs as the
-sampler recorded them, so no old-policy forward pass is needed: the first
-update starts from the parameters that sampled the batch, and pi_old's
-log-probs stay fixed while the parameters move over the mu passes. With
-``grpo.old_logps = "recompute"`` they are instead rescored once by the
-update's own path before the first pass (for samplers computing at another
-precision), and ``grpo.behavior_correction`` weighs each token by
-pi_old / q, q being the distribution the sampler drew from
-(``grpo_jax.objective.losses.behavior_weights``; metrics ``behavior/*``). The reference parameters
-are a separate, frozen pytree (no optimizer state) and are None when beta = 0,
-in which case no reference forward pass is traced at all. Every optimizer
-update goes through ``grpo_jax.learner.optimizer.apply_guarded``: a non-finite one is
-dropped and counted.
-
-Row weights: the loss sees the token mask mask_NxT * weights_N[:, None], so a
-row of weight 0 (one that only pads the batch to its static shape) adds no
-gradient, no token to a token mean and nothing to the metrics. The "grpo" and
-"dr_grpo" reductions still divide by the static row count, as for a row with
-an empty completion. The step's token means weigh each update by its tokens,
-and are NaN when no row has weight (:func:`_combine`).
+``update(state, batch, key, ref_params) -> (state, metrics)`` is pure, compiled once with
+explicit shardings and ``state`` donated (:func:`jit_update`); pi_old's log-probs come with the
+``grpo_jax.core.batch.RolloutBatch``, and each update passes the non-finite guard. Its parts:
+docs/architecture.md, "update"; pi_old, row weights, behaviour correction: docs/objective.md.
 """
 
 from __future__ import annotations

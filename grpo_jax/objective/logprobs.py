@@ -3,22 +3,11 @@
 Shapes: N completion rows, P padded prompt length (left-padded), T completion
 length (right-padded), D model width, V vocabulary.
 
-Every function takes the rows as explicit arrays, [prompt | completion]
-split in two, so the GRPO update (``grpo_jax.learner.update``) and the supervised
-warm start (``grpo_jax.run.warm_start``) score the same way the sampler does:
-
-    logps[n, t] = log softmax(logits(h[n, P-1+t]) / temperature)[tokens[n, t]]
-
-where h is the last layer's output over [prompt_n | completion_n] at
-positions cumsum(mask) - 1. The LM head runs on the T completion positions
-only; no [N, P+T, V] logits are formed.
-
-The completion mask is the loss mask. A completion is every token up to its
-last masked one (:func:`span_mask`): tokens inside it with mask 0 are still
-real tokens, attended to and counted in the positions, only not scored. That
-is a multi-turn transcript, whose environment tokens sit between the model's
-turns with mask 0 (docs/multiturn.md). A single-turn mask is a prefix, for
-which the span is the mask itself.
+Rows come as [prompt | completion] split in two, so the update (``grpo_jax.learner.update``)
+and the warm start (``grpo_jax.run.warm_start``) score as the sampler does: logps[n, t] =
+log softmax(logits(h[n, P-1+t]) / temperature)[tokens[n, t]], the LM head on the completion
+positions only. Tokens inside a row's span (:func:`span_mask`) with mask 0, a transcript's
+environment tokens, are attended to but not scored. docs/objective.md, section 3.
 """
 
 from __future__ import annotations

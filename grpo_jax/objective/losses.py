@@ -1,30 +1,13 @@
 """The GRPO objective: per-token log-probs, ratios, clipping, the KL term, reductions.
 
-Shapes: N = B*G completion rows, grouped contiguously (G rows per prompt),
-T completion tokens (padded), V vocabulary. ``mask_NxT`` is 1 on real
-completion tokens and 0 on padding; |o_i| = mask_NxT[i].sum().
+Shapes: N = B*G completion rows, grouped contiguously (G rows per prompt), T completion tokens
+(padded), V vocabulary; ``mask_NxT`` is 1 on real completion tokens, |o_i| its row's sum.
+Per token (DeepSeekMath, Shao et al. 2024, eq. 3; derived in docs/objective.md),
 
-Per token (DeepSeekMath, Shao et al. 2024, eq. 3; derived in docs/objective.md):
+    objective_t = min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) - beta KL_t,
 
-    rho_t       = exp(logp_theta - logp_old)
-    surrogate_t = min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
-    objective_t = surrogate_t - beta * KL_t
-
-and the default ("grpo") reduction over one group is
-
-    L = -(1/G) sum_i (1/|o_i|) sum_t objective_it,
-
-averaged over the B groups of a batch (which, all groups having G rows, is
-the mean over the N rows of each row's token mean).
-
-:func:`grpo_loss` takes these arrays and the run's ``GRPOConfig`` (``grpo_jax.objective.config``),
-the settings (epsilons, beta, estimators, reduction, ...). It is assembled from
-named pieces: :func:`_prepare` (casts, log rho_t), :func:`kl_term` (KL_t), the
-ratio, its clip and the policy term (:func:`_token_loss`, or
-:func:`_gspo_loss` per sequence), :func:`_aggregate` / :func:`_reduce` (the
-reduction) and :func:`_ratio_metrics`. The policy terms that may replace
-surrogate_t (CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, dual clip) are in
-``grpo_jax.objective.policy_terms``, the KL estimators in ``grpo_jax.objective.kl``.
+rho_t = exp(logp_theta - logp_old); the default ("grpo") loss is L = -(1/N) sum_i (1/|o_i|)
+sum_t objective_it; the other policy terms are in ``policy_terms.py``, KL estimators in ``kl.py``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The W&B writer: a run's metrics, sample tables and alarms as a Weights & Biases run.
 
-``train.wandb`` selects it: "off" (the default), "offline" (no network: the run is written
-under ``<workdir>/wandb/offline-run-<time>-<id>/``; ``wandb sync <that directory>`` uploads
-it later) or "online". The W&B config holds the run's config and, under ``record``, the
-record of what ran (``grpo_jax.run.record``). Every scalar that goes to metrics.jsonl is
-logged against ``grpo/step`` (the GRPO step), every sample file as a table
-(``samples/<name>``) and every alarm as a row of the ``alarms`` table (step, name,
-message) beside its ``alarms/<name>`` metric. The project is ``WANDB_PROJECT`` (default
-"grpo_jax"), the run's name the workdir's; a rerun in the same workdir continues the W&B
-run of the same id (``<workdir>/wandb/run_id``). Only process 0 writes. ``wandb`` is an
-optional dependency: ``pip install -e ".[wandb]"``.
+``train.wandb`` selects it: "off" (the default), "offline" (under ``<workdir>/wandb/``, no
+network; ``wandb sync`` uploads it later) or "online". README.md, "In a few commands" (its
+"Weights & Biases" paragraph), has what it logs and how a rerun continues the same W&B run.
+``wandb`` is an optional dependency: ``pip install -e ".[wandb]"``.
 """
 
 from __future__ import annotations

@@ -270,7 +270,9 @@ def test_initialize_after_jax_started_is_a_clear_error(clean_env):
 def test_flags_are_defined_on_request_only():
     """Importing the module defines no flags (library users may have their own)."""
     code = (
-        "from absl import flags; from grpo_jax import distributed, sampling, update; "
+        "from absl import flags; from grpo_jax.core import distributed; "
+        "from grpo_jax import sampling; "
+        "from grpo_jax.learner import update; "
         "assert 'process_id' not in flags.FLAGS; distributed.define_flags(); "
         "distributed.define_flags(); "
         "flags.FLAGS(['x', '--coordinator_address=h:1', '--num_processes=2', '--process_id=1']); "

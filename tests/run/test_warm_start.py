@@ -244,3 +244,23 @@ def test_the_sft_step_keeps_rows_split_on_a_mesh(tiny_model_config):
                  tokens=spec(6, jnp.int32), mask=spec(6, jnp.bool_))  # fmt: skip
     text = step.lower(state, batch).compile().as_text()
     assert reduced_activations(text, 24, (6, 8, 14)) == []
+
+
+def test_on_one_device_the_step_is_the_program_jitted_without_the_mesh(tiny_model_config):
+    """A one-device mesh has nothing to lay out, so OnMesh leaves the context out: the
+    compiled step is the plain jit's, instruction for instruction. Under ``jax.set_mesh``
+    the sharding constraints changed XLA's fusions and the last bits of each step, and the
+    default run's warm start drifted from its records by its 90th step."""
+    from grpo_jax.core import sharding
+    from grpo_jax.models import create_model
+
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    graphdef, params = nnx.split(create_model(tiny_model_config, seed=0, mesh=mesh))
+    tx, schedule = optimizer.make_optimizer(optimizer.OptimConfig(), 4)
+    state = optimizer.init_state(params, tx, mesh)
+    step = sft.jit_sft_step(graphdef, tx, schedule, jax.tree.map(lambda x: x.sharding, state), mesh)
+    spec = lambda t, dt: jax.ShapeDtypeStruct((8, t), dt)
+    batch = dict(prompt_tokens=spec(8, jnp.int32), prompt_mask=spec(8, jnp.bool_),
+                 tokens=spec(6, jnp.int32), mask=spec(6, jnp.bool_))  # fmt: skip
+    plain = step.jitted.lower(state, batch).compile().as_text()  # outside any mesh context
+    assert step.lower(state, batch).compile().as_text() == plain
