@@ -8,6 +8,7 @@ for minibatches of M rows), A gradient-accumulation micro-batches per update.
 explicit shardings and ``state`` donated (:func:`jit_update`); pi_old's log-probs come with the
 ``grpo_jax.core.batch.RolloutBatch``, and each update passes the non-finite guard. Its parts:
 docs/architecture.md, "update"; pi_old, row weights, behaviour correction: docs/objective.md.
+With ``packs`` (``grpo_jax.learner.packing``) every pass runs on packed rows: docs/packing.md.
 """
 
 from __future__ import annotations

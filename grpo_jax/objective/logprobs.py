@@ -7,7 +7,9 @@ Rows come as [prompt | completion] split in two, so the update (``grpo_jax.learn
 and the warm start (``grpo_jax.run.warm_start``) score as the sampler does: logps[n, t] =
 log softmax(logits(h[n, P-1+t]) / temperature)[tokens[n, t]], the LM head on the completion
 positions only. Tokens inside a row's span (:func:`span_mask`) with mask 0, a transcript's
-environment tokens, are attended to but not scored. docs/objective.md, section 3.
+environment tokens, are attended to but not scored. docs/objective.md, section 3. Packed
+rows (several sequences a row, no slot on padding): :func:`packed_logps_and_entropy`,
+docs/packing.md.
 """
 
 from __future__ import annotations
