@@ -8,6 +8,7 @@ for minibatches of M rows), A gradient-accumulation micro-batches per update.
 explicit shardings and ``state`` donated (:func:`jit_update`); pi_old's log-probs come with the
 ``grpo_jax.core.batch.RolloutBatch``, and each update passes the non-finite guard. Its parts:
 docs/architecture.md, "update"; pi_old, row weights, behaviour correction: docs/objective.md.
+With ``packs`` (``grpo_jax.learner.packing``) every pass runs on packed rows: docs/packing.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
-from grpo_jax.objective.logprobs import completion_logps, completion_logps_and_entropy
+from grpo_jax.objective.logprobs import (
+    PackedRows,
+    completion_logps,
+    completion_logps_and_entropy,
+    packed_logps_and_entropy,
+    packed_member,
+)
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -46,6 +53,13 @@ def _split_rows(x, num_parts: int, shards: int):
     y = x.reshape(shards, num_parts, per, *x.shape[1:])
     y = jnp.swapaxes(y, 0, 1)
     return y.reshape(num_parts, shards * per, *x.shape[1:])
+
+
+def _join_rows(y, shards: int):
+    """[num_parts, M, ...] -> [num_parts M, ...]: the inverse of :func:`_split_rows`."""
+    num_parts, m = y.shape[:2]
+    z = y.reshape(num_parts, shards, m // shards, *y.shape[2:])
+    return jnp.swapaxes(z, 0, 1).reshape(num_parts * m, *y.shape[2:])
 
 
 # grpo_loss's metrics that are means over the loss mask's tokens.
@@ -128,13 +142,20 @@ class _Plan:
     g_full: int
     g_micro: int
     lora_dropout: float
+    packs: PackedRows | None = None  # packed: the step's plan, [U, K, ...] (learner.packing)
 
     @property
     def use_lora(self) -> bool:
         return self.base_graphdef is not None
 
     def logps(self, params, b: RolloutBatch, group_size: int, gdef=None):
-        """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy)."""
+        """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy).
+
+        Packed, ``b`` is the whole batch, scored micro-batch by micro-batch of the plan
+        (:func:`_packed_batch_logps`), and tokens the loss does not see are 0.
+        """
+        if self.packs is not None:
+            return _packed_batch_logps(self, params, b, gdef)
         return completion_logps(
             self.graphdef if gdef is None else gdef,
             params,
@@ -230,22 +251,28 @@ def _loss(plan: _Plan, params, mb):
     )
 
 
-def _make_grad_fn(plan: _Plan):
+def _make_grad_fn(plan: _Plan, loss_fn=None):
     """Make the loss: grad_fn(trained, frozen, mb, key) -> ((loss, metrics), grads of trained).
 
     ``trained`` and ``frozen`` are :meth:`_Plan.partition`'s; the gradient is
     taken with respect to ``trained`` alone. LoRA dropout, when on, draws its
-    masks from ``key``.
+    masks from ``key``. ``loss_fn``: :func:`_loss` (default) or :func:`_packed_loss`.
     """
+    loss_fn = loss_fn or _loss
 
     def train_loss(trained, frozen, mb, k):
-        params = plan.join(frozen, trained)
-        if not (plan.use_lora and plan.lora_dropout > 0):
-            return _loss(plan, params, mb)
-        with lora.dropout(k, plan.lora_dropout):
-            return _loss(plan, params, mb)
+        return _with_dropout(plan, k, lambda: loss_fn(plan, plan.join(frozen, trained), mb))
 
     return jax.value_and_grad(train_loss, has_aux=True)
+
+
+def _with_dropout(plan: _Plan, k, fn):
+    """``fn()`` with LoRA dropout's masks drawn from ``k`` when it is on (and ``k`` given:
+    the scoring passes outside the loss drop nothing)."""
+    if k is None or not (plan.use_lora and plan.lora_dropout > 0):
+        return fn()
+    with lora.dropout(k, plan.lora_dropout):
+        return fn()
 
 
 def _accumulate(plan: _Plan, grad_fn, trained, frozen, mb, k_update):
@@ -283,6 +310,185 @@ def _accumulate(plan: _Plan, grad_fn, trained, frozen, mb, k_update):
     return (loss_A * w_A).sum(), _combine(aux_A, tokens_A), grads
 
 
+# ---------------------------------------------------------------------------
+# Packed rows (docs/packing.md): the plan's micro-batches in place of equal parts of rows.
+
+# Policy terms whose per-token values depend on every token of the minibatch together
+# (their picks rank its tokens): packed, a minibatch of several micro-batches takes its
+# gradient in two passes (:func:`_packed_two_pass`).
+_WHOLE_MINIBATCH_TERMS = ("clip_cov", "kl_cov")
+
+
+def _packed_minibatch_logps(plan: _Plan, params, b: RolloutBatch, packs_K, gdef=None, key=None):
+    """(log pi, entropies) [M, T] of minibatch ``b``'s scored tokens, summed over its
+    micro-batches ``packs_K`` (each token is scored in one of them; 0 elsewhere). An
+    empty micro-batch is skipped. ``key``: LoRA dropout's, folded with the micro-batch."""
+    zeros = jnp.zeros(b.tokens_NxT.shape, jnp.float32)
+
+    def one(carry, xs):
+        pack, a = xs
+
+        def score(_):
+            return _with_dropout(
+                plan,
+                None if key is None else jax.random.fold_in(key, a),
+                lambda: packed_logps_and_entropy(
+                    plan.graphdef if gdef is None else gdef,
+                    params,
+                    b.prompt_tokens_NxP,
+                    b.tokens_NxT,
+                    pack,
+                    plan.objective.temperature,
+                    chunk_size=plan.logits_chunk,
+                    with_entropy=True,
+                ),
+            )
+
+        lp, ent = jax.lax.cond(pack.count > 0, score, lambda _: (zeros, zeros), None)
+        return (carry[0] + lp, carry[1] + ent), None
+
+    k = packs_K.count.shape[0]
+    (lp, ent), _ = jax.lax.scan(one, (zeros, zeros), (packs_K, jnp.arange(k, dtype=jnp.int32)))
+    return lp, ent
+
+
+def _packed_batch_logps(plan: _Plan, params, batch: RolloutBatch, gdef=None):
+    """log pi [N, T] of the whole batch, minibatch by minibatch of the plan."""
+    num = plan.packs.count.shape[0]
+    parts = jax.tree.map(lambda x: _split_rows(x, num, plan.batch_shards), batch)
+
+    def one(_, xs):
+        part, packs_K = xs
+        return None, _packed_minibatch_logps(plan, params, part, packs_K, gdef)[0]
+
+    _, lp_UxMxT = jax.lax.scan(one, None, (parts, plan.packs))
+    return _join_rows(lp_UxMxT, plan.batch_shards)
+
+
+def _packed_loss(plan: _Plan, params, mb):
+    """The loss of one packed micro-batch: ``mb`` = (minibatch, ref_logps_NxT,
+    behavior_w_NxT, pack, whole).
+
+    Its rows and columns are the minibatch's, its loss mask only the tokens ``pack``
+    scores, and its reductions divide by the minibatch's counts (``whole``,
+    ``grpo_jax.objective.losses.Whole``): the micro-batches' losses add up to the
+    minibatch's loss.
+    """
+    b, ref_NxT, w_NxT, pack, whole = mb
+    logps_NxT, entropy_NxT = packed_logps_and_entropy(
+        plan.graphdef,
+        params,
+        b.prompt_tokens_NxP,
+        b.tokens_NxT,
+        pack,
+        plan.objective.temperature,
+        chunk_size=plan.logits_chunk,
+        with_entropy=True,
+    )
+    n, t = b.tokens_NxT.shape
+    return losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        b.advantages_N,
+        _loss_mask(b) * packed_member(pack, n, t),
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+        whole=whole,
+    )
+
+
+def _packed_accumulate(plan: _Plan, grad_fn, trained, frozen, mb, packs_K, k_update):
+    """A minibatch's loss, metrics and gradient from its packed micro-batches.
+
+        L = sum_k L_k,   grad = sum_k grad L_k
+
+    where L_k (:func:`_packed_loss`) is the minibatch's loss restricted to micro-batch
+    k's tokens and divided by the minibatch's counts, so that L is the loss of the
+    whole minibatch for every reduction. An empty micro-batch (the plan rounds their
+    count up) is skipped. The policy terms that rank the whole minibatch's tokens take
+    :func:`_packed_two_pass` instead.
+    """
+    b = mb[0]
+    k = packs_K.count.shape[0]
+    if plan.objective.policy_loss in _WHOLE_MINIBATCH_TERMS and k > 1:
+        return _packed_two_pass(plan, trained, frozen, mb, packs_K, k_update)
+    mask_NxT = _loss_mask(b).astype(jnp.float32)
+    whole = losses.Whole(mask_NxT.sum(), (mask_NxT.sum(axis=1) > 0).sum().astype(jnp.float32))
+
+    def acc(carry, xs):
+        pack, a = xs
+        key = jax.random.fold_in(k_update, a)
+        run = lambda _: grad_fn(trained, frozen, (*mb, pack, whole), key)
+        empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run, None))
+        (l_k, aux_k), g_k = jax.lax.cond(pack.count > 0, run, lambda _: empty, None)
+        return jax.tree.map(jnp.add, carry, g_k), (l_k, aux_k)
+
+    zeros = jax.tree.map(jnp.zeros_like, trained)
+    index_K = jnp.arange(k, dtype=jnp.int32)
+    grads, (loss_K, aux_K) = jax.lax.scan(acc, zeros, (packs_K, index_K))
+    return loss_K.sum(), _combine(aux_K, packs_K.count.astype(jnp.float32)), grads
+
+
+def _packed_two_pass(plan: _Plan, trained, frozen, mb, packs_K, k_update):
+    """:func:`_packed_accumulate` for a loss that is no sum over micro-batches.
+
+    A forward pass over the micro-batches scores the minibatch's tokens l; the loss of
+    the whole minibatch, the padded update's, gives g = dL/dl; a second pass takes
+    each micro-batch's vector-Jacobian product with g, whose sum is dL/dtheta. One
+    forward pass more than :func:`_packed_accumulate`.
+    """
+    b, ref_NxT, w_NxT = mb
+    params = plan.join(frozen, trained)
+    logps_NxT, entropy_NxT = _packed_minibatch_logps(plan, params, b, packs_K, key=k_update)
+
+    def loss_of(l_NxT):
+        return losses.grpo_loss(
+            l_NxT,
+            b.old_logps_NxT,
+            b.advantages_N,
+            _loss_mask(b),
+            plan.objective,
+            ref_logps_NxT=ref_NxT,
+            entropy_NxT=entropy_NxT,
+            behavior_weights_NxT=w_NxT,
+        )
+
+    (loss, aux), g_NxT = jax.value_and_grad(loss_of, has_aux=True)(jax.lax.stop_gradient(logps_NxT))
+
+    def back(carry, xs):
+        pack, a = xs
+
+        def vjp(_):
+            def f(tr):
+                return _with_dropout(
+                    plan,
+                    jax.random.fold_in(k_update, a),
+                    lambda: packed_logps_and_entropy(
+                        plan.graphdef,
+                        plan.join(frozen, tr),
+                        b.prompt_tokens_NxP,
+                        b.tokens_NxT,
+                        pack,
+                        plan.objective.temperature,
+                        chunk_size=plan.logits_chunk,
+                    )[0],
+                )
+
+            return jax.vjp(f, trained)[1](g_NxT)[0]
+
+        g_k = jax.lax.cond(
+            pack.count > 0, vjp, lambda _: jax.tree.map(jnp.zeros_like, trained), None
+        )
+        return jax.tree.map(jnp.add, carry, g_k), None
+
+    index_K = jnp.arange(packs_K.count.shape[0], dtype=jnp.int32)
+    zeros = jax.tree.map(jnp.zeros_like, trained)
+    grads, _ = jax.lax.scan(back, zeros, (packs_K, index_K))
+    return loss, aux, grads
+
+
 def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
     """One optimizer update on minibatch ``mb``, guarded (``optimizer.apply_guarded``).
 
@@ -292,7 +498,11 @@ def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
     """
     trained, frozen = plan.partition(st.params)
     k_update = jax.random.fold_in(key, st.updates)
-    loss, aux, grads = _accumulate(plan, grad_fn, trained, frozen, mb, k_update)
+    if plan.packs is None:
+        loss, aux, grads = _accumulate(plan, grad_fn, trained, frozen, mb, k_update)
+    else:
+        mb, packs_K = mb
+        loss, aux, grads = _packed_accumulate(plan, grad_fn, trained, frozen, mb, packs_K, k_update)
     lr = plan.schedule(st.updates)
     st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, plan.tx)
     if frozen is not None:
@@ -312,15 +522,26 @@ def _one_pass(one_update, state: TrainState, parts):
     return jax.lax.scan(one_update, state, parts)
 
 
-def _passes(one_update, state: TrainState, prepared, num_minibatches: int, shards: int, mu: int):
+def _passes(
+    one_update,
+    state: TrainState,
+    prepared,
+    num_minibatches: int,
+    shards: int,
+    mu: int,
+    packs: PackedRows | None = None,
+):
     """mu passes (:func:`_one_pass`) over the prepared batch, against the same pi_old.
 
     ``prepared`` (the batch, the reference log-probs and the behaviour weights)
     is split into ``num_minibatches`` parts of rows from every one of
     ``shards`` shards; the passes are unrolled (mu is small and static).
+    Packed, each part goes with its minibatch's micro-batches (``packs``).
     Returns the state and the metrics of all U = mu N / M updates, each [U].
     """
     parts = jax.tree.map(lambda x: _split_rows(x, num_minibatches, shards), prepared)
+    if packs is not None:
+        parts = (parts, packs)
     all_metrics = []
     for _ in range(mu):
         state, m_U = _one_pass(one_update, state, parts)
@@ -376,6 +597,7 @@ def update(
     batch: RolloutBatch,
     key: jax.Array,
     ref_params=None,
+    packs: PackedRows | None = None,
     *,
     graphdef,
     tx: optax.GradientTransformation,
@@ -402,6 +624,11 @@ def update(
     chunks of that many tokens (``grpo_jax.objective.logprobs.completion_logps_and_entropy``);
     ``share_prompts`` and LoRA (``base_graphdef``, ``lora_dropout``): :class:`_Plan`.
 
+    ``packs`` (``grpo_jax.learner.packing.plan_packs``'s plan of this batch): every
+    forward pass runs on packed rows, micro-batch by micro-batch of the plan, in place
+    of ``grad_accum`` equal parts of rows (docs/packing.md); the minibatches, and the
+    loss as a function of the batch, are the same.
+
     Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
     entropy, update counters), ``behavior/*`` and, with ``track_update``,
     ``policy/*``: how far the step moved the policy on its own samples.
@@ -421,11 +648,13 @@ def update(
         g_full=g_full,
         g_micro=g_micro,
         lora_dropout=lora_dropout,
+        packs=packs,
     )
     prepared, behavior_metrics = _prepare_batch(plan, state, batch, ref_params, grpo.old_logps)
-    one_update = functools.partial(_one_update, plan, _make_grad_fn(plan), key)
+    grad_fn = _make_grad_fn(plan, None if packs is None else _packed_loss)
+    one_update = functools.partial(_one_update, plan, grad_fn, key)
     skipped_before = state.skipped
-    state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu)
+    state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu, packs)
     metrics = _reduce_metrics(m_U, state, skipped_before) | behavior_metrics
     if track_update:
         metrics.update(_policy_movement(plan, state.params, prepared[0]))

@@ -25,6 +25,25 @@ MASKED = float(jnp.finfo(jnp.float32).min)  # Finite: a row with no visible key 
 NO_WINDOW = 2**30  # A per-layer window value (scanned layers) meaning "global layer".
 
 
+class Segments(NamedTuple):
+    """Packed rows: several sequences one after another in a row, each attending to itself.
+
+    ``id_BxS``: each slot's sequence, 1, 2, ... along the row; 0 for the padding after
+    the row's last one (padding sees padding only, so no query is left without a key).
+    ``pos_BxS``: each token's position in its sequence (restarting at 0; RoPE reads the
+    same positions), by which a sliding window measures distance. ``part_BxS`` (None:
+    one level): a sequence of two levels is a shared part 0 (a group's prompt) followed
+    by continuations 1, 2, ... (its completions), each of which sees part 0 and itself.
+
+    A query in slot i sees key slot j iff j <= i, id[j] == id[i], part[j] is 0 or
+    part[i], and, with a window W, pos[i] - pos[j] < W (docs/packing.md).
+    """
+
+    id_BxS: jax.Array
+    pos_BxS: jax.Array
+    part_BxS: jax.Array | None = None
+
+
 class AttnMask(NamedTuple):
     """What a query may see, without forming the [B, T, S] mask.
 
@@ -37,12 +56,15 @@ class AttnMask(NamedTuple):
       slots q_offset .. q_offset + T - 1 of every row (then
       ``q_slot_BxT[b, t] == q_offset + t``); None when that slot is traced.
       Only the static-mask kernel (``splash``) needs it.
+    segments: packed rows (:class:`Segments`, over the key slots), or None. A query
+      reads its own sequence, part and position at its slot.
     """
 
     q_slot_BxT: jax.Array
     kv_mask_BxS: jax.Array
     window: jax.Array | int | None = None
     q_offset: int | None = None
+    segments: Segments | None = None
 
 
 class PagedKV(NamedTuple):
@@ -206,15 +228,39 @@ def _on_platform(build):
     return call
 
 
-def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0) -> jax.Array:
-    """allowed[b, t, s]: key slot s_offset + s is visible to query t of row b."""
+def allowed(q_slot_BxT, kv_mask_BxS, window, s_offset=0, seg=None) -> jax.Array:
+    """allowed[b, t, s]: key slot s_offset + s is visible to query t of row b.
+
+    ``seg``: packed rows, the queries' (sequence, part, position) [B, T] each and the
+    keys' [B, S] each (:func:`segment_ids`); then the window measures positions.
+    """
     S = kv_mask_BxS.shape[-1]
     s_S = s_offset + jnp.arange(S, dtype=jnp.int32)
     dist_BxTxS = q_slot_BxT[:, :, None] - s_S[None, None, :]
     ok = (dist_BxTxS >= 0) & kv_mask_BxS[:, None, :].astype(bool)
+    if seg is not None:
+        (q_id, q_part, q_pos), (k_id, k_part, k_pos) = seg
+        k_part_Bx1xS = k_part[:, None, :]
+        ok &= q_id[:, :, None] == k_id[:, None, :]
+        ok &= (k_part_Bx1xS == 0) | (k_part_Bx1xS == q_part[:, :, None])
+        if window is not None:
+            ok &= q_pos[:, :, None] - k_pos[:, None, :] < window
+        return ok
     if window is not None:
         ok &= dist_BxTxS < window
     return ok
+
+
+def segment_ids(mask: AttnMask):
+    """((query id, part, position) [B, T] each, (key id, part, position) [B, S] each) of
+    ``mask.segments``, the queries' read at their slots; None without segments."""
+    seg = mask.segments
+    if seg is None:
+        return None
+    part = jnp.zeros_like(seg.id_BxS) if seg.part_BxS is None else seg.part_BxS
+    keys = tuple(x.astype(jnp.int32) for x in (seg.id_BxS, part, seg.pos_BxS))
+    at_q = lambda x: jnp.take_along_axis(x, mask.q_slot_BxT.astype(jnp.int32), axis=1)
+    return tuple(at_q(x) for x in keys), keys
 
 
 def _cap(scores, softcap):
@@ -232,7 +278,7 @@ def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, 
         f"btkgh,{k_spec}->bkgts", q_BxTxKxGxDh, k.astype(dt), preferred_element_type=jnp.float32
     )
     scores_BxKxGxTxS = _cap(scores_BxKxGxTxS * scale, softcap)
-    ok_BxTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window)
+    ok_BxTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window, seg=segment_ids(mask))
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
     return jnp.einsum(f"bkgts,{v_spec}->btkgh", probs_BxKxGxTxS, v.astype(dt))
@@ -242,13 +288,17 @@ def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, 
 # blockwise: online softmax over key blocks, with its own gradient.
 
 
-def _block_scores(q_BxKxGxTxDh, k_BxKxCxDh, q_slot_BxT, kv_mask_BxC, window, s0, scale, softcap):
-    """(masked scores, pre-cap scaled scores) [B, K, G, T, C] of one key block, float32."""
+def _block_scores(
+    q_BxKxGxTxDh, k_BxKxCxDh, q_slot_BxT, kv_mask_BxC, window, s0, scale, softcap, seg=None
+):
+    """(masked scores, pre-cap scaled scores) [B, K, G, T, C] of one key block, float32.
+
+    ``seg``: packed rows, :func:`segment_ids` with the keys' arrays of this block."""
     raw = jnp.einsum(
         "bkgth,bkch->bkgtc", q_BxKxGxTxDh, k_BxKxCxDh, preferred_element_type=jnp.float32
     )
     raw = raw * scale
-    ok_BxTxC = allowed(q_slot_BxT, kv_mask_BxC, window, s0)
+    ok_BxTxC = allowed(q_slot_BxT, kv_mask_BxC, window, s0, seg)
     return jnp.where(ok_BxTxC[:, None, None], _cap(raw, softcap), MASKED), raw
 
 
@@ -266,7 +316,16 @@ def _unblocks(x, axis):
     return x.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
 
 
-def _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
+def _seg_blocks(seg, n, block):
+    """Packed rows' key arrays as scan inputs, one block each (None without segments)."""
+    return None if seg is None else tuple(_blocks(x, n, block, 1) for x in seg[1])
+
+
+def _seg_of(seg, kv_seg_blk):
+    return None if seg is None else (seg[0], kv_seg_blk)
+
+
+def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
     """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T])."""
     B, K, G, T, Dh = q.shape
     n = k.shape[2] // block
@@ -275,11 +334,14 @@ def _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
         _blocks(v, n, block, 2),
         _blocks(kv_mask, n, block, 1),
     )
+    seg_N = _seg_blocks(seg, n, block)
 
     def step(carry, xs):
         m, l, acc = carry
-        j, k_blk, v_blk, kvm_blk = xs
-        s, _ = _block_scores(q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap)
+        j, k_blk, v_blk, kvm_blk, seg_blk = xs
+        s, _ = _block_scores(
+            q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap, _seg_of(seg, seg_blk)
+        )
         m_new = jnp.maximum(m, s.max(-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
@@ -295,21 +357,21 @@ def _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
         jnp.zeros((B, K, G, T, Dh), jnp.float32),
     )
     js = jnp.arange(n, dtype=jnp.int32)
-    (m, l, acc), _ = jax.lax.scan(step, init, (js, k_N, v_N, kv_mask_N))
+    (m, l, acc), _ = jax.lax.scan(step, init, (js, k_N, v_N, kv_mask_N, seg_N))
     return acc / l[..., None], m, l
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
-    return _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block)[0].astype(
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
+    return _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)[0].astype(
         q.dtype
     )
 
 
-def _flash_fwd(q, k, v, q_slot, kv_mask, window, scale, softcap, block):
-    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, scale, softcap, block)
+def _flash_fwd(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
+    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)
     out = out.astype(q.dtype)
-    return out, (q, k, v, q_slot, kv_mask, window, out, m, l)
+    return out, (q, k, v, q_slot, kv_mask, window, seg, out, m, l)
 
 
 def _flash_bwd(scale, softcap, block, res, d_out):
@@ -320,7 +382,7 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         ds_raw = ds * (1 - tanh^2(raw / c)) when soft-capped,
         dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q.
     """
-    q, k, v, q_slot, kv_mask, window, out, m, l = res
+    q, k, v, q_slot, kv_mask, window, seg, out, m, l = res
     n = k.shape[2] // block
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
@@ -329,11 +391,14 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         _blocks(v, n, block, 2),
         _blocks(kv_mask, n, block, 1),
     )
+    seg_N = _seg_blocks(seg, n, block)
     inv_l = 1.0 / l
 
     def step(dq, xs):
-        j, k_blk, v_blk, kvm_blk = xs
-        s, raw = _block_scores(q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap)
+        j, k_blk, v_blk, kvm_blk, seg_blk = xs
+        s, raw = _block_scores(
+            q, k_blk, q_slot, kvm_blk, window, j * block, scale, softcap, _seg_of(seg, seg_blk)
+        )
         p = jnp.exp(s - m[..., None]) * inv_l[..., None]
         dv = jnp.einsum("bkgtc,bkgth->bkch", p, do)
         dp = jnp.einsum("bkgth,bkch->bkgtc", do, v_blk.astype(jnp.float32))
@@ -347,7 +412,7 @@ def _flash_bwd(scale, softcap, block, res, d_out):
 
     js = jnp.arange(n, dtype=jnp.int32)
     dq, (dk_N, dv_N) = jax.lax.scan(
-        step, jnp.zeros(q.shape, jnp.float32), (js, k_N, v_N, kv_mask_N)
+        step, jnp.zeros(q.shape, jnp.float32), (js, k_N, v_N, kv_mask_N, seg_N)
     )
     zero_int = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
     return (
@@ -357,6 +422,7 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         zero_int(q_slot),
         zero_int(kv_mask),
         zero_int(window),
+        jax.tree.map(zero_int, seg),
     )
 
 
@@ -374,10 +440,13 @@ def blockwise_attention(
     block = min(block_size, S)
     pad = -S % block
     kv_mask_BxS = mask.kv_mask_BxS.astype(bool)
+    seg = segment_ids(mask)
     if pad:
         widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
         k_BxKxSxDh, v_BxKxSxDh = widen(k_BxKxSxDh), widen(v_BxKxSxDh)
         kv_mask_BxS = jnp.pad(kv_mask_BxS, ((0, 0), (0, pad)))
+        if seg is not None:  # the added slots are masked by kv_mask already
+            seg = (seg[0], tuple(jnp.pad(x, ((0, 0), (0, pad))) for x in seg[1]))
     q_BxKxGxTxDh = jnp.transpose(q_BxTxKxGxDh, (0, 2, 3, 1, 4))
     window = NO_WINDOW if mask.window is None else mask.window
     dt = q_BxTxKxGxDh.dtype
@@ -388,6 +457,7 @@ def blockwise_attention(
         mask.q_slot_BxT.astype(jnp.int32),
         kv_mask_BxS,
         jnp.asarray(window, jnp.int32),
+        seg,
         scale,
         softcap,
         block,
@@ -403,7 +473,8 @@ def dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask: AttnMask, 
     """``jax.nn.dot_product_attention`` with the allowed-key mask (cuDNN: GPU, half precision)."""
     B, T, K, G, Dh = q_BxTxKxGxDh.shape
     dt = q_BxTxKxGxDh.dtype
-    ok_Bx1xTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window)[:, None]
+    ok_Bx1xTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window, seg=segment_ids(mask))
+    ok_Bx1xTxS = ok_Bx1xTxS[:, None]
     gpu_half = jax.default_backend() == "gpu" and dt in (jnp.bfloat16, jnp.float16)
     out_BxTxHxDh = jax.nn.dot_product_attention(
         q_BxTxKxGxDh.reshape(B, T, K * G, Dh),
@@ -507,6 +578,14 @@ def splash_attention(
 
     dt = q_BxTxKxGxDh.dtype
     kv_seg_BxS = mask.kv_mask_BxS.astype(jnp.int32)
+    if mask.segments is not None:  # packed rows: each sequence its own segment, padding 0
+        if mask.segments.part_BxS is not None:
+            raise ValueError(
+                "splash attention's segment ids say only whether two tokens share a "
+                "sequence: packed rows of two levels (a prompt shared by its completions) "
+                "need another attention; pack one completion per prompt for splash"
+            )
+        kv_seg_BxS = mask.segments.id_BxS.astype(jnp.int32)
     q_seg_BxT = jax.lax.slice_in_dim(kv_seg_BxS, off, off + T, axis=1)
     q_BxKxGxTxDh = jnp.transpose(q_BxTxKxGxDh * jnp.asarray(scale, dt), (0, 2, 3, 1, 4))
     pad_t = lambda x, axis, n: jnp.pad(x, [(0, n if a == axis else 0) for a in range(x.ndim)])

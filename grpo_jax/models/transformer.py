@@ -105,18 +105,34 @@ class Transformer(nnx.Module):
         return tables, kind
 
     def _run_layers(
-        self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
+        self,
+        x_BxTxD,
+        positions_BxT,
+        q_slot_BxT,
+        kv_mask_BxS,
+        cache,
+        cache_index,
+        q_offset,
+        segments=None,
     ):
-        """The decoder layers; ``q_offset``: query 0's slot as a Python int, or None."""
+        """The decoder layers; ``q_offset``: query 0's slot as a Python int, or None;
+        ``segments``: packed rows (``grpo_jax.models.attention.Segments``), or None."""
         if self.config.scan_layers:
             return self._scan_layers(
-                x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
+                x_BxTxD,
+                positions_BxT,
+                q_slot_BxT,
+                kv_mask_BxS,
+                cache,
+                cache_index,
+                q_offset,
+                segments,
             )
         cfg = self.config
         tables, kind = self._rope_tables(positions_BxT)
         for i, block in enumerate(self.layers):
             cos, sin = tables[kind[i]]
-            mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i), q_offset)
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i), q_offset, segments)
             apply = _block_fn(self.layout)
             if cfg.remat:  # Keep only the layer's inputs; recompute its insides for the gradient.
                 apply = nnx.remat(apply)
@@ -128,7 +144,15 @@ class Transformer(nnx.Module):
         return x_BxTxD, cache
 
     def _scan_layers(
-        self, x_BxTxD, positions_BxT, q_slot_BxT, kv_mask_BxS, cache, cache_index, q_offset
+        self,
+        x_BxTxD,
+        positions_BxT,
+        q_slot_BxT,
+        kv_mask_BxS,
+        cache,
+        cache_index,
+        q_offset,
+        segments=None,
     ):
         """The stacked layers by ``jax.lax.scan``; per-layer window and RoPE table as inputs."""
         cfg, layout, L = self.config, self.layout, self.config.num_layers
@@ -152,7 +176,8 @@ class Transformer(nnx.Module):
                 cos, sin = cos_RxBxTxDh[xs["kind"]], sin_RxBxTxDh[xs["kind"]]
             else:
                 cos, sin = tables[0]
-            mask = AttnMask(q_slot_BxT, kv_mask_BxS, xs.get("window", windows[0]), q_offset)
+            window = xs.get("window", windows[0])
+            mask = AttnMask(q_slot_BxT, kv_mask_BxS, window, q_offset, segments)
             layer_cache = None
             if cache is not None:  # This layer's slabs [B, K, S, Dh] / [B, K, Dh, S].
                 layer_cache = {
@@ -193,20 +218,31 @@ class Transformer(nnx.Module):
             self.features(tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT)
         )
 
-    def features(self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None) -> jax.Array:
+    def features(
+        self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None, segments=None
+    ) -> jax.Array:
         """The last layer's output [B, T, D], before the final norm: no LM head.
 
         ``logits(features(...)[:, a:b])`` scores positions a..b-1 only, so a
         caller that needs a few positions' logits never forms the rest.
+
+        ``segments`` (``grpo_jax.models.attention.Segments``): packed rows, several
+        sequences one after another in each row, each attending to itself alone; their
+        positions (``segments.pos_BxS``) are the RoPE positions and their ids mark the
+        real tokens (``mask_BxT`` and ``positions_BxT`` are then not given).
         """
         B, T = tokens_BxT.shape
+        if segments is not None:
+            mask_BxT, positions_BxT = segments.id_BxS > 0, segments.pos_BxS
         if mask_BxT is None:
             mask_BxT = jnp.ones((B, T), bool)
         if positions_BxT is None:
             positions_BxT = positions_from_mask(mask_BxT)
         slot_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        x_BxTxD, _ = self._run_layers(x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None, 0)
+        x_BxTxD, _ = self._run_layers(
+            x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None, 0, segments
+        )
         return x_BxTxD
 
     def logits(self, x_BxTxD: jax.Array) -> jax.Array:

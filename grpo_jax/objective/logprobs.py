@@ -7,17 +7,21 @@ Rows come as [prompt | completion] split in two, so the update (``grpo_jax.learn
 and the warm start (``grpo_jax.run.warm_start``) score as the sampler does: logps[n, t] =
 log softmax(logits(h[n, P-1+t]) / temperature)[tokens[n, t]], the LM head on the completion
 positions only. Tokens inside a row's span (:func:`span_mask`) with mask 0, a transcript's
-environment tokens, are attended to but not scored. docs/objective.md, section 3.
+environment tokens, are attended to but not scored. docs/objective.md, section 3. Packed
+rows (several sequences a row, no slot on padding): :func:`packed_logps_and_entropy`,
+docs/packing.md.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models.attention import Segments
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.objective import losses
 
@@ -124,6 +128,13 @@ def completion_logps_and_entropy(
     h_NxTxD = completion_features(
         model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
     )
+    return _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy)
+
+
+def _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy):
+    """(log-probs, entropies or None) [N, T] of ``tokens_NxT`` from the features that
+    predict them: the LM head over chunks of ``chunk_size`` along T, rematerialised
+    (:func:`completion_logps_and_entropy`)."""
     n, t = tokens_NxT.shape
     # The LM head's own parameters are the chunks' inputs; the layers' are
     # constants there (unused, and no gradient to accumulate across chunks).
@@ -175,3 +186,87 @@ def completion_logps(
         chunk_size=chunk_size,
         group_size=group_size,
     )[0]
+
+
+# ---------------------------------------------------------------------------
+# Packed rows: no slot on padding (docs/packing.md).
+
+
+class PackedRows(NamedTuple):
+    """Completions packed into R rows of L slots, with the prompts they continue.
+
+    Built on the host (``grpo_jax.learner.packing``) for a batch of N rows, P prompt and
+    T completion slots; the R rows are split over the S batch shards, shard s holding
+    rows s R/S .. (s + 1) R/S - 1, and M head slots per shard. A row holds sequences one
+    after another (``grpo_jax.models.attention.Segments``): a prompt's real tokens, then
+    one of its completions (one level), or several (two levels: part k the k-th, each
+    seeing the prompt and itself), each completion up to its last masked token.
+
+    src_RxL: each slot's token, an index into the rows' tokens laid end to end,
+      [prompt tokens (N P) | completion tokens (N T)]; any index on padding.
+    id_RxL, pos_RxL, part_RxL: the slots' ``Segments`` (``part_RxL`` None: one level).
+    head_src_SxM: the slot, among its shard's R/S rows laid end to end, whose output
+      predicts each scored token: the one before it, the prompt's last for a
+      completion's first.
+    head_dst_SxM: that token's index in the completions [N T]; N T on unused slots.
+    count: the scored tokens (0: an empty micro-batch, skipped).
+    """
+
+    src_RxL: jax.Array
+    id_RxL: jax.Array
+    pos_RxL: jax.Array
+    part_RxL: jax.Array | None
+    head_src_SxM: jax.Array
+    head_dst_SxM: jax.Array
+    count: jax.Array
+
+
+def packed_logps_and_entropy(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    tokens_NxT,
+    pack: PackedRows,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    with_entropy: bool = False,
+):
+    """(log-probs [N, T], entropies [N, T] or None) of the completion tokens ``pack``
+    scores, 0 at every other token: the rows of :func:`completion_logps_and_entropy`,
+    packed.
+
+    The model runs over the packed rows (every sequence attending to itself alone, its
+    positions restarting), the LM head over the M scored tokens of each shard only
+    (gathered within the shard, ``chunk_size`` at a time; M a multiple of it), and the
+    log-probs are scattered back to their rows and columns.
+    """
+    n, p = prompt_tokens_NxP.shape
+    t = tokens_NxT.shape[1]
+    table = jnp.concatenate([prompt_tokens_NxP.reshape(-1), tokens_NxT.reshape(-1)])
+    tokens_RxL = table.astype(jnp.int32)[pack.src_RxL]
+    model = nnx.merge(graphdef, params)
+    seg = Segments(pack.id_RxL, pack.pos_RxL, pack.part_RxL)
+    h_RxLxD = model.features(tokens_RxL, segments=seg)
+    s, m = pack.head_src_SxM.shape
+    r, l = tokens_RxL.shape
+    h_SxRLxD = h_RxLxD.reshape(s, (r // s) * l, -1)
+    h_SxMxD = jnp.take_along_axis(h_SxRLxD, pack.head_src_SxM[..., None], axis=1)
+    flat_tokens = tokens_NxT.reshape(-1).astype(jnp.int32)
+    targets_SxM = flat_tokens[jnp.minimum(pack.head_dst_SxM, n * t - 1)]
+    logps_SxM, ent_SxM = _head_logps(
+        model, h_SxMxD, targets_SxM, temperature, chunk_size, with_entropy
+    )
+
+    def scatter(x_SxM):
+        out = jnp.zeros((n * t,), x_SxM.dtype)
+        return out.at[pack.head_dst_SxM.reshape(-1)].set(x_SxM.reshape(-1), mode="drop")
+
+    unflat = lambda x: scatter(x).reshape(n, t)
+    return unflat(logps_SxM), None if ent_SxM is None else unflat(ent_SxM)
+
+
+def packed_member(pack: PackedRows, n: int, t: int) -> jax.Array:
+    """[N, T] float32: 1 at the tokens ``pack`` scores, 0 elsewhere."""
+    out = jnp.zeros((n * t,), jnp.float32)
+    return out.at[pack.head_dst_SxM.reshape(-1)].set(1.0, mode="drop").reshape(n, t)

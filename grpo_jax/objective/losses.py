@@ -150,6 +150,20 @@ def _at_least_f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+class Whole(NamedTuple):
+    """The counts of a whole minibatch whose loss is summed from calls on parts of it.
+
+    A packed micro-batch's call sees the minibatch's rows with a mask on its own tokens
+    (``grpo_jax.learner.update``); its loss divides by these, so that the calls' losses
+    add up to the minibatch's: ``tokens`` its real tokens ("token_mean"), ``rows`` its
+    rows with at least one ("gspo"). The other reductions divide by the row count N
+    (the mask's rows) or N T_max, the same for every call.
+    """
+
+    tokens: jax.Array
+    rows: jax.Array
+
+
 class _Terms(NamedTuple):
     """grpo_loss's inputs as the pieces use them (:func:`_prepare`); float32 or wider."""
 
@@ -210,7 +224,7 @@ def _clip_sides(rho, adv, lo, hi):
     return (rho < lo) & (adv < 0), (rho > hi) & (adv > 0)
 
 
-def _gspo_loss(t: _Terms, obj: GRPOConfig):
+def _gspo_loss(t: _Terms, obj: GRPOConfig, whole: Whole | None = None):
     """GSPO (Zheng et al. 2025): the ratio and its clip per sequence, then the row mean.
 
         s_i = exp((1/|o_i|) sum_t log rho_it)
@@ -236,18 +250,17 @@ def _gspo_loss(t: _Terms, obj: GRPOConfig):
         surrogate_N = surrogate_N * _row_mean(t.behavior_w_NxT, t)
     kl_N = _row_mean(t.kl_NxT, t)
     has_tokens_N = (t.n_tokens_N > 0).astype(jnp.float32)
-    loss = -((surrogate_N - obj.beta * kl_N) * has_tokens_N).sum() / jnp.maximum(
-        has_tokens_N.sum(), 1.0
-    )
+    rows = has_tokens_N.sum() if whole is None else whole.rows
+    loss = -((surrogate_N - obj.beta * kl_N) * has_tokens_N).sum() / jnp.maximum(rows, 1.0)
     rho_NxT = jnp.broadcast_to(rho_Nx1, t.mask_NxT.shape)
     return loss, (rho_NxT, *_clip_sides(rho_Nx1, adv_Nx1, lo, hi))
 
 
-def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
+def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens, whole=None):
     """L from the masked per-token objective, by ``reduction`` (``grpo.reduction``):
 
     "grpo":       L = -(1/N) sum_i (1/|o_i|) sum_t objective_it
-    "token_mean": L = -sum_it objective_it / sum_i |o_i|
+    "token_mean": L = -sum_it objective_it / sum_i |o_i|   (``whole.tokens`` when given)
     "dr_grpo":    L = -sum_it objective_it / (N max_tokens)
     """
     n_rows = mask_NxT.shape[0]
@@ -255,13 +268,14 @@ def _reduce(objective_NxT, mask_NxT, n_tokens_N, reduction, max_tokens):
         per_seq_N = objective_NxT.sum(1) / jnp.maximum(n_tokens_N, 1.0)
         return -per_seq_N.sum() / n_rows
     if reduction == "token_mean":
-        return -objective_NxT.sum() / jnp.maximum(mask_NxT.sum(), 1.0)
+        tokens = mask_NxT.sum() if whole is None else whole.tokens
+        return -objective_NxT.sum() / jnp.maximum(tokens, 1.0)
     # dr_grpo
     denom = mask_NxT.shape[1] if max_tokens is None else max_tokens
     return -objective_NxT.sum() / (n_rows * denom)
 
 
-def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None):
+def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None, whole=None):
     """The loss from the policy term: weighted, minus beta KL, reduced.
 
     Per token: objective_t = w_t policy_t - beta KL_t, reduced by :func:`_reduce`.
@@ -278,7 +292,7 @@ def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None):
     if t.behavior_w_NxT is not None:
         policy = policy * t.behavior_w_NxT
     objective_NxT = (policy - obj.beta * t.kl_NxT) * t.mask_NxT
-    return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, max_tokens)
+    return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, max_tokens, whole)
 
 
 def _policy_options(objective: GRPOConfig) -> dict:
@@ -294,7 +308,7 @@ def _policy_options(objective: GRPOConfig) -> dict:
     )
 
 
-def _token_loss(t: _Terms, obj: GRPOConfig, max_tokens: int | None):
+def _token_loss(t: _Terms, obj: GRPOConfig, max_tokens: int | None, whole=None):
     """The per-token ratio rho_t = exp(log rho_t), the policy term, and its aggregation.
 
     The policy term is ``POLICY_LOSSES[obj.policy_loss]`` (the clipped
@@ -313,7 +327,7 @@ def _token_loss(t: _Terms, obj: GRPOConfig, max_tokens: int | None):
         eps_high=obj.epsilon_high,
         **_policy_options(obj),
     )
-    loss = _aggregate(policy, t, obj, max_tokens)
+    loss = _aggregate(policy, t, obj, max_tokens, whole)
     return loss, (rho_NxT, *_clip_sides(rho_NxT, t.adv_Nx1, lo, hi))
 
 
@@ -350,6 +364,7 @@ def grpo_loss(
     logits_NxTxV: jax.Array | None = None,
     entropy_NxT: jax.Array | None = None,
     behavior_weights_NxT: jax.Array | None = None,
+    whole: Whole | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (module doc) with the settings ``objective``, and its monitoring metrics.
 
@@ -374,6 +389,9 @@ def grpo_loss(
         multiply the policy term of each token (each row's term for "gspo"
         and "gmpo", which need weights constant along a row: level
         "sequence"). None: no correction.
+      whole: when ``mask_NxT`` holds one part of a minibatch (:class:`Whole`), the
+        minibatch's counts; the parts' losses then add up to the minibatch's. The
+        Clip-Cov and KL-Cov picks and the metrics are over this call's tokens.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -392,9 +410,9 @@ def grpo_loss(
         objective.kl_estimator,
     )
     if objective.reduction == "gspo":
-        loss, (rho_NxT, low, high) = _gspo_loss(t, objective)
+        loss, (rho_NxT, low, high) = _gspo_loss(t, objective, whole)
     else:
-        loss, (rho_NxT, low, high) = _token_loss(t, objective, max_tokens)
+        loss, (rho_NxT, low, high) = _token_loss(t, objective, max_tokens, whole)
     metrics = _ratio_metrics(rho_NxT, low, high, t.mask_NxT)
     if ref_logps_NxT is not None:
         metrics["kl_mean"] = jax.lax.stop_gradient(masked_mean(t.kl_NxT, t.mask_NxT))

@@ -50,6 +50,17 @@ class RewardModel(Transformer):
         w_DxC = self.score[...].astype(h_BxD.dtype)
         return jnp.einsum("bd,dc->bc", h_BxD, w_DxC, preferred_element_type=jnp.float32)
 
+    def packed_scores(self, tokens_RxL: jax.Array, segments, last_Q: jax.Array) -> jax.Array:
+        """float32 [Q, C]: :meth:`scores` of packed rows, several sequences a row
+        (``segments``, ``grpo_jax.models.attention.Segments``: each attends to itself, its
+        positions from 0); ``last_Q``: each sequence's last slot in the rows laid end to end.
+        """
+        x_RxLxD = self.features(tokens_RxL, segments=segments)
+        x_QxD = x_RxLxD.reshape(-1, x_RxLxD.shape[-1])[last_Q]
+        h_QxD = self.final_norm(x_QxD)
+        w_DxC = self.score[...].astype(h_QxD.dtype)
+        return jnp.einsum("qd,dc->qc", h_QxD, w_DxC, preferred_element_type=jnp.float32)
+
 
 def score_entry(hidden_size: int, num_labels: int) -> Entry:
     """The head's checkpoint tensor: [C, D] in the checkpoint, [D, C] here."""

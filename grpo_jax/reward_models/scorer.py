@@ -5,7 +5,9 @@
 
 Texts are tokenized and scored ``batch_size`` at a time in bucketed shapes, split over the
 mesh's batch axes; with several processes each host scores its own rows. A text longer than
-the largest bucket, or a score that is not finite, is NaN (unscored, counted).
+the largest bucket, or a score that is not finite, is NaN (unscored, counted). With
+``packing`` (``train.packing = "on"``, one process) the texts are packed several to a row
+instead (:func:`score_packed`, docs/packing.md).
 docs/learned_rewards.md ("In a run", "Containment", "Several processes") has the rest.
 """
 
@@ -22,8 +24,10 @@ from flax import nnx
 
 from grpo_jax.core import distributed
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.core.packing import first_fit_decreasing, next_power_of_two, round_up
 from grpo_jax.core.sharding import batch_sharding, batch_shards
 from grpo_jax.models import CheckpointError, load_tokenizer
+from grpo_jax.models.attention import Segments
 from grpo_jax.reward_models.model import RewardModel, load_reward_model
 from grpo_jax.rewards.section import RewardModelSection
 from grpo_jax.sampling.static import pad_prompts
@@ -35,6 +39,11 @@ LEARNED = "reward_model"  # the learned reward's name among a RewardResult's rew
 
 def _scores_fn(graphdef, params, tokens_BxT, mask_BxT):
     return nnx.merge(graphdef, params).scores(tokens_BxT, mask_BxT)
+
+
+def _packed_scores_fn(graphdef, params, tokens_RxL, id_RxL, pos_RxL, last_Q):
+    model = nnx.merge(graphdef, params)
+    return model.packed_scores(tokens_RxL, Segments(id_RxL, pos_RxL), last_Q)
 
 
 @dataclasses.dataclass
@@ -123,6 +132,62 @@ def score_in_batches(
     return out
 
 
+def score_packed(
+    fn, token_lists, *, pad_id: int, buckets, batch_size: int, mesh=None, what: str = ""
+) -> np.ndarray:
+    """:func:`score_in_batches` with the rows packed: ``fn(tokens_RxL, id_RxL, pos_RxL,
+    last_Q) -> [Q]`` scores the sequences of R packed rows of L slots.
+
+    L is the smallest of ``buckets`` holding the longest text; the texts go into rows of L
+    by first fit decreasing, ``batch_size`` rows a call (a padded call's rows, each now
+    holding several texts). The compiled shapes stay few: R is a power of two (a multiple
+    of the mesh's batch shards, at most ``batch_size``) and Q, the texts a call, one too.
+    One process only (several: :func:`score_in_batches`).
+    """
+    n = len(token_lists)
+    out = np.full(n, np.nan, np.float32)
+    fits = [i for i, t in enumerate(token_lists) if len(t) <= buckets[-1]]
+    if len(fits) < n:
+        log.warning(
+            "%s: %d of %d texts exceed %s.buckets' largest (%d tokens) and are not scored",
+            what,
+            n - len(fits),
+            n,
+            what,
+            buckets[-1],
+        )
+    if not fits:
+        return out
+    lengths = [len(token_lists[i]) for i in fits]
+    L = next(b for b in buckets if b >= max(lengths))
+    rows = first_fit_decreasing(lengths, L)
+    shards = 1 if mesh is None else batch_shards(mesh)
+    for start in range(0, len(rows), batch_size):
+        call = rows[start : start + batch_size]
+        R = min(batch_size, round_up(next_power_of_two(len(call)), shards))
+        Q = next_power_of_two(sum(len(r) for r in call))
+        tokens = np.full((R, L), pad_id, np.int32)
+        ids = np.zeros((R, L), np.int32)
+        pos = np.zeros((R, L), np.int32)
+        last = np.zeros(Q, np.int32)
+        who = []
+        for r, row in enumerate(call):
+            slot = 0
+            for j, k in enumerate(row):
+                t = token_lists[fits[k]]
+                sl = slice(slot, slot + len(t))
+                tokens[r, sl], ids[r, sl], pos[r, sl] = t, j + 1, np.arange(len(t))
+                slot += len(t)
+                last[len(who)] = r * L + slot - 1
+                who.append(fits[k])
+        arrays = (tokens, ids, pos)
+        if mesh is not None:
+            arrays = jax.device_put(arrays, batch_sharding(mesh))
+        out[who] = np.asarray(fn(*arrays, last))[: len(who)]
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
 def _padded(token_lists, rows, size: int, pad_id: int, buckets):
     """(tokens, mask) of ``rows`` of ``token_lists``, left-padded to the smallest of ``buckets``
     holding the longest, filled to ``size`` rows with empty ones (one compiled shape a bucket)."""
@@ -157,12 +222,14 @@ class LearnedReward:
       tokenizer: its Hugging Face tokenizer.
       section: the ``reward_model`` settings.
       mesh: where it runs (the trainer's mesh); None: the default device.
+      packing: score packed rows (:func:`score_packed`) where one process runs.
     """
 
     model: RewardModel
     tokenizer: object
     section: RewardModelSection
     mesh: jax.sharding.Mesh | None = None
+    packing: bool = False
     moments: RunningMoments = dataclasses.field(default_factory=RunningMoments)
     warned_nonfinite: bool = False
 
@@ -181,9 +248,12 @@ class LearnedReward:
             )
         self._graphdef, self._params = nnx.split(self.model)
         self._jit = jax.jit(_scores_fn, static_argnums=0)
+        self._packed_jit = jax.jit(_packed_scores_fn, static_argnums=0)
 
     @classmethod
-    def load(cls, section: RewardModelSection, mesh=None, layout: str = "fsdp"):
+    def load(
+        cls, section: RewardModelSection, mesh=None, layout: str = "fsdp", packing: bool = False
+    ):
         """The reward model of ``section.path`` on ``mesh``; CheckpointError when it cannot load."""
         model = load_reward_model(section.path, mesh=mesh, layout=layout)
         tok_dir = section.tokenizer or section.path
@@ -192,7 +262,7 @@ class LearnedReward:
             raise CheckpointError(
                 f"{tok_dir}: reward_model.chat = True, but the tokenizer has no chat template"
             )
-        return cls(model=model, tokenizer=tokenizer, section=section, mesh=mesh)
+        return cls(model=model, tokenizer=tokenizer, section=section, mesh=mesh, packing=packing)
 
     @property
     def pad_id(self) -> int:
@@ -219,10 +289,17 @@ class LearnedReward:
         """float32[N] raw scores (``section.label``'s logit); NaN: too long or not finite."""
         s = self.section
 
-        def fn(tokens, mask):
+        def padded(tokens, mask):
             return self._jit(self._graphdef, self._params, tokens, mask)[:, s.label]
 
-        out = score_in_batches(
+        def packed(tokens, ids, pos, last):
+            out_QxC = self._packed_jit(self._graphdef, self._params, tokens, ids, pos, last)
+            return out_QxC[:, s.label]
+
+        score, fn = score_in_batches, padded
+        if self.packing and jax.process_count() == 1:
+            score, fn = score_packed, packed
+        out = score(
             fn,
             token_lists,
             pad_id=self.pad_id,

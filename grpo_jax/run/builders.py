@@ -274,7 +274,9 @@ def build_scorer(run: RunConfig, mesh=None) -> Scorer:
     """The run's rewards; with ``reward_model.path``, its reward model placed on ``mesh``."""
     learned = []
     if run.reward_model.path:
-        rm = LearnedReward.load(run.reward_model, mesh, layout=run.mesh.layout)
+        rm = LearnedReward.load(
+            run.reward_model, mesh, layout=run.mesh.layout, packing=run.train.packing == "on"
+        )
         learned.append((LEARNED, rm, run.reward_model.weight))
     if run.judge.path:  # the reference policy's judge gets its parameters at the start
         judge = Judge.load(run.judge, mesh, layout=run.mesh.layout)

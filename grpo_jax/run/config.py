@@ -80,6 +80,7 @@ __all__ = [
     # The run's own.
     "BUILTIN_TOKENIZER",
     "METRICS",
+    "PACKING",
     "TARGETS",
     "TINY_PREFIX",
     "TOP_KEYS",
@@ -93,6 +94,9 @@ __all__ = [
     "check_batch_layout",
     "parse_config",
 ]
+
+
+PACKING = ("off", "on")  # train.packing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,20 @@ class TrainConfig:
         head, log-softmax and entropy rematerialised per chunk), so the
         float32 logits are never [rows, T, V] at once; 0: all T together. Must
         divide sampling.max_new_tokens. For large vocabularies (Qwen, Gemma).
+      packing: "on": the update, its scoring passes (pi_old recomputed, the
+        reference, track_update) and the learned rewards' scoring run on packed
+        rows, no slot on padding, in micro-batches of ``microbatch_tokens``
+        (``grpo_jax.learner.packing``, docs/packing.md); "off": padded rows, in
+        optim.grad_accum equal parts of each minibatch.
+      microbatch_tokens: with packing, the token slots of one micro-batch on
+        one device: whole packed rows of P + T slots, at least one (0: as many
+        as a padded micro-batch's rows hold, minibatch rows / optim.grad_accum
+        per batch shard).
+      pack_row_tokens: with packing, the slots of one packed row (0: P + T, the
+        padded row's). Longer rows hold a group's prompt with more of its
+        completions (the prompt run once a row), at the cost of attention
+        over the whole row; at least max(sampling.prompt_buckets) +
+        sampling.max_new_tokens.
       dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025): keep only
         groups whose rewards are not all equal, drawing further rounds of B
         prompts until B groups are kept or max_sampling_rounds are spent;
@@ -164,6 +182,9 @@ class TrainConfig:
     sampled_tokens_budget: int = 0
     max_staleness: int = 0
     compilation_cache_dir: str = ""
+    packing: str = "off"
+    microbatch_tokens: int = 0
+    pack_row_tokens: int = 0
 
     def __post_init__(self):
         check_range("train.steps", self.steps, lo=0, integer=True)
@@ -188,6 +209,16 @@ class TrainConfig:
         check_range("train.max_sampling_rounds", self.max_sampling_rounds, lo=1, integer=True)
         check_range("train.sampled_tokens_budget", self.sampled_tokens_budget, lo=0, integer=True)
         check_range("train.max_staleness", self.max_staleness, lo=0, integer=True)
+        check_choice("train.packing", self.packing, PACKING)
+        check_range("train.microbatch_tokens", self.microbatch_tokens, lo=0, integer=True)
+        check_range("train.pack_row_tokens", self.pack_row_tokens, lo=0, integer=True)
+        for key in ("microbatch_tokens", "pack_row_tokens"):
+            if getattr(self, key) and self.packing != "on":
+                raise ConfigError(
+                    f"config key 'train.{key}' = {getattr(self, key)} needs "
+                    f"train.packing = 'on' (it is {self.packing!r}): padded micro-batches are "
+                    "optim.grad_accum equal parts of a minibatch's rows"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +550,13 @@ def parse_config(config) -> RunConfig:
         raise ConfigError(
             f"config key 'train.logits_chunk' = {chunk} must divide "
             f"sampling.max_new_tokens = {t} (or be 0: no chunking)"
+        )
+    row = run.train.pack_row_tokens
+    if row and row < max(run.sampling.prompt_buckets) + t:
+        raise ConfigError(
+            f"config key 'train.pack_row_tokens' = {row} must hold the longest prompt and "
+            f"completion: at least max(sampling.prompt_buckets) + sampling.max_new_tokens = "
+            f"{max(run.sampling.prompt_buckets) + t} (or be 0: that length)"
         )
     if run.train.dynamic_sampling and run.env.name:
         raise ConfigError(

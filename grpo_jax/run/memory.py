@@ -456,6 +456,7 @@ def _run_kwargs(run, mesh_shape) -> dict:
     """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
     n = run.train.batch_size * run.grpo.G
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
+    rows = _packed_rows(run, mesh_shape) or rows
     if run.warm_start.enabled:
         rows = max(rows, run.warm_start.batch_size)
     return dict(
@@ -469,6 +470,20 @@ def _run_kwargs(run, mesh_shape) -> dict:
         logits_chunk=run.train.logits_chunk,
         **_lora_kwargs(run),
     )
+
+
+def _packed_rows(run, mesh_shape) -> int:
+    """With ``train.packing`` and a ``train.microbatch_tokens`` budget, the rows of P + T
+    slots one packed micro-batch's slots come to, over all devices: ``microbatch_tokens``
+    // L packed rows of L = ``train.pack_row_tokens`` (P + T) slots (at least one) on each
+    batch shard (``grpo_jax.learner.packing``); 0 otherwise (the padded micro-batch's
+    rows, whose slots the default budget holds). docs/packing.md."""
+    if run.train.packing != "on" or not run.train.microbatch_tokens:
+        return 0
+    slots = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    row = run.train.pack_row_tokens or slots
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    return shards * math.ceil(max(1, run.train.microbatch_tokens // row) * row / slots)
 
 
 def _engine_kv(run, model_cfg_like, mesh_shape) -> int | None:

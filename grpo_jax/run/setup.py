@@ -24,6 +24,7 @@ from flax import nnx
 from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, sharding
 from grpo_jax.learner import optimizer as optim_lib
+from grpo_jax.learner import packing
 from grpo_jax.learner import update as update_lib
 from grpo_jax.models import lora
 from grpo_jax.reward_models import learned_bytes
@@ -269,7 +270,8 @@ def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> No
 
 def build_trainer(run: RunConfig, policy: Policy, params, mesh):
     """-> (Trainer, the initial TrainState): the optimizer over the trained parameters (the
-    adapters alone with LoRA) and the update, jitted with the state's shardings."""
+    adapters alone with LoRA) and the update, jitted with the state's shardings (with
+    ``train.packing``, the packed update: ``grpo_jax.learner.packing``)."""
     N = run.train.batch_size * run.grpo.G
     m_rows = run.train.minibatch_size or N
     total_updates = run.train.steps * run.grpo.mu * (N // m_rows)
@@ -279,7 +281,7 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
     state = optim_lib.init_state(params, tx, mesh, trained=trained)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
-    step_fn = update_lib.jit_update(
+    settings = dict(
         graphdef=policy.graphdef,
         tx=tx,
         schedule=schedule,
@@ -297,6 +299,23 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
         base_graphdef=None if lora_run is None else lora_run.base_graphdef,
         lora_dropout=run.model.lora.dropout,
     )
+    if run.train.packing == "on":
+        shards = sharding.batch_shards(mesh)
+        attention = nnx.merge(policy.graphdef, params).config.attention
+        pack = packing.PackSettings(
+            group_size=run.grpo.G,
+            shards=shards,
+            num_minibatches=N // m_rows,
+            microbatch_tokens=run.train.microbatch_tokens,
+            default_rows=m_rows // shards // run.optim.grad_accum,
+            # splash's segment ids cannot say "the prompt, or this completion"
+            two_level=attention != "splash",
+            head_multiple=run.train.logits_chunk or 8,
+            row_slots=run.train.pack_row_tokens,
+        )
+        step_fn = packing.jit_packed_update(settings=pack, **settings)
+    else:
+        step_fn = update_lib.jit_update(**settings)
     return Trainer(tx=tx, schedule=schedule, update=step_fn), state
 
 

@@ -188,8 +188,11 @@ def _stop(s: Setup, rs: RunState, step: int) -> dict:
 def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
     """The update compiled, in a background thread, for a batch of prompts ``prompt_width``
     wide: a context manager (:class:`grpo_jax.learner.update.CompiledAhead`) whose value is the
-    update."""
+    update. A packed update's shapes follow the lengths the step draws (docs/packing.md):
+    it compiles when the first batch is there."""
     run = s.run
+    if run.train.packing == "on":
+        return contextlib.nullcontext(s.trainer.update)
     spec = batch_lib.batch_spec(
         batch_lib.rollout_batch_shardings(s.placement.mesh),
         run.train.batch_size * run.grpo.G,
