@@ -126,6 +126,7 @@ def _device_bytes(tree, device):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [{"fsdp": 8}, {"data": 2, "fsdp": 4}])
 def test_fsdp_moments_are_sharded_like_their_parameters(axes, tiny_model_config, tmp_path):
     """With an fsdp layout each device holds its share of the moments, not all of them: after

@@ -378,6 +378,7 @@ def test_update_with_a_bfloat16_base_on_8_devices_equals_one_device():
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_dropout_holds_for_its_own_thread_only():
     """The trainer traces the update (dropout on, a traced key) on one thread while it traces
     the sampler on another: the sampler's forward must see no dropout and no key of the

@@ -219,6 +219,7 @@ def test_same_key_same_episodes():
     np.testing.assert_array_equal(a.logps_NxT, b.logps_NxT)
 
 
+@pytest.mark.slow
 def test_row_keys_make_each_episode_independent_of_the_other_rows():
     """One key per prompt (evaluation's): prompt b's episodes are the same in a call of all
     four prompts and in a call of two, though rows fall out of step differently in each

@@ -58,6 +58,7 @@ def _full_logps(policy, prompt, completion, temperature=1.0):
     return np.asarray(out[0]), np.asarray(jnp.argmax(logits[0, n - 1 : -1], axis=-1))
 
 
+@pytest.mark.slow
 def test_rows_cut_and_continued_equal_one_uninterrupted_run(policy):
     """Three runs, two groups due in each, the later groups cut wherever the due ones end:
     the same greedy completions as one run over all six prompts."""
@@ -94,6 +95,7 @@ def test_rows_cut_and_continued_equal_one_uninterrupted_run(policy):
         np.testing.assert_allclose(out.logps_NxT[r, :n], full, atol=2e-5, err_msg=f"row {r}")
 
 
+@pytest.mark.slow
 def test_a_carried_row_continues_under_the_new_parameters(policy):
     """A row cut under parameters A and continued under B: the tokens drawn before the cut
     are A's greedy choices with A's log-probs, those after are B's given the whole prefix,
@@ -130,6 +132,7 @@ def test_a_carried_row_continues_under_the_new_parameters(policy):
     assert checked == 4
 
 
+@pytest.mark.slow
 def test_a_continued_row_draws_from_the_model_given_its_prefix(policy):
     """512 rows carried with the same three drawn tokens: the next token's draw (the first
     decode step after the extension writes two of them) against the model's probabilities

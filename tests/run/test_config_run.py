@@ -130,6 +130,7 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert not (tmp_path / "wd" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_main_names_an_unknown_key_in_one_line(tmp_path):
     out = _main("--config.grpo.GG=3", tmp_path=tmp_path)
     assert out.returncode == 2

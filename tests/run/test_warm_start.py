@@ -181,6 +181,7 @@ def test_the_warm_start_cache_does_not_depend_on_the_lora_keys():
     assert fps()[1] == sft.fingerprint(json.loads(json.dumps(parts)))
 
 
+@pytest.mark.slow
 def test_a_damaged_warm_start_cache_is_an_error_naming_it_and_an_old_one_loads(parts, tmp_path):
     """Flipped bytes are found by the checksums, a truncated file by Orbax; a cache of an
     earlier version (no checksums) loads, saying so."""

@@ -60,6 +60,7 @@ BUDGETS = [
         pytest.param(BUDGETS[2], 3, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_greedy_episodes_equal_the_static_kernels(llama, budgets, slots):
     graphdef, params = llama
     greedy = dict(greedy=True, stop_sequences=((9, 9),))

@@ -30,6 +30,7 @@ def policy():
     return graphdef, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)
 
 
+@pytest.mark.slow
 def test_the_window_layers_pool_is_smaller_and_greedy_equals_the_static_engine(policy):
     ref, out, st = _both(policy, PROMPTS, 2, max_new_tokens=T, greedy=True, **ENGINE)
     # Own pages of T - 1 = 15 fed tokens: 8 pages a slot; the window's 4 + 2 - 1 tokens: 4.
@@ -50,6 +51,7 @@ def test_sampled_rows_score_as_a_full_forward_pass_with_slots_reused(policy):
     np.testing.assert_allclose(out.logps, np.where(out.mask, full, 0.0), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_carried_rows_continue_with_the_window_pool(policy):
     """Partial rollouts' extension path writes a carried row's tokens into both pools and
     frees what its chunks no longer see: cut and continued equals one run."""
