@@ -107,18 +107,7 @@ def score_in_batches(
     With several processes ``token_lists`` are this host's rows and every host calls
     this together (module doc).
     """
-    n = len(token_lists)
-    out = np.full(n, np.nan, np.float32)
-    fits = [i for i, t in enumerate(token_lists) if len(t) <= buckets[-1]]
-    if len(fits) < n:
-        log.warning(
-            "%s: %d of %d texts exceed %s.buckets' largest (%d tokens) and are not scored",
-            what,
-            n - len(fits),
-            n,
-            what,
-            buckets[-1],
-        )
+    out, fits = _unscored_and_fitting(token_lists, buckets, what)
     if mesh is not None and jax.process_count() > 1:
         _score_across_hosts(fn, token_lists, fits, out, pad_id, buckets, batch_size, mesh)
     else:
@@ -130,6 +119,23 @@ def score_in_batches(
             out[rows] = np.asarray(fn(tokens, mask))[: len(rows)]
     out[~np.isfinite(out)] = np.nan
     return out
+
+
+def _unscored_and_fitting(token_lists, buckets, what: str):
+    """(NaN scores for every text, the indices of the texts the largest bucket holds); the
+    texts left out are counted in one warning naming ``what``'s buckets."""
+    n = len(token_lists)
+    fits = [i for i, t in enumerate(token_lists) if len(t) <= buckets[-1]]
+    if len(fits) < n:
+        log.warning(
+            "%s: %d of %d texts exceed %s.buckets' largest (%d tokens) and are not scored",
+            what,
+            n - len(fits),
+            n,
+            what,
+            buckets[-1],
+        )
+    return np.full(n, np.nan, np.float32), fits
 
 
 def score_packed(
@@ -144,18 +150,7 @@ def score_packed(
     of the mesh's batch shards, at most ``batch_size``) and Q, the texts a call, one too.
     One process only (several: :func:`score_in_batches`).
     """
-    n = len(token_lists)
-    out = np.full(n, np.nan, np.float32)
-    fits = [i for i, t in enumerate(token_lists) if len(t) <= buckets[-1]]
-    if len(fits) < n:
-        log.warning(
-            "%s: %d of %d texts exceed %s.buckets' largest (%d tokens) and are not scored",
-            what,
-            n - len(fits),
-            n,
-            what,
-            buckets[-1],
-        )
+    out, fits = _unscored_and_fitting(token_lists, buckets, what)
     if not fits:
         return out
     lengths = [len(token_lists[i]) for i in fits]
