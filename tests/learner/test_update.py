@@ -100,6 +100,7 @@ def test_rollout_batch_shardings_split_every_field_over_the_batch_axes():
         assert getattr(sh, f.name) == sharding.batch_sharding(mesh, ndim), f.name
 
 
+@pytest.mark.slow
 def test_first_update_starts_at_ratio_one_and_moves_params(setup):
     graphdef, params, _, batch = setup
     state, fn = _step(setup)

@@ -243,6 +243,7 @@ def test_tool_use_tag_format_episode():
     _check_episodes(ep, transcript, model_mask)
 
 
+@pytest.mark.slow
 def test_a_multiturn_evaluation_gives_per_problem_results(tmp_path):
     """``evaluation.evaluate_policy`` with an environment: each problem's episode outcome
     (greedy, and two seeds of two sampled episodes), the figures from them, and a file."""

@@ -209,6 +209,7 @@ def test_bad_partial_rollout_settings_name_the_key(updates, match):
         _parse(**updates)
 
 
+@pytest.mark.slow
 def test_the_memory_plan_counts_the_pool_of_k_plus_one_steps_of_prompts(policy):
     """With partial rollouts the pool holds the next k steps' prompts beside the step's:
     the plan's KV figure is within 10% of the bytes the engine allocates (B = 2, k = 1)."""

@@ -81,6 +81,7 @@ def test_per_problem_results_do_not_depend_on_batch_size_or_mesh(policy):
     assert _texts(policy, 1, 4, row_keys=False) != _texts(policy, 1, 12, row_keys=False)
 
 
+@pytest.mark.slow
 def test_problems_file_round_trip(policy, tmp_path):
     prob = _run(policy, 1, 12)
     path = problems.write(tmp_path / "eval" / "step_3.jsonl", prob, {"step": 3})

@@ -391,6 +391,7 @@ def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     assert found[True] < found[False] / 2
 
 
+@pytest.mark.slow
 def test_the_documented_qwen_memory_tables_are_what_the_script_prints():
     """README.md and docs/lora.md quote benchmarks/memory_plans.py's tables row for row."""
     import pathlib

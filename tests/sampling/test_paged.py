@@ -29,7 +29,8 @@ def policy():
 @pytest.mark.parametrize(
     "engine",
     [
-        dict(page_size=4, slots=5, prefill_chunk=3),  # 12 requests through 5 slots
+        # 12 requests through 5 slots
+        pytest.param(dict(page_size=4, slots=5, prefill_chunk=3), marks=pytest.mark.slow),
         # One slot per row, pages of 16: a prompt's single page is partly filled.
         pytest.param(dict(), marks=pytest.mark.slow),
         # A pool below the worst case: admissions wait for pages.

@@ -78,6 +78,7 @@ def test_carried_rows_continue_with_the_window_pool(policy):
     np.testing.assert_array_equal(rest.count_N, whole.count_N[g:])
 
 
+@pytest.mark.slow
 def test_the_memory_plan_counts_the_window_layers_pool(policy):
     g, t, p = 2, T, 16
     prompts = [list(range(1 + i, 17 + i)) for i in range(2)]  # 16 tokens: the bucket

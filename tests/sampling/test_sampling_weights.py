@@ -32,6 +32,7 @@ def _floating_params(params):
     ]
 
 
+@pytest.mark.slow
 def test_the_copy_samples_as_a_model_built_in_bfloat16(tiny_policy, tiny_model_config):
     graphdef, params = tiny_policy
     w = sampler_weights(graphdef, params, "bfloat16")
