@@ -93,107 +93,162 @@ def plan_packs(prompt_mask_NxP, mask_NxT, weights_N, s: PackSettings):
     slots), ``micro_batches`` (used, over the minibatches) and ``compiled_micro_batches``
     (K per minibatch, as compiled).
     """
-    pmask = np.asarray(prompt_mask_NxP, bool)
-    mask = np.asarray(mask_NxT, bool)
-    weights = np.asarray(weights_N, np.float32)
-    N, P = pmask.shape
-    T = mask.shape[1]
-    L, U, S = s.row_slots or P + T, s.num_minibatches, s.shards
-    if N % (S * U):
-        raise ValueError(f"{N} rows do not split into {U} minibatches over {S} shards")
-    if L < P + T:
-        raise ValueError(f"packed rows of {L} slots do not hold a prompt and completion of {P + T}")
-    per, Nm = N // (S * U), N // U
-    R_s = max(1, (s.microbatch_tokens or s.default_rows * (P + T)) // L)
-    has = mask.any(axis=1)
-    span = np.where(has, T - np.argmax(mask[:, ::-1], axis=1), 0)
-    plen = pmask.sum(axis=1)
-    live = (weights > 0) & has
-    if (live & (plen == 0)).any():
-        raise ValueError("a scored row has an empty prompt: nothing predicts its first token")
-
-    packed_u = []  # per minibatch: (its packed rows, each a list of units; their sizes)
-    for u in range(U):
-        rows_g = [sh * (N // S) + u * per + j for sh in range(S) for j in range(per)]
-        units = _units(rows_g, live, span, plen, s.group_size, s.two_level, L)
-        unit_len = [int(plen[rows_g[x[0]]] + sum(span[rows_g[li]] for li in x)) for x in units]
-        rows_u = first_fit_decreasing(unit_len, L)
-        packed = [[units[i] for i in row] for row in rows_u]
-        packed_u.append((rows_g, packed, [sum(unit_len[i] for i in row) for row in rows_u]))
+    b = _Batch.of(prompt_mask_NxP, mask_NxT, weights_N, s)
+    packed_u = [_pack_minibatch(b, u, s) for u in range(b.U)]
     # K micro-batches of R_s rows a shard at most; fewer rows when fewer hold the step.
     most = max(max(len(p[1]) for p in packed_u), 1)
-    K = next_power_of_two(math.ceil(most / (S * R_s)))
-    R_s = min(R_s, next_power_of_two(math.ceil(most / (S * K))))
-    R = S * R_s
+    K = next_power_of_two(math.ceil(most / (b.S * b.R_s)))
+    R_s = min(b.R_s, next_power_of_two(math.ceil(most / (b.S * K))))
+    R = b.S * R_s
     plans = []  # per minibatch: (micro-batch k, shard s)'s packed rows at bin k S + s
     for rows_g, packed, sizes in packed_u:
         k_u = max(1, math.ceil(len(packed) / R))
-        bins = balance(sizes, k_u * S, R_s)
-        plans.append(([[packed[i] for i in b] for b in bins], rows_g, k_u, sizes))
+        bins = balance(sizes, k_u * b.S, R_s)
+        plans.append(([[packed[i] for i in bin_] for bin_ in bins], rows_g, k_u, sizes))
+    rows, heads = _fill_rows(b, plans, K, R_s)
+    head_src, head_dst, count = _head_arrays(heads, b, K, R_s, s.head_multiple)
+    two = s.two_level and s.group_size > 1
+    packs = PackedRows(*rows[:3], rows[3] if two else None, head_src, head_dst, count)
+    used = sum(p[2] for p in plans)
+    stats = {
+        "tokens": int(sum(sum(p[3]) for p in plans)),
+        "slots": int(used * R * b.L),
+        "micro_batches": int(used),
+        "compiled_micro_batches": int(K),
+    }
+    return packs, stats
 
-    src = np.zeros((U, K, R, L), np.int32)
-    ids = np.zeros((U, K, R, L), np.int32)
-    pos = np.zeros((U, K, R, L), np.int32)
-    part = np.zeros((U, K, R, L), np.int32)
-    heads = [[[None] * S for _ in range(K)] for _ in range(U)]
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """One batch's masks as the planner reads them, with the plan's sizes."""
+
+    pmask: np.ndarray  # [N, P] bool
+    mask: np.ndarray  # [N, T] bool
+    span: np.ndarray  # [N]: a completion's slots up to its last masked token
+    plen: np.ndarray  # [N]: a prompt's real tokens
+    live: np.ndarray  # [N]: the row adds to the loss
+    L: int  # slots of a packed row
+    U: int  # minibatches
+    S: int  # batch shards
+    R_s: int  # packed rows of a micro-batch on one shard, at most
+
+    @property
+    def N(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def P(self) -> int:
+        return self.pmask.shape[1]
+
+    @property
+    def T(self) -> int:
+        return self.mask.shape[1]
+
+    @staticmethod
+    def of(prompt_mask_NxP, mask_NxT, weights_N, s: PackSettings) -> _Batch:
+        pmask = np.asarray(prompt_mask_NxP, bool)
+        mask = np.asarray(mask_NxT, bool)
+        weights = np.asarray(weights_N, np.float32)
+        N, P = pmask.shape
+        T = mask.shape[1]
+        L, U, S = s.row_slots or P + T, s.num_minibatches, s.shards
+        if N % (S * U):
+            raise ValueError(f"{N} rows do not split into {U} minibatches over {S} shards")
+        if L < P + T:
+            raise ValueError(
+                f"packed rows of {L} slots do not hold a prompt and completion of {P + T}"
+            )
+        has = mask.any(axis=1)
+        span = np.where(has, T - np.argmax(mask[:, ::-1], axis=1), 0)
+        plen = pmask.sum(axis=1)
+        live = (weights > 0) & has
+        if (live & (plen == 0)).any():
+            raise ValueError("a scored row has an empty prompt: nothing predicts its first token")
+        R_s = max(1, (s.microbatch_tokens or s.default_rows * (P + T)) // L)
+        return _Batch(pmask, mask, span, plen, live, L, U, S, R_s)
+
+
+def _pack_minibatch(b: _Batch, u: int, s: PackSettings):
+    """Minibatch u's (global rows by local index, packed rows as lists of units, the
+    packed rows' real tokens)."""
+    per = b.N // (b.S * b.U)
+    rows_g = [sh * (b.N // b.S) + u * per + j for sh in range(b.S) for j in range(per)]
+    units = _units(rows_g, b.live, b.span, b.plen, s.group_size, s.two_level, b.L)
+    unit_len = [int(b.plen[rows_g[x[0]]] + sum(b.span[rows_g[li]] for li in x)) for x in units]
+    rows_u = first_fit_decreasing(unit_len, b.L)
+    packed = [[units[i] for i in row] for row in rows_u]
+    return rows_g, packed, [sum(unit_len[i] for i in row) for row in rows_u]
+
+
+def _fill_rows(b: _Batch, plans, K: int, R_s: int):
+    """The packed rows' (src, ids, pos, part) [U, K, R, L] and, per (minibatch,
+    micro-batch, shard), the LM head's (source slots, destination tokens)."""
+    R, L = b.S * R_s, b.L
+    arrays = [np.zeros((b.U, K, R, L), np.int32) for _ in range(4)]
+    heads = [[[None] * b.S for _ in range(K)] for _ in range(b.U)]
     for u, (bins, rows_g, _, _) in enumerate(plans):
-        for b, rows in enumerate(bins):
-            k, sh = divmod(b, S)
+        for i, rows in enumerate(bins):
+            k, sh = divmod(i, b.S)
             h_src, h_dst = [], []
             for r, row in enumerate(rows):
-                at = sh * R_s + r
-                slot = 0
-                for j, unit in enumerate(row):
-                    g0 = rows_g[unit[0]]
-                    pp = np.flatnonzero(pmask[g0])
-                    p = len(pp)
-                    sl = slice(slot, slot + p)
-                    src[u, k, at, sl] = unit[0] * P + pp
-                    ids[u, k, at, sl], pos[u, k, at, sl] = j + 1, np.arange(p)
-                    last_prompt = slot + p - 1
-                    slot += p
-                    for c, li in enumerate(unit):
-                        gi = rows_g[li]
-                        n = int(span[gi])
-                        sl = slice(slot, slot + n)
-                        src[u, k, at, sl] = Nm * P + li * T + np.arange(n)
-                        ids[u, k, at, sl], pos[u, k, at, sl] = j + 1, p + np.arange(n)
-                        part[u, k, at, sl] = c + 1
-                        scored = np.flatnonzero(mask[gi, :n])
-                        before = np.where(scored == 0, last_prompt, slot + scored - 1)
-                        h_src.append(r * L + before)
-                        h_dst.append(li * T + scored)
-                        slot += n
+                at = (u, k, sh * R_s + r)
+                _fill_row(b, arrays, at, row, rows_g, h_src, h_dst, r * L)
             heads[u][k][sh] = (
                 np.concatenate(h_src) if h_src else np.zeros(0, np.int32),
                 np.concatenate(h_dst) if h_dst else np.zeros(0, np.int32),
             )
+    return arrays, heads
 
+
+def _fill_row(b: _Batch, arrays, at, row, rows_g, h_src, h_dst, row_start):
+    """One packed row's slots: each unit's prompt, then its completions; the LM head's
+    source slots (offset by ``row_start``) and destination tokens appended to h_src/h_dst."""
+    src, ids, pos, part = (a[at] for a in arrays)
+    Nm = len(rows_g)
+    P, T = b.P, b.T
+    slot = 0
+    for j, unit in enumerate(row):
+        pp = np.flatnonzero(b.pmask[rows_g[unit[0]]])
+        p = len(pp)
+        sl = slice(slot, slot + p)
+        src[sl] = unit[0] * P + pp
+        ids[sl], pos[sl] = j + 1, np.arange(p)
+        last_prompt = slot + p - 1
+        slot += p
+        for c, li in enumerate(unit):
+            gi = rows_g[li]
+            n = int(b.span[gi])
+            sl = slice(slot, slot + n)
+            src[sl] = Nm * P + li * T + np.arange(n)
+            ids[sl], pos[sl] = j + 1, p + np.arange(n)
+            part[sl] = c + 1
+            scored = np.flatnonzero(b.mask[gi, :n])
+            before = np.where(scored == 0, last_prompt, slot + scored - 1)
+            h_src.append(row_start + before)
+            h_dst.append(li * T + scored)
+            slot += n
+
+
+def _head_arrays(heads, b: _Batch, K: int, R_s: int, multiple: int):
+    """The LM head's (head_src, head_dst [U, K, S, M], count [U, K]): M, the head slots
+    per shard, one of eight steps of R_s L / 8 rounded to ``multiple``."""
+    Nm, T = b.N // b.U, b.T
     most = max((len(h[0]) for hu in heads for hk in hu for h in hk if h is not None), default=0)
-    m = s.head_multiple
-    step = round_up(math.ceil(R_s * L / 8), m)
-    M = min(round_up(max(most, 1), step), round_up(R_s * L, m))
-    head_src = np.zeros((U, K, S, M), np.int32)
-    head_dst = np.full((U, K, S, M), Nm * T, np.int32)
-    count = np.zeros((U, K), np.int32)
-    for u in range(U):
+    step = round_up(math.ceil(R_s * b.L / 8), multiple)
+    M = min(round_up(max(most, 1), step), round_up(R_s * b.L, multiple))
+    head_src = np.zeros((b.U, K, b.S, M), np.int32)
+    head_dst = np.full((b.U, K, b.S, M), Nm * T, np.int32)
+    count = np.zeros((b.U, K), np.int32)
+    for u in range(b.U):
         for k in range(K):
-            for sh in range(S):
+            for sh in range(b.S):
                 h = heads[u][k][sh]
                 if h is not None:
                     head_src[u, k, sh, : len(h[0])] = h[0]
                     head_dst[u, k, sh, : len(h[1])] = h[1]
                     count[u, k] += len(h[0])
-    two = s.two_level and s.group_size > 1
-    packs = PackedRows(src, ids, pos, part if two else None, head_src, head_dst, count)
-    used = sum(p[2] for p in plans)
-    stats = {
-        "tokens": int(sum(sum(p[3]) for p in plans)),
-        "slots": int(used * R * L),
-        "micro_batches": int(used),
-        "compiled_micro_batches": int(K),
-    }
-    return packs, stats
+    return head_src, head_dst, count
 
 
 class PackedUpdate:
