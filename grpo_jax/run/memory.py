@@ -163,6 +163,7 @@ def estimate(
     attention_block_size: int = 512,
     lora_rank: int = 0,
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    head_tokens: int = 0,
 ) -> MemoryEstimate:
     """Per-device memory of a GRPO run (formulas: docs/recipes.md, "The formulas").
 
@@ -192,6 +193,10 @@ def estimate(
         hold the [S, S] scores.
       lora_rank: r of LoRA adapters on a frozen base (0: full fine-tuning).
       lora_targets: the projections with adapters (``LoRAConfig.projections``).
+      head_tokens: positions the LM head scores at once on one device (0: each row's
+        ``logits_chunk`` or T). A packed update's head runs over a micro-batch's
+        gathered scored tokens, up to all of its slots on a shard, ``logits_chunk`` at
+        a time (:func:`packed_head_tokens`).
     """
     sample_rows = batch_rows if sample_rows is None else sample_rows
     sizes = dict(batch_rows=batch_rows, sample_rows=sample_rows, seq_len=seq_len)
@@ -217,6 +222,7 @@ def estimate(
         attention_block_size=attention_block_size,
         remat=remat,
         lora_act=compute_bytes * lora_rank * lora_layer,
+        head_tokens=head_tokens,
     )
     return MemoryEstimate(
         layout=layout,
@@ -287,14 +293,16 @@ def _numel_per_device(tensors, mesh, layout: str, lora_rank: int, targets) -> tu
 
 
 def _activation_bytes(
-    cfg, mesh, layout, *, n, m, S, T, c, attention, attention_block_size, remat, lora_act
-):
+    cfg, mesh, layout, *, n, m, S, T, c, attention, attention_block_size, remat, lora_act,
+    head_tokens=0,
+):  # fmt: skip
     """Per-device (kv_cache, activations) bytes (formulas: docs/recipes.md, "The formulas").
 
     ``n`` / ``m``: the rows of one forward/backward pass / of the sampler on
     one device; S = P + T tokens per row; ``T`` here the completion tokens
     scored at a time (the logits); ``c`` bytes per activation element;
-    ``lora_act`` the adapters' bytes per layer and token.
+    ``lora_act`` the adapters' bytes per layer and token; ``head_tokens`` the LM head's
+    positions at once, when not n T.
     """
     V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
     H, K, Dh, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
@@ -319,7 +327,7 @@ def _activation_bytes(
         per_layer_token += 4 * (H // tp_h)
     else:
         per_layer_token += (4 + c) * (H // tp_h) * S
-    logits = n * T * 8 * (V // tp_v) + blockwise
+    logits = (head_tokens or n * T) * 8 * (V // tp_v) + blockwise
     per_layer_token += lora_act
     if remat:
         per_token = L * c * D + per_layer_token
@@ -455,16 +463,23 @@ def plan_run(
 def _run_kwargs(run, mesh_shape) -> dict:
     """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
     n = run.train.batch_size * run.grpo.G
+    T = run.sampling.max_new_tokens
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
     rows = _packed_rows(run, mesh_shape) or rows
+    head = packed_head_tokens(run, mesh_shape)
     if run.warm_start.enabled:
         rows = max(rows, run.warm_start.batch_size)
+        if head:  # the warm start's padded rows on one device, each over its T positions
+            shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+            warm = -(-run.warm_start.batch_size // shards)
+            head = max(head, warm * (min(run.train.logits_chunk, T) or T))
     return dict(
+        head_tokens=head,
         mesh_shape=mesh_shape,
         layout=run.mesh.layout,
         budget_bytes=math.inf,
         batch_rows=rows,
-        seq_len=run.sampling.max_new_tokens,
+        seq_len=T,
         prompt_len=max(run.sampling.prompt_buckets),
         beta=run.grpo.beta,
         logits_chunk=run.train.logits_chunk,
@@ -484,6 +499,25 @@ def _packed_rows(run, mesh_shape) -> int:
     row = run.train.pack_row_tokens or slots
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
     return shards * math.ceil(max(1, run.train.microbatch_tokens // row) * row / slots)
+
+
+def packed_head_tokens(run, mesh_shape) -> int:
+    """With ``train.packing``, the positions the LM head scores at once on one device:
+    ``train.logits_chunk``, or without it every slot of a micro-batch's packed rows on a
+    batch shard (``grpo_jax.learner.packing``: R_s rows of L slots, R_s =
+    ``microbatch_tokens`` // L, or the padded micro-batch's slots // L); 0 without
+    packing. docs/packing.md."""
+    if run.train.packing != "on":
+        return 0
+    if run.train.logits_chunk:
+        return run.train.logits_chunk
+    slots = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    row = run.train.pack_row_tokens or slots
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    n = run.train.batch_size * run.grpo.G
+    padded_rows = (run.train.minibatch_size or n) // shards // run.optim.grad_accum
+    budget = run.train.microbatch_tokens or padded_rows * slots
+    return max(1, budget // row) * row
 
 
 def _engine_kv(run, model_cfg_like, mesh_shape) -> int | None:
@@ -711,7 +745,10 @@ def batch_bytes(sh: RunShapes) -> int:
 
 
 def _update_buffers(run, cfg, sh: RunShapes, grads: int, body: int, largest: int) -> int:
-    out = grads * (run.optim.grad_accum > 1) + 3 * largest * sh.p
+    # The gradient carry: grad_accum's parts, or the packed update's micro-batches (a scan
+    # with the gradient as its carry, however many micro-batches a step has).
+    carry = run.optim.grad_accum > 1 or run.train.packing == "on"
+    out = grads * carry + 3 * largest * sh.p
     if sh.sharded:
         out += 2 * body // cfg.num_layers * sh.c
         if not run.model.lora.enabled:  # the LM head trains
