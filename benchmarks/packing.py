@@ -18,6 +18,12 @@ each, the padded micro-batch's slots and the packed's.
 
     python benchmarks/packing.py                      # the defaults below
     python benchmarks/packing.py --max-new-tokens 512 --eos-count 16
+    python benchmarks/packing.py --memory             # the update's memory, below
+
+``--memory`` times nothing: it compiles the update for B and 4 B prompts, packed with
+micro-batches of 1, 4 and 16 rows of P + T slots (``train.microbatch_tokens``) and padded
+in ``--grad-accum`` micro-batches, and prints XLA's temporary memory of each: the packed
+update's follows its token budget, the padded one's its batch.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--mlp", type=int, default=768)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory", action="store_true", help="compiled memory by budget and batch")
     return p.parse_args(argv)
 
 
@@ -112,6 +119,8 @@ def main(argv=None) -> None:
         batch_shardings=rollout_batch_shardings(mesh), ref_shardings=None,
         replicated=sharding.replicated(mesh),
     )  # fmt: skip
+    if a.memory:
+        return _memory_table(a, graphdef, params, state, kw, mesh)
     rows = n // a.grad_accum
     budget = rows * (P + T)
     settings = packing.PackSettings(
@@ -197,6 +206,32 @@ def main(argv=None) -> None:
         temp = getattr(m, "temp_size_in_bytes", None) if m is not None else None
         print(f"update {name}: compiled temporary memory {temp / 2**20:.1f} MiB" if temp else
               f"update {name}: no memory analysis on this backend")  # fmt: skip
+
+
+def _memory_table(a, graphdef, params, state, kw, mesh) -> None:
+    """XLA's temporary memory of the compiled update, packed at three token budgets and
+    padded, for ``--prompts`` and four times as many."""
+    G, P, T = a.num_samples, a.prompt_len, a.max_new_tokens
+    key = jax.random.key(0)
+    mib = lambda c: c.memory_analysis().temp_size_in_bytes / 2**20
+    print(f"model D={a.hidden} L={a.layers} V={a.vocab}; G={G}, P={P}, T={T}; XLA temporaries")
+    print("| prompts | rows | update | micro-batch | temporaries (MiB) |")
+    print("|---|---|---|---|---|")
+    for B in (a.prompts, 4 * a.prompts):
+        b = argparse.Namespace(**{**vars(a), "prompts": B})
+        batch = jax.device_put(_batch(b, np.random.default_rng(a.seed)), kw["batch_shardings"])
+        n = B * G
+        for rows in (1, 4, 16):
+            settings = packing.PackSettings(
+                group_size=G, shards=1, num_minibatches=1, microbatch_tokens=rows * (P + T),
+                default_rows=n // a.grad_accum,
+            )  # fmt: skip
+            step = packing.jit_packed_update(settings=settings, **kw)
+            packs, _ = step.plan(batch)
+            c = step.jitted.lower(state, batch, key, None, packs).compile()
+            print(f"| {B} | {n} | packed | {rows * (P + T)} slots | {mib(c):.1f} |")
+        c = upd.jit_update(**kw).lower(state, batch, key, None).compile()
+        print(f"| {B} | {n} | padded | {n // a.grad_accum} rows of {P + T} | {mib(c):.1f} |")
 
 
 if __name__ == "__main__":
