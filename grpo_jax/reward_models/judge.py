@@ -6,7 +6,8 @@
 Each completion's rubric runs through the model once, no sampling, and the reward is the
 expected score over the score tokens (:func:`expected_score`). The reference policy as judge
 is bound to the run's reference parameters once they exist (:meth:`Judge.bind`), no copy.
-docs/learned_rewards.md, "LLM judges".
+With ``packing`` (``train.packing = "on"``, one process) the rubrics are packed several to a
+row (``scorer.score_packed``). docs/learned_rewards.md, "LLM judges".
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from grpo_jax.core import integrity
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.sharding import batch_shards
 from grpo_jax.models import from_pretrained, load_tokenizer
+from grpo_jax.models.attention import Segments
 from grpo_jax.models.hf import open_checkpoint
 from grpo_jax.reward_models.model import SCORE
-from grpo_jax.reward_models.scorer import score_in_batches
+from grpo_jax.reward_models.scorer import score_in_batches, score_packed
 from grpo_jax.rewards.section import JudgeSection
 
 REFERENCE = "reference"
@@ -51,6 +53,16 @@ def _judge_fn(graphdef, params, tokens_BxT, mask_BxT, ids_K, values_K):
     return expected_score(logits_BxV, ids_K, values_K)
 
 
+def _packed_judge_fn(graphdef, params, tokens_RxL, id_RxL, pos_RxL, last_Q, ids_K, values_K):
+    """[Q]: :func:`_judge_fn` of packed rows, each rubric attending to itself alone;
+    ``last_Q``: each rubric's last slot in the rows laid end to end."""
+    model = nnx.merge(graphdef, params)
+    x_RxLxD = model.features(tokens_RxL, segments=Segments(id_RxL, pos_RxL))
+    x_QxD = x_RxLxD.reshape(-1, x_RxLxD.shape[-1])[last_Q]
+    logits_QxV = model.logits(x_QxD[:, None])[:, 0]
+    return expected_score(logits_QxV, ids_K, values_K)
+
+
 def _refuse_reward_model(path: str) -> None:
     """ConfigError when ``path`` is a ``*ForSequenceClassification`` checkpoint (its ``score``
     head, or its config.json's architecture, says so): from_pretrained would load its decoder
@@ -72,7 +84,8 @@ def _refuse_reward_model(path: str) -> None:
 class Judge:
     """A frozen causal LM (graphdef, params), its tokenizer and the rubric settings.
 
-    ``params`` is None until :meth:`bind` for the reference policy's judge.
+    ``params`` is None until :meth:`bind` for the reference policy's judge. ``packing``:
+    score packed rows where one process runs.
     """
 
     section: JudgeSection
@@ -80,6 +93,7 @@ class Judge:
     params: object = None
     tokenizer: object = None
     mesh: jax.sharding.Mesh | None = None
+    packing: bool = False
 
     def __post_init__(self):
         shards = 1 if self.mesh is None else batch_shards(self.mesh)
@@ -89,22 +103,25 @@ class Judge:
                 f"of the mesh's {shards} batch shards"
             )
         self._jit = jax.jit(_judge_fn, static_argnums=0)
+        self._packed_jit = jax.jit(_packed_judge_fn, static_argnums=0)
         if self.tokenizer is not None:
             self._ids = jnp.asarray(self.score_ids(), jnp.int32)
         self._values = jnp.asarray(self.section.values, jnp.float32)
 
     @classmethod
-    def load(cls, section: JudgeSection, mesh=None, layout: str = "fsdp") -> Judge:
+    def load(
+        cls, section: JudgeSection, mesh=None, layout: str = "fsdp", packing: bool = False
+    ) -> Judge:
         """The judge of ``section.path`` (unbound for "reference"). A directory's SHA256SUMS,
         when it has one, is verified first, as ``load_reward_model`` does (IntegrityError)."""
         if section.path == REFERENCE:
-            return cls(section=section, mesh=mesh)
+            return cls(section=section, mesh=mesh, packing=packing)
         if pathlib.Path(section.path).is_dir():
             integrity.check_sums(section.path)
         _refuse_reward_model(section.path)
         graphdef, params = nnx.split(from_pretrained(section.path, mesh=mesh, layout=layout))
         tokenizer = load_tokenizer(section.tokenizer or section.path)
-        return cls(section, graphdef, params, tokenizer, mesh)
+        return cls(section, graphdef, params, tokenizer, mesh, packing)
 
     def bind(self, graphdef, params, tokenizer) -> None:
         """Judges with these (the reference policy's) arrays from now on, not a copy."""
@@ -161,10 +178,17 @@ class Judge:
         texts = self.prompts(questions, completions)
         ids = self.tokenizer(texts, add_special_tokens=not s.chat)["input_ids"]
 
-        def fn(tokens, mask):
+        def padded(tokens, mask):
             return self._jit(self.graphdef, self.params, tokens, mask, self._ids, self._values)
 
-        return score_in_batches(
+        def packed(tokens, ids, pos, last):
+            args = (tokens, ids, pos, last, self._ids, self._values)
+            return self._packed_jit(self.graphdef, self.params, *args)
+
+        score, fn = score_in_batches, padded
+        if self.packing and jax.process_count() == 1:
+            score, fn = score_packed, packed
+        return score(
             fn,
             [list(x) or [self.pad_id] for x in ids],
             pad_id=self.pad_id,

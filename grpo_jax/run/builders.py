@@ -279,7 +279,9 @@ def build_scorer(run: RunConfig, mesh=None) -> Scorer:
         )
         learned.append((LEARNED, rm, run.reward_model.weight))
     if run.judge.path:  # the reference policy's judge gets its parameters at the start
-        judge = Judge.load(run.judge, mesh, layout=run.mesh.layout)
+        judge = Judge.load(
+            run.judge, mesh, layout=run.mesh.layout, packing=run.train.packing == "on"
+        )
         learned.append((JUDGE, judge, run.judge.weight))
     return Scorer(
         run.rewards.specs,

@@ -174,3 +174,29 @@ def test_score_tokens_are_each_listed_once(tiny_policy):
     graphdef, params = tiny_policy
     with pytest.raises(ConfigError, match="'1' and '2' are both token 7"):
         Judge(_section(score_tokens=("1", "2")), graphdef, params, OneId())
+
+
+@pytest.mark.slow
+def test_packed_rubrics_score_as_the_padded(tiny_policy, builtin_tokenizer):
+    """train.packing = "on": several rubrics a row, each attending to itself alone, give the
+    padded judge's scores (float32), on one device and on 8 (4 data x 2 fsdp); a rubric over
+    the largest bucket stays unscored (NaN) in both."""
+    graphdef, params = tiny_policy
+    section = _section(batch_size=8)
+    questions = ["2+2?", "name a prime", "hi", "what is 7*6?", "x", "count to three", "?"]
+    completions = ["4", "seven", "a longer answer than the others", "42", "", "1 2 3", "no"]
+    questions.append("a question far too long for the largest bucket " * 3)
+    completions.append("so its rubric is not scored")
+    padded = Judge(section, graphdef, params, builtin_tokenizer)(
+        questions, completions, questions, group_size=1
+    )
+    packed_judge = Judge(section, graphdef, params, builtin_tokenizer, packing=True)
+    packed = packed_judge(questions, completions, questions, group_size=1)
+    assert np.isnan(padded[-1]) and np.isnan(packed[-1])
+    assert np.ptp(padded[:-1]) > 1e-3  # the rubrics' scores differ: the comparison can fail
+    np.testing.assert_allclose(packed[:-1], padded[:-1], rtol=1e-5, atol=1e-6)
+    mesh = make_mesh({"data": 4, "fsdp": 2})
+    placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    on_mesh = Judge(section, graphdef, placed, builtin_tokenizer, mesh, packing=True)
+    got = on_mesh(questions, completions, questions, group_size=1)
+    np.testing.assert_allclose(got[:-1], padded[:-1], rtol=1e-5, atol=1e-6)
