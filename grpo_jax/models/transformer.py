@@ -342,18 +342,22 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD[:, -1:]
         return self._logits(x_BxTxD), cache
 
-    def features_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
-        """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head."""
+    def features_with_cache(
+        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, routes_out=False
+    ):
+        """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head.
+        ``routes_out``: a third item, the experts the sparse layers used [B, T, R, K] (None
+        for a dense model), as :meth:`routed_features` returns them."""
         B, T = tokens_BxT.shape
         # A Python int slot is static: the static-mask kernel (splash) can serve the call.
         q_offset = cache_index if isinstance(cache_index, int) else None
         index = jnp.asarray(cache_index, jnp.int32)
         slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        x_BxTxD, cache, _ = self._run_layers(
+        x_BxTxD, cache, used = self._run_layers(
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
         )
-        return x_BxTxD, cache
+        return (x_BxTxD, cache, used) if routes_out else (x_BxTxD, cache)
 
     def init_pages(self, num_pages: int, page_size: int, local_pages: int = 0) -> dict:
         """A zeroed paged KV cache: ``{"k": L x [pages, Z, K, Dh], "v": the same}`` in
