@@ -178,7 +178,6 @@ class ModelConfig:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
-        set_("mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers or ()))
         set_("dtype", dtype_name("dtype", self.dtype))
         set_("param_dtype", dtype_name("param_dtype", self.param_dtype))
         if self.layer_types is not None:
@@ -246,6 +245,7 @@ class ModelConfig:
         self._check_experts()
 
     def _check_experts(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(map(int, self.mlp_only_layers or ())))
         check_range("model.num_experts", self.num_experts, lo=0, integer=True)
         check_range("model.decoder_sparse_step", self.decoder_sparse_step, lo=1, integer=True)
         check_bool("model.norm_topk_prob", self.norm_topk_prob)

@@ -327,11 +327,9 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **fields)
             )
         elif family == "qwen2":
             kwargs.update(qkv_bias=True)
-        elif family == "qwen3":
+        elif family in ("qwen3", "qwen3_moe"):
             kwargs.update(qkv_bias=attention_bias, out_bias=attention_bias, qk_norm=True)
-        elif family == "qwen3_moe":
-            kwargs.update(qkv_bias=attention_bias, out_bias=attention_bias, qk_norm=True)
-            kwargs.update(_experts(hf, s))
+            kwargs.update(_experts(hf, s) if family == "qwen3_moe" else {})
         else:
             kwargs.update(
                 qkv_bias=attention_bias,

@@ -103,6 +103,20 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
     return d
 
 
+def _experts(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's mixture-of-experts keys (none for the other families)."""
+    if cfg.family != "qwen3_moe":
+        return {}
+    return dict(
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        moe_intermediate_size=cfg.expert_mlp_dim,
+        norm_topk_prob=cfg.norm_topk_prob,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=list(cfg.mlp_only_layers),
+    )
+
+
 def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
     """A config.json dict that transformers (4.x and 5.x) and vLLM load as ``cfg``."""
     check_exportable(cfg)
@@ -162,15 +176,7 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
     else:
         if cfg.family in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = cfg.qkv_bias
-        if cfg.family == "qwen3_moe":
-            hf.update(
-                num_experts=cfg.num_experts,
-                num_experts_per_tok=cfg.experts_per_token,
-                moe_intermediate_size=cfg.expert_mlp_dim,
-                norm_topk_prob=cfg.norm_topk_prob,
-                decoder_sparse_step=cfg.decoder_sparse_step,
-                mlp_only_layers=list(cfg.mlp_only_layers),
-            )
+        hf.update(_experts(cfg))
         sliding = [i for i in range(cfg.num_layers) if cfg.is_sliding(i)]
         hf.update(
             use_sliding_window=bool(sliding),

@@ -46,6 +46,22 @@ def _block_fn(layout: str):
     return apply
 
 
+def _write_back(cache, layer_cache, layer, index, T: int):
+    """A scanned model's stacked cache with layer ``layer``'s slots [index, index + T) taken
+    from its updated slabs (only this call's T slots are written, in place)."""
+    zero = jnp.int32(0)
+    k_new = jax.lax.dynamic_slice_in_dim(layer_cache["k"], index, T, axis=2)
+    v_new = jax.lax.dynamic_slice_in_dim(layer_cache["v"], index, T, axis=3)
+    return {
+        "k": jax.lax.dynamic_update_slice(
+            cache["k"], k_new[:, None], (zero, layer, zero, index, zero)
+        ),
+        "v": jax.lax.dynamic_update_slice(
+            cache["v"], v_new[:, None], (zero, layer, zero, zero, index)
+        ),
+    }
+
+
 def _stack_routes(routes: list) -> jax.Array | None:
     """The sparse layers' routes [B, T, K] each as one [B, T, R, K] array (None: a dense model)."""
     return jnp.stack(routes, axis=2) if routes else None
@@ -187,7 +203,6 @@ class Transformer(nnx.Module):
             xs["window"] = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
         block_def = nnx.graphdef(self.layers)
         index = None if cache is None else jnp.asarray(cache_index, jnp.int32)
-        zero = jnp.int32(0)
 
         def step(carry, xs):
             x_BxTxD, cache = carry
@@ -207,19 +222,8 @@ class Transformer(nnx.Module):
             x_BxTxD, layer_cache, chosen = block(
                 x_BxTxD, cos, sin, mask, layout, layer_cache, index, xs.get("routes")
             )
-            if cache is not None:  # Write back this call's T slots only, in place.
-                T = x_BxTxD.shape[1]
-                k_new = jax.lax.dynamic_slice_in_dim(layer_cache["k"], index, T, axis=2)
-                v_new = jax.lax.dynamic_slice_in_dim(layer_cache["v"], index, T, axis=3)
-                layer = xs["layer"]
-                cache = {
-                    "k": jax.lax.dynamic_update_slice(
-                        cache["k"], k_new[:, None], (zero, layer, zero, index, zero)
-                    ),
-                    "v": jax.lax.dynamic_update_slice(
-                        cache["v"], v_new[:, None], (zero, layer, zero, zero, index)
-                    ),
-                }
+            if cache is not None:
+                cache = _write_back(cache, layer_cache, xs["layer"], index, x_BxTxD.shape[1])
             return (x_BxTxD, cache), chosen
 
         if cfg.remat:  # Keep only each layer's input; recompute its insides for the gradient.
