@@ -506,7 +506,7 @@ class ModelSection:
 
     Attributes:
       path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
-        "tiny:<family>" (qwen2, qwen3, llama, gemma3) a small random
+        "tiny:<family>" (qwen2, qwen3, qwen3_moe, llama, gemma3) a small random
         checkpoint of that family, written when the run starts
         (``grpo_jax.run.runlocal``).
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).
