@@ -200,3 +200,26 @@ def test_config_checks_name_the_key():
 
     with pytest.raises(CheckpointError, match="num_experts"):
         check_exportable(family_config("qwen3", **base, num_experts=4, experts_per_token=2))
+
+
+@pytest.mark.slow
+def test_lora_adapts_attention_and_the_dense_layers_not_the_experts():
+    from grpo_jax.models import lora
+    from grpo_jax.models.config import LoRAConfig
+
+    cfg = family_config(
+        "qwen3_moe", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=8, mlp_dim=16, moe_mlp_dim=8, num_experts=4, experts_per_token=2,
+        mlp_only_layers=(1,),
+    )  # fmt: skip
+    model = create_model(cfg)
+    lora.attach(model, LoRAConfig(rank=2), jax.random.key(0))
+    adapted = {
+        ".".join(map(str, path[:-1])) + "." + path[-1][: -len(lora.SUFFIX_A)]
+        for path, _ in nnx.to_flat_state(nnx.state(model))
+        if str(path[-1]).endswith(lora.SUFFIX_A)
+    }
+    attention = {f"layers.{i}.attn.{p}_proj" for i in (0, 1) for p in "qkvo"}
+    assert adapted == attention | {f"layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")}
+    logits = nnx.jit(lambda m, t: m(t))(model, jnp.arange(10).reshape(2, 5))
+    assert logits.shape == (2, 5, 50) and np.isfinite(np.asarray(logits)).all()
