@@ -15,7 +15,7 @@ import pathlib
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -59,6 +59,17 @@ _FAMILY = {
         tie_word_embeddings=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e6),
     ),
+    "qwen3_moe": dict(
+        head_dim=16,
+        num_hidden_layers=3,
+        tie_word_embeddings=False,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # Sparse, dense, sparse.
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+    ),
     "gemma3": dict(
         head_dim=16,
         num_hidden_layers=4,
@@ -82,6 +93,7 @@ def hf_config(family: str, **overrides):
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma3": transformers.Gemma3TextConfig,
     }
     if family not in classes:
@@ -102,9 +114,10 @@ def make_tiny_hf_checkpoint(
 ) -> pathlib.Path:
     """Writes a tiny random ``family`` checkpoint (config.json + safetensors) at ``path``.
 
-    Families "llama", "qwen2", "qwen3", "gemma3": vocab 320, hidden 64, 2-4
-    layers, 4 query / 2 KV heads; Llama with llama3 RoPE scaling and an untied
-    head, Qwen2 with q/k/v biases, Qwen3 with an explicit head_dim, Gemma 3
+    Families "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3": vocab 320, hidden
+    64, 2-4 layers, 4 query / 2 KV heads; Llama with llama3 RoPE scaling and an untied
+    head, Qwen2 with q/k/v biases, Qwen3 with an explicit head_dim, Qwen3-MoE with
+    6 experts (top 2, renormalised) in layers 0 and 2 and a dense layer 1, Gemma 3
     with a sliding window of 4, a scaled global RoPE and final soft-capping.
     Every parameter (norms and biases too) is random, so parity tests see
     all of them. ``overrides`` go to the transformers config class;

@@ -37,6 +37,7 @@ GEN_PROMPT = {
     "llama": "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
     "gemma3": "<end_of_turn>\n<start_of_turn>model\n",
 }
+USER_TURN["qwen3_moe"], GEN_PROMPT["qwen3_moe"] = USER_TURN["qwen3"], GEN_PROMPT["qwen3"]
 
 
 def _load():
@@ -117,6 +118,26 @@ def test_runlocal_trains(name, assets, tmp_path):
     assert "inside <answer> </answer> tags." + GEN_PROMPT[family] in sample
 
 
+@pytest.mark.slow
+def test_runlocal_trains_a_mixture_of_experts(assets, tmp_path):
+    """The Qwen3 recipe's runlocal variant on "tiny:qwen3_moe" (4 experts, top 2): the whole
+    loop (sampling, scoring, the update, evaluation) runs a mixture of experts."""
+    from grpo_jax.run.train import train
+
+    config = recipes.get_config("model=qwen3-0.6b,runlocal")
+    config.model.path = "tiny:qwen3_moe"
+    summary = train(config, tmp_path)
+    (made,) = assets.glob("qwen3_moe-tiny-*/config.json")
+    hf = json.loads(made.read_text())
+    assert (hf["model_type"], hf["num_experts"], hf["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0
+    assert summary["steps"] == 2 and summary["before"] is not None
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_recipe_validates(name):
     config = recipes.get_config(f"model={name}")
@@ -184,7 +205,7 @@ def test_config_files_write_nothing(tmp_path, monkeypatch):
         runlocal.resolve(parse_config(config))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "llama", "gemma3"])
 def test_tiny_tokenizer_chat_template(family):
     from grpo_jax.data import format_prompt
 

@@ -24,6 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+# Expert parallelism: a mixture of experts' expert dimension split over a fourth axis, which
+# a mesh has only when it is larger than 1 (docs/moe.md). Rows are not split over it.
+EXPERT_AXIS = "expert"
 
 # Logical dimension names used by the models.
 #   batch, length      activations
@@ -32,10 +35,12 @@ BATCH_AXES = ("data", "fsdp")
 #   mlp                the feed-forward hidden width
 #   heads, kv_heads    attention heads (query and key/value)
 #   head_dim           per-head width (never sharded)
+#   experts            a mixture of experts' experts (over "expert" where the mesh has it)
 LAYOUTS: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     "dp": {},
-    "fsdp": {"embed": "fsdp"},
+    "fsdp": {"embed": "fsdp", "experts": EXPERT_AXIS},
     "fsdp_tp": {
+        "experts": EXPERT_AXIS,
         "embed": "fsdp",
         "mlp": "tensor",
         "heads": "tensor",
@@ -47,18 +52,20 @@ ACTIVATION_RULES = {"batch": BATCH_AXES}
 
 
 def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence | None = None) -> Mesh:
-    """A mesh with axes ("data", "fsdp", "tensor").
+    """A mesh with axes ("data", "fsdp", "tensor"), and "expert" last when its size is not 1.
 
     ``axes`` gives each axis's size; at most one may be -1, meaning "all the
     devices left". Missing axes have size 1. The product must equal the
     number of devices.
     """
     axes = dict(axes or {"data": -1})
-    unknown = set(axes) - set(MESH_AXES)
+    known_axes = (*MESH_AXES, EXPERT_AXIS)
+    unknown = set(axes) - set(known_axes)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(MESH_AXES)}")
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(known_axes)}")
+    names = known_axes if int(axes.get(EXPERT_AXIS, 1)) != 1 else MESH_AXES
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [int(axes.get(a, 1)) for a in MESH_AXES]
+    sizes = [int(axes.get(a, 1)) for a in names]
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {axes}")
     known = math.prod(s for s in sizes if s != -1)
@@ -70,14 +77,14 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence | None = 
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+            f"mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, "
             f"but {len(devices)} are available"
         )
     try:
         device_array = mesh_utils.create_device_mesh(sizes, devices)
     except Exception:  # Non-TPU topologies and fake CPU devices: plain order.
         device_array = np.asarray(devices).reshape(sizes)
-    return Mesh(device_array, MESH_AXES)
+    return Mesh(device_array, names)
 
 
 def logical_to_spec(

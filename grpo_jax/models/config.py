@@ -1,6 +1,6 @@
 """Architecture of a decoder-only transformer: one frozen, validated, hashable dataclass.
 
-One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3 and Gemma 3 text models:
+One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Gemma 3 text models:
 ``family`` names the Hugging Face checkpoint layout, the boolean switches say what the math
 does (:func:`family_config` sets them per family). It is hashable because the model keeps it
 as static structure, part of the graphdef jitted functions key their caches on. Also the
@@ -23,7 +23,7 @@ from grpo_jax.core.errors import ConfigError
 # The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
 ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
 DEFAULT_ATTENTION = "einsum"  # the reference implementation
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_SCALINGS = ("linear", "llama3")
@@ -123,6 +123,14 @@ class ModelConfig:
       scan_layers: the layers' parameters are stacked on a leading "layers"
         axis and run by one ``jax.lax.scan`` (compile time flat in depth).
       bos_token_id, eos_token_id (int or tuple of ints), pad_token_id.
+      num_experts: E experts in each sparse layer's mixture of experts; 0 means
+        every layer is dense (docs/moe.md).
+      experts_per_token: k, the experts each token's router picks (top-k).
+      moe_mlp_dim: each expert's gated-MLP width (None: ``mlp_dim``).
+      norm_topk_prob: renormalise the k chosen routing probabilities to sum 1.
+      decoder_sparse_step, mlp_only_layers: layer i is sparse iff i is not in
+        mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (Qwen3-MoE's
+        rule); the dense layers' MLP has width ``mlp_dim``.
     """
 
     family: str
@@ -161,6 +169,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_mlp_dim: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -228,6 +242,29 @@ class ModelConfig:
                 check_range(f"model.{key}", getattr(self, key), lo=0, integer=True)
         for i in self.eos_token_ids:
             check_range("model.eos_token_id", i, lo=0, integer=True)
+        self._check_experts()
+
+    def _check_experts(self):
+        object.__setattr__(self, "mlp_only_layers", tuple(map(int, self.mlp_only_layers or ())))
+        check_range("model.num_experts", self.num_experts, lo=0, integer=True)
+        check_range("model.decoder_sparse_step", self.decoder_sparse_step, lo=1, integer=True)
+        check_bool("model.norm_topk_prob", self.norm_topk_prob)
+        if not self.num_experts:
+            return
+        check_range(
+            "model.experts_per_token", self.experts_per_token, lo=1, hi=self.num_experts,
+            integer=True,
+        )  # fmt: skip
+        if self.moe_mlp_dim is not None:
+            check_range("model.moe_mlp_dim", self.moe_mlp_dim, lo=1, integer=True)
+        sparse = self.sparse_layers
+        if self.scan_layers and 0 < len(sparse) < self.num_layers:
+            raise ConfigError(
+                f"config key 'model.scan_layers' = True needs every layer sparse or every layer "
+                f"dense, but layers {sparse} of {self.num_layers} are sparse "
+                f"(model.decoder_sparse_step = {self.decoder_sparse_step}, model.mlp_only_layers "
+                f"= {list(self.mlp_only_layers)}); set model.scan_layers = False"
+            )
 
     # -- derived -----------------------------------------------------------
 
@@ -247,6 +284,23 @@ class ModelConfig:
         if isinstance(self.eos_token_id, tuple):
             return self.eos_token_id
         return (self.eos_token_id,)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (Qwen3-MoE's rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The sparse layers, in order; routes are indexed by position in this tuple."""
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        return self.moe_mlp_dim or self.mlp_dim
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
@@ -278,9 +332,12 @@ class ModelConfig:
         attn = D * Dh * (2 * H + 2 * K) + (Dh * (H + 2 * K) if self.qkv_bias else 0)
         attn += (D if self.out_bias else 0) + (2 * Dh if self.qk_norm else 0)
         mlp = 3 * D * F + ((2 * F + D) if self.mlp_bias else 0)
+        n_sparse = len(self.sparse_layers)
+        moe = self.num_experts * (3 * D * self.expert_mlp_dim + D)  # experts and router
+        mlps = (self.num_layers - n_sparse) * mlp + n_sparse * moe
         norms = D * (4 if self.sandwich_norm else 2)
         head = 0 if self.tie_embeddings else D * self.vocab_size
-        return self.vocab_size * D + self.num_layers * (attn + mlp + norms) + D + head
+        return self.vocab_size * D + self.num_layers * (attn + norms) + mlps + D + head
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -290,6 +347,14 @@ _FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
     "llama": dict(activation="silu", rms_norm_eps=1e-5, rope_theta=500_000.0),
     "qwen2": dict(activation="silu", qkv_bias=True, rope_theta=1_000_000.0),
     "qwen3": dict(activation="silu", qk_norm=True, rope_theta=1_000_000.0),
+    "qwen3_moe": dict(
+        activation="silu",
+        qk_norm=True,
+        rope_theta=1_000_000.0,
+        num_experts=8,
+        experts_per_token=2,
+        norm_topk_prob=True,
+    ),  # fmt: skip
     "gemma3": dict(
         activation="gelu_tanh",
         qk_norm=True,
@@ -441,7 +506,7 @@ class ModelSection:
 
     Attributes:
       path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
-        "tiny:<family>" (qwen2, qwen3, llama, gemma3) a small random
+        "tiny:<family>" (qwen2, qwen3, qwen3_moe, llama, gemma3) a small random
         checkpoint of that family, written when the run starts
         (``grpo_jax.run.runlocal``).
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).

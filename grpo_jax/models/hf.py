@@ -148,7 +148,8 @@ def load_into(abstract: nnx.Module, ckpt, table, directory, *, mesh=None, layout
         shardings = dict(nnx.to_flat_state(param_shardings(abstract_state, mesh, layout)))
     variables = dict(nnx.to_flat_state(abstract_state))
 
-    views: dict[tuple, dict[int | None, np.ndarray]] = {}
+    # Per parameter: (layer of a scanned model, expert) -> the tensor that fills that slice.
+    views: dict[tuple, dict[tuple[int, ...], np.ndarray]] = {}
     for entry in table:
         if entry.hf_name not in ckpt:
             raise CheckpointError(
@@ -162,7 +163,7 @@ def load_into(abstract: nnx.Module, ckpt, table, directory, *, mesh=None, layout
             )
         path, layer = param_path(entry.path, scan_layers)
         # Lazy view of the memory-mapped tensor.
-        views.setdefault(path, {})[layer] = entry.to_param(ckpt[entry.hf_name])
+        views.setdefault(path, {})[_slice_key(layer, entry)] = entry.to_param(ckpt[entry.hf_name])
     loaded = {}
     for path, by_layer in views.items():
         var = variables[path]
@@ -191,12 +192,22 @@ def param_path(table_path: tuple, scan_layers: bool) -> tuple[tuple, int | None]
     return tuple(table_path), None
 
 
-def _read(by_layer: dict, dtype, index: tuple) -> np.ndarray:
-    """One device's shard ``index`` of a parameter from its (per-layer) checkpoint views."""
-    if None in by_layer:
-        return np.asarray(by_layer[None][index], dtype=dtype)
-    layers = range(len(by_layer))[index[0]]
-    return np.stack([np.asarray(by_layer[i][index[1:]], dtype=dtype) for i in layers])
+def _slice_key(layer: int | None, entry) -> tuple[int, ...]:
+    """The leading indices (layer of a scanned model, expert) an entry's tensor fills."""
+    return tuple(i for i in (layer, entry.expert) if i is not None)
+
+
+def _read(by_key: dict, dtype, index: tuple) -> np.ndarray:
+    """One device's shard ``index`` of a parameter from its checkpoint views, keyed by the
+    leading indices they fill (``()``: the whole parameter; (layer,), (expert,) or
+    (layer, expert): stacked slices)."""
+    if () in by_key:
+        return np.asarray(by_key[()][index], dtype=dtype)
+    inner: dict[int, dict] = {}
+    for key, view in by_key.items():
+        inner.setdefault(key[0], {})[key[1:]] = view
+    picks = range(len(inner))[index[0]]
+    return np.stack([_read(inner[i], dtype, index[1:]) for i in picks])
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -252,7 +263,9 @@ def save_pretrained(
 
     def produce(name):
         path, layer = param_path(by_name[name].path, cfg.scan_layers)
-        value = params[path][...] if layer is None else params[path][...][layer]
+        value = params[path][...]
+        for i in _slice_key(layer, by_name[name]):
+            value = value[i]
         return by_name[name].to_hf(_to_host(value))
 
     by_name = {e.hf_name: e for e in table}

@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -95,6 +96,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     ),
 }
 _DEFAULTS["qwen3"] = {**_DEFAULTS["qwen2"], "head_dim": 128, "attention_bias": False}
+# Qwen3MoeConfig's defaults for its mixture-of-experts keys.
+_DEFAULTS["qwen3_moe"] = {
+    **_DEFAULTS["qwen3"],
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+}
 
 # Keys whose explicit null differs from the default (no soft-capping, no pad token).
 _NULLABLE = (
@@ -243,7 +254,7 @@ def _layer_types(family: str, s: dict[str, Any], n: int, source: str) -> dict[st
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
             ]
         return dict(layer_types=tuple(types), sliding_window=s["sliding_window"])
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not s.get("use_sliding_window"):  # transformers drops the window when it is off.
             return dict(layer_types=None, sliding_window=None)
         types = s.get("layer_types") or [
@@ -254,6 +265,20 @@ def _layer_types(family: str, s: dict[str, Any], n: int, source: str) -> dict[st
     if s.get("layer_types") and any(t != "full_attention" for t in s["layer_types"]):
         raise CheckpointError(f"{source}: llama layer_types {s['layer_types']} are not supported")
     return dict(layer_types=None, sliding_window=None)
+
+
+def _experts(hf: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE config.json. transformers 5 writes the
+    expert count as ``num_local_experts``, earlier versions as ``num_experts``."""
+    num = hf.get("num_experts", hf.get("num_local_experts", s["num_experts"]))
+    return dict(
+        num_experts=int(num),
+        experts_per_token=int(s["num_experts_per_tok"]),
+        moe_mlp_dim=int(s["moe_intermediate_size"]),
+        norm_topk_prob=bool(s["norm_topk_prob"]),
+        decoder_sparse_step=int(s["decoder_sparse_step"]),
+        mlp_only_layers=tuple(int(i) for i in s.get("mlp_only_layers") or ()),
+    )
 
 
 def checkpoint_dtype(hf: dict[str, Any]) -> str | None:
@@ -302,8 +327,9 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **fields)
             )
         elif family == "qwen2":
             kwargs.update(qkv_bias=True)
-        elif family == "qwen3":
+        elif family in ("qwen3", "qwen3_moe"):
             kwargs.update(qkv_bias=attention_bias, out_bias=attention_bias, qk_norm=True)
+            kwargs.update(_experts(hf, s) if family == "qwen3_moe" else {})
         else:
             kwargs.update(
                 qkv_bias=attention_bias,

@@ -18,9 +18,16 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
-EXPORT_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+EXPORT_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -45,6 +52,13 @@ def check_exportable(cfg: ModelConfig) -> None:
             sandwich_norm=False,
             scale_embeddings=False,
         ),
+        "qwen3_moe": dict(
+            qk_norm=True,
+            mlp_bias=False,
+            norm_plus_one=False,
+            sandwich_norm=False,
+            scale_embeddings=False,
+        ),
         "gemma3": dict(
             qk_norm=True,
             mlp_bias=False,
@@ -61,6 +75,8 @@ def check_exportable(cfg: ModelConfig) -> None:
     bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
     if cfg.family == "llama" and cfg.layer_types and "sliding_attention" in cfg.layer_types:
         bad["layer_types"] = cfg.layer_types
+    if cfg.family != "qwen3_moe" and cfg.num_experts:
+        bad["num_experts"] = cfg.num_experts  # Only Qwen3-MoE's format has experts.
     if cfg.family != "gemma3" and cfg.local_rope_theta not in (None, cfg.rope_theta):
         bad["local_rope_theta"] = cfg.local_rope_theta
     if bad:
@@ -85,6 +101,20 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
                 original_max_position_embeddings=scaling.original_max_position_embeddings,
             )
     return d
+
+
+def _experts(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's mixture-of-experts keys (none for the other families)."""
+    if cfg.family != "qwen3_moe":
+        return {}
+    return dict(
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        moe_intermediate_size=cfg.expert_mlp_dim,
+        norm_topk_prob=cfg.norm_topk_prob,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=list(cfg.mlp_only_layers),
+    )
 
 
 def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
@@ -144,8 +174,9 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
     if cfg.family == "llama":
         hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     else:
-        if cfg.family == "qwen3":
+        if cfg.family in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = cfg.qkv_bias
+        hf.update(_experts(cfg))
         sliding = [i for i in range(cfg.num_layers) if cfg.is_sliding(i)]
         hf.update(
             use_sliding_window=bool(sliding),

@@ -26,13 +26,18 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One checkpoint tensor: its name, our param path, and the transforms both ways."""
+    """One checkpoint tensor: its name, our param path, and the transforms both ways.
+
+    ``expert``: the tensor is expert e's slice of a parameter stacked over the experts
+    (index e of its leading axis, after the layer axis of a scanned model).
+    """
 
     hf_name: str
     path: tuple[str | int, ...]
     hf_shape: tuple[int, ...]
     to_param: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    expert: int | None = None
 
 
 def _same(x):
@@ -60,6 +65,22 @@ def _out_proj(n: int, dh: int):
 def _split_heads(n: int, dh: int):
     """[n*Dh] <-> [n, Dh] (q/k/v biases)."""
     return (lambda b: b.reshape(n, dh)), (lambda p: p.reshape(n * dh))
+
+
+def _expert_entries(cfg: ModelConfig, p: str, layer: tuple) -> list[Entry]:
+    """A sparse layer's router ``mlp.gate`` [E, D] and each expert's three projections
+    ``mlp.experts.<e>.{gate,up,down}_proj`` (Qwen3-MoE's names)."""
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.expert_mlp_dim
+    t = (_transpose, _transpose)
+    out = [Entry(p + "mlp.gate.weight", (*layer, "mlp", "router"), (E, D), *t)]
+    for e in range(E):
+        q = f"{p}mlp.experts.{e}."
+        out += [
+            Entry(q + "gate_proj.weight", (*layer, "mlp", "gate_experts"), (F, D), *t, expert=e),
+            Entry(q + "up_proj.weight", (*layer, "mlp", "up_experts"), (F, D), *t, expert=e),
+            Entry(q + "down_proj.weight", (*layer, "mlp", "down_experts"), (D, F), *t, expert=e),
+        ]
+    return out
 
 
 def weight_table(
@@ -103,6 +124,9 @@ def weight_table(
         if cfg.qk_norm:
             add("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (Dh,))
             add("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (Dh,))
+        if cfg.is_sparse(i):
+            entries.extend(_expert_entries(cfg, p, layer))
+            continue
         add("mlp.gate_proj.weight", ("mlp", "gate_proj"), (F, D), (_transpose, _transpose))
         add("mlp.up_proj.weight", ("mlp", "up_proj"), (F, D), (_transpose, _transpose))
         add("mlp.down_proj.weight", ("mlp", "down_proj"), (D, F), (_transpose, _transpose))

@@ -19,6 +19,7 @@ from flax import nnx
 
 import grpo_jax.models.attention as attn_lib
 import grpo_jax.models.lora as lora
+import grpo_jax.models.moe as moe_lib
 from grpo_jax.core.sharding import MESH_AXES, logical_to_spec
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.partitioning import constrain, fit_spec
@@ -49,6 +50,10 @@ WEIGHT_NAMES = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "router",
+    "gate_experts",
+    "up_experts",
+    "down_experts",
 )
 
 
@@ -310,6 +315,46 @@ class Attention(nnx.Module):
         return attn_lib.dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask, scale)
 
 
+def _activation(cfg: ModelConfig):
+    if cfg.activation == "silu":
+        return jax.nn.silu
+    return lambda x: jax.nn.gelu(x, approximate=cfg.activation == "gelu_tanh")
+
+
+class MoE(nnx.Module):
+    """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's sparse block).
+
+    The weights are stacked over the E experts; the router is [D, E]. The names differ
+    from the dense MLP's (``gate_experts``, not ``gate_proj``): LoRA adapts the dense
+    projections only. ``grpo_jax.models.moe`` has the routing and the dispatch.
+    """
+
+    def __init__(self, cfg: ModelConfig, stack: int = 0):
+        D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.expert_mlp_dim, cfg.params_dtype
+        self.cfg = cfg
+        p = lambda shape, axes: param(shape, axes, pd, stack=stack)
+        self.router = p((D, E), ("embed", None))
+        self.gate_experts = p((E, D, F), ("experts", "embed", "mlp"))
+        self.up_experts = p((E, D, F), ("experts", "embed", "mlp"))
+        self.down_experts = p((E, F, D), ("experts", "mlp", "embed"))
+
+    def __call__(self, x_BxTxD: jax.Array, layout: str, routes_BxTxK=None):
+        """(out [B, T, D], the experts used [B, T, K] int32); ``routes_BxTxK`` replays them."""
+        cfg, dt = self.cfg, x_BxTxD.dtype
+        B, T, D = x_BxTxD.shape
+        w = lambda p: p[...].astype(dt)
+        x_MxD = x_BxTxD.reshape(B * T, D)
+        given = None if routes_BxTxK is None else routes_BxTxK.reshape(B * T, -1)
+        weights_MxK, experts_MxK = moe_lib.route(
+            x_MxD @ w(self.router), cfg.experts_per_token, cfg.norm_topk_prob, given
+        )
+        out_MxD = moe_lib.grouped_experts(
+            x_MxD, experts_MxK, weights_MxK.astype(dt),
+            w(self.gate_experts), w(self.up_experts), w(self.down_experts), _activation(cfg),
+        )  # fmt: skip
+        return out_MxD.reshape(B, T, D), experts_MxK.reshape(B, T, -1)
+
+
 class MLP(nnx.Module):
     """Gated MLP: down(act(x W_gate) * (x W_up)); SwiGLU (Shazeer 2020) or GeGLU."""
 
@@ -335,10 +380,7 @@ class MLP(nnx.Module):
         up_BxTxF = proj("up_proj").reshape(B, T, -1)
         if cfg.mlp_bias:
             gate_BxTxF, up_BxTxF = gate_BxTxF + w(self.gate_bias), up_BxTxF + w(self.up_bias)
-        if cfg.activation == "silu":
-            gate_BxTxF = jax.nn.silu(gate_BxTxF)
-        else:
-            gate_BxTxF = jax.nn.gelu(gate_BxTxF, approximate=cfg.activation == "gelu_tanh")
+        gate_BxTxF = _activation(cfg)(gate_BxTxF)
         h_BxTxF = constrain(gate_BxTxF * up_BxTxF, ("batch", None, "mlp"), layout)
         h_MxF = h_BxTxF.reshape(B * T, -1)
         out_BxTxD = lora.add(self, "down_proj", h_MxF, h_MxF @ w(self.down_proj)).reshape(B, T, D)
@@ -355,14 +397,17 @@ class Block(nnx.Module):
 
     ``stack`` = L > 0: every parameter has a leading [L] axis, the L layers
     of a scanned model (``Transformer`` runs one slice per scan step).
+    ``layer``: the layer's index, which says whether its MLP is a mixture of
+    experts (``ModelConfig.is_sparse``); a stack's layers are all alike.
     """
 
-    def __init__(self, cfg: ModelConfig, stack: int = 0):
+    def __init__(self, cfg: ModelConfig, stack: int = 0, layer: int = 0):
         D = cfg.hidden_size
         self.attn_norm = RMSNorm(D, cfg, stack)
         self.attn = Attention(cfg, stack)
         self.mlp_norm = RMSNorm(D, cfg, stack)
-        self.mlp = MLP(cfg, stack)
+        self.sparse = cfg.is_sparse(layer)
+        self.mlp = MoE(cfg, stack) if self.sparse else MLP(cfg, stack)
         if cfg.sandwich_norm:
             self.post_attn_norm = RMSNorm(D, cfg, stack)
             self.post_mlp_norm = RMSNorm(D, cfg, stack)
@@ -377,8 +422,11 @@ class Block(nnx.Module):
         layout,
         kv_cache=None,
         cache_index=None,
+        routes_BxTxK=None,
     ):
-        """Returns (y_BxTxD, updated kv_cache or None); see :meth:`Attention.__call__`."""
+        """Returns (y_BxTxD, updated kv_cache or None, the experts used [B, T, K] or None
+        for a dense layer); see :meth:`Attention.__call__`. ``routes_BxTxK`` replays a
+        sparse layer's routing."""
         a_BxTxD, kv_cache = self.attn(
             self.attn_norm(x_BxTxD),
             cos_BxTxDh,
@@ -391,8 +439,12 @@ class Block(nnx.Module):
         if self.sandwich:
             a_BxTxD = self.post_attn_norm(a_BxTxD)
         h_BxTxD = constrain(x_BxTxD + a_BxTxD, ("batch", None, "embed"), layout)
-        m_BxTxD = self.mlp(self.mlp_norm(h_BxTxD), layout)
+        routes = None
+        if self.sparse:
+            m_BxTxD, routes = self.mlp(self.mlp_norm(h_BxTxD), layout, routes_BxTxK)
+        else:
+            m_BxTxD = self.mlp(self.mlp_norm(h_BxTxD), layout)
         if self.sandwich:
             m_BxTxD = self.post_mlp_norm(m_BxTxD)
         y_BxTxD = constrain(h_BxTxD + m_BxTxD, ("batch", None, "embed"), layout)
-        return y_BxTxD, kv_cache
+        return y_BxTxD, kv_cache, routes

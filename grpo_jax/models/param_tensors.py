@@ -98,7 +98,7 @@ def param_count(cfg) -> int:
 
 def _ways(axes, mesh_shape: Mapping[str, int]) -> int:
     flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(mesh_shape[a] for a in flat)
+    return math.prod(mesh_shape.get(a, 1) for a in flat)  # an absent axis: size 1
 
 
 def shard_numel(shape, logical_axes, mesh_shape: Mapping[str, int], layout: str) -> int:

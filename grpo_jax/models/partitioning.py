@@ -25,10 +25,14 @@ def check_layout(layout: str) -> None:
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh_shape) -> P:
-    """``spec`` with every dimension its mesh axes do not divide set to replicated."""
+    """``spec`` with every dimension its mesh axes do not divide set to replicated; axes the
+    mesh lacks (an "expert" axis of size 1 is left out of the mesh) are dropped."""
     out = []
     for i, axes in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if any(a not in mesh_shape for a in flat):
+            flat = tuple(a for a in flat if a in mesh_shape)
+            axes = flat[0] if len(flat) == 1 else (flat or None)
         ways = math.prod(mesh_shape[a] for a in flat)
         out.append(axes if flat and shape[i] % ways == 0 else None)
     return P(*out)

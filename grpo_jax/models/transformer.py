@@ -40,14 +40,35 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 
 
 def _block_fn(layout: str):
-    def apply(block, x, cos, sin, mask, cache, cache_index):
-        return block(x, cos, sin, mask, layout, cache, cache_index)
+    def apply(block, x, cos, sin, mask, cache, cache_index, routes):
+        return block(x, cos, sin, mask, layout, cache, cache_index, routes)
 
     return apply
 
 
+def _write_back(cache, layer_cache, layer, index, T: int):
+    """A scanned model's stacked cache with layer ``layer``'s slots [index, index + T) taken
+    from its updated slabs (only this call's T slots are written, in place)."""
+    zero = jnp.int32(0)
+    k_new = jax.lax.dynamic_slice_in_dim(layer_cache["k"], index, T, axis=2)
+    v_new = jax.lax.dynamic_slice_in_dim(layer_cache["v"], index, T, axis=3)
+    return {
+        "k": jax.lax.dynamic_update_slice(
+            cache["k"], k_new[:, None], (zero, layer, zero, index, zero)
+        ),
+        "v": jax.lax.dynamic_update_slice(
+            cache["v"], v_new[:, None], (zero, layer, zero, zero, index)
+        ),
+    }
+
+
+def _stack_routes(routes: list) -> jax.Array | None:
+    """The sparse layers' routes [B, T, K] each as one [B, T, R, K] array (None: a dense model)."""
+    return jnp.stack(routes, axis=2) if routes else None
+
+
 class Transformer(nnx.Module):
-    """Llama / Qwen2 / Qwen3 / Gemma 3 decoder (see :class:`ModelConfig` for the switches).
+    """Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 decoder (:class:`ModelConfig` has the switches).
 
     Call ``model(tokens_BxT)`` for float32 logits [B, T, V] of a full,
     uncached forward pass; ``init_cache`` and ``forward_with_cache`` serve the
@@ -63,7 +84,7 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:
             self.layers = Block(cfg, stack=cfg.num_layers)
         else:
-            self.layers = nnx.List([Block(cfg) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([Block(cfg, layer=i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -114,9 +135,13 @@ class Transformer(nnx.Module):
         cache_index,
         q_offset,
         segments=None,
+        routes=None,
     ):
-        """The decoder layers; ``q_offset``: query 0's slot as a Python int, or None;
-        ``segments``: packed rows (``grpo_jax.models.attention.Segments``), or None."""
+        """(output, cache, the experts the sparse layers used [B, T, R, K] or None).
+
+        ``q_offset``: query 0's slot as a Python int, or None; ``segments``: packed rows
+        (``grpo_jax.models.attention.Segments``), or None; ``routes`` [B, T, R, K]: the
+        sparse layers' experts to use instead of their routers' choice, or None."""
         if self.config.scan_layers:
             return self._scan_layers(
                 x_BxTxD,
@@ -127,9 +152,11 @@ class Transformer(nnx.Module):
                 cache_index,
                 q_offset,
                 segments,
+                routes,
             )
         cfg = self.config
         tables, kind = self._rope_tables(positions_BxT)
+        sparse, used = cfg.sparse_layers, []
         for i, block in enumerate(self.layers):
             cos, sin = tables[kind[i]]
             mask = AttnMask(q_slot_BxT, kv_mask_BxS, cfg.window(i), q_offset, segments)
@@ -137,11 +164,16 @@ class Transformer(nnx.Module):
             if cfg.remat:  # Keep only the layer's inputs; recompute its insides for the gradient.
                 apply = nnx.remat(apply)
             layer_cache = None if cache is None else {k: v[i] for k, v in cache.items()}
-            x_BxTxD, layer_cache = apply(block, x_BxTxD, cos, sin, mask, layer_cache, cache_index)
+            given = None if routes is None or i not in sparse else routes[:, :, sparse.index(i)]
+            x_BxTxD, layer_cache, chosen = apply(
+                block, x_BxTxD, cos, sin, mask, layer_cache, cache_index, given
+            )
+            if chosen is not None:
+                used.append(chosen)
             if cache is not None:
                 swap = lambda xs, x, i=i: (*xs[:i], x, *xs[i + 1 :])
                 cache = {k: swap(cache[k], layer_cache[k]) for k in cache}
-        return x_BxTxD, cache
+        return x_BxTxD, cache, _stack_routes(used)
 
     def _scan_layers(
         self,
@@ -153,8 +185,10 @@ class Transformer(nnx.Module):
         cache_index,
         q_offset,
         segments=None,
+        routes=None,
     ):
-        """The stacked layers by ``jax.lax.scan``; per-layer window and RoPE table as inputs."""
+        """The stacked layers by ``jax.lax.scan``; per-layer window and RoPE table as inputs.
+        Every layer is sparse or none is (``ModelConfig`` checks): routes scan with the layers."""
         cfg, layout, L = self.config, self.layout, self.config.num_layers
         tables, kind = self._rope_tables(positions_BxT)
         windows = [cfg.window(i) for i in range(L)]
@@ -163,11 +197,12 @@ class Transformer(nnx.Module):
             xs["kind"] = jnp.asarray(kind, jnp.int32)
             cos_RxBxTxDh = jnp.stack([c for c, _ in tables])
             sin_RxBxTxDh = jnp.stack([s for _, s in tables])
+        if routes is not None:
+            xs["routes"] = jnp.moveaxis(routes, 2, 0)  # [L, B, T, K]
         if len(set(windows)) > 1:
             xs["window"] = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
         block_def = nnx.graphdef(self.layers)
         index = None if cache is None else jnp.asarray(cache_index, jnp.int32)
-        zero = jnp.int32(0)
 
         def step(carry, xs):
             x_BxTxD, cache = carry
@@ -184,43 +219,38 @@ class Transformer(nnx.Module):
                     k: jax.lax.dynamic_index_in_dim(c, xs["layer"], axis=1, keepdims=False)
                     for k, c in cache.items()
                 }
-            x_BxTxD, layer_cache = block(x_BxTxD, cos, sin, mask, layout, layer_cache, index)
-            if cache is not None:  # Write back this call's T slots only, in place.
-                T = x_BxTxD.shape[1]
-                k_new = jax.lax.dynamic_slice_in_dim(layer_cache["k"], index, T, axis=2)
-                v_new = jax.lax.dynamic_slice_in_dim(layer_cache["v"], index, T, axis=3)
-                layer = xs["layer"]
-                cache = {
-                    "k": jax.lax.dynamic_update_slice(
-                        cache["k"], k_new[:, None], (zero, layer, zero, index, zero)
-                    ),
-                    "v": jax.lax.dynamic_update_slice(
-                        cache["v"], v_new[:, None], (zero, layer, zero, zero, index)
-                    ),
-                }
-            return (x_BxTxD, cache), None
+            x_BxTxD, layer_cache, chosen = block(
+                x_BxTxD, cos, sin, mask, layout, layer_cache, index, xs.get("routes")
+            )
+            if cache is not None:
+                cache = _write_back(cache, layer_cache, xs["layer"], index, x_BxTxD.shape[1])
+            return (x_BxTxD, cache), chosen
 
         if cfg.remat:  # Keep only each layer's input; recompute its insides for the gradient.
             step = jax.checkpoint(step, prevent_cse=False)
-        (x_BxTxD, cache), _ = jax.lax.scan(step, (x_BxTxD, cache), xs)
-        return x_BxTxD, cache
+        (x_BxTxD, cache), chosen_LxBxTxK = jax.lax.scan(step, (x_BxTxD, cache), xs)
+        used = None if chosen_LxBxTxK is None else jnp.moveaxis(chosen_LxBxTxK, 0, 2)
+        return x_BxTxD, cache, used
 
     # -- public API ---------------------------------------------------------
 
-    def __call__(self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None) -> jax.Array:
+    def __call__(
+        self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None, routes=None
+    ) -> jax.Array:
         """Float32 logits [B, T, V] of a causal forward pass without a cache.
 
         ``mask_BxT`` (bool/0-1) marks real tokens; pad keys are never attended.
         Positions default to cumsum(mask) - 1 clipped at 0 with a mask, to
-        0..T-1 without one.
+        0..T-1 without one. ``routes``: see :meth:`routed_features`.
         """
         return self.logits(
-            self.features(tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT)
+            self.features(tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT, routes=routes)
         )
 
     def features(
-        self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None, segments=None
-    ) -> jax.Array:
+        self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None, segments=None,
+        routes=None,
+    ) -> jax.Array:  # fmt: skip
         """The last layer's output [B, T, D], before the final norm: no LM head.
 
         ``logits(features(...)[:, a:b])`` scores positions a..b-1 only, so a
@@ -231,6 +261,22 @@ class Transformer(nnx.Module):
         positions (``segments.pos_BxS``) are the RoPE positions and their ids mark the
         real tokens (``mask_BxT`` and ``positions_BxT`` are then not given).
         """
+        return self.routed_features(
+            tokens_BxT, positions_BxT=positions_BxT, mask_BxT=mask_BxT, segments=segments,
+            routes=routes,
+        )[0]  # fmt: skip
+
+    def routed_features(
+        self, tokens_BxT: jax.Array, *, positions_BxT=None, mask_BxT=None, segments=None,
+        routes=None,
+    ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+        """(:meth:`features`, the experts each token's sparse layers used [B, T, R, K] int32).
+
+        R is the number of sparse layers (``ModelConfig.sparse_layers``), K the experts per
+        token; None for a dense model. ``routes`` (the same shape) replays a routing: the
+        sparse layers use those experts, weighted by their router's probabilities for them
+        (routing replay, docs/moe.md).
+        """
         B, T = tokens_BxT.shape
         if segments is not None:
             mask_BxT, positions_BxT = segments.id_BxS > 0, segments.pos_BxS
@@ -240,10 +286,10 @@ class Transformer(nnx.Module):
             positions_BxT = positions_from_mask(mask_BxT)
         slot_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        x_BxTxD, _ = self._run_layers(
-            x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None, 0, segments
+        x_BxTxD, _, used = self._run_layers(
+            x_BxTxD, positions_BxT, slot_BxT, mask_BxT, None, None, 0, segments, routes
         )
-        return x_BxTxD
+        return x_BxTxD, used
 
     def logits(self, x_BxTxD: jax.Array) -> jax.Array:
         """Float32 logits [B, T, V] of :meth:`features` output: final norm, LM head, soft-cap."""
@@ -300,17 +346,22 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD[:, -1:]
         return self._logits(x_BxTxD), cache
 
-    def features_with_cache(self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index):
-        """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head."""
+    def features_with_cache(
+        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, routes_out=False
+    ):
+        """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head.
+        ``routes_out``: a third item, the experts the sparse layers used [B, T, R, K] (None
+        for a dense model), as :meth:`routed_features` returns them."""
         B, T = tokens_BxT.shape
         # A Python int slot is static: the static-mask kernel (splash) can serve the call.
         q_offset = cache_index if isinstance(cache_index, int) else None
         index = jnp.asarray(cache_index, jnp.int32)
         slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
-        return self._run_layers(
+        x_BxTxD, cache, used = self._run_layers(
             x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
         )
+        return (x_BxTxD, cache, used) if routes_out else (x_BxTxD, cache)
 
     def init_pages(self, num_pages: int, page_size: int, local_pages: int = 0) -> dict:
         """A zeroed paged KV cache: ``{"k": L x [pages, Z, K, Dh], "v": the same}`` in
@@ -360,7 +411,7 @@ class Transformer(nnx.Module):
             if local is not None and cfg.window(i) is not None:
                 page_M, table = local
             pool = PagedKV(pages["k"][i], pages["v"][i], page_M, write[1], table, pos_BxS)
-            x_BxTxD, pool = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
+            x_BxTxD, pool, _ = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
             ks.append(pool.k)
             vs.append(pool.v)
         return x_BxTxD, {"k": tuple(ks), "v": tuple(vs)}

@@ -1,7 +1,7 @@
 """Small files that ``runlocal`` runs need, made by the library when a run starts.
 
 A config describes a run; it writes no files. ``model.path = "tiny:<family>"``
-asks for a small random checkpoint of a model family (Qwen2, Qwen3, Llama,
+asks for a small random checkpoint of a model family (Qwen2, Qwen3, Qwen3-MoE, Llama,
 Gemma 3) with a character tokenizer carrying the family's chat-template
 markers, saved as a Hugging Face directory; ``data.jsonl_dir =
 "tiny:word_problems"`` asks for a folder of synthetic GSM8K-format word
@@ -45,7 +45,7 @@ _SPECIALS = {
     ),
     "gemma3": dict(specials=["<start_of_turn>", "<end_of_turn>"], eos="<eos>"),
 }
-_SPECIALS["qwen3"] = _SPECIALS["qwen2"]
+_SPECIALS["qwen3"] = _SPECIALS["qwen3_moe"] = _SPECIALS["qwen2"]
 
 # Shaped like each family's template (same markers, roles and generation prompt).
 _CHAT_TEMPLATES = {
@@ -146,12 +146,12 @@ def tiny_tokenizer(family: str):
     spec = _SPECIALS[family]
     tok.add_tokens([s for s in spec["specials"] if s not in tok.get_vocab()], special_tokens=True)
     tok.eos_token = spec["eos"]
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         tok.pad_token = "<|endoftext|>"
     elif family == "llama":
         tok.bos_token = "<|begin_of_text|>"
         tok.pad_token = None  # As Llama 3's: the trainer pads with EOS.
-    tok.chat_template = _CHAT_TEMPLATES[family]
+    tok.chat_template = _CHAT_TEMPLATES["qwen3" if family == "qwen3_moe" else family]
     return tok
 
 
@@ -164,6 +164,8 @@ def _tiny_model_config(family: str, tok):
     if family == "gemma3":  # One sliding and one global layer, as Gemma 3 interleaves them.
         fields.update(num_layers=2, layer_types=("sliding_attention", "full_attention"))
         fields["sliding_window"] = 64
+    if family == "qwen3_moe":  # 4 experts of half the dense width, top 2 (docs/moe.md).
+        fields.update(num_experts=4, experts_per_token=2, moe_mlp_dim=32, norm_topk_prob=True)
     return family_config(
         family,
         vocab_size=len(tok),

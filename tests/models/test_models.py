@@ -18,7 +18,7 @@ from grpo_jax.models import (
 )
 from grpo_jax.run.config import ConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 
 
 def small_config(family: str, **overrides) -> ModelConfig:

@@ -80,7 +80,7 @@ def test_left_padded_logits_match_transformers(family, checkpoints, references):
     np.testing.assert_allclose(ours[mask], ref[mask], atol=F32_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3"])
 def test_bfloat16_logits_within_the_stated_tolerance(family, checkpoints, references):
     tokens = random_tokens((2, 12), seed=3)
     model = from_pretrained(checkpoints[family], dtype=jnp.bfloat16)

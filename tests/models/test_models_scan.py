@@ -162,11 +162,14 @@ def test_scanned_hf_import_matches_transformers_and_exports_the_same_tensors(fam
     from grpo_jax.models import from_pretrained, save_pretrained
     from grpo_jax.models.safetensors_io import SafetensorsCheckpoint
 
-    path = make_tiny_hf_checkpoint(tmp_path / "hf", family, seed=5, tokenizer=False)
+    # Every Qwen3-MoE layer sparse: a scan needs its layers alike.
+    every = {"mlp_only_layers": []} if family == "qwen3_moe" else {}
+    path = make_tiny_hf_checkpoint(tmp_path / "hf", family, seed=5, tokenizer=False, **every)
     mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
     model = from_pretrained(path, scan_layers=True, mesh=mesh, layout="fsdp")
     assert model.config.scan_layers
-    assert model.layers.mlp.up_proj[...].shape[0] == model.config.num_layers
+    up = model.layers.mlp.up_experts if family == "qwen3_moe" else model.layers.mlp.up_proj
+    assert up[...].shape[0] == model.config.num_layers
     tokens = np.random.default_rng(0).integers(0, 320, (2, 12)).astype(np.int32)
     graphdef, params = nnx.split(model)
     ours = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, jnp.asarray(tokens))

@@ -1,0 +1,84 @@
+"""A mixture-of-experts MLP's routing and its dropless grouped-matmul dispatch, as pure functions.
+
+Shapes: M tokens (B * T), D model width, E experts, K experts per token, F an expert's width.
+
+The router is Qwen3-MoE's (transformers' ``Qwen3MoeTopKRouter``): logits in the compute
+dtype, a float32 softmax over the E experts, the top K probabilities, renormalised to sum 1
+when ``normalize``. Given ``routes`` (the experts another pass chose) the same probabilities
+are read at those experts instead of the top K, so the router's gradient still flows through
+the weights of the given experts (routing replay, docs/moe.md).
+
+The experts run dropless: the M * K (token, expert) pairs are sorted by expert, each expert's
+contiguous rows are multiplied by its weights in one ``jax.lax.ragged_dot``, and the rows go
+back to their tokens; no capacity, no dropped token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(logits_MxE: jax.Array, k: int, normalize: bool, routes_MxK: jax.Array | None = None):
+    """(routing weights [M, K] float32, chosen experts [M, K] int32) of the router's logits.
+
+    Without ``routes_MxK`` the experts are the top ``k`` of softmax(logits), in descending
+    order; with it, they are the given ones and the weights are their probabilities.
+    """
+    probs_MxE = jax.nn.softmax(logits_MxE.astype(jnp.float32), axis=-1)
+    if routes_MxK is None:
+        weights_MxK, experts_MxK = jax.lax.top_k(probs_MxE, k)
+    else:
+        experts_MxK = routes_MxK.astype(jnp.int32)
+        weights_MxK = jnp.take_along_axis(probs_MxE, experts_MxK, axis=-1)
+    if normalize:
+        weights_MxK = weights_MxK / jnp.sum(weights_MxK, axis=-1, keepdims=True)
+    return weights_MxK, experts_MxK.astype(jnp.int32)
+
+
+def grouped_experts(
+    x_MxD: jax.Array,
+    experts_MxK: jax.Array,
+    weights_MxK: jax.Array,
+    gate_ExDxF: jax.Array,
+    up_ExDxF: jax.Array,
+    down_ExFxD: jax.Array,
+    activation,
+) -> jax.Array:
+    """sum_k weight[m, k] * expert[experts[m, k]](x[m]) for every token: [M, D].
+
+    An expert is a gated MLP, down(activation(x gate) * (x up)). The (token, expert) pairs
+    are sorted by expert (a stable sort), each expert's group of rows goes through one
+    ``ragged_dot``, and the inverse permutation brings the rows back.
+    """
+    M, K = experts_MxK.shape
+    E = gate_ExDxF.shape[0]
+    flat_N = experts_MxK.reshape(-1)  # N = M * K pairs, token-major
+    order_N = jnp.argsort(flat_N, stable=True)
+    sizes_E = jnp.bincount(flat_N, length=E).astype(jnp.int32)
+    rows_NxD = jnp.take(x_MxD, order_N // K, axis=0)
+    gate_NxF = jax.lax.ragged_dot(rows_NxD, gate_ExDxF, sizes_E)
+    up_NxF = jax.lax.ragged_dot(rows_NxD, up_ExDxF, sizes_E)
+    out_NxD = jax.lax.ragged_dot(activation(gate_NxF) * up_NxF, down_ExFxD, sizes_E)
+    back_N = jnp.argsort(order_N)  # the inverse permutation: pair n's row in the sorted order
+    out_MxKxD = jnp.take(out_NxD, back_N, axis=0).reshape(M, K, -1)
+    return jnp.einsum("mkd,mk->md", out_MxKxD, weights_MxK.astype(out_MxKxD.dtype))
+
+
+def dense_experts(x_MxD, experts_MxK, weights_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
+    """:func:`grouped_experts` computed the slow way: every expert on every token, masked by
+    the routing weights. The reference the dispatch is tested against."""
+    E = gate_ExDxF.shape[0]
+    mask_MxKxE = jax.nn.one_hot(experts_MxK, E, dtype=weights_MxK.dtype)
+    w_MxE = jnp.einsum("mk,mke->me", weights_MxK, mask_MxKxE)
+    h_ExMxF = activation(jnp.einsum("md,edf->emf", x_MxD, gate_ExDxF))
+    h_ExMxF = h_ExMxF * jnp.einsum("md,edf->emf", x_MxD, up_ExDxF)
+    out_ExMxD = jnp.einsum("emf,efd->emd", h_ExMxF, down_ExFxD)
+    return jnp.einsum("emd,me->md", out_ExMxD, w_MxE.astype(out_ExMxD.dtype))
+
+
+def route_flips(routes_a: jax.Array, routes_b: jax.Array) -> jax.Array:
+    """Per token and sparse layer, whether the two chosen sets of experts differ ([..., K] in,
+    [...] bool out; the order within a set does not count)."""
+    a, b = jnp.sort(routes_a, axis=-1), jnp.sort(routes_b, axis=-1)
+    return jnp.any(a != b, axis=-1)

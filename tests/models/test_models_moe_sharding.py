@@ -1,0 +1,68 @@
+"""Expert parallelism on 8 fake CPU devices: a mixture of experts whose experts are split over
+an "expert" mesh axis of 4 (and its width over fsdp 2) computes the single-device logits."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_models import left_padded_batch
+
+from grpo_jax.core import sharding
+from grpo_jax.models import create_model, family_config
+from grpo_jax.models.param_tensors import shard_numel
+
+CFG = family_config(
+    "qwen3_moe", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, mlp_dim=32, moe_mlp_dim=16, num_experts=8, experts_per_token=2,
+)  # fmt: skip
+
+
+def test_a_mesh_has_the_expert_axis_only_when_it_is_larger_than_one():
+    devices = jax.devices()[:8]
+    assert sharding.make_mesh({"fsdp": 8}, devices).axis_names == ("data", "fsdp", "tensor")
+    mesh = sharding.make_mesh({"expert": 4, "fsdp": 2}, devices)
+    assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
+    # The memory plan's count of one device's share agrees, with or without the axis.
+    axes = ("experts", "embed", "mlp")
+    assert shard_numel((8, 32, 16), axes, dict(mesh.shape), "fsdp") == 2 * 16 * 16
+    assert (
+        shard_numel((8, 32, 16), axes, {"data": 1, "fsdp": 2, "tensor": 1}, "fsdp") == 8 * 16 * 16
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
+def test_expert_sharded_forward_equals_single_device(layout):
+    mesh = sharding.make_mesh({"expert": 4, "fsdp": 2}, jax.devices()[:8])
+    tokens, mask = left_padded_batch((9, 5, 9, 2), 9, CFG.vocab_size, seed=2)
+    single = create_model(CFG, seed=1)
+    sharded = create_model(CFG, seed=1, mesh=mesh, layout=layout)
+    gate = sharded.layers[0].mlp.gate_experts[...]
+    assert gate.sharding.spec == P("expert", "fsdp", None if layout == "fsdp" else "tensor")
+    assert gate.addressable_shards[0].data.shape == (2, 16, 16)  # 8 experts / 4, 32 / 2
+    want_z, want_routes = _logits_and_routes(single, tokens, mask)
+    rows = sharding.batch_sharding(mesh)
+    with jax.set_mesh(mesh):
+        got_z, got_routes = _logits_and_routes(
+            sharded, jax.device_put(tokens, rows), jax.device_put(mask, rows)
+        )
+    assert got_z.addressable_shards[0].data.shape[0] == 2  # rows stayed split over fsdp
+    m = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(got_routes)[m], np.asarray(want_routes)[m])
+    np.testing.assert_allclose(np.asarray(got_z)[m], np.asarray(want_z)[m], atol=1e-5, rtol=0)
+
+
+def _logits_and_routes(model, tokens, mask):
+    """(logits, routes) with the weights sharpened (x4): routing and logits far from uniform."""
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def f(params, tokens, mask):
+        sharp = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)
+        model = nnx.merge(graphdef, sharp)
+        x, routes = model.routed_features(tokens, mask_BxT=mask)
+        return model.logits(x), routes
+
+    return f(params, tokens, mask)
