@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
+from grpo_jax.objective.distill import TeacherConfig, distill_advantages, distill_metrics
 from grpo_jax.objective.logprobs import (
     PackedRows,
     completion_logps,
@@ -39,6 +40,16 @@ from grpo_jax.objective.logprobs import (
     packed_logps_and_entropy,
     packed_member,
 )
+
+
+class FrozenModels(NamedTuple):
+    """The update's frozen parameters with a teacher (``teacher`` section): the reference's
+    (None when beta = 0, with LoRA, or when it is the teacher's) and the teacher's (None when
+    the teacher is the reference held as ``ref``, or LoRA's base). Without a teacher the
+    update takes the reference's parameters alone."""
+
+    ref: Any
+    teacher: Any
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -143,6 +154,8 @@ class _Plan:
     g_micro: int
     lora_dropout: float
     packs: PackedRows | None = None  # packed: the step's plan, [U, K, ...] (learner.packing)
+    teacher: TeacherConfig | None = None  # on-policy distillation (objective.distill)
+    teacher_graphdef: Any = None  # the teacher's model (None: the policy's)
 
     @property
     def use_lora(self) -> bool:
@@ -182,9 +195,10 @@ class _Plan:
 
 
 def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps):
-    """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs.
+    """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs
+    and, with a teacher, the distillation term (:func:`_teacher_term`).
 
-    Returns ((batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics). With
+    Returns ((batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics). With
     ``old_logps`` "recompute", pi_old is rescored by the update's own path
     from the parameters the step starts from (those that sampled the batch in
     the on-policy loop): the first ratio is then 1 whatever the sampler's
@@ -210,6 +224,7 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
     )
     if objective.behavior_correction == "none":
         behavior_w_NxT = None
+    ref_params, teacher_params = ref_params if plan.teacher else (ref_params, None)
     ref_logps_NxT = None
     if objective.beta > 0 and plan.use_lora:
         base, _ = lora.split(state.params)
@@ -217,16 +232,50 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
         ref_logps_NxT = jax.lax.stop_gradient(ref_NxT)
     elif objective.beta > 0:
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
-    return (batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics
+    distill_NxT, teacher_metrics = _teacher_term(plan, state, batch, teacher_params, ref_logps_NxT)
+    metrics = behavior_metrics | teacher_metrics
+    return (batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics
+
+
+def _teacher_logps(plan: _Plan, state: TrainState, batch: RolloutBatch, teacher_params, ref_NxT):
+    """log pi_teacher of the batch's tokens, once per step: the reference's when it is the
+    teacher (already scored with beta > 0; LoRA's base otherwise), else the teacher's own."""
+    if plan.teacher.is_reference and ref_NxT is not None:
+        return ref_NxT
+    if plan.teacher.is_reference and plan.use_lora:
+        base, _ = lora.split(state.params)
+        return jax.lax.stop_gradient(plan.logps(base, batch, plan.g_full, plan.base_graphdef))
+    teacher_NxT = plan.logps(teacher_params, batch, plan.g_full, plan.teacher_graphdef)
+    return jax.lax.stop_gradient(teacher_NxT)
+
+
+def _teacher_term(plan: _Plan, state: TrainState, batch: RolloutBatch, teacher_params, ref_NxT):
+    """(the distillation term D [N, T] or None, its ``teacher/*`` metrics).
+
+    D = -teacher.weight (log pi_old - log pi_teacher) on the loss mask's tokens
+    (``grpo_jax.objective.distill``). Weight 0 is no teacher: nothing is scored, and the
+    update is the one without (a teacher pass beside the loss's changes how XLA fuses it,
+    and the parameters then differ in their last bits).
+    """
+    if plan.teacher is None or plan.teacher.weight == 0:
+        return None, {}
+    teacher_NxT = _teacher_logps(plan, state, batch, teacher_params, ref_NxT)
+    mask_NxT = _loss_mask(batch)
+    term_NxT = distill_advantages(batch.old_logps_NxT, teacher_NxT, mask_NxT, plan.teacher.weight)
+    metrics = distill_metrics(
+        batch.old_logps_NxT, teacher_NxT, mask_NxT, batch.advantages_N, term_NxT
+    )
+    return term_NxT, metrics
 
 
 def _loss(plan: _Plan, params, mb):
-    """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT).
+    """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT,
+    distill_NxT).
 
     The completions are scored with their entropies in one pass
     (``completion_logps_and_entropy``); the loss mask is :func:`_loss_mask`.
     """
-    b, ref_NxT, w_NxT = mb
+    b, ref_NxT, w_NxT, d_NxT = mb
     logps_NxT, entropy_NxT = completion_logps_and_entropy(
         plan.graphdef,
         params,
@@ -248,6 +297,7 @@ def _loss(plan: _Plan, params, mb):
         ref_logps_NxT=ref_NxT,
         entropy_NxT=entropy_NxT,
         behavior_weights_NxT=w_NxT,
+        distill_adv_NxT=d_NxT,
     )
 
 
@@ -367,14 +417,14 @@ def _packed_batch_logps(plan: _Plan, params, batch: RolloutBatch, gdef=None):
 
 def _packed_loss(plan: _Plan, params, mb):
     """The loss of one packed micro-batch: ``mb`` = (minibatch, ref_logps_NxT,
-    behavior_w_NxT, pack, whole).
+    behavior_w_NxT, distill_NxT, pack, whole).
 
     Its rows and columns are the minibatch's, its loss mask only the tokens ``pack``
     scores, and its reductions divide by the minibatch's counts (``whole``,
     ``grpo_jax.objective.losses.Whole``): the micro-batches' losses add up to the
     minibatch's loss.
     """
-    b, ref_NxT, w_NxT, pack, whole = mb
+    b, ref_NxT, w_NxT, d_NxT, pack, whole = mb
     logps_NxT, entropy_NxT = packed_logps_and_entropy(
         plan.graphdef,
         params,
@@ -396,6 +446,7 @@ def _packed_loss(plan: _Plan, params, mb):
         entropy_NxT=entropy_NxT,
         behavior_weights_NxT=w_NxT,
         whole=whole,
+        distill_adv_NxT=d_NxT,
     )
 
 
@@ -439,7 +490,7 @@ def _packed_two_pass(plan: _Plan, trained, frozen, mb, packs_K, k_update):
     each micro-batch's vector-Jacobian product with g, whose sum is dL/dtheta. One
     forward pass more than :func:`_packed_accumulate`.
     """
-    b, ref_NxT, w_NxT = mb
+    b, ref_NxT, w_NxT, d_NxT = mb
     params = plan.join(frozen, trained)
     logps_NxT, entropy_NxT = _packed_minibatch_logps(plan, params, b, packs_K, key=k_update)
 
@@ -453,6 +504,7 @@ def _packed_two_pass(plan: _Plan, trained, frozen, mb, packs_K, k_update):
             ref_logps_NxT=ref_NxT,
             entropy_NxT=entropy_NxT,
             behavior_weights_NxT=w_NxT,
+            distill_adv_NxT=d_NxT,
         )
 
     (loss, aux), g_NxT = jax.value_and_grad(loss_of, has_aux=True)(jax.lax.stop_gradient(logps_NxT))
@@ -611,6 +663,8 @@ def update(
     share_prompts: bool = False,
     base_graphdef=None,
     lora_dropout: float = 0.0,
+    teacher: TeacherConfig | None = None,
+    teacher_graphdef=None,
 ):
     """mu passes over the batch, one optimizer update per minibatch (see module doc).
 
@@ -629,9 +683,12 @@ def update(
     of ``grad_accum`` equal parts of rows (docs/packing.md); the minibatches, and the
     loss as a function of the batch, are the same.
 
+    ``teacher`` (an enabled ``teacher`` section) and ``teacher_graphdef`` (its model, None:
+    the policy's): on-policy distillation; ``ref_params`` is then a :class:`FrozenModels`.
+
     Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
-    entropy, update counters), ``behavior/*`` and, with ``track_update``,
-    ``policy/*``: how far the step moved the policy on its own samples.
+    entropy, update counters), ``behavior/*``, ``teacher/*`` with a teacher and, with
+    ``track_update``, ``policy/*``: how far the step moved the policy on its own samples.
     """
     n = batch.num_rows
     m = n if minibatch_size == 0 else minibatch_size
@@ -649,6 +706,8 @@ def update(
         g_micro=g_micro,
         lora_dropout=lora_dropout,
         packs=packs,
+        teacher=teacher,
+        teacher_graphdef=teacher_graphdef,
     )
     prepared, behavior_metrics = _prepare_batch(plan, state, batch, ref_params, grpo.old_logps)
     grad_fn = _make_grad_fn(plan, None if packs is None else _packed_loss)
@@ -679,11 +738,14 @@ def jit_update(
     share_prompts: bool = False,
     base_graphdef=None,
     lora_dropout: float = 0.0,
+    teacher: TeacherConfig | None = None,
+    teacher_graphdef=None,
 ):
     """:func:`update` bound to its static configuration and jitted with shardings.
 
     ``batch_shardings`` is a RolloutBatch of shardings (:func:`rollout_batch_shardings`);
-    ``ref_shardings`` those of the reference parameters (None when beta = 0);
+    ``ref_shardings`` those of the reference parameters (None when beta = 0; a
+    :class:`FrozenModels` of the reference's and the teacher's with a teacher);
     ``replicated`` the sharding of the key and the metrics, on the run's mesh. The update
     is traced, lowered and called under that mesh (``sharding.OnMesh``), so each device
     keeps its rows through the scoring passes and the micro-batches: traced without it,
@@ -706,6 +768,8 @@ def jit_update(
         share_prompts=share_prompts,
         base_graphdef=base_graphdef,
         lora_dropout=lora_dropout,
+        teacher=teacher,
+        teacher_graphdef=teacher_graphdef,
     )
     jitted = jax.jit(
         fn,

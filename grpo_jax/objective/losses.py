@@ -196,7 +196,14 @@ def kl_term(logps_NxT, ref_logps_NxT, mask_NxT, estimator: str) -> jax.Array:
 
 
 def _prepare(
-    logps_NxT, old_logps_NxT, advantages_N, mask_NxT, ref_logps_NxT, behavior_weights_NxT, kl
+    logps_NxT,
+    old_logps_NxT,
+    advantages_N,
+    mask_NxT,
+    ref_logps_NxT,
+    behavior_weights_NxT,
+    kl,
+    distill_adv_NxT=None,
 ) -> _Terms:
     """Casts (float32 at least), constants and the per-token log-ratio and KL term.
 
@@ -204,12 +211,15 @@ def _prepare(
 
     pi_old's log-probs, the advantages, the reference and the behaviour
     weights carry no gradient. Zeroing the log-ratio on padding (which may
-    hold anything) keeps exp() from overflowing into NaN gradients.
+    hold anything) keeps exp() from overflowing into NaN gradients. With a
+    per-token distillation term D_it the advantage is A_i + D_it ([N, T]).
     """
     logps_NxT = _at_least_f32(logps_NxT)
     mask_NxT = mask_NxT.astype(logps_NxT.dtype)
     old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
     adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
+    if distill_adv_NxT is not None:
+        adv_Nx1 = adv_Nx1 + jax.lax.stop_gradient(distill_adv_NxT.astype(logps_NxT.dtype))
     n_tokens_N = mask_NxT.sum(axis=1)
     log_ratio_NxT = jnp.where(mask_NxT > 0, logps_NxT - old_logps_NxT, 0.0)
     kl_NxT = kl_term(logps_NxT, ref_logps_NxT, mask_NxT, kl)
@@ -365,6 +375,7 @@ def grpo_loss(
     entropy_NxT: jax.Array | None = None,
     behavior_weights_NxT: jax.Array | None = None,
     whole: Whole | None = None,
+    distill_adv_NxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (module doc) with the settings ``objective``, and its monitoring metrics.
 
@@ -392,6 +403,9 @@ def grpo_loss(
       whole: when ``mask_NxT`` holds one part of a minibatch (:class:`Whole`), the
         minibatch's counts; the parts' losses then add up to the minibatch's. The
         Clip-Cov and KL-Cov picks and the metrics are over this call's tokens.
+      distill_adv_NxT: a per-token advantage term added to each token's A_i (on-policy
+        distillation, ``grpo_jax.objective.distill``; no gradient); per-token objectives
+        only. None: every token carries its row's advantage.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -400,6 +414,9 @@ def grpo_loss(
     """
     if objective.beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
+    sequence = objective.reduction == "gspo" or objective.policy_loss in SEQUENCE_POLICY_LOSSES
+    if distill_adv_NxT is not None and sequence:
+        raise ValueError("a per-token advantage term needs a per-token objective, not gspo or gmpo")
     t = _prepare(
         logps_NxT,
         old_logps_NxT,
@@ -408,6 +425,7 @@ def grpo_loss(
         ref_logps_NxT,
         behavior_weights_NxT,
         objective.kl_estimator,
+        distill_adv_NxT,
     )
     if objective.reduction == "gspo":
         loss, (rho_NxT, low, high) = _gspo_loss(t, objective, whole)
