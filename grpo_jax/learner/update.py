@@ -37,8 +37,10 @@ from grpo_jax.objective.logprobs import (
     PackedRows,
     completion_logps,
     completion_logps_and_entropy,
+    completion_logps_and_teacher_kl,
     packed_logps_and_entropy,
     packed_member,
+    teacher_features,
 )
 
 
@@ -74,7 +76,14 @@ def _join_rows(y, shards: int):
 
 
 # grpo_loss's metrics that are means over the loss mask's tokens.
-_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "entropy")
+_TOKEN_MEANS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "kl_mean",
+    "entropy",
+    "teacher_kl",
+)
 
 
 def _combine(metrics_K: dict, tokens_K: jax.Array) -> dict:
@@ -194,7 +203,9 @@ class _Plan:
         return trained if frozen is None else lora.with_trainable(frozen, trained)
 
 
-def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps):
+def _prepare_batch(
+    plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps, teacher=None
+):
     """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs
     and, with a teacher, the distillation term (:func:`_teacher_term`).
 
@@ -207,7 +218,8 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
     whole rows); None without correction. The reference log-probs (None when
     beta = 0) are computed once per step; with LoRA the reference is the base,
     the same arrays with the adapters off. Both travel beside the batch
-    through the minibatch and micro-batch splits.
+    through the minibatch and micro-batch splits. ``teacher``: (graphdef, params) of
+    the teacher (:func:`_teacher_model`), None without one.
     """
     objective = plan.objective
     mask_NxT = batch.mask_NxT.astype(jnp.float32)
@@ -224,7 +236,6 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
     )
     if objective.behavior_correction == "none":
         behavior_w_NxT = None
-    ref_params, teacher_params = ref_params if plan.teacher else (ref_params, None)
     ref_logps_NxT = None
     if objective.beta > 0 and plan.use_lora:
         base, _ = lora.split(state.params)
@@ -232,34 +243,41 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
         ref_logps_NxT = jax.lax.stop_gradient(ref_NxT)
     elif objective.beta > 0:
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
-    distill_NxT, teacher_metrics = _teacher_term(plan, state, batch, teacher_params, ref_logps_NxT)
+    distill_NxT, teacher_metrics = _teacher_term(plan, batch, teacher, ref_logps_NxT)
     metrics = behavior_metrics | teacher_metrics
     return (batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics
 
 
-def _teacher_logps(plan: _Plan, state: TrainState, batch: RolloutBatch, teacher_params, ref_NxT):
-    """log pi_teacher of the batch's tokens, once per step: the reference's when it is the
-    teacher (already scored with beta > 0; LoRA's base otherwise), else the teacher's own."""
-    if plan.teacher.is_reference and ref_NxT is not None:
-        return ref_NxT
-    if plan.teacher.is_reference and plan.use_lora:
-        base, _ = lora.split(state.params)
-        return jax.lax.stop_gradient(plan.logps(base, batch, plan.g_full, plan.base_graphdef))
-    teacher_NxT = plan.logps(teacher_params, batch, plan.g_full, plan.teacher_graphdef)
-    return jax.lax.stop_gradient(teacher_NxT)
+def _teacher_model(plan: _Plan, state: TrainState, ref_params, teacher_params):
+    """(graphdef, params) of the teacher: its own, or for "reference" the reference's
+    arrays (with LoRA the base inside the policy's, under the model without adapters;
+    with beta = 0 the run's copy of the base, passed as the teacher's)."""
+    if not plan.teacher.is_reference:
+        return plan.teacher_graphdef or plan.graphdef, teacher_params
+    if plan.use_lora:
+        return plan.base_graphdef, lora.split(state.params)[0]
+    return plan.graphdef, teacher_params if ref_params is None else ref_params
 
 
-def _teacher_term(plan: _Plan, state: TrainState, batch: RolloutBatch, teacher_params, ref_NxT):
-    """(the distillation term D [N, T] or None, its ``teacher/*`` metrics).
+def _teacher_term(plan: _Plan, batch: RolloutBatch, teacher, ref_NxT):
+    """(the teacher's part of the prepared batch or None, its ``teacher/*`` metrics).
 
-    D = -teacher.weight (log pi_old - log pi_teacher) on the loss mask's tokens
-    (``grpo_jax.objective.distill``). Weight 0 is no teacher: nothing is scored, and the
-    update is the one without (a teacher pass beside the loss's changes how XLA fuses it,
-    and the parameters then differ in their last bits).
+    "sampled": D = -teacher.weight (log pi_old - log pi_teacher) on the loss mask's tokens
+    (``grpo_jax.objective.distill``), with the reference's log-probs when it is the teacher
+    and already scored. "full": the teacher's features [N, T, D] of the batch, whose LM
+    head the loss runs beside the student's (:func:`_full_kl_loss`). Weight 0 is no
+    teacher: nothing is scored, and the update is the one without (a teacher pass beside
+    the loss's changes how XLA fuses it, and the parameters then differ in their last bits).
     """
     if plan.teacher is None or plan.teacher.weight == 0:
         return None, {}
-    teacher_NxT = _teacher_logps(plan, state, batch, teacher_params, ref_NxT)
+    graphdef, params = teacher
+    rows = (batch.prompt_tokens_NxP, batch.prompt_mask_NxP, batch.tokens_NxT, batch.mask_NxT)
+    if plan.teacher.kl == "full":
+        return teacher_features(graphdef, params, *rows, group_size=plan.g_full), {}
+    teacher_NxT = ref_NxT
+    if not (plan.teacher.is_reference and ref_NxT is not None):
+        teacher_NxT = jax.lax.stop_gradient(plan.logps(params, batch, plan.g_full, graphdef))
     mask_NxT = _loss_mask(batch)
     term_NxT = distill_advantages(batch.old_logps_NxT, teacher_NxT, mask_NxT, plan.teacher.weight)
     metrics = distill_metrics(
@@ -299,6 +317,42 @@ def _loss(plan: _Plan, params, mb):
         behavior_weights_NxT=w_NxT,
         distill_adv_NxT=d_NxT,
     )
+
+
+def _full_kl_loss(plan: _Plan, params, mb, *, teacher):
+    """:func:`_loss` with the full-vocabulary reverse KL to the teacher as a penalty:
+    ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT, the teacher's features [N, T, D]), and
+    ``teacher`` its (graphdef, params). Each token's objective loses
+    teacher.weight KL(pi_theta || pi_teacher) at its position (docs/objective.md, 13);
+    ``teacher_kl`` is that KL's mean over the loss mask's tokens."""
+    b, ref_NxT, w_NxT, th_NxTxD = mb
+    logps_NxT, entropy_NxT, kl_NxT = completion_logps_and_teacher_kl(
+        plan.graphdef,
+        params,
+        b.prompt_tokens_NxP,
+        b.prompt_mask_NxP,
+        b.tokens_NxT,
+        b.mask_NxT,
+        plan.objective.temperature,
+        teacher,
+        th_NxTxD,
+        chunk_size=plan.logits_chunk,
+        group_size=plan.g_micro,
+    )
+    mask_NxT = _loss_mask(b).astype(jnp.float32)
+    loss, aux = losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        b.advantages_N,
+        mask_NxT,
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+        penalty_NxT=plan.teacher.weight * kl_NxT,
+    )
+    kl_mean = (kl_NxT * mask_NxT).sum() / jnp.maximum(mask_NxT.sum(), 1.0)
+    return loss, dict(aux, teacher_kl=jax.lax.stop_gradient(kl_mean))
 
 
 def _make_grad_fn(plan: _Plan, loss_fn=None):
@@ -614,12 +668,25 @@ def _reduce_metrics(m_U: dict, state: TrainState, skipped_before) -> dict:
     metrics = {f"train/{k}": v for k, v in _combine(m_U, tokens_U).items()}
     if "train/kl_mean" in metrics:
         metrics["train/kl"] = metrics.pop("train/kl_mean")
+    if "train/teacher_kl" in metrics:  # the full-vocabulary KL to the teacher, in the loss
+        metrics["teacher/kl"] = metrics.pop("train/teacher_kl")
     metrics["train/lr"] = lr_U[-1]
     metrics["train/skipped_updates"] = state.skipped - skipped_before
     metrics["train/skipped_total"] = state.skipped
     metrics["train/skipped_in_row"] = state.skipped_in_row
     metrics["train/updates"] = state.updates
     return metrics
+
+
+def _loss_fn(plan: _Plan, packs, teacher):
+    """The loss of the update's (micro-)batches: :func:`_loss`, :func:`_packed_loss` with
+    ``packs``, or :func:`_full_kl_loss` with a teacher's full-vocabulary KL."""
+    full = plan.teacher is not None and plan.teacher.weight > 0 and plan.teacher.kl == "full"
+    if full and packs is not None:
+        raise ValueError("teacher.kl = 'full' does not combine with packed rows")
+    if full:
+        return functools.partial(_full_kl_loss, teacher=teacher)
+    return _loss if packs is None else _packed_loss
 
 
 def _policy_movement(plan: _Plan, params, batch: RolloutBatch) -> dict:
@@ -709,8 +776,14 @@ def update(
         teacher=teacher,
         teacher_graphdef=teacher_graphdef,
     )
-    prepared, behavior_metrics = _prepare_batch(plan, state, batch, ref_params, grpo.old_logps)
-    grad_fn = _make_grad_fn(plan, None if packs is None else _packed_loss)
+    teacher_model = None
+    if plan.teacher is not None:
+        ref_params, teacher_params = ref_params
+        teacher_model = _teacher_model(plan, state, ref_params, teacher_params)
+    prepared, behavior_metrics = _prepare_batch(
+        plan, state, batch, ref_params, grpo.old_logps, teacher_model
+    )
+    grad_fn = _make_grad_fn(plan, _loss_fn(plan, packs, teacher_model))
     one_update = functools.partial(_one_update, plan, grad_fn, key)
     skipped_before = state.skipped
     state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu, packs)

@@ -1,11 +1,15 @@
 """On-policy distillation: a frozen teacher's per-token signal on the student's own samples.
 
-The ``teacher`` section (:class:`TeacherConfig`) and the per-token advantage term
+The ``teacher`` section (:class:`TeacherConfig`); for ``kl = "sampled"`` the per-token
+advantage term
 
     D_it = -weight * (log pi_old(o_it) - log pi_teacher(o_it))
 
 (the negative reverse KL on the sampled token, no gradient), added to the row's advantage
-A_i by the loss. Shapes: N rows, T completion tokens. docs/objective.md, section 13.
+A_i by the loss; for ``kl = "full"`` the full-vocabulary reverse KL at each position,
+``weight * KL(pi_theta || pi_teacher)``, a penalty the loss differentiates
+(:func:`full_reverse_kl`). Shapes: N rows, T completion tokens, C a chunk of them, V the
+vocabulary. docs/objective.md, section 13.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class TeacherConfig:
         ``.gguf`` file); its tokenizer must be the student's.
       weight: the weight of the distillation term in the per-token advantage (>= 0;
         0 switches the teacher off: it is neither loaded nor scored).
-      kl: "sampled" (per-token reverse KL on the sampled tokens) or "full".
+      kl: "sampled" (per-token reverse KL on the sampled tokens, an advantage term) or
+        "full" (the full-vocabulary reverse KL at each position, a differentiated penalty).
     """
 
     path: str = ""
@@ -48,11 +53,6 @@ class TeacherConfig:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"config key 'teacher.weight' = {w!r} must be a finite number >= 0")
         check_choice("teacher.kl", self.kl, TEACHER_KL)
-        if self.kl == "full":
-            raise ConfigError(
-                "config key 'teacher.kl' = 'full' is not built yet: the full-vocabulary KL "
-                "needs the teacher's logits in the loss; use 'sampled'"
-            )
 
     @property
     def enabled(self) -> bool:
@@ -87,3 +87,19 @@ def distill_metrics(old_logps_NxT, teacher_logps_NxT, mask_NxT, advantages_N, te
     row = (jnp.abs(advantages_N.astype(jnp.float32))[:, None] * mask_NxT).sum()
     share = jnp.where(term + row > 0, term / jnp.maximum(term + row, 1e-30), 0.0)
     return {"teacher/kl": jax.lax.stop_gradient(kl), "teacher/adv_share": share}
+
+
+def full_reverse_kl(student_logits_NxCxV, teacher_logits_NxCxW, temperature: float):
+    """KL(pi_theta || pi_teacher) [N, C] at each position, over the student's V tokens:
+
+        sum_v p_v (log p_v - log q_v),   p = softmax(z_s / tau),  q = softmax(z_t / tau)
+
+    in float32, differentiable in the student's logits (the teacher's carry no gradient).
+    The teacher's vocabulary W >= V is normalised over all of it, then read at the
+    student's V ids (a padded vocabulary's extra rows are mass the student cannot put).
+    """
+    v = student_logits_NxCxV.shape[-1]
+    log_p = jax.nn.log_softmax(student_logits_NxCxV.astype(jnp.float32) / temperature, axis=-1)
+    teacher = jax.lax.stop_gradient(teacher_logits_NxCxW.astype(jnp.float32) / temperature)
+    log_q = jax.nn.log_softmax(teacher, axis=-1)[..., :v]
+    return (jnp.exp(log_p) * (log_p - log_q)).sum(-1)

@@ -174,6 +174,7 @@ class _Terms(NamedTuple):
     log_ratio_NxT: jax.Array  # log rho_t, 0 on padding
     kl_NxT: jax.Array  # KL_t, 0 on padding and without a reference
     behavior_w_NxT: jax.Array | None
+    penalty_NxT: jax.Array | None = None  # a weighted per-token penalty (a teacher's KL)
 
 
 def _row_mean(x_NxT, t: _Terms):
@@ -301,7 +302,10 @@ def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None, whole
         return -(seq_N - obj.beta * kl_N).sum() / t.mask_NxT.shape[0]
     if t.behavior_w_NxT is not None:
         policy = policy * t.behavior_w_NxT
-    objective_NxT = (policy - obj.beta * t.kl_NxT) * t.mask_NxT
+    objective_NxT = policy - obj.beta * t.kl_NxT
+    if t.penalty_NxT is not None:
+        objective_NxT = objective_NxT - t.penalty_NxT
+    objective_NxT = objective_NxT * t.mask_NxT
     return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, max_tokens, whole)
 
 
@@ -376,6 +380,7 @@ def grpo_loss(
     behavior_weights_NxT: jax.Array | None = None,
     whole: Whole | None = None,
     distill_adv_NxT: jax.Array | None = None,
+    penalty_NxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (module doc) with the settings ``objective``, and its monitoring metrics.
 
@@ -406,6 +411,9 @@ def grpo_loss(
       distill_adv_NxT: a per-token advantage term added to each token's A_i (on-policy
         distillation, ``grpo_jax.objective.distill``; no gradient); per-token objectives
         only. None: every token carries its row's advantage.
+      penalty_NxT: a weighted per-token penalty subtracted from each token's objective
+        beside beta KL_t, differentiated (a teacher's full-vocabulary KL,
+        ``grpo_jax.objective.distill.full_reverse_kl``); per-token objectives only.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -415,7 +423,7 @@ def grpo_loss(
     if objective.beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
     sequence = objective.reduction == "gspo" or objective.policy_loss in SEQUENCE_POLICY_LOSSES
-    if distill_adv_NxT is not None and sequence:
+    if (distill_adv_NxT is not None or penalty_NxT is not None) and sequence:
         raise ValueError("a per-token advantage term needs a per-token objective, not gspo or gmpo")
     t = _prepare(
         logps_NxT,
@@ -427,6 +435,8 @@ def grpo_loss(
         objective.kl_estimator,
         distill_adv_NxT,
     )
+    if penalty_NxT is not None:
+        t = t._replace(penalty_NxT=_at_least_f32(penalty_NxT))
     if objective.reduction == "gspo":
         loss, (rho_NxT, low, high) = _gspo_loss(t, objective, whole)
     else:

@@ -228,10 +228,11 @@ def restore_warm_start(run: RunConfig, tokenizer, mesh, workdir):
     return graphdef, warm_start.restore_cache(workdir, params)
 
 
-def build_teacher(run: RunConfig, tokenizer, mesh):
+def build_teacher(run: RunConfig, tokenizer, mesh, student_vocab: int = 0):
     """(graphdef, params) of the ``teacher.path`` checkpoint, placed like the policy (its
     layout on the run's mesh); None without a teacher or for "reference" (the reference's
-    arrays). Its tokenizer must be the student's (:func:`check_teacher_tokenizer`)."""
+    arrays). Its tokenizer must be the student's (:func:`check_teacher_tokenizer`), and for
+    ``teacher.kl = "full"`` its vocabulary cover the student's ``student_vocab`` ids."""
     path = run.teacher.path
     if not run.teacher.enabled or run.teacher.is_reference:
         return None
@@ -240,7 +241,14 @@ def build_teacher(run: RunConfig, tokenizer, mesh):
     gguf = path.endswith(".gguf")
     check_teacher_tokenizer(run, tokenizer, _teacher_tokenizer(path, gguf))
     load = models.from_gguf if gguf else models.from_pretrained
-    return nnx.split(load(path, mesh=mesh, layout=run.mesh.layout))
+    model = load(path, mesh=mesh, layout=run.mesh.layout)
+    if run.teacher.kl == "full" and model.config.vocab_size < student_vocab:
+        raise ConfigError(
+            f"config key 'teacher.path' = {path!r}: the teacher's vocabulary has "
+            f"{model.config.vocab_size} rows, fewer than the student's {student_vocab}; "
+            "teacher.kl = 'full' needs every student token in it (or use 'sampled')"
+        )
+    return nnx.split(model)
 
 
 def _teacher_tokenizer(path: str, gguf: bool):

@@ -589,13 +589,20 @@ def parse_config(config) -> RunConfig:
 
 
 def _check_teacher(run: RunConfig) -> None:
-    """A teacher's per-token term needs a per-token objective (docs/objective.md, 13)."""
+    """A teacher's per-token term needs a per-token objective, and its full-vocabulary KL
+    padded rows (docs/objective.md, 13)."""
     g = run.grpo
     if run.teacher.enabled and (g.reduction == "gspo" or g.policy_loss == "gmpo"):
         raise ConfigError(
             f"config key 'teacher.path' = {run.teacher.path!r} needs a per-token objective: "
             f"the distillation term is a per-token advantage, and grpo.reduction = "
             f"{g.reduction!r} with grpo.policy_loss = {g.policy_loss!r} has one ratio per row"
+        )
+    if run.teacher.enabled and run.teacher.kl == "full" and run.train.packing == "on":
+        raise ConfigError(
+            "config key 'teacher.kl' = 'full' does not combine with train.packing = 'on' yet: "
+            "the teacher's LM head runs beside the student's over padded rows; use "
+            "teacher.kl = 'sampled' or train.packing = 'off'"
         )
 
 

@@ -360,7 +360,7 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     data_ = build_data(run)
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     model_cfg = nnx.merge(graphdef, params).config
-    teacher = build_teacher(run, tokenizer, mesh)
+    teacher = build_teacher(run, tokenizer, mesh, model_cfg.vocab_size)
     _print_memory_plan(run, model_cfg, mesh, samp_mesh, stream, teacher)
     policy = Policy(graphdef=graphdef, tokenizer=tokenizer, lora=lora_run)
     copy = build_sampler_weights(run, graphdef, params, model_cfg)

@@ -15,7 +15,8 @@ from grpo_jax.core import sharding
 from grpo_jax.learner import optimizer
 from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model
-from grpo_jax.objective.distill import TeacherConfig
+from grpo_jax.objective import logprobs
+from grpo_jax.objective.distill import TeacherConfig, full_reverse_kl
 from grpo_jax.run.config import GRPOConfig, OptimConfig
 
 pytestmark = pytest.mark.slow  # compiles the update several times
@@ -42,7 +43,7 @@ def setup(tiny_policy, tiny_model_config, one_device_mesh):
     return graphdef, params, one_device_mesh, batch, rows, other
 
 
-def _run(setup, *, grpo=None, teacher=None, frozen=None, teacher_graphdef=None):
+def _run(setup, *, grpo=None, teacher=None, frozen=None, teacher_graphdef=None, chunk=0):
     """One jitted update from a fresh state: (state, metrics) on the host."""
     graphdef, params, mesh, batch, _, _ = setup
     grpo = grpo or GRPOConfig(G=4)
@@ -60,6 +61,7 @@ def _run(setup, *, grpo=None, teacher=None, frozen=None, teacher_graphdef=None):
         grad_accum=1,
         batch_shards=1,
         track_update=False,
+        logits_chunk=chunk,
         state_shardings=jax.tree.map(lambda x: x.sharding, state),
         batch_shardings=upd.rollout_batch_shardings(mesh),
         ref_shardings=frozen_sh,
@@ -129,3 +131,42 @@ def test_the_reference_as_teacher_reuses_the_reference_scoring(setup):
     frozen = upd.FrozenModels(t_params, None)
     _, m = _run(setup, grpo=grpo, teacher=TeacherConfig("reference"), frozen=frozen)
     np.testing.assert_allclose(m["teacher/kl"], m["train/kl"], rtol=1e-5)
+
+
+def _full_kl_by_logits(setup):
+    """KL(pi_student || pi_teacher) per token from each model's whole logits [N, T, V]."""
+    graphdef, params, _, _, rows, (t_graphdef, t_params) = setup
+    args = (rows["prompt_tokens"], rows["prompt_mask"], rows["tokens"], rows["mask"])
+    zs = logprobs.completion_logits(graphdef, params, *args)
+    zt = logprobs.completion_logits(t_graphdef, t_params, *args)
+    return np.asarray(full_reverse_kl(zs, zt, 1.0))
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_the_full_kl_is_the_whole_logits_kl_chunked_or_not(setup, chunk):
+    _, _, _, _, rows, (t_graphdef, t_params) = setup
+    frozen = upd.FrozenModels(None, t_params)
+    teacher = TeacherConfig("t", kl="full", weight=0.5)
+    plain, _ = _run(setup, chunk=chunk)
+    on, m = _run(setup, teacher=teacher, frozen=frozen, teacher_graphdef=t_graphdef, chunk=chunk)
+    mask = rows["mask"].astype(np.float32)
+    want = (_full_kl_by_logits(setup) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(m["teacher/kl"], want, rtol=1e-5)
+    assert "teacher/adv_share" not in m  # a penalty, no advantage term
+    moved = [
+        not np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(plain.params), jax.tree.leaves(on.params), strict=True)
+    ]
+    assert any(moved)
+
+
+def test_the_full_kl_to_the_student_itself_is_zero_and_moves_nothing(setup):
+    _, params, _, _, _, _ = setup
+    plain, _ = _run(setup)
+    teacher = TeacherConfig("t", kl="full")
+    same, m = _run(setup, teacher=teacher, frozen=upd.FrozenModels(None, params))
+    assert abs(m["teacher/kl"]) < 1e-6
+    # The KL's gradient is 0 in exact arithmetic; Adam's first step (lr 1e-2, each
+    # parameter moved by about lr) turns its float32 rounding into ~1e-6 differences.
+    for x, y in zip(jax.tree.leaves(plain.params), jax.tree.leaves(same.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -12,7 +12,12 @@ from helpers_config import smoke_config
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
-from grpo_jax.objective.distill import TeacherConfig, distill_advantages, distill_metrics
+from grpo_jax.objective.distill import (
+    TeacherConfig,
+    distill_advantages,
+    distill_metrics,
+    full_reverse_kl,
+)
 from grpo_jax.run.config import parse_config
 
 # Two rows: three tokens and two (the third slot is padding). The student's sampled
@@ -110,7 +115,10 @@ def test_sequence_objectives_refuse_the_per_token_term():
         ({"teacher.path": "reference", "teacher.weight": -1.0}, "'teacher.weight' = -1.0"),
         ({"teacher.path": "reference", "teacher.weight": float("nan")}, "'teacher.weight'"),
         ({"teacher.path": "reference", "teacher.kl": "forward"}, "teacher.kl"),
-        ({"teacher.path": "reference", "teacher.kl": "full"}, "'teacher.kl' = 'full'"),
+        (
+            {"teacher.path": "reference", "teacher.kl": "full", "train.packing": "on"},
+            "'teacher.kl' = 'full' does not combine with train.packing",
+        ),
         ({"teacher.path": "reference", "grpo.reduction": "gspo"}, "per-token objective"),
         ({"teacher.pth": "reference"}, "teacher.pth"),
     ],
@@ -126,3 +134,39 @@ def test_the_section_parses_and_is_off_by_default():
     run = parse_config(smoke_config(**{"teacher.path": "reference", "teacher.weight": 0.5}))
     assert run.teacher == TeacherConfig(path="reference", weight=0.5, kl="sampled")
     assert run.teacher.is_reference
+    assert not TeacherConfig(path="reference", weight=0.0).enabled  # weight 0: off
+
+
+def test_full_kl_and_its_gradient_match_the_hand_computation():
+    """KL(p || q) = sum_v p_v (log p_v - log q_v), and d KL / d z_v = p_v (log p_v - log q_v
+    - KL) for p = softmax(z) (tau = 1); the teacher's logits get no gradient. The teacher's
+    fourth row (a padded vocabulary) is normalised over but not summed."""
+    zs = jnp.asarray([[[1.0, 0.0, -1.0]]])
+    zt = jnp.asarray([[[0.0, 0.5, 0.0, 2.0]]])
+    p = np.exp([1.0, 0.0, -1.0]) / np.exp([1.0, 0.0, -1.0]).sum()
+    q = np.exp([0.0, 0.5, 0.0]) / np.exp([0.0, 0.5, 0.0, 2.0]).sum()
+    kl = (p * (np.log(p) - np.log(q))).sum()
+    np.testing.assert_allclose(float(full_reverse_kl(zs, zt, 1.0)[0, 0]), kl, rtol=1e-6)
+    g_s, g_t = jax.grad(lambda a, b: full_reverse_kl(a, b, 1.0).sum(), argnums=(0, 1))(zs, zt)
+    np.testing.assert_allclose(np.asarray(g_s)[0, 0], p * (np.log(p) - np.log(q) - kl), atol=1e-6)
+    assert not np.asarray(g_t).any()
+    # The temperature divides both models' logits.
+    np.testing.assert_allclose(full_reverse_kl(zs, zt, 2.0), full_reverse_kl(zs / 2, zt / 2, 1.0))
+
+
+def test_full_kl_of_a_model_against_itself_is_zero_with_zero_gradient():
+    z = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 7)), jnp.float32)
+    assert float(jnp.abs(full_reverse_kl(z, z, 0.7)).max()) < 1e-6
+    g = jax.grad(lambda a: full_reverse_kl(a, z, 0.7).sum())(z)
+    assert float(jnp.abs(g).max()) < 1e-6
+
+
+def test_a_penalty_enters_the_loss_beside_the_policy_term():
+    """L = -(1/N) sum_i (1/|o_i|) sum_t (A_i - pen_it) at rho = 1 ("grpo" reduction)."""
+    old, teacher, mask, adv = _arrays()
+    pen = jnp.asarray(np.arange(6).reshape(2, 3) / 10.0, jnp.float32)
+    loss = losses.grpo_loss(old, old, adv, mask, GRPOConfig(G=2), penalty_NxT=pen)[0]
+    row0 = (1.0 - 0.0) + (1.0 - 0.1) + (1.0 - 0.2)  # A = +1, three tokens
+    row1 = (-1.0 - 0.3) + (-1.0 - 0.4)  # A = -1, two tokens (the padding's 0.5 is left out)
+    want = -(row0 / 3 + row1 / 2) / 2
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
