@@ -38,6 +38,7 @@ from grpo_jax.run.config import (
     PromptConfig,
     RewardModelSection,
     SamplingSection,
+    TeacherConfig,
     TrainConfig,
     WarmStartConfig,
 )
@@ -136,4 +137,6 @@ def base() -> ConfigDict:
     c.reward_model = section(RewardModelSection)
     # An LLM judge's expected score beside them; path "" is none, "reference" the reference.
     c.judge = section(JudgeSection)
+    # On-policy distillation: path "" is none, "reference" the reference (docs/objective.md).
+    c.teacher = section(TeacherConfig)
     return c

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +32,26 @@ from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
+from grpo_jax.objective.distill import TeacherConfig, distill_advantages, distill_metrics
 from grpo_jax.objective.logprobs import (
     PackedRows,
     completion_logps,
     completion_logps_and_entropy,
+    completion_logps_and_teacher_kl,
     packed_logps_and_entropy,
     packed_member,
+    teacher_features,
 )
+
+
+class FrozenModels(NamedTuple):
+    """The update's frozen parameters with a teacher (``teacher`` section): the reference's
+    (None when beta = 0, with LoRA, or when it is the teacher's) and the teacher's (None when
+    the teacher is the reference held as ``ref``, or LoRA's base). Without a teacher the
+    update takes the reference's parameters alone."""
+
+    ref: Any
+    teacher: Any
 
 
 def _split_rows(x, num_parts: int, shards: int):
@@ -63,7 +76,14 @@ def _join_rows(y, shards: int):
 
 
 # grpo_loss's metrics that are means over the loss mask's tokens.
-_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "entropy")
+_TOKEN_MEANS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "kl_mean",
+    "entropy",
+    "teacher_kl",
+)
 
 
 def _combine(metrics_K: dict, tokens_K: jax.Array) -> dict:
@@ -143,6 +163,8 @@ class _Plan:
     g_micro: int
     lora_dropout: float
     packs: PackedRows | None = None  # packed: the step's plan, [U, K, ...] (learner.packing)
+    teacher: TeacherConfig | None = None  # on-policy distillation (objective.distill)
+    teacher_graphdef: Any = None  # the teacher's model (None: the policy's)
 
     @property
     def use_lora(self) -> bool:
@@ -181,10 +203,13 @@ class _Plan:
         return trained if frozen is None else lora.with_trainable(frozen, trained)
 
 
-def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps):
-    """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs.
+def _prepare_batch(
+    plan: _Plan, state: TrainState, batch: RolloutBatch, ref_params, old_logps, teacher=None
+):
+    """Prepare the batch: pi_old's log-probs, the behaviour weights, the reference log-probs
+    and, with a teacher, the distillation term (:func:`_teacher_term`).
 
-    Returns ((batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics). With
+    Returns ((batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics). With
     ``old_logps`` "recompute", pi_old is rescored by the update's own path
     from the parameters the step starts from (those that sampled the batch in
     the on-policy loop): the first ratio is then 1 whatever the sampler's
@@ -193,7 +218,8 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
     whole rows); None without correction. The reference log-probs (None when
     beta = 0) are computed once per step; with LoRA the reference is the base,
     the same arrays with the adapters off. Both travel beside the batch
-    through the minibatch and micro-batch splits.
+    through the minibatch and micro-batch splits. ``teacher``: (graphdef, params) of
+    the teacher (:func:`_teacher_model`), None without one.
     """
     objective = plan.objective
     mask_NxT = batch.mask_NxT.astype(jnp.float32)
@@ -217,16 +243,57 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
         ref_logps_NxT = jax.lax.stop_gradient(ref_NxT)
     elif objective.beta > 0:
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
-    return (batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics
+    distill_NxT, teacher_metrics = _teacher_term(plan, batch, teacher, ref_logps_NxT)
+    metrics = behavior_metrics | teacher_metrics
+    return (batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics
+
+
+def _teacher_model(plan: _Plan, state: TrainState, ref_params, teacher_params):
+    """(graphdef, params) of the teacher: its own, or for "reference" the reference's
+    arrays (with LoRA the base inside the policy's, under the model without adapters;
+    with beta = 0 the run's copy of the base, passed as the teacher's)."""
+    if not plan.teacher.is_reference:
+        return plan.teacher_graphdef or plan.graphdef, teacher_params
+    if plan.use_lora:
+        return plan.base_graphdef, lora.split(state.params)[0]
+    return plan.graphdef, teacher_params if ref_params is None else ref_params
+
+
+def _teacher_term(plan: _Plan, batch: RolloutBatch, teacher, ref_NxT):
+    """(the teacher's part of the prepared batch or None, its ``teacher/*`` metrics).
+
+    "sampled": D = -teacher.weight (log pi_old - log pi_teacher) on the loss mask's tokens
+    (``grpo_jax.objective.distill``), with the reference's log-probs when it is the teacher
+    and already scored. "full": the teacher's features [N, T, D] of the batch, whose LM
+    head the loss runs beside the student's (:func:`_full_kl_loss`). Weight 0 is no
+    teacher: nothing is scored, and the update is the one without (a teacher pass beside
+    the loss's changes how XLA fuses it, and the parameters then differ in their last bits).
+    """
+    if plan.teacher is None or plan.teacher.weight == 0:
+        return None, {}
+    graphdef, params = teacher
+    rows = (batch.prompt_tokens_NxP, batch.prompt_mask_NxP, batch.tokens_NxT, batch.mask_NxT)
+    if plan.teacher.kl == "full":
+        return teacher_features(graphdef, params, *rows, group_size=plan.g_full), {}
+    teacher_NxT = ref_NxT
+    if not (plan.teacher.is_reference and ref_NxT is not None):
+        teacher_NxT = jax.lax.stop_gradient(plan.logps(params, batch, plan.g_full, graphdef))
+    mask_NxT = _loss_mask(batch)
+    term_NxT = distill_advantages(batch.old_logps_NxT, teacher_NxT, mask_NxT, plan.teacher.weight)
+    metrics = distill_metrics(
+        batch.old_logps_NxT, teacher_NxT, mask_NxT, batch.advantages_N, term_NxT
+    )
+    return term_NxT, metrics
 
 
 def _loss(plan: _Plan, params, mb):
-    """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT).
+    """The GRPO loss of one (micro-)batch ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT,
+    distill_NxT).
 
     The completions are scored with their entropies in one pass
     (``completion_logps_and_entropy``); the loss mask is :func:`_loss_mask`.
     """
-    b, ref_NxT, w_NxT = mb
+    b, ref_NxT, w_NxT, d_NxT = mb
     logps_NxT, entropy_NxT = completion_logps_and_entropy(
         plan.graphdef,
         params,
@@ -248,7 +315,44 @@ def _loss(plan: _Plan, params, mb):
         ref_logps_NxT=ref_NxT,
         entropy_NxT=entropy_NxT,
         behavior_weights_NxT=w_NxT,
+        distill_adv_NxT=d_NxT,
     )
+
+
+def _full_kl_loss(plan: _Plan, params, mb, *, teacher):
+    """:func:`_loss` with the full-vocabulary reverse KL to the teacher as a penalty:
+    ``mb`` = (batch, ref_logps_NxT, behavior_w_NxT, the teacher's features [N, T, D]), and
+    ``teacher`` its (graphdef, params). Each token's objective loses
+    teacher.weight KL(pi_theta || pi_teacher) at its position (docs/objective.md, 13);
+    ``teacher_kl`` is that KL's mean over the loss mask's tokens."""
+    b, ref_NxT, w_NxT, th_NxTxD = mb
+    logps_NxT, entropy_NxT, kl_NxT = completion_logps_and_teacher_kl(
+        plan.graphdef,
+        params,
+        b.prompt_tokens_NxP,
+        b.prompt_mask_NxP,
+        b.tokens_NxT,
+        b.mask_NxT,
+        plan.objective.temperature,
+        teacher,
+        th_NxTxD,
+        chunk_size=plan.logits_chunk,
+        group_size=plan.g_micro,
+    )
+    mask_NxT = _loss_mask(b).astype(jnp.float32)
+    loss, aux = losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        b.advantages_N,
+        mask_NxT,
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+        penalty_NxT=plan.teacher.weight * kl_NxT,
+    )
+    kl_mean = (kl_NxT * mask_NxT).sum() / jnp.maximum(mask_NxT.sum(), 1.0)
+    return loss, dict(aux, teacher_kl=jax.lax.stop_gradient(kl_mean))
 
 
 def _make_grad_fn(plan: _Plan, loss_fn=None):
@@ -367,14 +471,14 @@ def _packed_batch_logps(plan: _Plan, params, batch: RolloutBatch, gdef=None):
 
 def _packed_loss(plan: _Plan, params, mb):
     """The loss of one packed micro-batch: ``mb`` = (minibatch, ref_logps_NxT,
-    behavior_w_NxT, pack, whole).
+    behavior_w_NxT, distill_NxT, pack, whole).
 
     Its rows and columns are the minibatch's, its loss mask only the tokens ``pack``
     scores, and its reductions divide by the minibatch's counts (``whole``,
     ``grpo_jax.objective.losses.Whole``): the micro-batches' losses add up to the
     minibatch's loss.
     """
-    b, ref_NxT, w_NxT, pack, whole = mb
+    b, ref_NxT, w_NxT, d_NxT, pack, whole = mb
     logps_NxT, entropy_NxT = packed_logps_and_entropy(
         plan.graphdef,
         params,
@@ -396,6 +500,7 @@ def _packed_loss(plan: _Plan, params, mb):
         entropy_NxT=entropy_NxT,
         behavior_weights_NxT=w_NxT,
         whole=whole,
+        distill_adv_NxT=d_NxT,
     )
 
 
@@ -439,7 +544,7 @@ def _packed_two_pass(plan: _Plan, trained, frozen, mb, packs_K, k_update):
     each micro-batch's vector-Jacobian product with g, whose sum is dL/dtheta. One
     forward pass more than :func:`_packed_accumulate`.
     """
-    b, ref_NxT, w_NxT = mb
+    b, ref_NxT, w_NxT, d_NxT = mb
     params = plan.join(frozen, trained)
     logps_NxT, entropy_NxT = _packed_minibatch_logps(plan, params, b, packs_K, key=k_update)
 
@@ -453,6 +558,7 @@ def _packed_two_pass(plan: _Plan, trained, frozen, mb, packs_K, k_update):
             ref_logps_NxT=ref_NxT,
             entropy_NxT=entropy_NxT,
             behavior_weights_NxT=w_NxT,
+            distill_adv_NxT=d_NxT,
         )
 
     (loss, aux), g_NxT = jax.value_and_grad(loss_of, has_aux=True)(jax.lax.stop_gradient(logps_NxT))
@@ -562,12 +668,25 @@ def _reduce_metrics(m_U: dict, state: TrainState, skipped_before) -> dict:
     metrics = {f"train/{k}": v for k, v in _combine(m_U, tokens_U).items()}
     if "train/kl_mean" in metrics:
         metrics["train/kl"] = metrics.pop("train/kl_mean")
+    if "train/teacher_kl" in metrics:  # the full-vocabulary KL to the teacher, in the loss
+        metrics["teacher/kl"] = metrics.pop("train/teacher_kl")
     metrics["train/lr"] = lr_U[-1]
     metrics["train/skipped_updates"] = state.skipped - skipped_before
     metrics["train/skipped_total"] = state.skipped
     metrics["train/skipped_in_row"] = state.skipped_in_row
     metrics["train/updates"] = state.updates
     return metrics
+
+
+def _loss_fn(plan: _Plan, packs, teacher):
+    """The loss of the update's (micro-)batches: :func:`_loss`, :func:`_packed_loss` with
+    ``packs``, or :func:`_full_kl_loss` with a teacher's full-vocabulary KL."""
+    full = plan.teacher is not None and plan.teacher.weight > 0 and plan.teacher.kl == "full"
+    if full and packs is not None:
+        raise ValueError("teacher.kl = 'full' does not combine with packed rows")
+    if full:
+        return functools.partial(_full_kl_loss, teacher=teacher)
+    return _loss if packs is None else _packed_loss
 
 
 def _policy_movement(plan: _Plan, params, batch: RolloutBatch) -> dict:
@@ -611,6 +730,8 @@ def update(
     share_prompts: bool = False,
     base_graphdef=None,
     lora_dropout: float = 0.0,
+    teacher: TeacherConfig | None = None,
+    teacher_graphdef=None,
 ):
     """mu passes over the batch, one optimizer update per minibatch (see module doc).
 
@@ -629,9 +750,12 @@ def update(
     of ``grad_accum`` equal parts of rows (docs/packing.md); the minibatches, and the
     loss as a function of the batch, are the same.
 
+    ``teacher`` (an enabled ``teacher`` section) and ``teacher_graphdef`` (its model, None:
+    the policy's): on-policy distillation; ``ref_params`` is then a :class:`FrozenModels`.
+
     Metrics: ``train/*`` (loss, grad_norm, lr, clip fractions, ratios, kl,
-    entropy, update counters), ``behavior/*`` and, with ``track_update``,
-    ``policy/*``: how far the step moved the policy on its own samples.
+    entropy, update counters), ``behavior/*``, ``teacher/*`` with a teacher and, with
+    ``track_update``, ``policy/*``: how far the step moved the policy on its own samples.
     """
     n = batch.num_rows
     m = n if minibatch_size == 0 else minibatch_size
@@ -649,9 +773,17 @@ def update(
         g_micro=g_micro,
         lora_dropout=lora_dropout,
         packs=packs,
+        teacher=teacher,
+        teacher_graphdef=teacher_graphdef,
     )
-    prepared, behavior_metrics = _prepare_batch(plan, state, batch, ref_params, grpo.old_logps)
-    grad_fn = _make_grad_fn(plan, None if packs is None else _packed_loss)
+    teacher_model = None
+    if plan.teacher is not None:
+        ref_params, teacher_params = ref_params
+        teacher_model = _teacher_model(plan, state, ref_params, teacher_params)
+    prepared, behavior_metrics = _prepare_batch(
+        plan, state, batch, ref_params, grpo.old_logps, teacher_model
+    )
+    grad_fn = _make_grad_fn(plan, _loss_fn(plan, packs, teacher_model))
     one_update = functools.partial(_one_update, plan, grad_fn, key)
     skipped_before = state.skipped
     state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu, packs)
@@ -679,11 +811,14 @@ def jit_update(
     share_prompts: bool = False,
     base_graphdef=None,
     lora_dropout: float = 0.0,
+    teacher: TeacherConfig | None = None,
+    teacher_graphdef=None,
 ):
     """:func:`update` bound to its static configuration and jitted with shardings.
 
     ``batch_shardings`` is a RolloutBatch of shardings (:func:`rollout_batch_shardings`);
-    ``ref_shardings`` those of the reference parameters (None when beta = 0);
+    ``ref_shardings`` those of the reference parameters (None when beta = 0; a
+    :class:`FrozenModels` of the reference's and the teacher's with a teacher);
     ``replicated`` the sharding of the key and the metrics, on the run's mesh. The update
     is traced, lowered and called under that mesh (``sharding.OnMesh``), so each device
     keeps its rows through the scoring passes and the micro-batches: traced without it,
@@ -706,6 +841,8 @@ def jit_update(
         share_prompts=share_prompts,
         base_graphdef=base_graphdef,
         lora_dropout=lora_dropout,
+        teacher=teacher,
+        teacher_graphdef=teacher_graphdef,
     )
     jitted = jax.jit(
         fn,

@@ -24,6 +24,7 @@ from flax import nnx
 from grpo_jax.models.attention import Segments
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.objective import losses
+from grpo_jax.objective.distill import full_reverse_kl
 
 
 def span_mask(mask_NxT):
@@ -160,6 +161,79 @@ def _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entrop
     logps_KxNxC, ent_KxNxC = jax.lax.map(lambda a: chunk_fn(*a), (h_KxNxCxD, tokens_KxNxC))
     unchunk = lambda x_KxNxC: jnp.moveaxis(x_KxNxC, 0, 1).reshape(n, t)
     return unchunk(logps_KxNxC), None if ent_KxNxC is None else unchunk(ent_KxNxC)
+
+
+def completion_logps_and_teacher_kl(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    temperature: float,
+    teacher,
+    teacher_h_NxTxD,
+    *,
+    chunk_size: int = 0,
+    group_size: int = 1,
+):
+    """(log-probs, entropies, KL(pi_theta || pi_teacher)) [N, T] of the completion tokens.
+
+    :func:`completion_logps_and_entropy` with, at each position, the full-vocabulary
+    reverse KL to a teacher (``grpo_jax.objective.distill.full_reverse_kl``; docs/objective.md,
+    section 13). ``teacher`` = (graphdef, params) and ``teacher_h_NxTxD`` its
+    :func:`completion_features` of the same rows: its LM head runs chunk by chunk beside the
+    student's (``chunk_size`` as there), so neither model's logits are ever whole. The KL
+    is differentiable in the student; the teacher and the entropies carry no gradient.
+    """
+    model = nnx.merge(graphdef, params)
+    h_NxTxD = completion_features(
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
+    )
+    n, t = tokens_NxT.shape
+    head_graphdef, head_params, body = nnx.split(model, _is_head, ...)
+    body = jax.lax.stop_gradient(body)
+    t_graphdef, t_params = teacher
+    t_params = jax.lax.stop_gradient(t_params)
+
+    def one(head_params, h_NxCxD, th_NxCxD, tokens_NxC):
+        logits_NxCxV = nnx.merge(head_graphdef, head_params, body).logits(h_NxCxD)
+        t_logits_NxCxW = nnx.merge(t_graphdef, t_params).logits(th_NxCxD)
+        logps_NxC = losses.per_token_logps(logits_NxCxV, tokens_NxC, temperature=temperature)
+        ent_NxC = losses.token_entropy(jax.lax.stop_gradient(logits_NxCxV), temperature=temperature)
+        kl_NxC = full_reverse_kl(logits_NxCxV, t_logits_NxCxW, temperature)
+        return logps_NxC, ent_NxC, kl_NxC
+
+    th_NxTxD = jax.lax.stop_gradient(teacher_h_NxTxD)
+    if not chunk_size or chunk_size >= t:
+        return one(head_params, h_NxTxD, th_NxTxD, tokens_NxT)
+    if t % chunk_size:
+        raise ValueError(f"chunk_size = {chunk_size} must divide the completion length T = {t}")
+    k = t // chunk_size
+    chunks = lambda x: jnp.moveaxis(x.reshape(n, k, chunk_size, *x.shape[2:]), 1, 0)
+    chunk_fn = jax.checkpoint(functools.partial(one, head_params))
+    out = jax.lax.map(
+        lambda a: chunk_fn(*a), (chunks(h_NxTxD), chunks(th_NxTxD), chunks(tokens_NxT))
+    )
+    return tuple(jnp.moveaxis(x_KxNxC, 0, 1).reshape(n, t) for x_KxNxC in out)
+
+
+def teacher_features(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    *,
+    group_size: int = 1,
+):
+    """A frozen model's :func:`completion_features` [N, T, D] of the rows (no gradient)."""
+    model = nnx.merge(graphdef, params)
+    h = completion_features(
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
+    )
+    return jax.lax.stop_gradient(h)
 
 
 def completion_logps(

@@ -174,6 +174,7 @@ class _Terms(NamedTuple):
     log_ratio_NxT: jax.Array  # log rho_t, 0 on padding
     kl_NxT: jax.Array  # KL_t, 0 on padding and without a reference
     behavior_w_NxT: jax.Array | None
+    penalty_NxT: jax.Array | None = None  # a weighted per-token penalty (a teacher's KL)
 
 
 def _row_mean(x_NxT, t: _Terms):
@@ -196,7 +197,14 @@ def kl_term(logps_NxT, ref_logps_NxT, mask_NxT, estimator: str) -> jax.Array:
 
 
 def _prepare(
-    logps_NxT, old_logps_NxT, advantages_N, mask_NxT, ref_logps_NxT, behavior_weights_NxT, kl
+    logps_NxT,
+    old_logps_NxT,
+    advantages_N,
+    mask_NxT,
+    ref_logps_NxT,
+    behavior_weights_NxT,
+    kl,
+    distill_adv_NxT=None,
 ) -> _Terms:
     """Casts (float32 at least), constants and the per-token log-ratio and KL term.
 
@@ -204,12 +212,15 @@ def _prepare(
 
     pi_old's log-probs, the advantages, the reference and the behaviour
     weights carry no gradient. Zeroing the log-ratio on padding (which may
-    hold anything) keeps exp() from overflowing into NaN gradients.
+    hold anything) keeps exp() from overflowing into NaN gradients. With a
+    per-token distillation term D_it the advantage is A_i + D_it ([N, T]).
     """
     logps_NxT = _at_least_f32(logps_NxT)
     mask_NxT = mask_NxT.astype(logps_NxT.dtype)
     old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
     adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
+    if distill_adv_NxT is not None:
+        adv_Nx1 = adv_Nx1 + jax.lax.stop_gradient(distill_adv_NxT.astype(logps_NxT.dtype))
     n_tokens_N = mask_NxT.sum(axis=1)
     log_ratio_NxT = jnp.where(mask_NxT > 0, logps_NxT - old_logps_NxT, 0.0)
     kl_NxT = kl_term(logps_NxT, ref_logps_NxT, mask_NxT, kl)
@@ -291,7 +302,10 @@ def _aggregate(policy, t: _Terms, obj: GRPOConfig, max_tokens: int | None, whole
         return -(seq_N - obj.beta * kl_N).sum() / t.mask_NxT.shape[0]
     if t.behavior_w_NxT is not None:
         policy = policy * t.behavior_w_NxT
-    objective_NxT = (policy - obj.beta * t.kl_NxT) * t.mask_NxT
+    objective_NxT = policy - obj.beta * t.kl_NxT
+    if t.penalty_NxT is not None:
+        objective_NxT = objective_NxT - t.penalty_NxT
+    objective_NxT = objective_NxT * t.mask_NxT
     return _reduce(objective_NxT, t.mask_NxT, t.n_tokens_N, obj.reduction, max_tokens, whole)
 
 
@@ -365,6 +379,8 @@ def grpo_loss(
     entropy_NxT: jax.Array | None = None,
     behavior_weights_NxT: jax.Array | None = None,
     whole: Whole | None = None,
+    distill_adv_NxT: jax.Array | None = None,
+    penalty_NxT: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (module doc) with the settings ``objective``, and its monitoring metrics.
 
@@ -392,6 +408,12 @@ def grpo_loss(
       whole: when ``mask_NxT`` holds one part of a minibatch (:class:`Whole`), the
         minibatch's counts; the parts' losses then add up to the minibatch's. The
         Clip-Cov and KL-Cov picks and the metrics are over this call's tokens.
+      distill_adv_NxT: a per-token advantage term added to each token's A_i (on-policy
+        distillation, ``grpo_jax.objective.distill``; no gradient); per-token objectives
+        only. None: every token carries its row's advantage.
+      penalty_NxT: a weighted per-token penalty subtracted from each token's objective
+        beside beta KL_t, differentiated (a teacher's full-vocabulary KL,
+        ``grpo_jax.objective.distill.full_reverse_kl``); per-token objectives only.
 
     Returns:
       (loss, metrics) with metrics: clip_frac_low, clip_frac_high, ratio_mean,
@@ -400,6 +422,9 @@ def grpo_loss(
     """
     if objective.beta > 0 and ref_logps_NxT is None:
         raise ValueError("beta > 0 needs ref_logps_NxT (the frozen reference's log-probs)")
+    sequence = objective.reduction == "gspo" or objective.policy_loss in SEQUENCE_POLICY_LOSSES
+    if (distill_adv_NxT is not None or penalty_NxT is not None) and sequence:
+        raise ValueError("a per-token advantage term needs a per-token objective, not gspo or gmpo")
     t = _prepare(
         logps_NxT,
         old_logps_NxT,
@@ -408,7 +433,10 @@ def grpo_loss(
         ref_logps_NxT,
         behavior_weights_NxT,
         objective.kl_estimator,
+        distill_adv_NxT,
     )
+    if penalty_NxT is not None:
+        t = t._replace(penalty_NxT=_at_least_f32(penalty_NxT))
     if objective.reduction == "gspo":
         loss, (rho_NxT, low, high) = _gspo_loss(t, objective, whole)
     else:

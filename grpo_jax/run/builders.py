@@ -228,6 +228,59 @@ def restore_warm_start(run: RunConfig, tokenizer, mesh, workdir):
     return graphdef, warm_start.restore_cache(workdir, params)
 
 
+def build_teacher(run: RunConfig, tokenizer, mesh, student_vocab: int = 0):
+    """(graphdef, params) of the ``teacher.path`` checkpoint, placed like the policy (its
+    layout on the run's mesh); None without a teacher or for "reference" (the reference's
+    arrays). Its tokenizer must be the student's (:func:`check_teacher_tokenizer`), and for
+    ``teacher.kl = "full"`` its vocabulary cover the student's ``student_vocab`` ids."""
+    path = run.teacher.path
+    if not run.teacher.enabled or run.teacher.is_reference:
+        return None
+    if not pathlib.Path(path).exists():
+        raise ConfigError(f"config key 'teacher.path' = {path!r}: no such file or directory")
+    gguf = path.endswith(".gguf")
+    check_teacher_tokenizer(run, tokenizer, _teacher_tokenizer(path, gguf))
+    load = models.from_gguf if gguf else models.from_pretrained
+    model = load(path, mesh=mesh, layout=run.mesh.layout)
+    if run.teacher.kl == "full" and model.config.vocab_size < student_vocab:
+        raise ConfigError(
+            f"config key 'teacher.path' = {path!r}: the teacher's vocabulary has "
+            f"{model.config.vocab_size} rows, fewer than the student's {student_vocab}; "
+            "teacher.kl = 'full' needs every student token in it (or use 'sampled')"
+        )
+    return nnx.split(model)
+
+
+def _teacher_tokenizer(path: str, gguf: bool):
+    from transformers import AutoTokenizer  # seconds to import: only with a teacher
+
+    if gguf:
+        return models.load_gguf_tokenizer(path)
+    where = pathlib.Path(path)
+    if not (where / "tokenizer_config.json").exists() and not (where / "tokenizer.json").exists():
+        raise ConfigError(
+            f"config key 'teacher.path' = {path!r}: no Hugging Face tokenizer files there, "
+            "so it cannot be checked against the student's"
+        )
+    return AutoTokenizer.from_pretrained(str(where))
+
+
+def check_teacher_tokenizer(run: RunConfig, student, teacher) -> None:
+    """ConfigError in one line unless ``teacher`` is the student's tokenizer: the same
+    vocabulary (every token and its id) and the same EOS. The teacher scores the student's
+    token ids, so any other tokenizer would score other texts."""
+    same = student.get_vocab() == teacher.get_vocab()
+    if same and student.eos_token_id == teacher.eos_token_id:
+        return
+    mine = run.tokenizer or run.model.path
+    raise ConfigError(
+        f"config key 'teacher.path' = {run.teacher.path!r}: the teacher's tokenizer "
+        f"({len(teacher)} tokens, EOS {teacher.eos_token_id}) is not the student's "
+        f"({mine!r}: {len(student)} tokens, EOS {student.eos_token_id}); distillation needs "
+        "one tokenizer"
+    )
+
+
 def build_sampler_weights(run: RunConfig, graphdef, params, model_cfg) -> SamplerWeights | None:
     """The sampler's copy of the policy in ``sampling.param_dtype``; None when that is unset
     or is already the model's storage and compute dtype (nothing to copy)."""

@@ -38,6 +38,7 @@ from grpo_jax.models.config import (
     ModelSection,
 )
 from grpo_jax.objective.config import OLD_LOGPS, GRPOConfig
+from grpo_jax.objective.distill import TeacherConfig
 from grpo_jax.rewards.section import (
     JudgeSection,
     RewardModelSection,
@@ -75,6 +76,7 @@ __all__ = [
     "RewardModelSection",
     "RewardsSection",
     "SamplingSection",
+    "TeacherConfig",
     "load_reward_modules",
     "parse_rewards",
     # The run's own.
@@ -457,6 +459,7 @@ TOP_KEYS = (
     "env",
     "reward_model",
     "judge",
+    "teacher",
 )
 
 
@@ -487,6 +490,7 @@ class RunConfig:
     env: EnvSection = EnvSection()
     reward_model: RewardModelSection = RewardModelSection()
     judge: JudgeSection = JudgeSection()
+    teacher: TeacherConfig = TeacherConfig()
 
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
@@ -538,6 +542,7 @@ def parse_config(config) -> RunConfig:
         env=from_mapping(EnvSection, "env", raw.get("env")),
         reward_model=from_mapping(RewardModelSection, "reward_model", raw.get("reward_model")),
         judge=from_mapping(JudgeSection, "judge", raw.get("judge")),
+        teacher=from_mapping(TeacherConfig, "teacher", raw.get("teacher")),
     )
     if run.judge.path == "reference" and (run.grpo.beta == 0 or run.model.lora.rank):
         raise ConfigError(
@@ -545,6 +550,7 @@ def parse_config(config) -> RunConfig:
             f"plain model: grpo.beta > 0 (it is {run.grpo.beta}) and no LoRA "
             f"(model.lora.rank = {run.model.lora.rank})"
         )
+    _check_teacher(run)
     chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
     if chunk and t % chunk:
         raise ConfigError(
@@ -580,6 +586,24 @@ def parse_config(config) -> RunConfig:
             "sampling with parameters at least one update old"
         )
     return run
+
+
+def _check_teacher(run: RunConfig) -> None:
+    """A teacher's per-token term needs a per-token objective, and its full-vocabulary KL
+    padded rows (docs/objective.md, 13)."""
+    g = run.grpo
+    if run.teacher.enabled and (g.reduction == "gspo" or g.policy_loss == "gmpo"):
+        raise ConfigError(
+            f"config key 'teacher.path' = {run.teacher.path!r} needs a per-token objective: "
+            f"the distillation term is a per-token advantage, and grpo.reduction = "
+            f"{g.reduction!r} with grpo.policy_loss = {g.policy_loss!r} has one ratio per row"
+        )
+    if run.teacher.enabled and run.teacher.kl == "full" and run.train.packing == "on":
+        raise ConfigError(
+            "config key 'teacher.kl' = 'full' does not combine with train.packing = 'on' yet: "
+            "the teacher's LM head runs beside the student's over padded rows; use "
+            "teacher.kl = 'sampled' or train.packing = 'off'"
+        )
 
 
 def _check_engine(run: RunConfig) -> None:

@@ -40,6 +40,7 @@ COMPONENTS = (
     "grads",
     "optimizer",
     "reference",
+    "teacher",
     "learned",
     "sampler_copy",
     "gathered",
@@ -53,6 +54,7 @@ _NAMES = {
     "grads": "gradients",
     "optimizer": "optimizer state",
     "reference": "reference parameters",
+    "teacher": "teacher parameters",
     "learned": "reward model / judge",
     "sampler_copy": "sampling copy",
     "kv_cache": "KV cache",
@@ -91,19 +93,20 @@ class MemoryEstimate:
     update_buffers: int = 0
     scoring: int = 0
     gathered: int = 0
+    teacher: int = 0  # on-policy distillation's teacher (the ``teacher`` section)
 
     @property
     def sampling(self) -> int:
         """Peak while sampling: everything resident plus the sampler's copy, the weights it
         holds gathered and the KV cache."""
-        resident = self.params + self.optimizer + self.reference + self.learned
+        resident = self.params + self.optimizer + self.reference + self.teacher + self.learned
         return resident + self.sampler_copy + self.gathered + self.kv_cache
 
     @property
     def training(self) -> int:
         """Peak while updating: everything resident plus the larger of its two phases, the
         scoring pass and the micro-batches (gradients, activations, the update's buffers)."""
-        resident = self.params + self.optimizer + self.reference + self.learned
+        resident = self.params + self.optimizer + self.reference + self.teacher + self.learned
         return resident + max(self.grads + self.activations + self.update_buffers, self.scoring)
 
     @property
@@ -345,6 +348,8 @@ def _hint(est: MemoryEstimate, part: str) -> str:
         else:
             hint = "use more fsdp or tensor devices, or bfloat16 parameters"
         return hint + (", or beta = 0 (no reference model)" if part == "reference" else "")
+    if part == "teacher":
+        return "shard the teacher with more fsdp devices, or use a smaller one"
     if part == "learned":
         return "shard the reward model or judge with more fsdp devices, or use a smaller one"
     if part == "activations":
@@ -417,7 +422,12 @@ def plan(
 
 
 def plan_run(
-    run, model_cfg_like, mesh_shape: Mapping[str, int], budget_bytes=None, learned_bytes=0
+    run,
+    model_cfg_like,
+    mesh_shape: Mapping[str, int],
+    budget_bytes=None,
+    learned_bytes=0,
+    teacher_bytes=0,
 ):
     """:func:`plan` for a training run (a ``grpo_jax.run.config.RunConfig``).
 
@@ -432,7 +442,8 @@ def plan_run(
     paged engine: its pool) gives the rollouts' (``Engine.kv_bytes``). With
     either, the KV cache counted is the larger of the rollouts' and evaluation's.
     Without ``budget_bytes``, the run's ``mesh.memory_budget_gb`` (when > 0) is
-    the budget.
+    the budget. ``teacher_bytes``: a ``teacher.path`` checkpoint's per-device bytes
+    (:func:`_teacher_bytes`).
     """
     stated_gb = run.mesh.memory_budget_gb
     if budget_bytes is None and stated_gb > 0:
@@ -454,10 +465,23 @@ def plan_run(
             sampler_copy=_copy_bytes(run, model_cfg_like, est) if copy else 0,
         )
     est = _with_run_terms(est, run, as_model_config(model_cfg_like), mesh_shape)
+    est = dataclasses.replace(est, teacher=_teacher_bytes(run, est, teacher_bytes))
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
     return est
+
+
+def _teacher_bytes(run, est: MemoryEstimate, checkpoint_bytes: int) -> int:
+    """Per-device bytes of the teacher's parameters: a checkpoint's (the caller's count); for
+    "reference" a copy of the base when the run holds no reference (beta = 0, no LoRA: with
+    LoRA the base is in the parameters), else none; 0 without a teacher."""
+    teacher = getattr(run, "teacher", None)
+    if teacher is None or not teacher.enabled:
+        return 0
+    if not teacher.is_reference:
+        return checkpoint_bytes
+    return est.params if est.reference == 0 and est.trainable_params is None else 0
 
 
 def _run_kwargs(run, mesh_shape) -> dict:
@@ -789,13 +813,13 @@ def plan_programs(
     total, body, _ = _sizes(cfg, mesh_shape, run.mesh.layout)
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     K, Dh, H = cfg.num_kv_heads // sh.tp_k, cfg.head_dim, cfg.num_heads // sh.tp_h
-    state = est.params + est.optimizer + est.reference + batch_bytes(sh)
+    state = est.params + est.optimizer + est.reference + est.teacher + batch_bytes(sh)
     phase = max(est.grads + est.activations + est.update_buffers, est.scoring)
     out = {"update": ProgramPlan("update", state + phase + CODE_BYTES, est.learned)}
     if est.scoring:
         own = est.params + batch_bytes(sh) + est.scoring + CODE_BYTES
         out["scoring"] = ProgramPlan("scoring", own, est.optimizer + est.learned)
-    resident = est.optimizer + est.reference + est.learned
+    resident = est.optimizer + est.reference + est.teacher + est.learned
     weights = est.sampler_copy or est.params
     if run.sampling.engine == "paged":
         shape = paged_pool.engine_shape(

@@ -39,6 +39,7 @@ from grpo_jax.run.builders import (
     build_sampler_mesh,
     build_sampler_weights,
     build_scorer,
+    build_teacher,
     build_tokenizer,
     eval_examples,
     run_devices,
@@ -56,11 +57,13 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """The optimisation: the optimizer, its learning-rate schedule and the jitted update
-    ``(state, RolloutBatch, key, ref_params) -> (state, metrics)``."""
+    ``(state, RolloutBatch, key, ref_params) -> (state, metrics)``; ``teacher_params``: a
+    ``teacher.path`` checkpoint's frozen parameters (None without one, or for "reference")."""
 
     tx: Any
     schedule: Any
     update: Any
+    teacher_params: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +245,20 @@ def build_data(run: RunConfig) -> Data:
     )
 
 
-def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> None:
+def _device_bytes(params) -> int:
+    """Bytes one device holds of ``params`` (its first shard of each array)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+
+
+def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream, teacher=None) -> None:
     """The per-device memory plan of this layout (and the sampler mesh's); one that cannot
-    fit what the devices report (GPUs, TPUs) stops the run here, before any training."""
+    fit what the devices report (GPUs, TPUs) stops the run here, before any training.
+    ``teacher``: a ``teacher.path`` checkpoint's (graphdef, params), counted as placed."""
     learned = learned_bytes(run.reward_model.path, run.judge.path, mesh.shape, run.mesh.layout)
-    mem = memory.plan_run(run, model_cfg, mesh.shape, learned_bytes=learned)
+    teacher_bytes = 0 if teacher is None else _device_bytes(teacher[1])
+    mem = memory.plan_run(
+        run, model_cfg, mesh.shape, learned_bytes=learned, teacher_bytes=teacher_bytes
+    )
     samp_mem = None
     if samp_mesh is not None:  # its own copy of the parameters and the KV cache
         samp_mem = memory.plan_sampler(run, model_cfg, samp_mesh.shape)
@@ -268,10 +280,24 @@ def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream) -> No
         )
 
 
-def build_trainer(run: RunConfig, policy: Policy, params, mesh):
+def _frozen_shardings(run: RunConfig, lora_run, param_sh, teacher):
+    """The shardings of the update's frozen parameters: the reference's (None when beta = 0
+    or with LoRA), with a teacher a ``FrozenModels`` of the reference's and the teacher's
+    (the reference's layout for "reference" when the run holds no reference of its own)."""
+    ref_sh = param_sh if run.grpo.beta > 0 and lora_run is None else None
+    if not run.teacher.enabled:
+        return ref_sh
+    if teacher is not None:
+        return update_lib.FrozenModels(ref_sh, jax.tree.map(lambda x: x.sharding, teacher[1]))
+    own = param_sh if ref_sh is None and lora_run is None else None
+    return update_lib.FrozenModels(ref_sh, own)
+
+
+def build_trainer(run: RunConfig, policy: Policy, params, mesh, teacher=None):
     """-> (Trainer, the initial TrainState): the optimizer over the trained parameters (the
     adapters alone with LoRA) and the update, jitted with the state's shardings (with
-    ``train.packing``, the packed update: ``grpo_jax.learner.packing``)."""
+    ``train.packing``, the packed update: ``grpo_jax.learner.packing``). ``teacher``: a
+    ``teacher.path`` checkpoint's (graphdef, params), None otherwise."""
     N = run.train.batch_size * run.grpo.G
     m_rows = run.train.minibatch_size or N
     total_updates = run.train.steps * run.grpo.mu * (N // m_rows)
@@ -294,10 +320,12 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
         share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
         batch_shardings=batch_lib.rollout_batch_shardings(mesh),
-        ref_shardings=param_sh if run.grpo.beta > 0 and lora_run is None else None,
+        ref_shardings=_frozen_shardings(run, lora_run, param_sh, teacher),
         replicated=sharding.replicated(mesh),
         base_graphdef=None if lora_run is None else lora_run.base_graphdef,
         lora_dropout=run.model.lora.dropout,
+        teacher=run.teacher if run.teacher.enabled else None,
+        teacher_graphdef=None if teacher is None else teacher[0],
     )
     if run.train.packing == "on":
         shards = sharding.batch_shards(mesh)
@@ -316,7 +344,8 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh):
         step_fn = packing.jit_packed_update(settings=pack, **settings)
     else:
         step_fn = update_lib.jit_update(**settings)
-    return Trainer(tx=tx, schedule=schedule, update=step_fn), state
+    teacher_params = None if teacher is None else teacher[1]
+    return Trainer(tx=tx, schedule=schedule, update=step_fn, teacher_params=teacher_params), state
 
 
 def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
@@ -331,10 +360,11 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
     data_ = build_data(run)
     graphdef, params, lora_run = build_policy(run, tokenizer, mesh)
     model_cfg = nnx.merge(graphdef, params).config
-    _print_memory_plan(run, model_cfg, mesh, samp_mesh, stream)
+    teacher = build_teacher(run, tokenizer, mesh, model_cfg.vocab_size)
+    _print_memory_plan(run, model_cfg, mesh, samp_mesh, stream, teacher)
     policy = Policy(graphdef=graphdef, tokenizer=tokenizer, lora=lora_run)
     copy = build_sampler_weights(run, graphdef, params, model_cfg)
-    trainer, state = build_trainer(run, policy, params, mesh)
+    trainer, state = build_trainer(run, policy, params, mesh, teacher)
     placement = sharding.Placement(
         mesh=mesh,
         param_shardings=jax.tree.map(lambda x: x.sharding, params),

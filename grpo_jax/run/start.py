@@ -22,6 +22,7 @@ import numpy as np
 from grpo_jax.core import integrity
 from grpo_jax.core.errors import CheckpointError, ConfigError, IntegrityError
 from grpo_jax.learner import optimizer as optim_lib
+from grpo_jax.learner.update import FrozenModels
 from grpo_jax.models import lora
 from grpo_jax.reward_models import Judge
 from grpo_jax.run.base_policy import base_policy, lora_base_policy
@@ -36,7 +37,8 @@ class RunStart:
     """Where a run starts (its state, in ``RunState``, is restored or fresh).
 
     Attributes:
-      ref_params: the frozen reference policy (the base policy), None when beta = 0.
+      ref_params: the frozen reference policy (the base policy), None when beta = 0; with
+        a teacher, a ``FrozenModels`` of it and the teacher (:func:`_frozen`).
       resumed: whether the run's state came from a checkpoint.
       start_step: GRPO steps already taken.
       before: the evaluation of the base policy ("before" in summary.json).
@@ -71,6 +73,8 @@ def restore_or_init(s: Setup, rs: RunState, *, evaluate, preempt) -> RunStart | 
     # With LoRA the reference is the base inside the policy's own parameters
     # (adapters off, grpo_jax.models.lora): never a second copy.
     separate_ref = run.grpo.beta > 0 and s.policy.lora is None
+    # The reference as teacher (teacher.path = "reference") needs the base policy too.
+    base_teacher = run.teacher.is_reference and not separate_ref and s.policy.lora is None
     lora_base = None
     if s.policy.lora is not None:  # the frozen base (warm-started when configured), resumed or not
         state, warm_info, lora_base = lora_base_policy(s, state, evaluate=evaluate, preempt=preempt)
@@ -78,13 +82,14 @@ def restore_or_init(s: Setup, rs: RunState, *, evaluate, preempt) -> RunStart | 
             s.records.progress.message("preempted during the warm start; rerun to start again")
             return None
         base_params = state.params
-    elif not resumed or separate_ref:
+    elif not resumed or separate_ref or base_teacher:
         # A resumed run needs the base policy only as the KL reference.
         base_params, warm_info = base_policy(s, state.params, evaluate=evaluate, preempt=preempt)
         if preempt.requested:
             s.records.progress.message("preempted during the warm start; rerun to start again")
             return None
     ref_params = jax.tree.map(jnp.copy, base_params) if separate_ref else None
+    teacher = jax.tree.map(jnp.copy, base_params) if base_teacher else s.trainer.teacher_params
     if base_params is not state.params:
         state = optim_lib.init_state(base_params, s.trainer.tx, s.placement.mesh)
     rs.train = state
@@ -107,7 +112,7 @@ def restore_or_init(s: Setup, rs: RunState, *, evaluate, preempt) -> RunStart | 
             f"on {len(s.data.eval_examples)} problems"
         )
     return RunStart(
-        ref_params=ref_params,
+        ref_params=FrozenModels(ref_params, teacher) if run.teacher.enabled else ref_params,
         resumed=resumed,
         start_step=int(jax.device_get(rs.train.step)),
         before=before,
