@@ -125,7 +125,7 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
     chunks = [own_chunk] + [x for x in (512, 256, 128, 64, 32) if x < (own_chunk or 1 << 30)]
     # Nothing fits when the training state alone, split over every chip, does not.
     est = memory.plan_run(run, cfg, {"fsdp": chips}, budget_bytes=math.inf)
-    if est.params + est.optimizer + est.reference > limit:
+    if est.params + est.optimizer + est.reference + est.teacher > limit:
         return None
     plans = [
         (scan, remat, attention, tensor, accum, chunk)
