@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import compare
+from grpo_jax.comparison.runs import section_defaults
 from grpo_jax.core import problems, stats
 
 
@@ -221,7 +222,7 @@ def test_the_plots_extra_is_declared():
 
 
 def _greedy_run(tmp_path, name, seed, correct_by_step, *, lr=2e-4, summary=True, data_seed=None,
-                task=None):  # fmt: skip
+                task=None, sections=None):  # fmt: skip
     """A workdir whose evaluations (step -> greedy 0/1 per problem) are written by hand; with
     ``summary=False`` it is a run that stopped before writing summary.json."""
     ds = seed if data_seed is None else data_seed
@@ -230,6 +231,7 @@ def _greedy_run(tmp_path, name, seed, correct_by_step, *, lr=2e-4, summary=True,
     config["data"]["seed"] = ds
     if task is not None:
         config["data"]["name"] = task
+    config.update(sections or {})
     for step, correct in correct_by_step.items():
         n = len(correct)
         prob = problems.Problems(
@@ -386,3 +388,23 @@ def test_with_mixed_steps_allowed_every_table_names_the_steps(tmp_path, capsys):
     assert "100/100/50" in shown and "100/100/50 / 100" in shown  # mul's base, mul's pair
     assert "100/100/100/100/100/50" in shown  # the base method's runs over both tasks
     assert all(any(c.isdigit() for c in cell) for cell in shown if cell != "- -> 100/100/50")
+
+
+def test_a_setting_newer_than_a_run_is_read_as_its_default(tmp_path, capsys):
+    """A run recorded before the teacher section existed ran as its default does (no
+    teacher): it pools with runs that record the default, not with a run that sets one."""
+    defaults = section_defaults()
+    default = {"teacher": {k[8:]: v for k, v in defaults.items() if k.startswith("teacher.")}}
+    assert default["teacher"]["path"] == ""
+    distilled = {"teacher": {**default["teacher"], "path": "/ckpt/teacher"}}
+    wds = [
+        _greedy_run(tmp_path, "old0", 0, {0: _solved(4), 100: _solved(12)}),
+        _greedy_run(tmp_path, "new1", 1, {0: _solved(4), 100: _solved(13)}, sections=default),
+        _greedy_run(tmp_path, "opd0", 0, {0: _solved(4), 100: _solved(15)}, sections=distilled),
+    ]
+    groups = compare.group_runs([compare.load_run(w) for w in wds])
+    assert [[pathlib.Path(r.name).name for r in g.runs] for g in groups] == [
+        ["old0", "new1"],
+        ["opd0"],
+    ]
+    assert groups[1].label == "teacher.path=/ckpt/teacher"

@@ -1,16 +1,21 @@
 """The compare command's runs: one run's evaluations read from its workdir or file, and runs
-grouped by their config without the seed (docs/evaluation.md, "Comparing runs")."""
+grouped by their config without the seed, a setting newer than a run read as its default
+(docs/evaluation.md, "Comparing runs")."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
+import typing
 from collections.abc import Sequence
 
 from grpo_jax.core import problems
 from grpo_jax.core.checks import flat_keys
+from grpo_jax.core.errors import ConfigError
+from grpo_jax.run.config import RunConfig
 
 
 class CompareError(ValueError):
@@ -145,11 +150,40 @@ def load_run(path: str | pathlib.Path) -> Run:
 
 
 def _without_seed(config: dict) -> dict:
+    """The config as runs are grouped and paired by: no seed, and every setting the run's
+    version of grpo_jax did not have yet filled in with its default (:func:`section_defaults`):
+    a run from before a section existed ran as that section's default does."""
     c = json.loads(json.dumps(config))
     c.pop("seed", None)
     if isinstance(c.get("data"), dict):
         c["data"].pop("seed", None)
+    for key, value in section_defaults().items():
+        *path, last = key.split(".")
+        node = c
+        for part in path:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.setdefault(last, value)
     return c
+
+
+@functools.cache
+def section_defaults() -> dict:
+    """{flat key: default} of the run config's sections that need no argument, as plain
+    JSON data (as a run's recorded config holds them)."""
+    out = {}
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
+        cls = hints[field.name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        try:
+            section = cls()
+        except (TypeError, ConfigError):  # a section with a required setting
+            continue
+        plain = json.loads(json.dumps(dataclasses.asdict(section), default=str))
+        out.update(flat_keys({field.name: plain}))
+    return out
 
 
 TASK_SECTIONS = ("data", "env")  # what a run is evaluated on; the rest is its method
