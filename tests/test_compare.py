@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from grpo_jax import compare
-from grpo_jax.comparison.runs import section_defaults
 from grpo_jax.core import problems, stats
+from grpo_jax.run.config import section_defaults
 
 
 def _config(seed, lr=2e-4):

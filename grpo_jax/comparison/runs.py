@@ -5,17 +5,14 @@ grouped by their config without the seed, a setting newer than a run read as its
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import pathlib
-import typing
 from collections.abc import Sequence
 
 from grpo_jax.core import problems
 from grpo_jax.core.checks import flat_keys
-from grpo_jax.core.errors import ConfigError
-from grpo_jax.run.config import RunConfig
+from grpo_jax.run.config import section_defaults
 
 
 class CompareError(ValueError):
@@ -151,7 +148,8 @@ def load_run(path: str | pathlib.Path) -> Run:
 
 def _without_seed(config: dict) -> dict:
     """The config as runs are grouped and paired by: no seed, and every setting the run's
-    version of grpo_jax did not have yet filled in with its default (:func:`section_defaults`):
+    version of grpo_jax did not have yet filled in with its default
+    (``grpo_jax.run.config.section_defaults``):
     a run from before a section existed ran as that section's default does."""
     c = json.loads(json.dumps(config))
     c.pop("seed", None)
@@ -165,25 +163,6 @@ def _without_seed(config: dict) -> dict:
         if isinstance(node, dict):
             node.setdefault(last, value)
     return c
-
-
-@functools.cache
-def section_defaults() -> dict:
-    """{flat key: default} of the run config's sections that need no argument, as plain
-    JSON data (as a run's recorded config holds them)."""
-    out = {}
-    hints = typing.get_type_hints(RunConfig)
-    for field in dataclasses.fields(RunConfig):
-        cls = hints[field.name]
-        if not dataclasses.is_dataclass(cls):
-            continue
-        try:
-            section = cls()
-        except (TypeError, ConfigError):  # a section with a required setting
-            continue
-        plain = json.loads(json.dumps(dataclasses.asdict(section), default=str))
-        out.update(flat_keys({field.name: plain}))
-    return out
 
 
 TASK_SECTIONS = ("data", "env")  # what a run is evaluated on; the rest is its method

@@ -9,7 +9,9 @@ the sections can live with the code they configure (``models``, ``sampling``, ``
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -84,4 +86,22 @@ def flat_keys(d, prefix: str = "") -> dict:
             out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
+    return out
+
+
+def section_defaults_of(config_cls) -> dict:
+    """{flat key: default} of the dataclass sections of ``config_cls`` (a dataclass whose
+    fields are sections) that need no argument, as plain JSON data."""
+    out = {}
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        cls = hints[field.name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        try:
+            section = cls()
+        except (TypeError, ConfigError):  # a section with a required setting
+            continue
+        plain = json.loads(json.dumps(dataclasses.asdict(section), default=str))
+        out.update(flat_keys({field.name: plain}))
     return out

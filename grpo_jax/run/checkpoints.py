@@ -23,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from grpo_jax.core import integrity
-from grpo_jax.core.checks import flat_keys
+from grpo_jax.core.checks import flat_keys, section_defaults_of
 from grpo_jax.core.errors import AlarmStop, CheckpointError, ConfigError, IntegrityError
 from grpo_jax.core.sharding import abstract_like as _abstract
 from grpo_jax.run.health import describe_stop
@@ -343,8 +343,9 @@ def check_resume_config(run, ck: Checkpointer) -> list[str] | None:
     if saved is None:
         return None
     old, new = flat_keys(saved), flat_keys(dict(run.raw))
-    # Only keys both configs have: a key one lacks is a setting another version of
-    # grpo_jax did not have (its default is what that version did).
+    # A key the saved config lacks is a setting its version of grpo_jax did not have: that
+    # version did what its default does. Keys neither side can say are left out.
+    old = {**{k: v for k, v in section_defaults_of(type(run)).items() if k in new}, **old}
     keys = [
         k
         for k in sorted(set(old) & set(new))

@@ -11,6 +11,7 @@ what is allowed (docs/architecture.md, "Config").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from grpo_jax.core.checks import (
     check_known_keys,
     check_range,
     from_mapping,
+    section_defaults_of,
     to_dict,
 )
 from grpo_jax.core.errors import ConfigError
@@ -691,3 +693,11 @@ def check_batch_layout(run: RunConfig, shards: int, num_processes: int = 1) -> N
             f"config key 'warm_start.batch_size' = {ws.batch_size} must be a multiple of the "
             f"{shards} batch shards"
         )
+
+
+@functools.cache
+def section_defaults() -> dict:
+    """{flat key: default} of the sections of :class:`RunConfig` that need no argument, as
+    plain JSON data (as a run's recorded config holds them): what a version of grpo_jax
+    that did not have one of these settings yet did (resume checks, compare's groups)."""
+    return section_defaults_of(RunConfig)

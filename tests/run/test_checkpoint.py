@@ -186,3 +186,23 @@ def test_a_step_saved_without_checksums_restores_with_one_line_saying_so(tmp_pat
         f"checkpoint step 1 in {tmp_path / 'ckpt'} was saved without checksums (by an earlier "
         "version of grpo_jax): restored unverified"
     ]
+
+
+def test_a_setting_the_checkpoints_version_lacked_counts_as_its_default():
+    """A checkpoint written before the teacher section existed: resuming with the teacher at
+    its default is the same run; setting one is a change, named like any other."""
+    from types import SimpleNamespace
+
+    from helpers_config import smoke_config
+
+    from grpo_jax.run.checkpoints import check_resume_config
+    from grpo_jax.run.config import ConfigError, parse_config
+
+    saved = dict(parse_config(smoke_config()).raw)
+    del saved["teacher"]  # as a version without the section saved it
+    ck = SimpleNamespace(
+        all_steps=lambda: [1], restore_meta=lambda step: {"config": saved}, directory="/w/ck"
+    )
+    assert check_resume_config(parse_config(smoke_config()), ck) is None
+    with pytest.raises(ConfigError, match="teacher.path: '' -> '/ckpt/teacher'"):
+        check_resume_config(parse_config(smoke_config(**{"teacher.path": "/ckpt/teacher"})), ck)
