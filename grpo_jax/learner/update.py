@@ -27,7 +27,7 @@ from grpo_jax.core.batch import (  # noqa: F401 - the batch shardings lived here
     batch_spec,
     rollout_batch_shardings,
 )
-from grpo_jax.learner import optimizer
+from grpo_jax.learner import critic, optimizer
 from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
@@ -63,7 +63,14 @@ def _join_rows(y, shards: int):
 
 
 # grpo_loss's metrics that are means over the loss mask's tokens.
-_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_mean", "entropy")
+_TOKEN_MEANS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "kl_mean",
+    "entropy",
+    "value_clip_frac",
+)
 
 
 def _combine(metrics_K: dict, tokens_K: jax.Array) -> dict:
@@ -148,6 +155,11 @@ class _Plan:
     def use_lora(self) -> bool:
         return self.base_graphdef is not None
 
+    @property
+    def use_critic(self) -> bool:
+        """PPO with a value head (``grpo_jax.learner.critic``): ``state.critic``."""
+        return self.objective.advantage_estimator == "gae"
+
     def logps(self, params, b: RolloutBatch, group_size: int, gdef=None):
         """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy).
 
@@ -217,7 +229,21 @@ def _prepare_batch(plan: _Plan, state: TrainState, batch: RolloutBatch, ref_para
         ref_logps_NxT = jax.lax.stop_gradient(ref_NxT)
     elif objective.beta > 0:
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
+    if plan.use_critic:
+        tg, critic_metrics = _critic_targets(plan, state, batch)
+        return (batch, ref_logps_NxT, behavior_w_NxT, tg), behavior_metrics | critic_metrics
     return (batch, ref_logps_NxT, behavior_w_NxT), behavior_metrics
+
+
+def _critic_targets(plan: _Plan, state: TrainState, batch: RolloutBatch):
+    """The step's GAE targets (``critic.targets``) from the values the step starts from,
+    scored once over the whole batch like pi_old's log-probs."""
+    values_NxT = critic.values(
+        plan.graphdef, state.params, state.critic, batch, group_size=plan.g_full
+    )
+    return critic.targets(
+        plan.objective, batch.rewards_N, values_NxT, _loss_mask(batch), state.step
+    )
 
 
 def _loss(plan: _Plan, params, mb):
@@ -251,6 +277,33 @@ def _loss(plan: _Plan, params, mb):
     )
 
 
+def _critic_loss(plan: _Plan, params_and_head, mb):
+    """:func:`_loss` with a value head: the policy term on the step's per-token GAE
+    advantages and the clipped value loss, from one forward pass (``critic.combined_loss``)."""
+    (params, head), (b, ref_NxT, w_NxT, tg) = params_and_head, mb
+    logps_NxT, entropy_NxT, values_NxT = critic.score(
+        plan.graphdef,
+        params,
+        head,
+        b,
+        plan.objective.temperature,
+        chunk_size=plan.logits_chunk,
+        group_size=plan.g_micro,
+        with_entropy=True,
+    )
+    policy_loss, metrics = losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        tg.advantages_NxT,
+        _loss_mask(b),
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+    )
+    return critic.combined_loss(plan.objective, policy_loss, metrics, values_NxT, tg)
+
+
 def _make_grad_fn(plan: _Plan, loss_fn=None):
     """Make the loss: grad_fn(trained, frozen, mb, key) -> ((loss, metrics), grads of trained).
 
@@ -258,10 +311,14 @@ def _make_grad_fn(plan: _Plan, loss_fn=None):
     taken with respect to ``trained`` alone. LoRA dropout, when on, draws its
     masks from ``key``. ``loss_fn``: :func:`_loss` (default) or :func:`_packed_loss`.
     """
-    loss_fn = loss_fn or _loss
+    loss_fn = loss_fn or (_critic_loss if plan.use_critic else _loss)
 
     def train_loss(trained, frozen, mb, k):
-        return _with_dropout(plan, k, lambda: loss_fn(plan, plan.join(frozen, trained), mb))
+        if plan.use_critic:  # trained: {"policy": ..., "value": the head}
+            params = (plan.join(frozen, trained["policy"]), trained["value"])
+        else:
+            params = plan.join(frozen, trained)
+        return _with_dropout(plan, k, lambda: loss_fn(plan, params, mb))
 
     return jax.value_and_grad(train_loss, has_aux=True)
 
@@ -497,6 +554,8 @@ def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
     The dropout key is ``key`` folded with the update counter.
     """
     trained, frozen = plan.partition(st.params)
+    if plan.use_critic:
+        trained = {"policy": trained, "value": st.critic}
     k_update = jax.random.fold_in(key, st.updates)
     if plan.packs is None:
         loss, aux, grads = _accumulate(plan, grad_fn, trained, frozen, mb, k_update)
@@ -505,6 +564,8 @@ def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
         loss, aux, grads = _packed_accumulate(plan, grad_fn, trained, frozen, mb, packs_K, k_update)
     lr = plan.schedule(st.updates)
     st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, plan.tx)
+    if plan.use_critic:
+        st = st.replace(params=st.params["policy"], critic=st.params["value"])
     if frozen is not None:
         st = st.replace(params=plan.join(frozen, st.params))
     tokens = _loss_mask(mb[0]).astype(jnp.float32).sum()

@@ -563,6 +563,11 @@ def parse_config(config) -> RunConfig:
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
+    if run.grpo.advantage_estimator == "gae" and run.train.packing == "on":
+        raise ConfigError(
+            "config key 'train.packing' = 'on' does not combine with "
+            "grpo.advantage_estimator = 'gae' yet: the critic's update runs on padded rows"
+        )
     _check_engine(run)
     k = run.train.max_staleness
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
