@@ -68,3 +68,14 @@ def test_a_multiturn_run_trains_its_critic_on_the_models_tokens(tmp_path):
     for r in records:
         assert math.isfinite(r["train/value_loss"]) and math.isfinite(r["train/loss"])
     assert records[0]["critic/value_mean"] == 0.0 and records[-1]["critic/value_mean"] != 0.0
+
+
+def test_a_lora_run_trains_its_adapters_and_its_critic(tmp_path):
+    """With LoRA the optimizer follows the adapters and the head; the base stays frozen."""
+    lora = {"model.lora.rank": 2, "model.lora.alpha": 4.0, "train.steps": 3}
+    train(smoke_config(**{**CRITIC_RUN, **lora, "checkpoint.every": 0}), tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert records[0]["critic/warmup"] == 1.0 and records[-1]["critic/value_mean"] != 0.0
+    assert all(r["train/grad_norm"] > 0 and math.isfinite(r["train/value_loss"]) for r in records)
+    saved = _saved_opt_state(tmp_path, step=3)
+    assert np.any(np.asarray(saved["critic"]["w"]) != 0)
