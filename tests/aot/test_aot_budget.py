@@ -4,6 +4,7 @@ optimizer's bytes against the state's own, and the settings it suggests for a to
 import math
 
 import jax
+import pytest
 
 from grpo_jax.aot import architectures, budget
 from grpo_jax.aot.topology import parse_topology
@@ -113,6 +114,7 @@ def test_suggest_gives_up_on_a_run_nothing_fits():
     assert budget.suggest(run, cfg, topo.chips, topo.chip.hbm_limit) is None
 
 
+@pytest.mark.slow  # two runs' abstract models and plans: about 1.5 s
 def test_a_critics_moments_and_head_are_what_the_plan_adds():
     """PPO (grpo.advantage_estimator = "gae"): the abstract state's value head and its moments
     against the plan's params and optimizer terms, as for the policy above."""

@@ -94,9 +94,9 @@ def test_value_loss_gradient_hand_and_finite_difference():
     with jax.enable_x64(True):
         v64, old64, ret64, mask64 = (jnp.asarray(x, jnp.float64) for x in value_case())
         h = 1e-6
+        f = jax.jit(lambda x: gae.value_loss(x, old64, ret64, mask64, 0.2)[0])
         for t in range(4):
             e = jnp.zeros_like(v64).at[0, t].set(h)
-            f = lambda x: gae.value_loss(x, old64, ret64, mask64, 0.2)[0]
             fd = (f(v64 + e) - f(v64 - e)) / (2 * h)
             np.testing.assert_allclose(fd, grad[0, t], atol=1e-6)
 
