@@ -99,9 +99,17 @@ class Builder:
     def batch(self):
         return batch_lib.batch_spec(self.bsh, self.N, self.P, self.T)
 
-    def opt_state(self, tx):
-        abstract = jax.eval_shape(tx.init, self.params)
-        shardings = optim_lib.opt_state_shardings(tx, self.params, self.mesh)
+    def critic(self):
+        """PPO's value head (``grpo_jax.learner.critic.init_head``), abstract; None without."""
+        if self.run.grpo.advantage_estimator != "gae":
+            return None
+        d = self.cfg.hidden_size
+        return {"w": _sds((d,), jnp.float32, self.rep), "b": _sds((), jnp.float32, self.rep)}
+
+    def opt_state(self, tx, critic=None):
+        target = self.params if critic is None else {"policy": self.params, "value": critic}
+        abstract = jax.eval_shape(tx.init, target)
+        shardings = optim_lib.opt_state_shardings(tx, target, self.mesh)
         return jax.tree.map(lambda s, h: _sds(s.shape, s.dtype, h), abstract, shardings)
 
     def update(self) -> Program:
@@ -111,7 +119,8 @@ class Builder:
         total = run.train.steps * run.grpo.mu * (self.N // m_rows)
         tx, schedule = optim_lib.make_optimizer(run.optim, total)
         i32 = lambda: _sds((), jnp.int32, self.rep)
-        state = TrainState(self.params, self.opt_state(tx), i32(), i32(), i32(), i32())
+        head = self.critic()
+        state = TrainState(self.params, self.opt_state(tx, head), *(i32() for _ in range(4)), head)
         param_sh = jax.tree.map(lambda x: x.sharding, self.params)
         step = update_lib.jit_update(
             graphdef=self.graphdef,
@@ -224,6 +233,7 @@ def programs(run, cfg, mesh, names=None) -> list[Program]:
     b = Builder(run, cfg, mesh)
     paged_engine = getattr(run.sampling, "engine", "static") == "paged"
     scores = run.grpo.beta > 0 or run.grpo.old_logps == "recompute" or run.train.track_update
+    scores = scores or run.grpo.advantage_estimator == "gae"  # the critic's old values
     want = set(names or ORDER)
     made: list[Program] = []
     if want & {"prefill", "decode"} and not paged_engine:

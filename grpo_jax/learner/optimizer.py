@@ -80,13 +80,19 @@ class TrainState:
     updates: jax.Array  # int32 []: optimizer updates applied (the schedule's clock)
     skipped: jax.Array  # int32 []: updates dropped as non-finite, in total
     skipped_in_row: jax.Array  # int32 []: ... since the last applied update
+    # PPO's value head (grpo_jax.learner.critic), trained beside the policy; None without one.
+    critic: Any = None
 
 
-def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None) -> TrainState:
+def init_state(
+    params, tx: optax.GradientTransformation, mesh=None, trained=None, critic=None
+) -> TrainState:
     """A fresh state; with a mesh every leaf is committed to a NamedSharding on it.
 
     ``trained``: the part of ``params`` the optimizer updates (LoRA's adapters,
-    ``grpo_jax.models.lora.trainable``); None: all of them.
+    ``grpo_jax.models.lora.trainable``); None: all of them. ``critic``: a value head's
+    parameters (``grpo_jax.learner.critic``); the optimizer then updates
+    ``{"policy": trained, "value": critic}``, one clipped AdamW over both.
 
     Each optimizer moment is made with the sharding of the parameter it follows
     (:func:`opt_state_shardings`) and the optimizer's scalars are replicated, so
@@ -94,11 +100,13 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None
     jitted step (a mismatch would compile the step twice).
     """
     target = params if trained is None else trained
+    if critic is not None:
+        target = {"policy": target, "value": critic}
     out = None if mesh is None else opt_state_shardings(tx, target, mesh)
     opt_state = jax.jit(tx.init, out_shardings=out)(target)
     # Four distinct buffers: the state is donated, and one buffer may not be donated twice.
     zeros = [jnp.zeros((), jnp.int32) for _ in range(4)]
-    state = TrainState(params, opt_state, *zeros)
+    state = TrainState(params, opt_state, *zeros, critic=critic)
     if mesh is not None:
         rep = NamedSharding(mesh, P())
         state = jax.tree.map(
@@ -106,6 +114,20 @@ def init_state(params, tx: optax.GradientTransformation, mesh=None, trained=None
             state,
         )
     return state
+
+
+def saved_opt_state(state: TrainState):
+    """What a checkpoint saves as the optimizer state: with a critic, its parameters too."""
+    if state.critic is None:
+        return state.opt_state
+    return {"optimizer": state.opt_state, "critic": state.critic}
+
+
+def with_saved_opt_state(state: TrainState, saved) -> TrainState:
+    """``state`` with what :func:`saved_opt_state` saved, restored."""
+    if state.critic is None:
+        return state.replace(opt_state=saved)
+    return state.replace(opt_state=saved["optimizer"], critic=saved["critic"])
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params, mesh):

@@ -27,7 +27,7 @@ from grpo_jax.core.batch import (  # noqa: F401 - the batch shardings lived here
     batch_spec,
     rollout_batch_shardings,
 )
-from grpo_jax.learner import optimizer
+from grpo_jax.learner import critic, optimizer
 from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
 from grpo_jax.objective import losses
@@ -83,6 +83,7 @@ _TOKEN_MEANS = (
     "kl_mean",
     "entropy",
     "teacher_kl",
+    "value_clip_frac",
 )
 
 
@@ -170,6 +171,11 @@ class _Plan:
     def use_lora(self) -> bool:
         return self.base_graphdef is not None
 
+    @property
+    def use_critic(self) -> bool:
+        """PPO with a value head (``grpo_jax.learner.critic``): ``state.critic``."""
+        return self.objective.advantage_estimator == "gae"
+
     def logps(self, params, b: RolloutBatch, group_size: int, gdef=None):
         """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy).
 
@@ -245,6 +251,9 @@ def _prepare_batch(
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
     distill_NxT, teacher_metrics = _teacher_term(plan, batch, teacher, ref_logps_NxT)
     metrics = behavior_metrics | teacher_metrics
+    if plan.use_critic:  # a teacher with the critic is refused at start-up (run.config)
+        tg, critic_metrics = _critic_targets(plan, state, batch)
+        return (batch, ref_logps_NxT, behavior_w_NxT, tg), metrics | critic_metrics
     return (batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics
 
 
@@ -284,6 +293,17 @@ def _teacher_term(plan: _Plan, batch: RolloutBatch, teacher, ref_NxT):
         batch.old_logps_NxT, teacher_NxT, mask_NxT, batch.advantages_N, term_NxT
     )
     return term_NxT, metrics
+
+
+def _critic_targets(plan: _Plan, state: TrainState, batch: RolloutBatch):
+    """The step's GAE targets (``critic.targets``) from the values the step starts from,
+    scored once over the whole batch like pi_old's log-probs."""
+    values_NxT = critic.values(
+        plan.graphdef, state.params, state.critic, batch, group_size=plan.g_full
+    )
+    return critic.targets(
+        plan.objective, batch.rewards_N, values_NxT, _loss_mask(batch), state.step
+    )
 
 
 def _loss(plan: _Plan, params, mb):
@@ -355,6 +375,33 @@ def _full_kl_loss(plan: _Plan, params, mb, *, teacher):
     return loss, dict(aux, teacher_kl=jax.lax.stop_gradient(kl_mean))
 
 
+def _critic_loss(plan: _Plan, params_and_head, mb):
+    """:func:`_loss` with a value head: the policy term on the step's per-token GAE
+    advantages and the clipped value loss, from one forward pass (``critic.combined_loss``)."""
+    (params, head), (b, ref_NxT, w_NxT, tg) = params_and_head, mb
+    logps_NxT, entropy_NxT, values_NxT = critic.score(
+        plan.graphdef,
+        params,
+        head,
+        b,
+        plan.objective.temperature,
+        chunk_size=plan.logits_chunk,
+        group_size=plan.g_micro,
+        with_entropy=True,
+    )
+    policy_loss, metrics = losses.grpo_loss(
+        logps_NxT,
+        b.old_logps_NxT,
+        tg.advantages_NxT,
+        _loss_mask(b),
+        plan.objective,
+        ref_logps_NxT=ref_NxT,
+        entropy_NxT=entropy_NxT,
+        behavior_weights_NxT=w_NxT,
+    )
+    return critic.combined_loss(plan.objective, policy_loss, metrics, values_NxT, tg)
+
+
 def _make_grad_fn(plan: _Plan, loss_fn=None):
     """Make the loss: grad_fn(trained, frozen, mb, key) -> ((loss, metrics), grads of trained).
 
@@ -362,10 +409,14 @@ def _make_grad_fn(plan: _Plan, loss_fn=None):
     taken with respect to ``trained`` alone. LoRA dropout, when on, draws its
     masks from ``key``. ``loss_fn``: :func:`_loss` (default) or :func:`_packed_loss`.
     """
-    loss_fn = loss_fn or _loss
+    loss_fn = loss_fn or (_critic_loss if plan.use_critic else _loss)
 
     def train_loss(trained, frozen, mb, k):
-        return _with_dropout(plan, k, lambda: loss_fn(plan, plan.join(frozen, trained), mb))
+        if plan.use_critic:  # trained: {"policy": ..., "value": the head}
+            params = (plan.join(frozen, trained["policy"]), trained["value"])
+        else:
+            params = plan.join(frozen, trained)
+        return _with_dropout(plan, k, lambda: loss_fn(plan, params, mb))
 
     return jax.value_and_grad(train_loss, has_aux=True)
 
@@ -603,6 +654,8 @@ def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
     The dropout key is ``key`` folded with the update counter.
     """
     trained, frozen = plan.partition(st.params)
+    if plan.use_critic:
+        trained = {"policy": trained, "value": st.critic}
     k_update = jax.random.fold_in(key, st.updates)
     if plan.packs is None:
         loss, aux, grads = _accumulate(plan, grad_fn, trained, frozen, mb, k_update)
@@ -611,6 +664,8 @@ def _one_update(plan: _Plan, grad_fn, key, st: TrainState, mb):
         loss, aux, grads = _packed_accumulate(plan, grad_fn, trained, frozen, mb, packs_K, k_update)
     lr = plan.schedule(st.updates)
     st, grad_norm, _ = optimizer.apply_guarded(st.replace(params=trained), grads, loss, plan.tx)
+    if plan.use_critic:
+        st = st.replace(params=st.params["policy"], critic=st.params["value"])
     if frozen is not None:
         st = st.replace(params=plan.join(frozen, st.params))
     tokens = _loss_mask(mb[0]).astype(jnp.float32).sum()
@@ -680,7 +735,10 @@ def _reduce_metrics(m_U: dict, state: TrainState, skipped_before) -> dict:
 
 def _loss_fn(plan: _Plan, packs, teacher):
     """The loss of the update's (micro-)batches: :func:`_loss`, :func:`_packed_loss` with
-    ``packs``, or :func:`_full_kl_loss` with a teacher's full-vocabulary KL."""
+    ``packs``, :func:`_critic_loss` with a value head, or :func:`_full_kl_loss` with a
+    teacher's full-vocabulary KL."""
+    if plan.use_critic:  # neither packing nor a teacher combines with it (run.config)
+        return _critic_loss
     full = plan.teacher is not None and plan.teacher.weight > 0 and plan.teacher.kl == "full"
     if full and packs is not None:
         raise ValueError("teacher.kl = 'full' does not combine with packed rows")

@@ -206,6 +206,9 @@ ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
     "reinforce_pp": lambda r, eps, **_: reinforce_pp_advantages(r, eps=eps),
     "reinforce_pp_baseline": lambda r, eps, **_: reinforce_pp_baseline_advantages(r, eps=eps),
     "passk": lambda r, eps, passk_k=1, **_: passk_advantages(r, k=passk_k, eps=eps),
+    # PPO with a learned critic: the update computes GAE advantages per token from the
+    # critic's values (grpo_jax.objective.gae); a row carries none of its own.
+    "gae": lambda r, eps, **_: jnp.zeros_like(r),
 }
 
 

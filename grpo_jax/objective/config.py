@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from grpo_jax.core.checks import check_choice, check_known_keys, check_range
+from grpo_jax.core.checks import check_bool, check_choice, check_known_keys, check_range
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.objective import advantages
 from grpo_jax.objective.kl import KL_ESTIMATORS
@@ -70,6 +70,12 @@ class GRPOConfig:
         sampling parameters once before its first pass (one more forward
         pass), so the first ratio is 1 even when sampler and trainer compute
         at different precision.
+      gae_gamma, gae_lambda, whiten_advantages, value_loss_coef, value_clip,
+        critic_warmup_steps: PPO with a learned critic (``advantage_estimator = "gae"``,
+        docs/objective.md, section 14): GAE's discount and lambda, whether the advantages
+        are whitened over the batch's tokens, the value loss's weight, its clip range
+        around the old values, and the steps at the start whose policy term is off
+        while the value head learns.
     """
 
     G: int = 8
@@ -95,6 +101,12 @@ class GRPOConfig:
     behavior_level: str = "token"
     behavior_cap: float = 2.0
     old_logps: str = "sampler"
+    gae_gamma: float = 1.0
+    gae_lambda: float = 1.0
+    whiten_advantages: bool = True
+    value_loss_coef: float = 0.5
+    value_clip: float = 0.2
+    critic_warmup_steps: int = 0
 
     def __post_init__(self):
         check_range("grpo.G", self.G, lo=2, integer=True)
@@ -134,6 +146,7 @@ class GRPOConfig:
         check_range("grpo.behavior_cap", self.behavior_cap, lo=1.0, lo_open=True)
         check_choice("grpo.old_logps", self.old_logps, OLD_LOGPS)
         sequence_terms = self.reduction == "gspo" or self.policy_loss in SEQUENCE_POLICY_LOSSES
+        self._check_critic(sequence_terms)
         if (
             self.behavior_correction != "none"
             and sequence_terms
@@ -143,6 +156,21 @@ class GRPOConfig:
                 "grpo.behavior_correction with a sequence-level objective "
                 f"(reduction={self.reduction!r}, policy_loss={self.policy_loss!r}) needs "
                 f"grpo.behavior_level='sequence', got {self.behavior_level!r}"
+            )
+
+    def _check_critic(self, sequence_terms: bool) -> None:
+        """The keys of PPO with a learned critic; "gae" needs a per-token policy term."""
+        check_range("grpo.gae_gamma", self.gae_gamma, lo=0.0, hi=1.0)
+        check_range("grpo.gae_lambda", self.gae_lambda, lo=0.0, hi=1.0)
+        check_bool("grpo.whiten_advantages", self.whiten_advantages)
+        check_range("grpo.value_loss_coef", self.value_loss_coef, lo=0.0, lo_open=True)
+        check_range("grpo.value_clip", self.value_clip, lo=0.0, lo_open=True)
+        check_range("grpo.critic_warmup_steps", self.critic_warmup_steps, lo=0, integer=True)
+        if self.advantage_estimator == "gae" and sequence_terms:
+            raise ConfigError(
+                "grpo.advantage_estimator='gae' gives one advantage per token, which "
+                f"grpo.reduction={self.reduction!r} with grpo.policy_loss="
+                f"{self.policy_loss!r} cannot take (a sequence-level objective)"
             )
 
     @classmethod

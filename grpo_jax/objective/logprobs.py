@@ -132,6 +132,29 @@ def completion_logps_and_entropy(
     return _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy)
 
 
+def completion_scores_and_features(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    with_entropy: bool = False,
+    group_size: int = 1,
+):
+    """:func:`completion_logps_and_entropy`'s (log-probs, entropies or None), with the model
+    and the features [N, T, D] they were scored from (PPO's value head reads them)."""
+    model = nnx.merge(graphdef, params)
+    h_NxTxD = completion_features(
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
+    )
+    scores = _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy)
+    return (*scores, model, h_NxTxD)
+
+
 def _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy):
     """(log-probs, entropies or None) [N, T] of ``tokens_NxT`` from the features that
     predict them: the LM head over chunks of ``chunk_size`` along T, rematerialised

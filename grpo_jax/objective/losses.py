@@ -218,7 +218,9 @@ def _prepare(
     logps_NxT = _at_least_f32(logps_NxT)
     mask_NxT = mask_NxT.astype(logps_NxT.dtype)
     old_logps_NxT = jax.lax.stop_gradient(old_logps_NxT.astype(logps_NxT.dtype))
-    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))[:, None]
+    adv_Nx1 = jax.lax.stop_gradient(advantages_N.astype(logps_NxT.dtype))
+    if adv_Nx1.ndim == 1:  # one per row; [N, T] (GAE) is one per token
+        adv_Nx1 = adv_Nx1[:, None]
     if distill_adv_NxT is not None:
         adv_Nx1 = adv_Nx1 + jax.lax.stop_gradient(distill_adv_NxT.astype(logps_NxT.dtype))
     n_tokens_N = mask_NxT.sum(axis=1)
@@ -387,7 +389,8 @@ def grpo_loss(
     Args:
       logps_NxT: log pi_theta of the completion tokens (differentiated).
       old_logps_NxT: log pi_old, recorded at rollout time (treated as constant).
-      advantages_N: one advantage per completion; every token carries it.
+      advantages_N: one advantage per completion, which every token carries; or [N, T],
+        one per token (GAE, ``grpo.advantage_estimator = "gae"``: per-token terms only).
       mask_NxT: 1 on real completion tokens.
       objective: the settings, a ``GRPOConfig`` (frozen and hashable: a static
         argument under jit); the loss reads its objective's fields, not ``G``,

@@ -166,7 +166,11 @@ def lora_base_policy(s: Setup, state, *, evaluate, preempt):
     if new_base is not base:
         params = lora.join(new_base, adapters)
         state = optim_lib.init_state(
-            params, s.trainer.tx, s.placement.mesh, trained=lora.trainable(params)
+            params,
+            s.trainer.tx,
+            s.placement.mesh,
+            trained=lora.trainable(params),
+            critic=state.critic,
         )
     warm_fp = info.get("fingerprint") if info else None
     return state, info, s.policy.lora.identity(new_base, warm_start=warm_fp)

@@ -571,6 +571,11 @@ def parse_config(config) -> RunConfig:
             "config key 'train.dynamic_sampling' = True does not combine with an environment "
             f"(env.name = {run.env.name!r}) yet: multi-turn rollouts sample one round per step"
         )
+    if run.grpo.advantage_estimator == "gae" and run.train.packing == "on":
+        raise ConfigError(
+            "config key 'train.packing' = 'on' does not combine with "
+            "grpo.advantage_estimator = 'gae' yet: the critic's update runs on padded rows"
+        )
     _check_engine(run)
     k = run.train.max_staleness
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
@@ -591,8 +596,8 @@ def parse_config(config) -> RunConfig:
 
 
 def _check_teacher(run: RunConfig) -> None:
-    """A teacher's per-token term needs a per-token objective, and its full-vocabulary KL
-    padded rows (docs/objective.md, 13)."""
+    """A teacher's per-token term needs a per-token objective and a group estimator, and its
+    full-vocabulary KL padded rows (docs/objective.md, 13)."""
     g = run.grpo
     if run.teacher.enabled and (g.reduction == "gspo" or g.policy_loss == "gmpo"):
         raise ConfigError(
@@ -605,6 +610,12 @@ def _check_teacher(run: RunConfig) -> None:
             "config key 'teacher.kl' = 'full' does not combine with train.packing = 'on' yet: "
             "the teacher's LM head runs beside the student's over padded rows; use "
             "teacher.kl = 'sampled' or train.packing = 'off'"
+        )
+    if run.teacher.enabled and g.advantage_estimator == "gae":
+        raise ConfigError(
+            f"config key 'teacher.path' = {run.teacher.path!r} does not combine with "
+            "grpo.advantage_estimator = 'gae' yet: the critic's update takes its per-token "
+            "advantages from GAE alone; use a group estimator (e.g. 'grpo') with a teacher"
         )
 
 

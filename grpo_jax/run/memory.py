@@ -754,7 +754,8 @@ def _attention_per_row(cfg, sh: RunShapes, queries: int, keys: int) -> int:
 
 def scoring_bytes(run, cfg, sh: RunShapes) -> int:
     """The working set of a scoring pass over the whole batch; 0 when the update runs none."""
-    if not (run.grpo.beta > 0 or run.grpo.old_logps == "recompute" or run.train.track_update):
+    passes = (run.grpo.beta > 0, run.grpo.old_logps == "recompute", run.train.track_update)
+    if not any(passes) and run.grpo.advantage_estimator != "gae":  # gae: the old values' pass
         return 0
     L, K, Dh = cfg.num_layers, cfg.num_kv_heads // sh.tp_k, cfg.head_dim
     cache = 2 * L * sh.n_s * sh.S * K * Dh * sh.c * (2 if sh.scan else 1)
@@ -793,11 +794,30 @@ def _with_run_terms(est: MemoryEstimate, run, cfg, mesh_shape) -> MemoryEstimate
     """``est`` with the run's update buffers, scoring pass and gathered weights."""
     sh = run_shapes(run, cfg, mesh_shape)
     total, body, largest = _sizes(cfg, mesh_shape, run.mesh.layout)
-    return dataclasses.replace(
+    est = dataclasses.replace(
         est,
         update_buffers=_update_buffers(run, cfg, sh, est.grads, body, largest),
         scoring=scoring_bytes(run, cfg, sh),
         gathered=_decode_gathered(run, cfg, sh, total, body),
+    )
+    return _with_critic(est, run, cfg, sh)
+
+
+def _with_critic(est: MemoryEstimate, run, cfg, sh: RunShapes) -> MemoryEstimate:
+    """PPO's value head (``grpo.advantage_estimator = "gae"``): D + 1 float32 numbers,
+    replicated, with their gradient and optimizer moments; and the step's targets beside
+    the batch (advantages, returns, old values, value mask: 4 float32 per token)."""
+    if run.grpo.advantage_estimator != "gae":
+        return est
+    head = 4 * (cfg.hidden_size + 1)
+    moments = OPTIMIZER_MOMENTS["adamw"] * head
+    targets = sh.n_s * sh.T * 4 * 4
+    return dataclasses.replace(
+        est,
+        params=est.params + head,
+        grads=est.grads + head,
+        optimizer=est.optimizer + moments,
+        update_buffers=est.update_buffers + targets,
     )
 
 

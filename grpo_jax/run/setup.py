@@ -23,6 +23,7 @@ from flax import nnx
 
 from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, sharding
+from grpo_jax.learner import critic as critic_lib
 from grpo_jax.learner import optimizer as optim_lib
 from grpo_jax.learner import packing
 from grpo_jax.learner import update as update_lib
@@ -304,7 +305,10 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh, teacher=None):
     tx, schedule = optim_lib.make_optimizer(run.optim, total_updates)
     lora_run = policy.lora
     trained = None if lora_run is None else lora.trainable(params)
-    state = optim_lib.init_state(params, tx, mesh, trained=trained)
+    head = None
+    if run.grpo.advantage_estimator == "gae":  # PPO: a value head on the policy's trunk
+        head = critic_lib.init_head(nnx.merge(policy.graphdef, params).config.hidden_size, mesh)
+    state = optim_lib.init_state(params, tx, mesh, trained=trained, critic=head)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     settings = dict(

@@ -91,13 +91,15 @@ def restore_or_init(s: Setup, rs: RunState, *, evaluate, preempt) -> RunStart | 
     ref_params = jax.tree.map(jnp.copy, base_params) if separate_ref else None
     teacher = jax.tree.map(jnp.copy, base_params) if base_teacher else s.trainer.teacher_params
     if base_params is not state.params:
-        state = optim_lib.init_state(base_params, s.trainer.tx, s.placement.mesh)
+        state = optim_lib.init_state(
+            base_params, s.trainer.tx, s.placement.mesh, critic=state.critic
+        )
     rs.train = state
     _bind_judges(s, ref_params)
     before = None
     if resumed:
         latest, params, opt_state, meta, arrays = restore_newest(s, rs, lora_base=lora_base)
-        rs.train = state.replace(params=params, opt_state=opt_state)
+        rs.train = optim_lib.with_saved_opt_state(state.replace(params=params), opt_state)
         rs.load_state_dict(meta, arrays)
         before = meta.get("before")
         warm_info = meta.get("warm_start", warm_info)
@@ -160,7 +162,7 @@ def restore_newest(s: Setup, rs: RunState, *, lora_base: dict | None = None):
     for step in sorted(ck.all_steps(), reverse=True):
         try:
             params, opt_state, meta = ck.restore(
-                step, params_like=params_like, opt_state_like=state.opt_state
+                step, params_like=params_like, opt_state_like=optim_lib.saved_opt_state(state)
             )
             read = lambda name, like, step=step: ck.restore_arrays(step, name, like=like)
             arrays = rs.read_arrays(meta, read)
@@ -204,5 +206,9 @@ def save_run(s: Setup, rs: RunState, step: int, start: RunStart) -> None:
     if s.policy.lora is not None:  # the adapters only, and which base they belong to
         params, meta["lora_base"] = lora.trainable(params), start.lora_base
     s.records.checkpointer.save(
-        step, params=params, opt_state=rs.train.opt_state, meta=meta, arrays=arrays
+        step,
+        params=params,
+        opt_state=optim_lib.saved_opt_state(rs.train),  # with a critic, its head too
+        meta=meta,
+        arrays=arrays,
     )

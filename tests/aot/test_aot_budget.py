@@ -4,6 +4,7 @@ optimizer's bytes against the state's own, and the settings it suggests for a to
 import math
 
 import jax
+import pytest
 
 from grpo_jax.aot import architectures, budget
 from grpo_jax.aot.topology import parse_topology
@@ -111,3 +112,29 @@ def test_suggest_gives_up_on_a_run_nothing_fits():
     run, cfg = _run("qwen2.5-1.5b", **{"train.batch_size": 256})
     topo = parse_topology("v5e-1")
     assert budget.suggest(run, cfg, topo.chips, topo.chip.hbm_limit) is None
+
+
+@pytest.mark.slow  # two runs' abstract models and plans: about 1.5 s
+def test_a_critics_moments_and_head_are_what_the_plan_adds():
+    """PPO (grpo.advantage_estimator = "gae"): the abstract state's value head and its moments
+    against the plan's params and optimizer terms, as for the policy above."""
+    from grpo_jax.aot.programs import Builder, per_device_bytes
+    from grpo_jax.core.sharding import make_mesh
+    from grpo_jax.learner import optimizer
+
+    run, cfg = _run("gemma3-270m", **{"mesh.data": 1, "mesh.fsdp": 8})
+    ppo, _ = _run(
+        "gemma3-270m", **{"mesh.data": 1, "mesh.fsdp": 8}, **{"grpo.advantage_estimator": "gae"}
+    )
+    mesh = make_mesh({"data": 1, "fsdp": 8}, jax.devices()[:8])
+    b = Builder(ppo, cfg, mesh)
+    tx, _ = optimizer.make_optimizer(ppo.optim, 10)
+    head = b.critic()
+    moments = [x for x in jax.tree.leaves(b.opt_state(tx, head)) if x.ndim]
+    grpo_est = memory.plan_run(run, cfg, dict(mesh.shape), budget_bytes=math.inf)
+    est = memory.plan_run(ppo, cfg, dict(mesh.shape), budget_bytes=math.inf)
+    head_bytes = per_device_bytes(jax.tree.leaves(head))
+    assert head_bytes == 4 * (cfg.hidden_size + 1)
+    assert est.params - grpo_est.params == head_bytes
+    # The moments of a 0-d leaf (the bias) are dropped above like the optimizer's scalars.
+    assert per_device_bytes(moments) + 2 * 4 == est.optimizer

@@ -117,10 +117,11 @@ def _formula_BxG(rewards_BxG, eps, estimator):
     return jnp.where(valid, jnp.where(std > 0, centered / (std + eps), 0.0), 0.0)
 
 
-# "passk" takes binary rewards only: test_losses_objectives.py checks its constant groups.
+# "passk" takes binary rewards only: test_losses_objectives.py checks its constant groups;
+# "gae" gives rows none (the update computes its advantages per token from the critic).
 # Every pair of estimator and G, of estimator and eps, and of G and eps (eps alternates with
 # the other two's indices): 24 cases instead of all 48 triples, each compiling its own program.
-_ESTIMATORS = sorted(set(advantages.ESTIMATORS) - {"passk"})
+_ESTIMATORS = sorted(set(advantages.ESTIMATORS) - {"passk", "gae"})  # gae: the critic's
 _GS = (3, 4, 8, 16)
 
 

@@ -63,6 +63,17 @@ Advantage estimators:
     They agree on no group with a signal.
   * batch_std has no verl counterpart.
 
+GAE (``compute_gae_advantage_return``) and the value loss (``compute_value_loss``):
+  * the returns are equal on the model's tokens, multi-turn gaps included (verl skips a token
+    of mask 0 in the recursion as grpo_jax does). Off the mask verl leaves the carried
+    advantage (and the return computed from it), grpo_jax 0; the loss never reads them.
+  * verl always whitens the advantages, with the sample variance (Bessel, over the M tokens)
+    and 1e-8 in the mean's denominator; grpo_jax whitens only with ``grpo.whiten_advantages``,
+    with the population variance. Both put 1e-8 inside the square root; grpo_jax's whitened
+    advantages times sqrt((M - 1)/M) are verl's up to those 1e-8 terms.
+  * the clipped value loss and its gradient are equal (token mean); the clip fraction is, but
+    for verl's 1e-8 in its denominator.
+
 Behaviour correction: ``behavior_weights`` equals ``compute_rollout_correction_weights`` at
 both levels (tis against a float threshold C, mis against IcePop's "1/C_C"), with the same
 +-20 clamp (grpo_jax compares log w with log C, verl w with C: the same but at the edge).
@@ -81,7 +92,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.objective import advantages, losses
+from grpo_jax.objective import advantages, gae, losses
 from grpo_jax.objective.config import GRPOConfig
 
 torch = AlgoConfig = verl_algos = compute_rollout_correction_weights = None
@@ -983,3 +994,78 @@ def test_gmpo_with_sequence_behavior_weights(seed):
     # grpo_jax's own weighted loss: its row losses times w, a masked row exactly 0.
     weighted = jax_loss_grad(*batch, behavior_weights_NxT=weights, **kw)
     assert_same(weighted, rows_loss_grad(*batch, w_n / len(adv), **kw))
+
+
+# ---------------------------------------------------------------------------
+# GAE and the value loss against verl's (module doc).
+
+
+def gae_batch(seed, n_rows=6, t=12):
+    """Rewards, values and masks: padded rows, multi-turn gaps, one row of a single token."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, t + 1, size=n_rows)
+    lengths[0] = 1
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float64)
+    for n in range(1, n_rows, 2):  # an environment's stretch inside the row
+        if lengths[n] > 3:
+            mask[n, 1 : lengths[n] - 1] *= rng.random(lengths[n] - 2) < 0.5
+    return rng.normal(size=n_rows), rng.normal(size=(n_rows, t)), mask
+
+
+def verl_gae(rewards, values, mask, gamma, lam):
+    token_rewards = np.zeros_like(values)
+    last = values.shape[1] - 1 - np.argmax(mask[:, ::-1] > 0, axis=1)
+    token_rewards[np.arange(len(rewards)), last] = rewards
+    adv, ret = verl_algos.compute_gae_advantage_return(
+        torch.tensor(token_rewards), torch.tensor(values), torch.tensor(mask), gamma, lam
+    )
+    return adv.numpy(), ret.numpy()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae(seed, gamma, lam):
+    rewards, values, mask = gae_batch(seed)
+    want_adv, want_ret = verl_gae(rewards, values, mask, gamma, lam)
+    adv, ret = gae.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, lam)
+    np.testing.assert_allclose(np.asarray(ret), want_ret * mask, **TOL)
+    m = mask.sum()
+    white = np.asarray(gae.whiten(adv, jnp.asarray(mask))) * np.sqrt((m - 1) / m)
+    np.testing.assert_allclose(white, want_adv * mask, rtol=1e-7, atol=1e-7)
+
+
+def test_difference_gae_off_the_mask_and_whitening():
+    rewards, values, mask = gae_batch(0)
+    want_adv, want_ret = verl_gae(rewards, values, mask, 1.0, 1.0)
+    adv, ret = gae.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), 1.0, 1.0)
+    gaps = (mask == 0) & (np.cumsum(mask[:, ::-1], axis=1)[:, ::-1] > 0)
+    assert gaps.any()
+    assert np.all(np.asarray(ret)[gaps] == 0) and np.all(want_ret[gaps] != 0)
+    m = mask.sum()
+    white = np.asarray(gae.whiten(adv, jnp.asarray(mask)))
+    # Without the Bessel factor the two differ by sqrt(M / (M - 1)), far beyond rounding.
+    assert np.abs(white - want_adv * mask).max() > 1e-3
+    np.testing.assert_allclose(white * np.sqrt((m - 1) / m), want_adv * mask, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_value_loss(seed):
+    rng = np.random.default_rng(seed)
+    _, old, mask = gae_batch(seed)
+    vpreds = old + rng.normal(scale=0.5, size=old.shape)
+    returns = old + rng.normal(size=old.shape)
+    tv = torch.tensor(vpreds, requires_grad=True)
+    want, want_frac = verl_algos.compute_value_loss(
+        tv, torch.tensor(returns), torch.tensor(old), torch.tensor(mask), 0.2
+    )
+    want.backward()
+    (loss, metrics), grad = jax.value_and_grad(gae.value_loss, has_aux=True)(
+        jnp.asarray(vpreds), jnp.asarray(old), jnp.asarray(returns), jnp.asarray(mask), 0.2
+    )
+    assert 0.05 < float(metrics["value_clip_frac"]) < 0.95
+    np.testing.assert_allclose(loss, want.item(), **TOL)
+    # verl's clip fraction is a masked_mean, whose denominator is M + 1e-8.
+    m = mask.sum()
+    frac = float(metrics["value_clip_frac"]) * m / (m + VERL_EPS)
+    np.testing.assert_allclose(frac, float(want_frac), **TOL)
+    np.testing.assert_allclose(grad, tv.grad.numpy(), **TOL)

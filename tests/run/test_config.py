@@ -26,6 +26,20 @@ def test_defaults_and_epsilon_shorthand():
         ({"reduction": "sum"}, r"'grpo.reduction' = 'sum' is not one of \['dr_grpo', 'grpo'"),
         ({"advantage_estimator": "ppo"}, r"'grpo.advantage_estimator' = 'ppo' is not one of"),
         ({"temperature": 0.0}, r"'grpo.temperature' = 0.0 must be > 0"),
+        ({"gae_gamma": 1.5}, r"'grpo.gae_gamma' = 1.5 must be <= 1"),
+        ({"gae_lambda": -0.1}, r"'grpo.gae_lambda' = -0.1 must be >= 0"),
+        ({"whiten_advantages": "yes"}, r"'grpo.whiten_advantages' = 'yes' must be True or False"),
+        ({"value_loss_coef": 0.0}, r"'grpo.value_loss_coef' = 0.0 must be > 0"),
+        ({"value_clip": -1.0}, r"'grpo.value_clip' = -1.0 must be > 0"),
+        ({"critic_warmup_steps": 1.5}, r"'grpo.critic_warmup_steps' = 1.5 must be an integer"),
+        (
+            {"advantage_estimator": "gae", "reduction": "gspo"},
+            r"'gae' gives one advantage per token, which grpo.reduction='gspo'",
+        ),
+        (
+            {"advantage_estimator": "gae", "policy_loss": "gmpo"},
+            r"'gae' gives one advantage per token.*grpo.policy_loss='gmpo'",
+        ),
         ({"betta": 0.1}, r"unknown config key grpo.betta; the keys of grpo are G, advantage_eps, "),
     ],
 )
@@ -126,3 +140,12 @@ def test_env_module_by_path_registers_the_environment(tmp_path):
     )
     run = _parse({"name": "config_path_env_test", "modules": f"  {path} ,"})
     assert run.env.name == "config_path_env_test"
+
+
+def test_gae_refuses_packing_in_one_line():
+    from grpo_jax.run.config import parse_config
+
+    raw = {**_RUN, "sampling": {"max_new_tokens": 8}, "grpo": {"advantage_estimator": "gae"}}
+    raw["train"] = {"packing": "on"}
+    with pytest.raises(ConfigError, match=r"'train.packing' = 'on' does not combine with "):
+        parse_config(raw)

@@ -454,3 +454,23 @@ def test_the_sampling_copy_is_counted_while_sampling_with_its_kv_cache_in_its_dt
     # A sampler mesh of its own holds the copy alone, and the rollouts' cache.
     split = memory.plan_sampler(run_with("bfloat16"), HAND, mesh)
     assert (split.params, split.sampler_copy, split.kv_cache) == (344, 0, 512)
+
+
+def test_a_critic_adds_its_head_moments_and_targets():
+    # PPO's value head on HAND (D = 4): 5 float32 numbers as parameters, as gradients and
+    # twice as Adam's moments; its targets are 4 float32 per token of the batch's rows on a
+    # device: N = 8 * 4 = 32 rows over fsdp 2 -> 16, T = 5: 16 * 5 * 16 = 1280 bytes. The
+    # old values are scored once per step over the whole batch, a scoring pass like pi_old's
+    # recomputed log-probs.
+    plan = {"grpo.G": 4, "train.batch_size": 8, "sampling.max_new_tokens": 5}
+    plan.update({"sampling.prompt_buckets": (3,), "warm_start.enabled": False})
+    plan["train.track_update"] = False  # no other scoring pass
+    mesh = {"fsdp": 2}
+    grpo = memory.plan_run(run_config(**plan), HAND, mesh)
+    ppo = memory.plan_run(run_config(**plan, **{"grpo.advantage_estimator": "gae"}), HAND, mesh)
+    assert (ppo.params - grpo.params, ppo.grads - grpo.grads) == (20, 20)
+    assert ppo.optimizer - grpo.optimizer == 40
+    assert ppo.update_buffers - grpo.update_buffers == 1280
+    recompute = memory.plan_run(run_config(**plan, **{"grpo.old_logps": "recompute"}), HAND, mesh)
+    assert grpo.scoring == 0 and ppo.scoring == recompute.scoring > 0
+    assert (ppo.activations, ppo.kv_cache) == (grpo.activations, grpo.kv_cache)
