@@ -149,3 +149,15 @@ def test_gae_refuses_packing_in_one_line():
     raw["train"] = {"packing": "on"}
     with pytest.raises(ConfigError, match=r"'train.packing' = 'on' does not combine with "):
         parse_config(raw)
+
+
+def test_gae_refuses_a_teacher_in_one_line():
+    from grpo_jax.run.config import parse_config
+
+    raw = {**_RUN, "sampling": {"max_new_tokens": 8}, "grpo": {"advantage_estimator": "gae"}}
+    raw["teacher"] = {"path": "reference"}
+    with pytest.raises(
+        ConfigError, match=r"'teacher.path' = 'reference' does not combine with "
+    ) as e:
+        parse_config(raw)
+    assert "\n" not in str(e.value)
