@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from grpo_jax.core.errors import ConfigError
-from grpo_jax.core.sharding import LAYOUTS, MESH_AXES
+from grpo_jax.core.sharding import EXPERT_AXIS, LAYOUTS, MESH_AXES
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
 
 # The parameter inventory lived here: param_tensors, param_count, shard_numel and
@@ -34,6 +34,8 @@ from grpo_jax.sampling import paged_pool
 from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.weights import copy_dtype
 
+# The axes a plan counts: a mesh's "expert" axis (docs/moe.md) shards a mixture's experts.
+PLAN_AXES = (*MESH_AXES, EXPERT_AXIS)
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
 COMPONENTS = (
     "params",
@@ -115,7 +117,8 @@ class MemoryEstimate:
         return max(COMPONENTS, key=lambda k: getattr(self, k))
 
     def table(self) -> str:
-        mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in MESH_AXES)
+        axes = PLAN_AXES if self.mesh_shape.get(EXPERT_AXIS, 1) > 1 else MESH_AXES
+        mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in axes)
         trains = ""
         if self.trainable_params is not None:
             trains = f" (LoRA: {self.trainable_params:,} trainable)"
@@ -240,13 +243,16 @@ def estimate(
 
 def _checked_args(mesh_shape: Mapping[str, int], layout, optimizer, attention, sizes, beta):
     """``estimate``'s arguments checked (``sizes``: the integer ones, by name, >= 1 but
-    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent)."""
+    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent) and
+    "expert" when it is larger than 1."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
-    unknown = set(mesh_shape) - set(MESH_AXES)
+    unknown = set(mesh_shape) - set(PLAN_AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(MESH_AXES)}")
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(PLAN_AXES)}")
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
+    if mesh[EXPERT_AXIS] == 1:  # as make_mesh leaves it out: plans of dense meshes unchanged
+        del mesh[EXPERT_AXIS]
     for a, v in mesh.items():
         _check_positive(f"mesh_shape[{a!r}]", v)
     if optimizer not in OPTIMIZER_MOMENTS:
@@ -689,12 +695,12 @@ class RunShapes:
 
 
 def run_shapes(run, cfg, mesh_shape: Mapping[str, int]) -> RunShapes:
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
     s = mesh["data"] * mesh["fsdp"]
     B, G = run.train.batch_size, run.grpo.G
     N, P, T = B * G, max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
     layout = run.mesh.layout
-    split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1)
+    split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1) * mesh[EXPERT_AXIS]
     return RunShapes(
         N=N, B=B, P=P, T=T, S=P + T, C=min(run.train.logits_chunk, T) or T,
         c=_itemsize(cfg.dtype), p=_itemsize(cfg.param_dtype),
@@ -712,7 +718,7 @@ def _sizes(cfg, mesh_shape, layout) -> tuple[int, int, int]:
     tensors = param_tensors(cfg)
     total = sum(math.prod(shape) for _, shape, _, _ in tensors)
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
     largest = max(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
     return total, total - embed, largest
 
