@@ -323,8 +323,8 @@ def _activation_bytes(
         (8 if cfg.sandwich_norm else 6) * D
         + (3 if cfg.qk_norm else 2) * (H // tp_h) * Dh
         + (3 if cfg.qk_norm else 2) * (K // tp_k) * Dh
-        + (6 if gelu else 4) * F // tp_f
     )
+    dense_mlp = c * (6 if gelu else 4) * F // tp_f
     blockwise = 0
     if attention == "blockwise":
         per_layer_token += 8 * (H // tp_h)
@@ -335,11 +335,28 @@ def _activation_bytes(
         per_layer_token += (4 + c) * (H // tp_h) * S
     logits = (head_tokens or n * T) * 8 * (V // tp_v) + blockwise
     per_layer_token += lora_act
-    if remat:
-        per_token = L * c * D + per_layer_token
+    R = len(cfg.sparse_layers)
+    mlps = [(L - R, dense_mlp), (R, moe_token_bytes(cfg, mesh, layout, c))]
+    if remat:  # one layer recomputed at a time: the larger kind's
+        per_token = L * c * D + per_layer_token + max(b for count, b in mlps if count)
     else:
-        per_token = L * per_layer_token
+        per_token = L * per_layer_token + sum(count * b for count, b in mlps)
     return kv_cache, n * S * per_token + logits
+
+
+def moe_token_bytes(cfg, mesh, layout, c: int) -> int:
+    """A sparse layer's mixture-of-experts activations per token (docs/moe.md, "The memory
+    plan"): the router's logits (compute dtype) and float32 probabilities over the E experts,
+    and for each of the K (token, expert) pairs its gathered row and its output row (D each)
+    and six rows of the expert's width F (gate and up projections, the activation's saved
+    values, their product), eight for a gelu. The int32 sort permutations and
+    ``ragged_dot``'s own buffers are not counted."""
+    if not cfg.num_experts:
+        return 0
+    E, K, F = cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim
+    tp_f = tensor_ways(F, "mlp", mesh, layout)
+    gated = (8 if cfg.activation != "silu" else 6) * F // tp_f
+    return (c + 4) * E + c * K * (2 * cfg.hidden_size + gated)
 
 
 def _hint(est: MemoryEstimate, part: str) -> str:
@@ -820,7 +837,9 @@ def plan_programs(
     # No loop runs over the prompt's tokens: a layer at a time (two in flight) and the LM
     # head gathered, and one layer's activations over this device's prompts.
     layers = 2 * body // L * sh.c + V * D * sh.c if sh.sharded else 0
-    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh + 4 * cfg.mlp_dim // sh.tp_f)
+    dense = sh.c * 4 * cfg.mlp_dim // sh.tp_f if len(cfg.sparse_layers) < L else 0
+    mlp = max(dense, moe_token_bytes(cfg, mesh_shape, run.mesh.layout, sh.c))
+    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh) + mlp
     acts = sh.b_s * (sh.P * per_token + _attention_per_row(cfg, sh, sh.P, sh.P))
     out["prefill"] = ProgramPlan("prefill", weights + kv + layers + acts + CODE_BYTES, resident)
     return out

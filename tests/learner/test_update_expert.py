@@ -14,6 +14,7 @@ from grpo_jax.core import sharding
 from grpo_jax.learner import optimizer
 from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, family_config
+from grpo_jax.run import memory
 from grpo_jax.run.config import GRPOConfig, OptimConfig
 
 CFG = family_config(
@@ -79,6 +80,13 @@ def _is_adam(x):
     return isinstance(x, optax.ScaleByAdamState)
 
 
+def _device_bytes(tree, device):
+    return sum(
+        s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+        if s.device == device
+    )  # fmt: skip
+
+
 def _assert_trees_close(got, want, rtol, scale_atol):
     flat_want, flat_got = dict(nnx.to_flat_state(want)), dict(nnx.to_flat_state(got))
     assert flat_got.keys() == flat_want.keys()
@@ -105,6 +113,13 @@ def test_expert_sharded_update_equals_single_device(layout):
         assert moments["layers"][0]["mlp"]["down_experts"][...].sharding.spec[0] == "expert"
         want_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, got.params))
         assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, moments)) == want_sh
+    # The memory plan counts what a device really holds of the parameters and the moments.
+    est = memory.estimate(
+        CFG, mesh_shape=mesh.shape, layout=layout, batch_rows=N, seq_len=T, prompt_len=PL, beta=0
+    )
+    dev = mesh.devices.flat[0]
+    assert est.params == _device_bytes(got.params, dev)
+    assert est.optimizer == _device_bytes([adam.mu, adam.nu], dev)
 
     assert int(got.updates) == 1 and got_m["train/skipped_updates"] == 0
     assert abs(want_m["train/loss"]) > 1e-4  # not a degenerate zero loss
