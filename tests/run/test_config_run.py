@@ -356,7 +356,7 @@ def test_a_config_variant_the_file_does_not_have_is_its_own_message():
         load_config_file("configs/default.py:smokey")
     assert str(info.value) == (
         "--config=configs/default.py:smokey: configs/default.py: unknown argument 'smokey' in "
-        "'smokey'; known: ['reward_model', 'runlocal', 'smoke']"
+        "'smokey'; known: ['moe', 'reward_model', 'runlocal', 'smoke']"
     )
     assert (
         load_config_file("configs/default.py:smoke").train.steps == get_config("smoke").train.steps
