@@ -30,6 +30,9 @@ Variants (``--config=configs/default.py:<arg>``):
   runlocal  seconds: a smaller model, a 20-step warm start that teaches the
             answer format, a few GRPO steps, small evaluations (tests use it);
             ``smoke`` is the same variant.
+  moe       the model's MLPs as mixtures of 4 experts of half the MLP width, top 2 (as
+            many active MLP parameters per token as the dense model; docs/moe.md). Combines
+            with the others: ``runlocal,moe``.
   reward_model=DIR  GRPO on the reward model in DIR alone (raw score, weight 1);
             exact match and three shares of the bias (answers longer than the
             reference, right answers followed by anything, answers padded with
@@ -49,7 +52,7 @@ common = config_module("common", beside=__file__)
 
 def get_config(arg: str | None = None) -> ConfigDict:
     a = common.parse_arg(
-        arg, where="configs/default.py", runlocal=False, smoke=False, reward_model=""
+        arg, where="configs/default.py", runlocal=False, smoke=False, moe=False, reward_model=""
     )
     c = common.base()
 
@@ -152,4 +155,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.warm_start.val_problems = 16
         c.warm_start.batch_size = 8
         c.mesh.num_devices = 1
+    if a.moe:
+        c.model.num_experts = 4
+        c.model.experts_per_token = 2
+        c.model.moe_mlp_dim = c.model.mlp_dim // 2
     return c

@@ -86,6 +86,7 @@ def build_mesh(run: RunConfig):
     if run.mesh.sampler_devices:  # the learner's mesh: the devices the sampler leaves
         devices, _ = learner_and_sampler_devices(devices, run.mesh.sampler_devices)
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
+    axes[sharding.EXPERT_AXIS] = run.mesh.expert  # make_mesh adds the axis only when > 1
     try:
         return sharding.make_mesh(axes, devices)
     except ValueError as e:
@@ -158,10 +159,29 @@ def build_model(run: RunConfig, tokenizer, mesh):
     if run.model.path:
         load = models.from_gguf if run.model.path.endswith(".gguf") else models.from_pretrained
         model = load(run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs())
+        check_expert_axis(run, model.config)
     else:
         cfg = model_config(run, tokenizer)
+        check_expert_axis(run, cfg)
         model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)
     return nnx.split(model)
+
+
+def check_expert_axis(run: RunConfig, cfg) -> None:
+    """A one-line ConfigError unless ``mesh.expert`` splits the model's experts evenly: a
+    size that does not divide them would leave them whole on every device (docs/moe.md)."""
+    expert, num = run.mesh.expert, cfg.num_experts
+    if expert == 1 or (num and num % expert == 0):
+        return
+    model = run.model.path or "the built-in tiny model"
+    if not num:
+        raise ConfigError(
+            f"config key 'mesh.expert' = {expert} needs a mixture-of-experts model; "
+            f"{model} is dense (num_experts = 0): set mesh.expert = 1"
+        )
+    raise ConfigError(
+        f"config key 'mesh.expert' = {expert} must divide the model's num_experts = {num} ({model})"
+    )
 
 
 def build_policy(run: RunConfig, tokenizer, mesh):

@@ -314,6 +314,8 @@ class MeshConfig:
 
     Attributes:
       data, fsdp, tensor: mesh axis sizes.
+      expert: a mixture of experts' experts split over this many devices (docs/moe.md,
+        "The expert mesh axis"); it must divide the model's ``num_experts``. 1: no such axis.
       num_devices: use the first this many devices (0: all).
       layout: parameter layout, a key of ``grpo_jax.core.sharding.LAYOUTS``.
       memory_budget_gb: per-device memory the run may use, in GiB; a layout whose
@@ -328,6 +330,7 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
     num_devices: int = 0
     layout: str = "fsdp"
     memory_budget_gb: float = 0.0
@@ -339,6 +342,7 @@ class MeshConfig:
             check_range(f"mesh.{axis}", v, lo=-1, integer=True)
             if v == 0:
                 raise ConfigError(f"config key 'mesh.{axis}' = 0 must be positive or -1")
+        check_range("mesh.expert", self.expert, lo=1, integer=True)
         check_range("mesh.num_devices", self.num_devices, lo=0, integer=True)
         check_range("mesh.memory_budget_gb", self.memory_budget_gb, lo=0.0)
         check_range("mesh.sampler_devices", self.sampler_devices, lo=0, integer=True)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from grpo_jax.core.errors import ConfigError
-from grpo_jax.core.sharding import LAYOUTS, MESH_AXES
+from grpo_jax.core.sharding import EXPERT_AXIS, LAYOUTS, MESH_AXES
 from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
 
 # The parameter inventory lived here: param_tensors, param_count, shard_numel and
@@ -34,6 +34,8 @@ from grpo_jax.sampling import paged_pool
 from grpo_jax.sampling.engines import get_engine
 from grpo_jax.sampling.weights import copy_dtype
 
+# The axes a plan counts: a mesh's "expert" axis (docs/moe.md) shards a mixture's experts.
+PLAN_AXES = (*MESH_AXES, EXPERT_AXIS)
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "momentum": 1, "sgd": 0}
 COMPONENTS = (
     "params",
@@ -118,7 +120,8 @@ class MemoryEstimate:
         return max(COMPONENTS, key=lambda k: getattr(self, k))
 
     def table(self) -> str:
-        mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in MESH_AXES)
+        axes = PLAN_AXES if self.mesh_shape.get(EXPERT_AXIS, 1) > 1 else MESH_AXES
+        mesh = " x ".join(f"{a}={self.mesh_shape.get(a, 1)}" for a in axes)
         trains = ""
         if self.trainable_params is not None:
             trains = f" (LoRA: {self.trainable_params:,} trainable)"
@@ -243,13 +246,16 @@ def estimate(
 
 def _checked_args(mesh_shape: Mapping[str, int], layout, optimizer, attention, sizes, beta):
     """``estimate``'s arguments checked (``sizes``: the integer ones, by name, >= 1 but
-    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent)."""
+    prompt_len >= 0), and the mesh with every axis of ``MESH_AXES`` (1 where absent) and
+    "expert" when it is larger than 1."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sharding layout {layout!r}; known layouts are {sorted(LAYOUTS)}")
-    unknown = set(mesh_shape) - set(MESH_AXES)
+    unknown = set(mesh_shape) - set(PLAN_AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(MESH_AXES)}")
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; known axes are {list(PLAN_AXES)}")
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
+    if mesh[EXPERT_AXIS] == 1:  # as make_mesh leaves it out: plans of dense meshes unchanged
+        del mesh[EXPERT_AXIS]
     for a, v in mesh.items():
         _check_positive(f"mesh_shape[{a!r}]", v)
     if optimizer not in OPTIMIZER_MOMENTS:
@@ -320,8 +326,8 @@ def _activation_bytes(
         (8 if cfg.sandwich_norm else 6) * D
         + (3 if cfg.qk_norm else 2) * (H // tp_h) * Dh
         + (3 if cfg.qk_norm else 2) * (K // tp_k) * Dh
-        + (6 if gelu else 4) * F // tp_f
     )
+    dense_mlp = c * (6 if gelu else 4) * F // tp_f
     blockwise = 0
     if attention == "blockwise":
         per_layer_token += 8 * (H // tp_h)
@@ -332,11 +338,28 @@ def _activation_bytes(
         per_layer_token += (4 + c) * (H // tp_h) * S
     logits = (head_tokens or n * T) * 8 * (V // tp_v) + blockwise
     per_layer_token += lora_act
-    if remat:
-        per_token = L * c * D + per_layer_token
+    R = len(cfg.sparse_layers)
+    mlps = [(L - R, dense_mlp), (R, moe_token_bytes(cfg, mesh, layout, c))]
+    if remat:  # one layer recomputed at a time: the larger kind's
+        per_token = L * c * D + per_layer_token + max(b for count, b in mlps if count)
     else:
-        per_token = L * per_layer_token
+        per_token = L * per_layer_token + sum(count * b for count, b in mlps)
     return kv_cache, n * S * per_token + logits
+
+
+def moe_token_bytes(cfg, mesh, layout, c: int) -> int:
+    """A sparse layer's mixture-of-experts activations per token (docs/moe.md, "The memory
+    plan"): the router's logits (compute dtype) and float32 probabilities over the E experts,
+    and for each of the K (token, expert) pairs its gathered row and its output row (D each)
+    and six rows of the expert's width F (gate and up projections, the activation's saved
+    values, their product), eight for a gelu. The int32 sort permutations and
+    ``ragged_dot``'s own buffers are not counted."""
+    if not cfg.num_experts:
+        return 0
+    E, K, F = cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim
+    tp_f = tensor_ways(F, "mlp", mesh, layout)
+    gated = (8 if cfg.activation != "silu" else 6) * F // tp_f
+    return (c + 4) * E + c * K * (2 * cfg.hidden_size + gated)
 
 
 def _hint(est: MemoryEstimate, part: str) -> str:
@@ -713,12 +736,12 @@ class RunShapes:
 
 
 def run_shapes(run, cfg, mesh_shape: Mapping[str, int]) -> RunShapes:
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
     s = mesh["data"] * mesh["fsdp"]
     B, G = run.train.batch_size, run.grpo.G
     N, P, T = B * G, max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
     layout = run.mesh.layout
-    split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1)
+    split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1) * mesh[EXPERT_AXIS]
     return RunShapes(
         N=N, B=B, P=P, T=T, S=P + T, C=min(run.train.logits_chunk, T) or T,
         c=_itemsize(cfg.dtype), p=_itemsize(cfg.param_dtype),
@@ -736,7 +759,7 @@ def _sizes(cfg, mesh_shape, layout) -> tuple[int, int, int]:
     tensors = param_tensors(cfg)
     total = sum(math.prod(shape) for _, shape, _, _ in tensors)
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-    mesh = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
     largest = max(shard_numel(shape, axes, mesh, layout) for _, shape, _, axes in tensors)
     return total, total - embed, largest
 
@@ -858,7 +881,9 @@ def plan_programs(
     # No loop runs over the prompt's tokens: a layer at a time (two in flight) and the LM
     # head gathered, and one layer's activations over this device's prompts.
     layers = 2 * body // L * sh.c + V * D * sh.c if sh.sharded else 0
-    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh + 4 * cfg.mlp_dim // sh.tp_f)
+    dense = sh.c * 4 * cfg.mlp_dim // sh.tp_f if len(cfg.sparse_layers) < L else 0
+    mlp = max(dense, moe_token_bytes(cfg, mesh_shape, run.mesh.layout, sh.c))
+    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh) + mlp
     acts = sh.b_s * (sh.P * per_token + _attention_per_row(cfg, sh, sh.P, sh.P))
     out["prefill"] = ProgramPlan("prefill", weights + kv + layers + acts + CODE_BYTES, resident)
     return out

@@ -9,6 +9,7 @@ from helpers_config import smoke_config
 
 from configs.default import get_config
 from grpo_jax.core.sharding import batch_shards
+from grpo_jax.models import family_config
 from grpo_jax.run import builders
 from grpo_jax.run import config as config_lib
 from grpo_jax.run.config import ConfigError
@@ -44,6 +45,7 @@ def test_default_and_smoke_parse():
         ({"checkpoint.keep": 0}, r"'checkpoint.keep' = 0 must be >= 1"),
         ({"warm_start.target": "proof"}, r"'warm_start.target' = 'proof' is not one of"),
         ({"mesh.layout": "zero"}, r"'mesh.layout' = 'zero' is not one of"),
+        ({"mesh.expert": 0}, r"'mesh.expert' = 0 must be >= 1"),
         ({"rewards": "exact_matc:1.0"}, r"unknown reward 'exact_matc'; available rewards"),
         ({"rewards": "exact_match:heavy"}, r"weight 'heavy' of reward 'exact_match'"),
         ({"rewards": "exact_match,exact_match"}, r"names a reward twice"),
@@ -100,6 +102,25 @@ def test_batch_layout_checked_against_the_mesh():
         builders.build_mesh(run)
 
 
+def test_the_expert_axis_is_in_the_mesh_and_checked_against_the_model(builtin_tokenizer):
+    run = config_lib.parse_config(
+        smoke_config(plain=True, **{"mesh.expert": 4, "mesh.fsdp": 2, "mesh.num_devices": 8})
+    )
+    mesh = builders.build_mesh(run)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
+    moe = lambda e: family_config(
+        "qwen3_moe", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+        head_dim=8, mlp_dim=16, num_experts=e, experts_per_token=2,
+    )  # fmt: skip
+    builders.check_expert_axis(run, moe(8))
+    with pytest.raises(ConfigError, match=r"^config key 'mesh.expert' = 4 must divide the mod"):
+        builders.check_expert_axis(run, moe(6))
+    dense = builders.model_config(run, builtin_tokenizer)
+    with pytest.raises(ConfigError, match=r"'mesh.expert' = 4 needs a mixture-of-experts model;"):
+        builders.check_expert_axis(run, dense)
+    builders.check_expert_axis(config_lib.parse_config(smoke_config(plain=True)), dense)
+
+
 def _main(*args, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
@@ -128,6 +149,16 @@ def test_main_rejects_a_misspelled_override(tmp_path):
     assert out.returncode == 2
     assert "config error: config key 'optim.schedule' = 'exp' is not one of" in out.stderr
     assert not (tmp_path / "wd" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_main_refuses_an_expert_axis_for_a_dense_model_in_one_line(tmp_path):
+    out = _main("--config.mesh.expert=2", "--config.mesh.num_devices=2", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "config error: config key 'mesh.expert' = 2 needs a mixture-of-experts model; the "
+        "built-in tiny model is dense (num_experts = 0): set mesh.expert = 1"
+    ]
 
 
 @pytest.mark.slow
@@ -325,7 +356,7 @@ def test_a_config_variant_the_file_does_not_have_is_its_own_message():
         load_config_file("configs/default.py:smokey")
     assert str(info.value) == (
         "--config=configs/default.py:smokey: configs/default.py: unknown argument 'smokey' in "
-        "'smokey'; known: ['reward_model', 'runlocal', 'smoke']"
+        "'smokey'; known: ['moe', 'reward_model', 'runlocal', 'smoke']"
     )
     assert (
         load_config_file("configs/default.py:smoke").train.steps == get_config("smoke").train.steps

@@ -24,6 +24,8 @@ HAND = types.SimpleNamespace(
     tie_embeddings=True,
 )
 KW = dict(batch_rows=4, seq_len=5, prompt_len=3)  # S = 8
+# A mixture of 8 experts of width 24, top 2, in every layer (docs/moe.md).
+MOE_FIELDS = dict(num_experts=8, experts_per_token=2, moe_mlp_dim=24)
 
 
 def test_param_count_by_hand():
@@ -95,6 +97,42 @@ def test_kv_cache_activations_and_total_by_hand():
     )
     assert big.kv_cache == 100 * 256
     assert big.total == big.sampling == 4 * p + 25600
+
+
+# HAND with two layers, the second a mixture of 4 experts of width 3, top 2. Parameters:
+# embed 40; layer 0 (dense) norms 8, attention 48, MLP 72; layer 1 norms 8, attention 48,
+# router 4*4, experts 3 * 4*4*3 = 144; final norm 4.
+HAND_MOE = types.SimpleNamespace(
+    **{**vars(HAND), "num_layers": 2},
+    num_experts=4,
+    experts_per_token=2,
+    moe_mlp_dim=3,
+    mlp_only_layers=(0,),
+)
+
+
+def test_a_mixture_of_experts_by_hand():
+    assert memory.param_count(HAND_MOE) == 40 + (8 + 48 + 72) + (8 + 48 + 16 + 144) + 4 == 388
+    mesh = {"fsdp": 2, "expert": 2}
+    est = memory.estimate(HAND_MOE, mesh_shape=mesh, layout="fsdp", beta=0.0, **KW)
+    # fsdp=2 splits D: embed 20, attention 24 a layer, MLP 36, router [D, E] 8; the experts
+    # [E, D, F] / [E, F, D] split over expert and fsdp, 3 * 2*2*3 = 36; norms (20) whole.
+    assert est.params == (20 + (24 + 36) + (24 + 8 + 36) + 20) * 4
+    no_expert_axis = memory.estimate(
+        HAND_MOE, mesh_shape={"fsdp": 2}, layout="fsdp", beta=0.0, **KW
+    )
+    assert no_expert_axis.params == est.params + 36 * 4  # the experts whole on each device
+    assert est.optimizer == 2 * est.params and est.grads == est.params
+    # Per token, 4 bytes each: a layer's norms and attention 4*(6*4 + 2*2*2 + 2*1*2) and
+    # its scores (4 + 4) * H * S = 128: 272; the dense MLP 4 * 4*6 = 96; the sparse layer's
+    # router (4 + 4) * E = 32 and K = 2 pairs of 2 rows of D and 6 of F: 4*2*(8 + 18) = 208.
+    # 2 rows * S = 8 tokens on a device; logits 2 * 5 * 8 * 10.
+    assert est.activations == 2 * 8 * (2 * 272 + 96 + 32 + 208) + 2 * 5 * 8 * 10
+    remat = memory.estimate(
+        HAND_MOE, mesh_shape=mesh, layout="fsdp", beta=0.0, remat=True, **KW
+    )  # the layers' inputs, one layer recomputed: the sparse one, the larger
+    assert remat.activations == 2 * 8 * (2 * 4 * 4 + 272 + 240) + 2 * 5 * 8 * 10
+    assert "expert=2" in est.table() and "expert" not in no_expert_axis.table()
 
 
 def test_half_precision_bytes():
@@ -185,6 +223,8 @@ def test_bad_inputs_are_named():
         ("qwen2", "fsdp_tp", {"fsdp": 2, "tensor": 4}, True),
         ("gemma3", "fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, False),
         ("llama", "fsdp", {"data": 2, "fsdp": 4}, False),
+        ("qwen3_moe", "fsdp", {"expert": 4, "fsdp": 2}, True),
+        ("qwen3_moe", "fsdp_tp", {"expert": 2, "fsdp": 2, "tensor": 2}, False),
     ],
 )
 def test_matches_the_real_models_shards(family, layout, axes, materialise):
@@ -208,6 +248,7 @@ def test_matches_the_real_models_shards(family, layout, axes, materialise):
         mlp_dim=48,
         tie_embeddings=family == "gemma3",
         mlp_bias=family == "llama",
+        **(MOE_FIELDS if family == "qwen3_moe" else {}),
     )
     mesh = make_mesh(axes)
     est = memory.estimate(
@@ -347,7 +388,7 @@ def test_plan_sampler_is_a_whole_copy_of_the_parameters_and_the_kv_cache_of_its_
     assert learner.activations > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "qwen3_moe"])
 @pytest.mark.slow
 def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     """The activation term against the tensors JAX keeps for the gradient.
@@ -370,7 +411,7 @@ def test_activations_match_what_jax_saves_for_the_backward_pass(family):
     for remat in (False, True):
         cfg = tiny_config(vocab_size=V, family=family, hidden_size=64, num_layers=3,
                           num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=160,
-                          remat=remat)  # fmt: skip
+                          remat=remat, **(MOE_FIELDS if family == "qwen3_moe" else {}))  # fmt: skip
         graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
         tokens = jnp.zeros((n, S), jnp.int32)
 
