@@ -103,8 +103,11 @@ class Alarms:
     run, if any), so a resumed run raises the alarms an uninterrupted one would.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, rewards_alone: bool = True):
         self.cfg = cfg  # the health section
+        # False: a teacher's term or a critic moves the policy where no group's rewards
+        # vary, and the zero-variance alarm would blame a run that learns.
+        self.rewards_alone = rewards_alone
         self.stopped_by: list[health.Alarm] = []  # fired with health.stop_on_alarm
         self._recent = collections.deque([], health.history_needed(cfg))
         self._early: list[dict] = []  # the first records (early entropy level)
@@ -121,6 +124,8 @@ class Alarms:
         if not self.cfg.enabled:
             return []
         rec = {k: m[k] for k in (*health.KEYS, self.cfg.hack_check) if k in m}
+        if not self.rewards_alone:
+            rec.pop("rollout/frac_zero_var_groups", None)
         rec["step"] = step
         if len(self._early) < self.cfg.entropy_window:
             self._early.append(rec)
@@ -186,7 +191,10 @@ class Reporter:
         self.last_healthy = 0
         self.records_through = 0  # the last step whose record is written
         self._pending = None  # (step, device metrics, host metrics, update call time, rollout)
-        self.alarms = Alarms(run.health)
+        # Whether the advantages come from the group's rewards alone: not with a teacher's
+        # per-token term or a critic's GAE, which move the policy where no rewards vary.
+        self.rewards_alone = not (run.teacher.enabled or run.grpo.advantage_estimator == "gae")
+        self.alarms = Alarms(run.health, self.rewards_alone)
         # step -> metrics known only once its update has ended (grpo_jax.rollout.staleness's
         # timings, given to step_done and flush): they join the step's record when it is
         # written.
@@ -371,7 +379,7 @@ class Reporter:
 
     def _rollout_alarms(self, step: int, host: HostRollout) -> None:
         cfg, m = self.cfg, host.metrics
-        no_signal = m["rollout/frac_zero_var_groups"] >= 1.0
+        no_signal = self.rewards_alone and m["rollout/frac_zero_var_groups"] >= 1.0
         self.no_signal_run = self.no_signal_run + 1 if no_signal else 0
         n = self.no_signal_run
         if cfg.no_signal_steps and n and n % cfg.no_signal_steps == 0:

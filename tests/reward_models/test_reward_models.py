@@ -217,13 +217,16 @@ def test_a_step_whose_rewards_are_all_unscored_blames_the_rewards_not_the_policy
     from types import SimpleNamespace
 
     from grpo_jax.rollout.stats import rollout_metrics
-    from grpo_jax.run.config import HealthConfig, TrainConfig
+    from grpo_jax.run.config import GRPOConfig, HealthConfig, TeacherConfig, TrainConfig
     from grpo_jax.run.report import Reporter
 
     console = Console()
     said = console.said
     records = SimpleNamespace(progress=console)
-    run = SimpleNamespace(train=TrainConfig(no_signal_steps=2), health=HealthConfig())
+    run = SimpleNamespace(
+        train=TrainConfig(no_signal_steps=2), health=HealthConfig(), teacher=TeacherConfig(),
+        grpo=GRPOConfig(),
+    )  # fmt: skip
     rep = Reporter(run, records)
     nan_N, zero_N = np.full(4, np.nan), np.zeros(4)
     for total_N, per_reward in [
@@ -251,6 +254,32 @@ def test_a_step_whose_rewards_are_all_unscored_blames_the_rewards_not_the_policy
             assert "warm-start longer" not in said[0]
         else:
             assert "warm-start longer" in said[0] and "unscored" not in said[0]
+
+
+def test_with_a_teacher_or_a_critic_equal_rewards_raise_no_no_signal_alarm():
+    """Distillation alone (the rewards' weights 0) or PPO's critic moves the policy though
+    no group's rewards vary: neither the no-signal message nor the zero-variance alarm."""
+    from types import SimpleNamespace
+
+    from grpo_jax.run.config import GRPOConfig, HealthConfig, TeacherConfig, TrainConfig
+    from grpo_jax.run.report import Reporter
+
+    m = {"rollout/frac_zero_var_groups": 1.0, "rollout/pass_rate": 0.5}
+    for teacher, grpo, quiet in (
+        (TeacherConfig(), GRPOConfig(), False),
+        (TeacherConfig(path="/ckpt/teacher"), GRPOConfig(), True),
+        (TeacherConfig(), GRPOConfig(advantage_estimator="gae"), True),
+    ):
+        console = Console()
+        health = HealthConfig(zero_var_steps=2)
+        run = SimpleNamespace(train=TrainConfig(no_signal_steps=2), health=health,
+                              teacher=teacher, grpo=grpo)  # fmt: skip
+        rep = Reporter(run, SimpleNamespace(progress=console))
+        fired = []
+        for step in (1, 2, 3):
+            rep._rollout_alarms(step, SimpleNamespace(metrics=m))
+            fired += [a.name for a in rep.alarms.check(step, m)]
+        assert (console.said == [] and fired == []) == quiet, (console.said, fired)
 
 
 def test_too_long_text_is_unscored(qwen2_rm, caplog):
