@@ -28,11 +28,13 @@ def needs(run, cfg, mesh_shape, *, learned_bytes: int = 0) -> dict[str, memory.P
 def model_flops(run, cfg, chips: int) -> dict[str, float]:
     """Per chip, the FLOPs a step needs by the model alone (6 per parameter and trained
     token, 2 per parameter and scored token, the LM head on completions only, each prompt
-    once per group; attention's scores left out): what an MFU counts as useful."""
+    once per group; attention's scores left out): what an MFU counts as useful. A mixture
+    of experts counts the parameters a token computes with (``ModelConfig.active_params``:
+    K of each sparse layer's E experts)."""
     sh_tokens_prompt = run.train.batch_size * max(run.sampling.prompt_buckets)
     N, T = run.train.batch_size * run.grpo.G, run.sampling.max_new_tokens
     embed = cfg.vocab_size * cfg.hidden_size
-    body = cfg.num_params - embed * (1 if cfg.tie_embeddings else 2)
+    body = cfg.active_params - embed * (1 if cfg.tie_embeddings else 2)
     tokens = sh_tokens_prompt + N * T
     train = run.grpo.mu * (6 * body * tokens + 6 * embed * N * T)
     passes = (run.grpo.beta > 0) + (run.grpo.old_logps == "recompute") + run.train.track_update

@@ -339,6 +339,14 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else D * self.vocab_size
         return self.vocab_size * D + self.num_layers * (attn + norms) + mlps + D + head
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: :attr:`num_params` less the experts its
+        router did not choose (E - K of each sparse layer's E); the router counts whole."""
+        idle = self.num_experts - self.experts_per_token
+        expert = 3 * self.hidden_size * self.expert_mlp_dim
+        return self.num_params - len(self.sparse_layers) * max(idle, 0) * expert
+
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

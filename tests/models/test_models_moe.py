@@ -223,3 +223,20 @@ def test_lora_adapts_attention_and_the_dense_layers_not_the_experts():
     assert adapted == attention | {f"layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")}
     logits = nnx.jit(lambda m, t: m(t))(model, jnp.arange(10).reshape(2, 5))
     assert logits.shape == (2, 5, 50) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_active_params_count_the_experts_a_token_computes_with():
+    """The pod plan's useful FLOPs (``aot.budget.model_flops``) count K of each sparse layer's
+    E experts: the parameters a token computes with."""
+    base = dict(
+        vocab_size=50, hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8,
+        mlp_dim=16, moe_mlp_dim=8, num_experts=4, experts_per_token=2,
+    )  # fmt: skip
+    cfg = family_config("qwen3_moe", **base, mlp_only_layers=(1,))
+    assert cfg.sparse_layers == (0, 2)
+    # 2 sparse layers x (4 - 2) idle experts x 3 projections of 16 x 8 each
+    assert cfg.num_params - cfg.active_params == 2 * 2 * 3 * 16 * 8
+    every = family_config("qwen3_moe", **{**base, "experts_per_token": 4})
+    assert every.active_params == every.num_params
+    dense = family_config("qwen3", **{k: v for k, v in base.items() if "expert" not in k})
+    assert dense.active_params == dense.num_params
