@@ -915,6 +915,11 @@ def jit_update(
 # The first step: the update compiled while the sampler compiles and runs.
 
 
+def persistent_cache_on() -> bool:
+    """Whether JAX's persistent compilation cache is on (its directory set and enabled)."""
+    return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
+
+
 def _signature(args):
     leaves, treedef = jax.tree.flatten(args)
     return treedef, [(x.shape, x.dtype, x.sharding) for x in leaves]
@@ -945,6 +950,13 @@ class CompiledAhead:
         self._signature = _signature(args)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
         self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
+        if persistent_cache_on():
+            # With JAX's persistent compilation cache, the compiled update is serialized
+            # into it, and an executable serialized in this thread while the caller's
+            # thread compiled crashed XLA:CPU (a segfault in the test suite, which runs
+            # with the cache on). The compilation then overlaps nothing: a relaunch reads
+            # both programs from the cache instead.
+            concurrent.futures.wait([self._future])
 
     def __enter__(self):
         return self

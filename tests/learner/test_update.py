@@ -301,3 +301,34 @@ def test_share_prompts_gives_the_same_update(setup):
             ("train/loss", "train/kl", "train/entropy", "policy/kl_old_new"),
             params_atol=3e-5,
         )
+
+
+def test_with_the_persistent_cache_the_update_compiles_before_the_caller_goes_on(monkeypatch):
+    """An executable serialized into JAX's persistent cache in the compile-ahead thread while
+    the caller's thread compiled crashed XLA:CPU: with the cache on, CompiledAhead waits for
+    its compilation before it returns; without, it compiles in the background."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def lower(self, *args):
+            started.set()
+            release.wait(5)
+            return self
+
+        def compile(self):
+            return lambda *args: "compiled"
+
+    monkeypatch.setattr(upd, "persistent_cache_on", lambda: False)
+    ahead = upd.CompiledAhead(Slow(), jnp.zeros(2))
+    assert started.wait(5) and not ahead._future.done()  # compiling beside the caller
+    release.set()
+    ahead.close()
+    started.clear()
+    release.clear()
+    monkeypatch.setattr(upd, "persistent_cache_on", lambda: True)
+    threading.Timer(0.2, release.set).start()  # the compilation ends only then
+    ahead = upd.CompiledAhead(Slow(), jnp.zeros(2))
+    assert ahead._future.done() and ahead(jnp.zeros(2)) == "compiled"
+    ahead.close()
