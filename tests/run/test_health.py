@@ -274,10 +274,13 @@ def test_the_command_exits_4_on_an_alarm_stop_and_on_its_rerun(tmp_path):
 def _reporter(health_state=None, **health):
     from types import SimpleNamespace
 
-    from grpo_jax.run.config import TrainConfig
+    from grpo_jax.run.config import GRPOConfig, TeacherConfig, TrainConfig
     from grpo_jax.run.report import Reporter
 
-    run = SimpleNamespace(train=TrainConfig(), health=HealthConfig(**health))
+    run = SimpleNamespace(
+        train=TrainConfig(), health=HealthConfig(**health), teacher=TeacherConfig(),
+        grpo=GRPOConfig(),
+    )  # fmt: skip
     rep = Reporter(run, SimpleNamespace())
     if health_state is not None:
         rep.alarms.load_state_dict(health_state)

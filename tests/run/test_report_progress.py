@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 from helpers_config import Console
 
-from grpo_jax.run.config import HealthConfig, TrainConfig
+from grpo_jax.run.config import GRPOConfig, HealthConfig, TeacherConfig, TrainConfig
 from grpo_jax.run.report import PULSE_S, PulsedProgress, Reporter
+
+_SECTIONS = dict(teacher=TeacherConfig(), grpo=GRPOConfig())  # what Reporter reads besides
 
 
 def _pulses():
@@ -54,7 +56,7 @@ def test_the_reporter_says_the_first_step_compiles_first():
     console = Console()
     said = console.said
     records = SimpleNamespace(progress=console)
-    run = SimpleNamespace(train=TrainConfig(steps=5), health=HealthConfig())
+    run = SimpleNamespace(train=TrainConfig(steps=5), health=HealthConfig(), **_SECTIONS)
     Reporter(run, records).begin(2)
     assert said == ["GRPO from step 3: compiling the sampler and the update first"]
     Reporter(run, records).begin(5)  # nothing left to run: nothing to say
@@ -64,7 +66,7 @@ def test_the_reporter_says_the_first_step_compiles_first():
 def test_a_loud_warning_shows_once_on_a_console_and_is_logged_where_there_is_none(caplog):
     from grpo_jax.run.writers import ProgressLine
 
-    run = SimpleNamespace(train=TrainConfig(steps=0), health=HealthConfig())
+    run = SimpleNamespace(train=TrainConfig(steps=0), health=HealthConfig(), **_SECTIONS)
     for enabled in (True, False):
         out = io.StringIO()
         records = SimpleNamespace(progress=ProgressLine(3, stream=out, enabled=enabled))

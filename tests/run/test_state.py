@@ -18,7 +18,7 @@ from grpo_jax.learner import optimizer as optim_lib
 from grpo_jax.rollout.scorer import Scorer
 from grpo_jax.rollout.sources import InFlight
 from grpo_jax.rollout.staleness import Staleness
-from grpo_jax.run.config import HealthConfig, TrainConfig
+from grpo_jax.run.config import HealthConfig, TeacherConfig, TrainConfig
 from grpo_jax.run.report import Reporter
 from grpo_jax.run.schedule import Schedule
 from grpo_jax.run.state import RunState, saved_state
@@ -60,7 +60,8 @@ def _run_state(mesh, *, max_staleness=0, source=None):
         health=HealthConfig(),
         eval=SimpleNamespace(every=0),
         checkpoint=SimpleNamespace(every=0),
-        grpo=SimpleNamespace(mu=1),
+        grpo=SimpleNamespace(mu=1, advantage_estimator="grpo"),
+        teacher=TeacherConfig(),
     )
     params = {"w": jax.numpy.ones((2, 2))}
     tx, _ = optim_lib.make_optimizer(optim_lib.OptimConfig(), 10)
