@@ -949,14 +949,19 @@ class CompiledAhead:
         self._jitted = jitted
         self._signature = _signature(args)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
-        self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
         if persistent_cache_on():
             # With JAX's persistent compilation cache, the compiled update is serialized
-            # into it, and an executable serialized in this thread while the caller's
-            # thread compiled crashed XLA:CPU (a segfault in the test suite, which runs
-            # with the cache on). The compilation then overlaps nothing: a relaunch reads
-            # both programs from the cache instead.
-            concurrent.futures.wait([self._future])
+            # into it; serialized in this background thread, it crashed XLA:CPU (segfaults
+            # in the test suite, which runs with the cache on, also while the caller only
+            # waited). The update then compiles in the caller's thread, overlapping nothing:
+            # a relaunch reads both programs from the cache instead.
+            self._future = concurrent.futures.Future()
+            try:
+                self._future.set_result(jitted.lower(*args).compile())
+            except Exception as e:  # noqa: BLE001 - the jitted call raises it with context
+                self._future.set_exception(e)
+        else:
+            self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
 
     def __enter__(self):
         return self

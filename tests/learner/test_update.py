@@ -304,15 +304,18 @@ def test_share_prompts_gives_the_same_update(setup):
 
 
 def test_with_the_persistent_cache_the_update_compiles_before_the_caller_goes_on(monkeypatch):
-    """An executable serialized into JAX's persistent cache in the compile-ahead thread while
-    the caller's thread compiled crashed XLA:CPU: with the cache on, CompiledAhead waits for
-    its compilation before it returns; without, it compiles in the background."""
+    """An executable serialized into JAX's persistent cache in the compile-ahead thread crashed
+    XLA:CPU: with the cache on, CompiledAhead compiles in the caller's thread before it
+    returns; without, in the background."""
     import threading
 
     started, release = threading.Event(), threading.Event()
 
+    threads = []
+
     class Slow:
         def lower(self, *args):
+            threads.append(threading.current_thread())
             started.set()
             release.wait(5)
             return self
@@ -331,4 +334,5 @@ def test_with_the_persistent_cache_the_update_compiles_before_the_caller_goes_on
     threading.Timer(0.2, release.set).start()  # the compilation ends only then
     ahead = upd.CompiledAhead(Slow(), jnp.zeros(2))
     assert ahead._future.done() and ahead(jnp.zeros(2)) == "compiled"
+    assert threads[0] is not threading.current_thread() is threads[1]
     ahead.close()
