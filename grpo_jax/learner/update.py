@@ -948,7 +948,7 @@ class CompiledAhead:
 
         self._jitted = jitted
         self._signature = _signature(args)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
+        self._pool = None  # the compile-ahead thread, when there is one
         if persistent_cache_on():
             # With JAX's persistent compilation cache, the compiled update is serialized
             # into it; serialized in this background thread, it crashed XLA:CPU (segfaults
@@ -961,6 +961,9 @@ class CompiledAhead:
             except Exception as e:  # noqa: BLE001 - the jitted call raises it with context
                 self._future.set_exception(e)
         else:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="compile-update"
+            )
             self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
 
     def __enter__(self):
@@ -971,7 +974,8 @@ class CompiledAhead:
 
     def close(self) -> None:
         """Waits for the compilation (its error, if any, is the jitted call's to raise)."""
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def __call__(self, *args):
         if _signature(args) == self._signature:
