@@ -214,7 +214,37 @@ def run_python(
     _check("max_output_bytes", max_output_bytes, lo=1)
     kernel = sandbox_mode(sandbox) == "kernel"
     run_uid = _run_uid() if os.geteuid() == 0 else None
-    limits = {
+    limits = _limits(kernel, run_uid, timeout_s, memory_mb, max_file_mb, max_processes)
+    workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
+    try:
+        _fill_workdir(workdir, code, files or {}, limits["uid"])
+        inside = bubblewrap.WORKDIR if kernel else workdir
+        boot = [sys.executable, "-I", "-X", "utf8", "-c", pathlib.Path(_BOOT).read_text()]
+        boot += [inside, os.path.join(inside, "main.py"), json.dumps(limits)]
+        args = (_child_env(inside), workdir, stdin, timeout_s, int(max_output_bytes), run_uid)
+        if not kernel:
+            return _run([*_unshare_prefix(), *boot], *args)
+        # bwrap reads the seccomp filter from a pipe (a few hundred bytes: no blocking).
+        filter_r, filter_w = os.pipe()
+        try:
+            os.write(filter_w, seccomp.filter_program())
+            os.close(filter_w)
+            filter_w = -1
+            cmd = [*bubblewrap.command(workdir, filter_r), *boot]
+            return _run(cmd, *args, extra_fds=(filter_r,))
+        finally:
+            for fd in (filter_r, filter_w):
+                if fd >= 0:
+                    os.close(fd)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        with _uids_lock:
+            _uids_in_use.discard(run_uid)
+
+
+def _limits(kernel, run_uid, timeout_s, memory_mb, max_file_mb, max_processes) -> dict:
+    """What the boot script applies in the child before the code runs."""
+    return {
         "cpu_s": math.ceil(timeout_s) + 1,
         "memory_bytes": int(memory_mb) * 2**20,
         "file_bytes": int(max_file_mb) * 2**20,
@@ -224,62 +254,38 @@ def run_python(
         # Under bwrap the whole installation is readable by the run's user.
         "preload": not kernel,
     }
-    workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
-    try:
-        os.chmod(workdir, 0o700)
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        for name, text in (files or {}).items():
-            target = os.path.realpath(os.path.join(workdir, name))
-            if not target.startswith(os.path.realpath(workdir) + os.sep):
-                raise ValueError(f"run_python: file name {name!r} leaves the sandbox directory")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "w", encoding="utf-8") as f:
-                f.write(text)
-        if os.geteuid() == 0:  # the run's user owns its directory (a root trainer's run)
-            for parent, dirs, names in os.walk(workdir):
-                for name in [parent, *(os.path.join(parent, n) for n in dirs + names)]:
-                    os.chown(name, limits["uid"], limits["uid"])
-        inside = bubblewrap.WORKDIR if kernel else workdir
-        boot = [sys.executable, "-I", "-X", "utf8", "-c", pathlib.Path(_BOOT).read_text()]
-        boot += [inside, os.path.join(inside, "main.py"), json.dumps(limits)]
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": inside,
-            "TMPDIR": inside,
-            "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-        }
-        if not kernel:
-            cmd = [*_unshare_prefix(), *boot]
-            return _run(cmd, env, workdir, stdin, timeout_s, int(max_output_bytes), run_uid)
-        # bwrap reads the seccomp filter from a pipe (a few hundred bytes: no blocking).
-        filter_r, filter_w = os.pipe()
-        try:
-            os.write(filter_w, seccomp.filter_program())
-            os.close(filter_w)
-            filter_w = -1
-            cmd = [*bubblewrap.command(workdir, filter_r), *boot]
-            return _run(
-                cmd,
-                env,
-                workdir,
-                stdin,
-                timeout_s,
-                int(max_output_bytes),
-                run_uid,
-                extra_fds=(filter_r,),
-            )
-        finally:
-            for fd in (filter_r, filter_w):
-                if fd >= 0:
-                    os.close(fd)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        with _uids_lock:
-            _uids_in_use.discard(run_uid)
+
+
+def _fill_workdir(workdir: str, code: str, files: dict[str, str], uid: int) -> None:
+    """``main.py`` and the extra files, inside ``workdir`` only; owned by the run's user
+    when the trainer is root."""
+    os.chmod(workdir, 0o700)
+    with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+        f.write(code)
+    for name, text in files.items():
+        target = os.path.realpath(os.path.join(workdir, name))
+        if not target.startswith(os.path.realpath(workdir) + os.sep):
+            raise ValueError(f"run_python: file name {name!r} leaves the sandbox directory")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+    if os.geteuid() == 0:  # the run's user owns its directory (a root trainer's run)
+        for parent, dirs, names in os.walk(workdir):
+            for name in [parent, *(os.path.join(parent, n) for n in dirs + names)]:
+                os.chown(name, uid, uid)
+
+
+def _child_env(inside: str) -> dict[str, str]:
+    """The child's whole environment: nothing of the trainer's is passed on."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": inside,
+        "TMPDIR": inside,
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+    }
 
 
 def _strays(session: int, uid: int | None) -> list[int]:
