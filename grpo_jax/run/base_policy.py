@@ -60,15 +60,7 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
     if not ws.enabled:
         return init_params, None
     fp, legacy_fp = warm_start_fingerprints(run)
-    cached = None
-    if ws.cache:
-        try:
-            cached = warm_start.load_cached(
-                workdir, init_params, (fp, legacy_fp), say=progress.message
-            )
-        except CheckpointError as e:  # damaged: kept aside, and the warm start trains again
-            aside = warm_start.set_cache_aside(workdir)
-            progress.message(f"{e}; set aside in {aside}, training the warm start again")
+    cached = _cached_warm_start(s, init_params, (fp, legacy_fp)) if ws.cache else None
     if cached is not None:
         params, info = cached
         progress.message(
@@ -78,7 +70,44 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         return params, dict(info, cached=True)
     val_examples = s.data.train_examples[-ws.val_problems :]
     sft_examples = s.data.train_examples[: -ws.val_problems]
+    _announce_warm_start(progress, ws)
+    params, info = warm_start.warm_start(
+        s.policy.graphdef,
+        init_params,
+        sft_examples,
+        val_examples,
+        cfg=ws,
+        encoder=s.rollouts.encoder,
+        max_new_tokens=run.sampling.max_new_tokens,
+        validate=_validator(run, val_examples, evaluate),
+        seed=run.seed,
+        mesh=s.placement.mesh,
+        param_shardings=s.placement.param_shardings,
+        log_fn=_warm_start_logger(workdir, progress),
+        should_stop=lambda: preempt.requested,
+    )
+    info["fingerprint"] = fp
+    if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
+        warm_start.save_cache(workdir, params, info)
+    return params, dict(info, cached=False)
 
+
+def _cached_warm_start(s: Setup, init_params, fingerprints):
+    """(params, info) from the workdir's warm-start cache, or None. A damaged cache is set
+    aside, and the warm start trains again."""
+    workdir, progress = s.records.workdir, s.records.progress
+    try:
+        return warm_start.load_cached(workdir, init_params, fingerprints, say=progress.message)
+    except CheckpointError as e:
+        aside = warm_start.set_cache_aside(workdir)
+        progress.message(f"{e}; set aside in {aside}, training the warm start again")
+        return None
+
+
+def _validator(run, val_examples, evaluate):
+    """The warm start's validation: greedy pass@1, and sampled pass@1 when that is the
+    metric it stops on."""
+    ws = run.warm_start
     val_cfg = dataclasses.replace(
         run.eval,
         num_samples=ws.val_samples if ws.metric == "sampled" else 0,
@@ -93,9 +122,15 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
             vals["sampled"] = out["v/sampled_pass_at_1"]
         return vals
 
+    return validate
+
+
+def _warm_start_logger(workdir, progress):
+    """log_fn(step, metrics): a line of ``warm_start/metrics.jsonl`` (process 0; an earlier,
+    unfinished warm start's records set aside first) and one of progress."""
     sft_log = workdir / "warm_start" / "metrics.jsonl"
     if jax.process_index() == 0:
-        workdir_lib.set_aside(sft_log)  # an earlier, unfinished warm start's records
+        workdir_lib.set_aside(sft_log)
 
     def log_fn(step, m):
         if jax.process_index() == 0:
@@ -111,6 +146,10 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
             + f" ({m['sft/seconds']:.0f}s)"
         )
 
+    return log_fn
+
+
+def _announce_warm_start(progress, ws) -> None:
     progress.message(
         (
             f"warm start: {ws.max_steps} steps of supervised training"
@@ -120,25 +159,6 @@ def base_policy(s: Setup, init_params, *, evaluate, preempt):
         )
         + f"; a line every {ws.eval_every} steps, the first after compiling"
     )
-    params, info = warm_start.warm_start(
-        s.policy.graphdef,
-        init_params,
-        sft_examples,
-        val_examples,
-        cfg=ws,
-        encoder=s.rollouts.encoder,
-        max_new_tokens=run.sampling.max_new_tokens,
-        validate=validate,
-        seed=run.seed,
-        mesh=s.placement.mesh,
-        param_shardings=s.placement.param_shardings,
-        log_fn=log_fn,
-        should_stop=lambda: preempt.requested,
-    )
-    info["fingerprint"] = fp
-    if ws.cache and not info["interrupted"]:  # every process joins the multi-host save
-        warm_start.save_cache(workdir, params, info)
-    return params, dict(info, cached=False)
 
 
 def lora_base_policy(s: Setup, state, *, evaluate, preempt):
