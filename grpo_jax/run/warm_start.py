@@ -332,13 +332,8 @@ def warm_start(
             interrupted = True
             break
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            vals = {k: float(v) for k, v in validate(state.params).items()}
-            val = vals[cfg.metric]
+            val, m = _validation(validate, state.params, metrics, cfg.metric, t0)
             history.append((step, val))
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            m["sft/val_pass_at_1"] = val
-            m.update({f"sft/val_{k}_pass_at_1": v for k, v in vals.items()})
-            m["sft/seconds"] = time.perf_counter() - t0
             if log_fn is not None:
                 log_fn(step, m)
             if val >= cfg.target_pass_at_1 and step >= cfg.min_steps:
@@ -364,3 +359,13 @@ def warm_start(
         )
     out = jax.device_put(state.params, param_shardings)
     return out, info
+
+
+def _validation(validate, params, metrics, metric: str, t0: float):
+    """(the validation pass@1 the warm start stops on, the metrics line of this step)."""
+    vals = {k: float(v) for k, v in validate(params).items()}
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m["sft/val_pass_at_1"] = vals[metric]
+    m.update({f"sft/val_{k}_pass_at_1": v for k, v in vals.items()})
+    m["sft/seconds"] = time.perf_counter() - t0
+    return vals[metric], m
