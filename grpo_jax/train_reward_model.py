@@ -354,10 +354,7 @@ def train_reward_model(
     buckets = _check_buckets(buckets)
     pairs = load_pairs(pairs_path, split=split, data_dir=data_dir, fields=fields)
     train, heldout = split_pairs(pairs, heldout_frac, seed)
-    devices = jax.devices()
-    if num_devices > len(devices) or num_devices < 0:
-        raise ValueError(f"--num_devices={num_devices}, but {len(devices)} devices are available")
-    mesh = sharding.make_mesh({"fsdp": -1}, devices[: num_devices or None])
+    mesh = _mesh(num_devices)
     _check_split(batch_size, mesh)
     model, tok = initial_model(init, tokenizer, seed)
     check_pairs(pairs, tok, model, buckets)
@@ -398,9 +395,22 @@ def train_reward_model(
         "last_loss": history[-1]["loss"],
         "skipped_updates": sum(not h["finite"] for h in history),
     }
+    _write_summary(out, summary)
+    return summary
+
+
+def _mesh(num_devices: int):
+    """The training mesh: fsdp over the first ``num_devices`` devices (0: all of them)."""
+    devices = jax.devices()
+    if num_devices > len(devices) or num_devices < 0:
+        raise ValueError(f"--num_devices={num_devices}, but {len(devices)} devices are available")
+    return sharding.make_mesh({"fsdp": -1}, devices[: num_devices or None])
+
+
+def _write_summary(out, summary: dict) -> None:
+    """reward_model.json, then the directory's checksums, which cover it too."""
     (pathlib.Path(out) / "reward_model.json").write_text(json.dumps(summary, indent=2) + "\n")
     integrity.write_sums(out, [*integrity.sums_names(out), "reward_model.json"])
-    return summary
 
 
 def main(argv):
