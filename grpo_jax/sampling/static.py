@@ -266,15 +266,19 @@ def _prefill(
             c, cache_shardings(c, mesh, model.layout)
         )
     record = _records_routes(model, cfg)
-    x_BxPxD, cache, routes_BxPxRxK = model.features_with_cache(
-        tokens_BxP,
+    inputs = dict(
         positions_BxT=positions_BxP,
         kv_mask_BxS=kv_mask_BxS,
         cache=constrain_cache(model.init_cache(b, s)),
         cache_index=0,  # static: the splash kernel serves the prefill
-        routes_out=True,
     )
-    logits_Bx1xV = model.logits(x_BxPxD[:, -1:])  # a prefill needs the last logits only
+    if record:
+        x_BxPxD, cache, routes_BxPxRxK = model.features_with_cache(
+            tokens_BxP, routes_out=True, **inputs
+        )
+        logits_Bx1xV = model.logits(x_BxPxD[:, -1:])  # a prefill needs the last logits only
+    else:
+        logits_Bx1xV, cache = model.forward_with_cache(tokens_BxP, last_only=True, **inputs)
     # Left padding puts every row's last prompt token in column P-1.
     last_NxV = repeat_rows(logits_Bx1xV[:, 0], g)
     if g > 1:
@@ -314,7 +318,7 @@ def _prefill(
 
 def _records_routes(model, cfg: SamplingConfig) -> bool:
     """Whether the sampler records routes: asked to, and the model is a mixture of experts."""
-    return cfg.record_routes and bool(model.config.num_experts)
+    return cfg.record_routes and bool(getattr(getattr(model, "config", None), "num_experts", 0))
 
 
 def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_impl):
@@ -332,15 +336,19 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
         kv_mask_NxS = jax.lax.dynamic_update_slice(
             st.kv_mask_NxS, jnp.ones((n, 1), jnp.bool_), (jnp.zeros((), jnp.int32), slot)
         )
-        x_Nx1xD, cache, used_Nx1xRxK = model.features_with_cache(
-            st.last_tokens_N[:, None],
+        inputs = dict(
             positions_BxT=(st.prompt_lengths_N + st.step - 1)[:, None],
             kv_mask_BxS=kv_mask_NxS,
             cache=st.cache,
             cache_index=slot,
-            routes_out=True,
         )
-        logits_Nx1xV = model.logits(x_Nx1xD)
+        if st.routes_NxSxRxK is None:
+            logits_Nx1xV, cache = model.forward_with_cache(st.last_tokens_N[:, None], **inputs)
+        else:
+            x_Nx1xD, cache, used_Nx1xRxK = model.features_with_cache(
+                st.last_tokens_N[:, None], routes_out=True, **inputs
+            )
+            logits_Nx1xV = model.logits(x_Nx1xD)
         key, sub = split_key(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn = sample_with(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
@@ -492,7 +500,7 @@ def generate(
         key = distributed.put(
             key, sharding_lib.batch_sharding(mesh, 1) if row_keys else sharding_lib.replicated(mesh)
         )
-    routes = cfg.record_routes and bool(nnx.merge(graphdef, params).config.num_experts)
+    routes = cfg.record_routes and _records_routes(nnx.merge(graphdef, params), cfg)
     prefill, decode = _compiled(
         graphdef, cfg, num_samples, mesh, jax.random.key_impl(key), bool(row_keys), routes
     )
