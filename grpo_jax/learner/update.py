@@ -300,6 +300,8 @@ def _replay_metrics(plan: _Plan, params, batch: RolloutBatch) -> dict:
         chunk_size=plan.logits_chunk,
         group_size=plan.g_full,
     )
+    if own_NxTxRxK is None:  # one completion token, never fed by a pass that runs prompts once
+        return {}
     return replay_metrics(
         batch.routes_NxSxRxK,
         own_NxTxRxK,

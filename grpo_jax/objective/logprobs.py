@@ -63,6 +63,8 @@ def completion_features(
     if group_size <= 1:
         full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
         full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1)
+        if routes is None and not routes_out:  # any model with ``features``, as before replay
+            return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
         x_NxLxD, used = model.routed_features(full_NxL, mask_BxT=full_mask_NxL, routes=routes)
         h_NxTxD = x_NxLxD[:, p - 1 : p + t - 1]
         return (h_NxTxD, None if used is None else used[:, p:]) if routes_out else h_NxTxD
@@ -72,13 +74,14 @@ def completion_features(
     prompt_BxP, pmask_BxP = first(prompt_tokens_NxP).astype(jnp.int32), first(prompt_mask_NxP)
     positions_BxP = positions_from_mask(pmask_BxP)
     kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
+    replay = {} if routes is None else {"routes": first(routes[:, :p])}
     x_BxPxD, cache = model.features_with_cache(
         prompt_BxP,
         positions_BxT=positions_BxP,
         kv_mask_BxS=kv_mask_BxS,
         cache=model.init_cache(b, p + t),
         cache_index=0,
-        routes=None if routes is None else first(routes[:, :p]),
+        **replay,
     )
     h0_Nx1xD = repeat(x_BxPxD[:, -1:])  # the last prompt token predicts completion token 0
     if t == 1:
@@ -87,18 +90,20 @@ def completion_features(
     # Completion tokens 0..T-2 are fed at slots P..P+T-2 (token T-1 predicts nothing).
     prompt_len_N = prompt_mask_NxP.sum(axis=1, dtype=jnp.int32)
     positions_NxT = prompt_len_N[:, None] + jnp.cumsum(mask_NxT, axis=1, dtype=jnp.int32) - 1
-    x_NxTmxD, _, used = model.features_with_cache(
+    replay = {} if routes is None else {"routes": routes[:, p : p + t - 1]}
+    out = model.features_with_cache(
         tokens_NxT[:, :-1].astype(jnp.int32),
         positions_BxT=positions_NxT[:, :-1],
         kv_mask_BxS=jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1),
         cache=cache,
         cache_index=p,
-        routes_out=True,
-        routes=None if routes is None else routes[:, p : p + t - 1],
+        **replay,
+        **({"routes_out": True} if routes_out else {}),
     )
-    h_NxTxD = jnp.concatenate([h0_Nx1xD, x_NxTmxD], axis=1)
+    h_NxTxD = jnp.concatenate([h0_Nx1xD, out[0]], axis=1)
     if not routes_out:
         return h_NxTxD
+    used = out[2]
     if used is not None:
         used = jnp.pad(used, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=-1)
     return h_NxTxD, used
