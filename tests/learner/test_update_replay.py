@@ -188,3 +188,30 @@ def test_the_batch_spec_carries_routes_only_with_replay(one_device_mesh):
     spec = batch_spec(sh, 4, 3, 2, routes=(2, 4, jnp.int8))
     assert spec.routes_NxSxRxK.shape == (4, 5, 2, 4) and spec.routes_NxSxRxK.dtype == jnp.int8
     assert moe_lib.routes_dtype(127) == jnp.int8 and moe_lib.routes_dtype(128) == jnp.int16
+
+
+def test_dynamic_sampling_widens_a_narrower_rounds_routes_like_its_prompts(one_device_mesh):
+    """Rounds of prompts 2 and 3 wide: the kept groups' rows are gathered into one batch 3
+    wide, the narrower round's prompts left-padded, and its routes [N, P + T, R, K] too, with
+    -1 (no route), so that every position keeps its own experts."""
+    from grpo_jax.rollout import rounds
+
+    def out(p, base):  # one group of G = 2 rows, T = 2; routes' ids = base + position
+        n, t = 2, 2
+        routes = (base + np.arange(p + t)).reshape(1, p + t, 1, 1).repeat(n, 0).astype(np.int8)
+        return (
+            np.full((n, p), base, np.int32), np.ones((n, p), bool), np.zeros((n, t), np.int32),
+            np.ones((n, t), bool), np.zeros((n, t), np.float32), np.zeros((n, t), np.float32),
+            routes,
+        )  # fmt: skip
+
+    with jax.set_mesh(one_device_mesh):
+        taken = rounds._assemble(
+            [out(2, 10), out(3, 20)], jnp.asarray([1, 0]), group_size=2, pad_id=0,
+            mesh=one_device_mesh,
+        )  # fmt: skip
+    prompts, pmask, routes = (np.asarray(taken[i]) for i in (0, 1, 6))
+    assert routes.shape == (4, 5, 1, 1)
+    assert prompts[:, 0].tolist() == [20, 20, 0, 0] and not pmask[2:, 0].any()
+    assert routes[0, :, 0, 0].tolist() == [20, 21, 22, 23, 24]
+    assert routes[2, :, 0, 0].tolist() == [-1, 10, 11, 12, 13]
