@@ -323,11 +323,12 @@ def replay_metrics(routes_NxSxRxK, own_NxTxRxK, own_NxT, old_NxT, mask_NxT, *, n
     nan_if_none = lambda x: jnp.where(tokens > 0, x, jnp.nan)
     per = lambda x: nan_if_none(x / jnp.maximum(tokens, 1))
     r = own_NxTxRxK.shape[2]
-    picks_RxE = jnp.einsum(
-        "ntrke,nt->re",
-        jax.nn.one_hot(recorded_NxTxRxK, num_experts, dtype=jnp.float32),
-        valid_NxT.astype(jnp.float32),
-    )
+    # Each layer's picks per expert, scattered (a one-hot would be [N, T, R, K, E]); the
+    # tokens that do not count go to a last, dropped column.
+    ids_NxTxRxK = jnp.where(valid_NxT[..., None, None], recorded_NxTxRxK, num_experts)
+    layer_NxTxRxK = jnp.broadcast_to(jnp.arange(r)[:, None], ids_NxTxRxK.shape)
+    picks_RxE = jnp.zeros((r, num_experts + 1), jnp.float32)
+    picks_RxE = picks_RxE.at[layer_NxTxRxK, ids_NxTxRxK].add(1.0)[:, :num_experts]
     mean_R = picks_RxE.sum(-1) / num_experts
     imbalance = jnp.max(picks_RxE.max(-1) / jnp.maximum(mean_R, 1e-9))
     return {
