@@ -31,6 +31,7 @@ from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models.partitioning import cache_shardings, param_shardings
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.objective.logprobs import completion_logps
+from grpo_jax.run.builders import route_spec
 from grpo_jax.sampling import paged, paged_pool
 from grpo_jax.sampling import static as static_sampler
 
@@ -91,13 +92,14 @@ class Builder:
         self.B, self.G = run.train.batch_size, run.grpo.G
         self.N = self.B * self.G
         self.P, self.T = max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
-        self.bsh = batch_lib.rollout_batch_shardings(self.mesh)
+        self.routes = route_spec(run, self.cfg)  # routing replay's recorded routes, or None
+        self.bsh = batch_lib.rollout_batch_shardings(self.mesh, routes=self.routes is not None)
 
     def key(self):
         return _sds((), self.key_dtype, self.rep)
 
     def batch(self):
-        return batch_lib.batch_spec(self.bsh, self.N, self.P, self.T)
+        return batch_lib.batch_spec(self.bsh, self.N, self.P, self.T, routes=self.routes)
 
     def critic(self):
         """PPO's value head (``grpo_jax.learner.critic.init_head``), abstract; None without."""

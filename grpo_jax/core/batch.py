@@ -45,6 +45,10 @@ class RolloutBatch:
       weights_N: per-row weight of the row's tokens in the loss (1.0 for a
         real row, 0.0 for a row that only pads the batch to its static shape).
       group_ids_N: the global index of each row's prompt in the batch.
+      routes_NxSxRxK: with routing replay (``grpo.router_replay = "rollout"``), the
+        experts a mixture of experts' R sparse layers chose at each of the S = P + T
+        positions of [prompt | completion] as the sampler ran them, K each (int8, int16
+        past 127 experts; -1 where no token was fed); None otherwise (docs/moe.md).
     """
 
     prompt_tokens_NxP: jax.Array
@@ -57,6 +61,7 @@ class RolloutBatch:
     advantages_N: jax.Array
     weights_N: jax.Array
     group_ids_N: jax.Array
+    routes_NxSxRxK: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
@@ -78,19 +83,26 @@ class HostRollout:
     t_params_ready: float  # perf_counter() when the parameters were ready to sample from
 
 
-def rollout_batch_shardings(mesh) -> RolloutBatch:
-    """A RolloutBatch of shardings: every field's rows split over the batch axes."""
+def _ndim(name: str) -> int:
+    return 1 if name.endswith("_N") else 4 if name.endswith("xRxK") else 2
+
+
+def rollout_batch_shardings(mesh, routes: bool = False) -> RolloutBatch:
+    """A RolloutBatch of shardings: every field's rows split over the batch axes; the
+    routes' only with ``routes`` (routing replay), else None as the field is."""
     return RolloutBatch(
         **{
-            f.name: batch_sharding(mesh, 1 if f.name.endswith("_N") else 2)
+            f.name: batch_sharding(mesh, _ndim(f.name))
             for f in dataclasses.fields(RolloutBatch)
+            if routes or f.name != "routes_NxSxRxK"
         }
     )
 
 
-def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> RolloutBatch:
+def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int, routes=None) -> RolloutBatch:
     """The RolloutBatch the loop will hand the update, as ShapeDtypeStructs with shardings:
-    ``n`` rows, prompts padded to ``p`` tokens, completions of ``t``."""
+    ``n`` rows, prompts padded to ``p`` tokens, completions of ``t``; ``routes`` (R, K,
+    dtype) with routing replay: the routes' [n, p + t, R, K]."""
     dtypes = dict(
         prompt_tokens_NxP=jnp.int32,
         prompt_mask_NxP=jnp.bool_,
@@ -106,12 +118,16 @@ def batch_spec(batch_shardings: RolloutBatch, n: int, p: int, t: int) -> Rollout
     shape = lambda name: (
         (n, p) if name.endswith("NxP") else (n, t) if name.endswith("NxT") else (n,)
     )
-    return RolloutBatch(
-        **{
-            name: jax.ShapeDtypeStruct(shape(name), dt, sharding=getattr(batch_shardings, name))
-            for name, dt in dtypes.items()
-        }
-    )
+    spec = {
+        name: jax.ShapeDtypeStruct(shape(name), dt, sharding=getattr(batch_shardings, name))
+        for name, dt in dtypes.items()
+    }
+    if routes is not None:
+        r, k, dtype = routes
+        spec["routes_NxSxRxK"] = jax.ShapeDtypeStruct(
+            (n, p + t, r, k), dtype, sharding=batch_shardings.routes_NxSxRxK
+        )
+    return RolloutBatch(**spec)
 
 
 def jsonable(x):

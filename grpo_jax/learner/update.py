@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from grpo_jax.core import sharding
 from grpo_jax.core.batch import (  # noqa: F401 - the batch shardings lived here
@@ -30,6 +31,7 @@ from grpo_jax.core.batch import (  # noqa: F401 - the batch shardings lived here
 from grpo_jax.learner import critic, optimizer
 from grpo_jax.learner.optimizer import TrainState
 from grpo_jax.models import lora
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.objective import losses
 from grpo_jax.objective.config import GRPOConfig
 from grpo_jax.objective.distill import TeacherConfig, distill_advantages, distill_metrics
@@ -37,6 +39,7 @@ from grpo_jax.objective.logprobs import (
     PackedRows,
     completion_logps,
     completion_logps_and_entropy,
+    completion_logps_and_routes,
     completion_logps_and_teacher_kl,
     packed_logps_and_entropy,
     packed_member,
@@ -172,14 +175,27 @@ class _Plan:
         return self.base_graphdef is not None
 
     @property
+    def replay(self) -> bool:
+        """Routing replay (``grpo.router_replay = "rollout"``): the policy's passes use the
+        experts the sampler recorded (``RolloutBatch.routes_NxSxRxK``); the reference and
+        a teacher route by themselves."""
+        return self.objective.router_replay == "rollout"
+
+    def routes(self, b: RolloutBatch):
+        """The routes the policy's passes over ``b`` replay: the recorded ones, or None."""
+        return b.routes_NxSxRxK if self.replay else None
+
+    @property
     def use_critic(self) -> bool:
         """PPO with a value head (``grpo_jax.learner.critic``): ``state.critic``."""
         return self.objective.advantage_estimator == "gae"
 
-    def logps(self, params, b: RolloutBatch, group_size: int, gdef=None):
+    def logps(self, params, b: RolloutBatch, group_size: int, gdef=None, replay=False):
         """log pi of ``b``'s completion tokens under ``params`` (``gdef``, default the policy).
 
-        Packed, ``b`` is the whole batch, scored micro-batch by micro-batch of the plan
+        ``replay``: with routing replay on, under the rollout's routes (the policy's
+        passes; the reference's and a teacher's route by themselves). Packed, ``b`` is the
+        whole batch, scored micro-batch by micro-batch of the plan
         (:func:`_packed_batch_logps`), and tokens the loss does not see are 0.
         """
         if self.packs is not None:
@@ -194,6 +210,7 @@ class _Plan:
             self.objective.temperature,
             chunk_size=self.logits_chunk,
             group_size=group_size,
+            routes=self.routes(b) if replay else None,
         )
 
     def partition(self, params):
@@ -230,7 +247,7 @@ def _prepare_batch(
     objective = plan.objective
     mask_NxT = batch.mask_NxT.astype(jnp.float32)
     if old_logps == "recompute":
-        old_NxT = jax.lax.stop_gradient(plan.logps(state.params, batch, plan.g_micro))
+        old_NxT = jax.lax.stop_gradient(plan.logps(state.params, batch, plan.g_micro, replay=True))
         batch = batch.replace(old_logps_NxT=jnp.where(mask_NxT > 0, old_NxT, 0.0))
     behavior_w_NxT, behavior_metrics = losses.behavior_weights(
         batch.old_logps_NxT,
@@ -251,10 +268,77 @@ def _prepare_batch(
         ref_logps_NxT = jax.lax.stop_gradient(plan.logps(ref_params, batch, plan.g_full))
     distill_NxT, teacher_metrics = _teacher_term(plan, batch, teacher, ref_logps_NxT)
     metrics = behavior_metrics | teacher_metrics
+    if plan.replay:
+        metrics |= _replay_metrics(plan, state.params, batch)
     if plan.use_critic:  # a teacher with the critic is refused at start-up (run.config)
         tg, critic_metrics = _critic_targets(plan, state, batch)
         return (batch, ref_logps_NxT, behavior_w_NxT, tg), metrics | critic_metrics
     return (batch, ref_logps_NxT, behavior_w_NxT, distill_NxT), metrics
+
+
+def _replay_metrics(plan: _Plan, params, batch: RolloutBatch) -> dict:
+    """``moe/*``: how the policy's own routing, at the parameters the step starts from,
+    differs from the rollout's it replays (one forward pass without replay).
+
+    Over the loss mask's completion tokens whose routes both passes have (a row's last
+    token was never fed to the sampler): ``route_flip_frac``, the share of tokens whose
+    experts differ in some sparse layer; ``route_flip_layer_frac``, the share of (token,
+    sparse layer) pairs; ``abs_log_ratio_unreplayed``, the mean |log pi_own - log pi_old|,
+    what the first ratio's log would be without replay; ``expert_load_imbalance``, the
+    largest expert's share of the rollout's (token, expert) picks over the mean share
+    (1: even), the largest over the sparse layers. NaN when no token counts.
+    """
+    batch = jax.lax.stop_gradient(batch)
+    own_NxT, own_NxTxRxK = completion_logps_and_routes(
+        plan.graphdef,
+        params,
+        batch.prompt_tokens_NxP,
+        batch.prompt_mask_NxP,
+        batch.tokens_NxT,
+        batch.mask_NxT,
+        plan.objective.temperature,
+        chunk_size=plan.logits_chunk,
+        group_size=plan.g_full,
+    )
+    if own_NxTxRxK is None:  # one completion token, never fed by a pass that runs prompts once
+        return {}
+    return replay_metrics(
+        batch.routes_NxSxRxK,
+        own_NxTxRxK,
+        jax.lax.stop_gradient(own_NxT),
+        batch.old_logps_NxT,
+        _loss_mask(batch),
+        num_experts=nnx.merge(plan.graphdef, params).config.num_experts,
+    )
+
+
+def replay_metrics(routes_NxSxRxK, own_NxTxRxK, own_NxT, old_NxT, mask_NxT, *, num_experts):
+    """:func:`_replay_metrics`'s figures from the recorded routes [N, P + T, R, K], the
+    policy's own [N, T, R, K] and its log-probs under them, pi_old's and the loss mask."""
+    t = own_NxTxRxK.shape[1]
+    recorded_NxTxRxK = routes_NxSxRxK[:, -t:].astype(jnp.int32)
+    valid_NxT = (mask_NxT > 0) & (recorded_NxTxRxK[..., 0, 0] >= 0) & (own_NxTxRxK[..., 0, 0] >= 0)
+    flips_NxTxR = moe_lib.route_flips(own_NxTxRxK, recorded_NxTxRxK) & valid_NxT[..., None]
+    tokens = valid_NxT.sum()
+    nan_if_none = lambda x: jnp.where(tokens > 0, x, jnp.nan)
+    per = lambda x: nan_if_none(x / jnp.maximum(tokens, 1))
+    r = own_NxTxRxK.shape[2]
+    # Each layer's picks per expert, scattered (a one-hot would be [N, T, R, K, E]); the
+    # tokens that do not count go to a last, dropped column.
+    ids_NxTxRxK = jnp.where(valid_NxT[..., None, None], recorded_NxTxRxK, num_experts)
+    layer_NxTxRxK = jnp.broadcast_to(jnp.arange(r)[:, None], ids_NxTxRxK.shape)
+    picks_RxE = jnp.zeros((r, num_experts + 1), jnp.float32)
+    picks_RxE = picks_RxE.at[layer_NxTxRxK, ids_NxTxRxK].add(1.0)[:, :num_experts]
+    mean_R = picks_RxE.sum(-1) / num_experts
+    imbalance = jnp.max(picks_RxE.max(-1) / jnp.maximum(mean_R, 1e-9))
+    return {
+        "moe/route_flip_frac": per(flips_NxTxR.any(-1).sum()),
+        "moe/route_flip_layer_frac": per(flips_NxTxR.sum() / r),
+        "moe/abs_log_ratio_unreplayed": per(
+            jnp.where(valid_NxT, jnp.abs(own_NxT - old_NxT), 0).sum()
+        ),
+        "moe/expert_load_imbalance": nan_if_none(imbalance),
+    }
 
 
 def _teacher_model(plan: _Plan, state: TrainState, ref_params, teacher_params):
@@ -325,6 +409,7 @@ def _loss(plan: _Plan, params, mb):
         chunk_size=plan.logits_chunk,
         with_entropy=True,
         group_size=plan.g_micro,
+        routes=plan.routes(b),
     )
     return losses.grpo_loss(
         logps_NxT,
@@ -756,7 +841,7 @@ def _policy_movement(plan: _Plan, params, batch: RolloutBatch) -> dict:
 
     the mean of |log r_t| and the range of r_t, over the loss mask's tokens.
     """
-    new_NxT = jax.lax.stop_gradient(plan.logps(params, batch, plan.g_full))
+    new_NxT = jax.lax.stop_gradient(plan.logps(params, batch, plan.g_full, replay=True))
     mask_NxT = _loss_mask(batch).astype(jnp.float32)
     log_r_NxT = jnp.where(mask_NxT > 0, new_NxT - batch.old_logps_NxT, 0.0)
     denom = jnp.maximum(mask_NxT.sum(), 1.0)
@@ -767,6 +852,19 @@ def _policy_movement(plan: _Plan, params, batch: RolloutBatch) -> dict:
         "policy/ratio_min": jnp.min(jnp.where(mask_NxT > 0, jnp.exp(log_r_NxT), jnp.inf)),
         "policy/abs_log_ratio_mean": (jnp.abs(log_r_NxT) * mask_NxT).sum() / denom,
     }
+
+
+def _check_replay(plan: _Plan, batch: RolloutBatch, packs) -> None:
+    """Routing replay needs the batch's routes and the padded, critic-free loss whose passes
+    take them (the run's config refuses the rest: grpo_jax.run.config)."""
+    if batch.routes_NxSxRxK is None:
+        raise ValueError("grpo.router_replay = 'rollout' needs a batch with its routes")
+    full = plan.teacher is not None and plan.teacher.weight > 0 and plan.teacher.kl == "full"
+    if packs is not None or plan.use_critic or full:
+        raise ValueError(
+            "grpo.router_replay = 'rollout' does not combine with packed rows, a critic or "
+            "teacher.kl = 'full' yet"
+        )
 
 
 def update(
@@ -834,6 +932,8 @@ def update(
         teacher=teacher,
         teacher_graphdef=teacher_graphdef,
     )
+    if plan.replay:
+        _check_replay(plan, batch, packs)
     teacher_model = None
     if plan.teacher is not None:
         ref_params, teacher_params = ref_params
@@ -846,6 +946,9 @@ def update(
     skipped_before = state.skipped
     state, m_U = _passes(one_update, state, prepared, n // m, batch_shards, grpo.mu, packs)
     metrics = _reduce_metrics(m_U, state, skipped_before) | behavior_metrics
+    if plan.replay:  # the first update's ratio, at the parameters that scored pi_old
+        first = jnp.maximum(m_U["ratio_max"][0] - 1.0, 1.0 - m_U["ratio_min"][0])
+        metrics["moe/first_ratio_dev"] = first
     if track_update:
         metrics.update(_policy_movement(plan, state.params, prepared[0]))
     return state.replace(step=state.step + 1), metrics

@@ -23,13 +23,16 @@ def route(logits_MxE: jax.Array, k: int, normalize: bool, routes_MxK: jax.Array 
     """(routing weights [M, K] float32, chosen experts [M, K] int32) of the router's logits.
 
     Without ``routes_MxK`` the experts are the top ``k`` of softmax(logits), in descending
-    order; with it, they are the given ones and the weights are their probabilities.
+    order; with it, they are the given ones and the weights are their probabilities. A token
+    whose given row holds a negative id (not recorded) takes its own top ``k``.
     """
     probs_MxE = jax.nn.softmax(logits_MxE.astype(jnp.float32), axis=-1)
-    if routes_MxK is None:
-        weights_MxK, experts_MxK = jax.lax.top_k(probs_MxE, k)
-    else:
-        experts_MxK = routes_MxK.astype(jnp.int32)
+    weights_MxK, experts_MxK = jax.lax.top_k(probs_MxE, k)
+    if routes_MxK is not None:
+        # A token whose routes were not recorded (-1: a sampler never fed it) keeps its own.
+        given_MxK = routes_MxK.astype(jnp.int32)
+        recorded_Mx1 = jnp.all(given_MxK >= 0, axis=-1, keepdims=True)
+        experts_MxK = jnp.where(recorded_Mx1, given_MxK, experts_MxK)
         weights_MxK = jnp.take_along_axis(probs_MxE, experts_MxK, axis=-1)
     if normalize:
         weights_MxK = weights_MxK / jnp.sum(weights_MxK, axis=-1, keepdims=True)
@@ -75,6 +78,12 @@ def dense_experts(x_MxD, experts_MxK, weights_MxK, gate_ExDxF, up_ExDxF, down_Ex
     h_ExMxF = h_ExMxF * jnp.einsum("md,edf->emf", x_MxD, up_ExDxF)
     out_ExMxD = jnp.einsum("emf,efd->emd", h_ExMxF, down_ExFxD)
     return jnp.einsum("emd,me->md", out_ExMxD, w_MxE.astype(out_ExMxD.dtype))
+
+
+def routes_dtype(num_experts: int):
+    """The integer type a sampler records expert ids in: int8 up to 127 experts, else int16
+    (-1 marks a position without a recorded route)."""
+    return jnp.int8 if num_experts <= 127 else jnp.int16
 
 
 def route_flips(routes_a: jax.Array, routes_b: jax.Array) -> jax.Array:

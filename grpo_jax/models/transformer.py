@@ -347,11 +347,13 @@ class Transformer(nnx.Module):
         return self._logits(x_BxTxD), cache
 
     def features_with_cache(
-        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, routes_out=False
-    ):
+        self, tokens_BxT, *, positions_BxT, kv_mask_BxS, cache, cache_index, routes_out=False,
+        routes=None,
+    ):  # fmt: skip
         """(:meth:`features` [B, T, D], updated cache): forward_with_cache without the head.
         ``routes_out``: a third item, the experts the sparse layers used [B, T, R, K] (None
-        for a dense model), as :meth:`routed_features` returns them."""
+        for a dense model), as :meth:`routed_features` returns them. ``routes`` [B, T, R, K]
+        replays a routing, as in :meth:`routed_features`."""
         B, T = tokens_BxT.shape
         # A Python int slot is static: the static-mask kernel (splash) can serve the call.
         q_offset = cache_index if isinstance(cache_index, int) else None
@@ -359,7 +361,7 @@ class Transformer(nnx.Module):
         slot_BxT = jnp.broadcast_to(index + jnp.arange(T, dtype=jnp.int32), (B, T))
         x_BxTxD = self._embed(tokens_BxT)
         x_BxTxD, cache, used = self._run_layers(
-            x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset
+            x_BxTxD, positions_BxT, slot_BxT, kv_mask_BxS, cache, index, q_offset, None, routes
         )
         return (x_BxTxD, cache, used) if routes_out else (x_BxTxD, cache)
 

@@ -19,6 +19,9 @@ from grpo_jax.objective.kl import KL_ESTIMATORS
 from grpo_jax.objective.policy_terms import POLICY_LOSSES, SEQUENCE_POLICY_LOSSES
 
 OLD_LOGPS = ("sampler", "recompute")
+# Routing replay for mixtures of experts (docs/moe.md): "rollout" trains with the experts the
+# sampler's routers chose.
+ROUTER_REPLAY = ("none", "rollout")
 # The reductions and behaviour corrections grpo_jax.objective.losses implements.
 REDUCTIONS = ("grpo", "token_mean", "dr_grpo", "gspo")
 BEHAVIOR_CORRECTIONS = ("none", "tis", "mis")
@@ -76,6 +79,9 @@ class GRPOConfig:
         are whitened over the batch's tokens, the value loss's weight, its clip range
         around the old values, and the steps at the start whose policy term is off
         while the value head learns.
+      router_replay: "none" (default) or "rollout": a mixture of experts trains with
+        the experts the sampler's routers chose for each token, weighted by its own
+        router's probabilities for them (docs/moe.md, "Routing replay in training").
     """
 
     G: int = 8
@@ -107,6 +113,7 @@ class GRPOConfig:
     value_loss_coef: float = 0.5
     value_clip: float = 0.2
     critic_warmup_steps: int = 0
+    router_replay: str = "none"
 
     def __post_init__(self):
         check_range("grpo.G", self.G, lo=2, integer=True)
@@ -145,6 +152,7 @@ class GRPOConfig:
         check_choice("grpo.behavior_level", self.behavior_level, BEHAVIOR_LEVELS)
         check_range("grpo.behavior_cap", self.behavior_cap, lo=1.0, lo_open=True)
         check_choice("grpo.old_logps", self.old_logps, OLD_LOGPS)
+        check_choice("grpo.router_replay", self.router_replay, ROUTER_REPLAY)
         sequence_terms = self.reduction == "gspo" or self.policy_loss in SEQUENCE_POLICY_LOSSES
         self._check_critic(sequence_terms)
         if (

@@ -34,9 +34,16 @@ def span_mask(mask_NxT):
 
 
 def completion_features(
-    model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size: int = 1
-):
+    model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size: int = 1,
+    routes=None, routes_out=False,
+):  # fmt: skip
     """The last layer's output [N, T, D] at the positions that predict the completion tokens.
+
+    ``routes`` [N, P + T, R, K] (a mixture of experts; ``RolloutBatch.routes_NxSxRxK``)
+    replays the experts recorded at every position of [prompt | completion]; -1 entries
+    keep the model's own choice there. ``routes_out``: also return the experts the pass's
+    sparse layers used at each completion token's own position, [N, T, R, K] int32 (-1 for
+    the last token when the prompt runs once per group: that pass never feeds it).
 
     The output at position P-1+t of [prompt | completion] predicts completion
     token t, so the slice [P-1, P+T-1) lines up with ``tokens_NxT``. Positions
@@ -56,35 +63,50 @@ def completion_features(
     if group_size <= 1:
         full_NxL = jnp.concatenate([prompt_tokens_NxP, tokens_NxT], axis=1).astype(jnp.int32)
         full_mask_NxL = jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1)
-        return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
+        if routes is None and not routes_out:  # any model with ``features``, as before replay
+            return model.features(full_NxL, mask_BxT=full_mask_NxL)[:, p - 1 : p + t - 1]
+        x_NxLxD, used = model.routed_features(full_NxL, mask_BxT=full_mask_NxL, routes=routes)
+        h_NxTxD = x_NxLxD[:, p - 1 : p + t - 1]
+        return (h_NxTxD, None if used is None else used[:, p:]) if routes_out else h_NxTxD
     g, b = group_size, n // group_size
     first = lambda x: x.reshape(b, g, *x.shape[1:])[:, 0]
     repeat = lambda x: jnp.repeat(x, g, axis=0)
     prompt_BxP, pmask_BxP = first(prompt_tokens_NxP).astype(jnp.int32), first(prompt_mask_NxP)
     positions_BxP = positions_from_mask(pmask_BxP)
     kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
+    replay = {} if routes is None else {"routes": first(routes[:, :p])}
     x_BxPxD, cache = model.features_with_cache(
         prompt_BxP,
         positions_BxT=positions_BxP,
         kv_mask_BxS=kv_mask_BxS,
         cache=model.init_cache(b, p + t),
         cache_index=0,
+        **replay,
     )
     h0_Nx1xD = repeat(x_BxPxD[:, -1:])  # the last prompt token predicts completion token 0
     if t == 1:
-        return h0_Nx1xD
+        return (h0_Nx1xD, None) if routes_out else h0_Nx1xD
     cache = jax.tree.map(repeat, cache)
     # Completion tokens 0..T-2 are fed at slots P..P+T-2 (token T-1 predicts nothing).
     prompt_len_N = prompt_mask_NxP.sum(axis=1, dtype=jnp.int32)
     positions_NxT = prompt_len_N[:, None] + jnp.cumsum(mask_NxT, axis=1, dtype=jnp.int32) - 1
-    x_NxTmxD, _ = model.features_with_cache(
+    replay = {} if routes is None else {"routes": routes[:, p : p + t - 1]}
+    out = model.features_with_cache(
         tokens_NxT[:, :-1].astype(jnp.int32),
         positions_BxT=positions_NxT[:, :-1],
         kv_mask_BxS=jnp.concatenate([prompt_mask_NxP, mask_NxT], axis=1),
         cache=cache,
         cache_index=p,
+        **replay,
+        **({"routes_out": True} if routes_out else {}),
     )
-    return jnp.concatenate([h0_Nx1xD, x_NxTmxD], axis=1)
+    h_NxTxD = jnp.concatenate([h0_Nx1xD, out[0]], axis=1)
+    if not routes_out:
+        return h_NxTxD
+    used = out[2]
+    if used is not None:
+        used = jnp.pad(used, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=-1)
+    return h_NxTxD, used
 
 
 def completion_logits(graphdef, params, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT):
@@ -111,6 +133,7 @@ def completion_logps_and_entropy(
     chunk_size: int = 0,
     with_entropy: bool = False,
     group_size: int = 1,
+    routes=None,
 ):
     """(log-probs [N, T], entropies [N, T] or None) of the completion tokens.
 
@@ -123,13 +146,40 @@ def completion_logps_and_entropy(
     never formed for more than [N, chunk_size, V] at a time, forward or
     backward (large vocabularies). Entropies carry no gradient.
     ``group_size`` G > 1: rows come in aligned groups of G with one prompt
-    each, run once per group (:func:`completion_features`).
+    each, run once per group (:func:`completion_features`). ``routes``: a mixture of
+    experts' recorded routing to replay (:func:`completion_features`).
     """
     model = nnx.merge(graphdef, params)
     h_NxTxD = completion_features(
-        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size
-    )
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size,
+        routes=routes,
+    )  # fmt: skip
     return _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, with_entropy)
+
+
+def completion_logps_and_routes(
+    graphdef,
+    params,
+    prompt_tokens_NxP,
+    prompt_mask_NxP,
+    tokens_NxT,
+    mask_NxT,
+    temperature: float,
+    *,
+    chunk_size: int = 0,
+    group_size: int = 1,
+    routes=None,
+):
+    """(log-probs [N, T], the experts each completion token's sparse layers used
+    [N, T, R, K] int32, -1 where that pass did not feed the token): a mixture of experts
+    scored with its own routing (``routes`` None) or a replayed one
+    (:func:`completion_features`)."""
+    model = nnx.merge(graphdef, params)
+    h_NxTxD, used = completion_features(
+        model, prompt_tokens_NxP, prompt_mask_NxP, tokens_NxT, mask_NxT, group_size=group_size,
+        routes=routes, routes_out=True,
+    )  # fmt: skip
+    return _head_logps(model, h_NxTxD, tokens_NxT, temperature, chunk_size, False)[0], used
 
 
 def completion_scores_and_features(
@@ -270,6 +320,7 @@ def completion_logps(
     *,
     chunk_size: int = 0,
     group_size: int = 1,
+    routes=None,
 ):
     """log pi(completion tokens) [N, T]: :func:`completion_logps_and_entropy`'s log-probs."""
     return completion_logps_and_entropy(
@@ -282,6 +333,7 @@ def completion_logps(
         temperature,
         chunk_size=chunk_size,
         group_size=group_size,
+        routes=routes,
     )[0]
 
 

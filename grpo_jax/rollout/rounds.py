@@ -377,6 +377,7 @@ def batch_from_round(r: Rollouts, rd: _Round):
         advantages_N=host_rows_N(advantages_N),
         weights_N=host_rows_N(np.ones((N,), np.float32)),
         group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
+        routes_NxSxRxK=out.routes,
     )
     completion_tokens = int(rd.rows["lengths"].sum())
     prompt_tokens = int(rd.rows["prompt_tokens"].sum())
@@ -418,13 +419,19 @@ def select_groups(totals_RxBxG: list[np.ndarray], batch_size: int):
 def _assemble(outs, groups_B, *, group_size, pad_id, mesh):
     """Rows of the chosen groups, taken from the rounds' concatenated sampler outputs."""
     width = max(o[0].shape[1] for o in outs)
-    # Left padding keeps every prompt's end in the last column.
-    widen = lambda x, fill: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=fill)
+    # Left padding keeps every prompt's end in the same column.
+    widen = lambda o, i, fill: jnp.pad(
+        o[i],
+        ((0, 0), (width - o[0].shape[1], 0), *[(0, 0)] * (o[i].ndim - 2)),
+        constant_values=fill,
+    )
     cat = lambda i, fill=None: jnp.concatenate(
-        [o[i] if fill is None else widen(o[i], fill) for o in outs]
+        [o[i] if fill is None else widen(o, i, fill) for o in outs]
     )
     rows_N = (groups_B[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
-    fields = (cat(0, pad_id), cat(1, False), *(cat(i) for i in range(2, len(outs[0]))))
+    fields = (cat(0, pad_id), cat(1, False), *(cat(i) for i in range(2, 6)))
+    if len(outs[0]) > 6:  # the routes [N, P + T, R, K]: the prompt's part is widened too
+        fields = (*fields, cat(6, -1))
     return tuple(
         jax.lax.with_sharding_constraint(
             jnp.take(x, rows_N, axis=0), sharding_lib.batch_sharding(mesh, x.ndim)
@@ -469,6 +476,7 @@ def collect_dynamic(
     weights_N = np.repeat((np.arange(B) < k).astype(np.float32), G)
     fields = [
         (o.prompt_tokens, o.prompt_mask, o.tokens, o.mask, o.logps, o.behavior_logps)
+        + (() if o.routes is None else (o.routes,))
         for o in (x.out for x in rounds)
     ]
     with jax.set_mesh(r.mesh):
@@ -481,11 +489,12 @@ def collect_dynamic(
         )
     host_rows_N = lambda x_N: distributed.global_batch(x_N[r.rows_N], r.mesh, N)
     batch = RolloutBatch(
-        *taken,
+        *taken[:6],
         rewards_N=host_rows_N(total_R[rows_N].astype(np.float32)),
         advantages_N=host_rows_N(advantages_N),
         weights_N=host_rows_N(weights_N),
         group_ids_N=host_rows_N(np.repeat(np.arange(B, dtype=np.int32), G)),
+        routes_NxSxRxK=taken[6] if len(taken) > 6 else None,
     )
     metrics = _metrics(r, rounds)
     # Per-row lengths in the batch's row order, round after round.

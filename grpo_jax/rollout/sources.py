@@ -148,7 +148,7 @@ class SingleTurn(_CarriesNothing):
         self.mesh = placement.sampler_mesh if self.split else placement.mesh
         if self.split:
             self.param_shardings = _on_mesh(placement.param_shardings, self.mesh)
-            self.batch_shardings = rollout_batch_shardings(placement.mesh)
+            self.learner_mesh = placement.mesh
         self._pending = {}
 
     def params(self, params):
@@ -205,7 +205,8 @@ class SingleTurn(_CarriesNothing):
         rd = rounds.finish_round(self.r, d)
         batch, host = rounds.batch_from_round(self.r, rd)
         if self.split and jax.process_count() == 1:  # sampler devices -> learner devices
-            batch = jax.device_put(batch, self.batch_shardings)
+            routes = batch.routes_NxSxRxK is not None
+            batch = jax.device_put(batch, rollout_batch_shardings(self.learner_mesh, routes))
         elif self.split:  # several processes: each moves its own rows (the same block)
             N = batch.num_rows
             rows = distributed.local_rows(batch, self.r.rows_N)

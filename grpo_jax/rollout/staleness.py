@@ -41,7 +41,9 @@ _HOST_INTS = ("completion_tokens", "sampled_tokens", "prompt_tokens")
 
 
 def _fields(batch) -> dict:
-    return {x.name: getattr(batch, x.name) for x in dataclasses.fields(batch)}
+    """The batch's arrays by field name (a field left None, routes without replay, has none)."""
+    fields = ((x.name, getattr(batch, x.name)) for x in dataclasses.fields(batch))
+    return {name: v for name, v in fields if v is not None}
 
 
 def queue_state(queue: list[InFlight]) -> list[dict]:

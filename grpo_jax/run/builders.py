@@ -14,7 +14,7 @@ from flax import nnx
 
 from grpo_jax import data, models
 from grpo_jax.core import sharding
-from grpo_jax.models import builtin_tokenizer, lora
+from grpo_jax.models import builtin_tokenizer, lora, moe
 from grpo_jax.models.hf_config import generation_eos_ids
 from grpo_jax.reward_models import JUDGE, LEARNED, Judge, LearnedReward
 from grpo_jax.rollout.rounds import PromptEncoder
@@ -160,9 +160,11 @@ def build_model(run: RunConfig, tokenizer, mesh):
         load = models.from_gguf if run.model.path.endswith(".gguf") else models.from_pretrained
         model = load(run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs())
         check_expert_axis(run, model.config)
+        check_router_replay(run, model.config)
     else:
         cfg = model_config(run, tokenizer)
         check_expert_axis(run, cfg)
+        check_router_replay(run, cfg)
         model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)
     return nnx.split(model)
 
@@ -182,6 +184,25 @@ def check_expert_axis(run: RunConfig, cfg) -> None:
     raise ConfigError(
         f"config key 'mesh.expert' = {expert} must divide the model's num_experts = {num} ({model})"
     )
+
+
+def check_router_replay(run: RunConfig, cfg) -> None:
+    """A one-line ConfigError for routing replay on a dense model: it has no routes."""
+    if run.grpo.router_replay == "none" or cfg.num_experts:
+        return
+    model = run.model.path or "the built-in tiny model"
+    raise ConfigError(
+        f"config key 'grpo.router_replay' = {run.grpo.router_replay!r} needs a "
+        f"mixture-of-experts model; {model} is dense (num_experts = 0): set "
+        "grpo.router_replay = 'none'"
+    )
+
+
+def route_spec(run: RunConfig, cfg):
+    """(R, K, dtype) of the routes a batch carries with routing replay, else None."""
+    if run.grpo.router_replay == "none" or not cfg.num_experts:
+        return None
+    return len(cfg.sparse_layers), cfg.experts_per_token, moe.routes_dtype(cfg.num_experts)
 
 
 def build_policy(run: RunConfig, tokenizer, mesh):

@@ -581,6 +581,7 @@ def parse_config(config) -> RunConfig:
             "grpo.advantage_estimator = 'gae' yet: the critic's update runs on padded rows"
         )
     _check_engine(run)
+    _check_router_replay(run)
     k = run.train.max_staleness
     if run.mesh.sampler_devices and (run.train.dynamic_sampling or run.env.name):
         what = "train.dynamic_sampling = True" if run.train.dynamic_sampling else "env.name"
@@ -621,6 +622,35 @@ def _check_teacher(run: RunConfig) -> None:
             "grpo.advantage_estimator = 'gae' yet: the critic's update takes its per-token "
             "advantages from GAE alone; use a group estimator (e.g. 'grpo') with a teacher"
         )
+
+
+def _check_router_replay(run: RunConfig) -> None:
+    """Routing replay needs rollouts that record routes (the static engine's single-turn
+    rounds) and an update whose passes take them (docs/moe.md); whether the model is a
+    mixture of experts is checked as it is built (``grpo_jax.run.builders``)."""
+    if run.grpo.router_replay == "none":
+        return
+    where = f"config key 'grpo.router_replay' = {run.grpo.router_replay!r}"
+    engine = get_engine(run.sampling.engine)
+    if not engine.records_routes:
+        able = " or ".join(repr(n) for n in engine_names() if get_engine(n).records_routes)
+        raise ConfigError(
+            f"{where} needs sampling.engine = {able} (it is {run.sampling.engine!r}): only "
+            "that engine records the experts each token's router chose"
+        )
+    refused = [
+        (run.sampling.partial_rollouts, "sampling.partial_rollouts = True"),
+        (bool(run.env.name), f"an environment (env.name = {run.env.name!r})"),
+        (run.train.packing == "on", "train.packing = 'on'"),
+        (run.grpo.advantage_estimator == "gae", "grpo.advantage_estimator = 'gae'"),
+        (run.teacher.enabled and run.teacher.kl == "full", "teacher.kl = 'full'"),
+    ]
+    for on, what in refused:
+        if on:
+            raise ConfigError(
+                f"{where} does not combine with {what} yet: its rollouts or its update's "
+                "passes do not carry the recorded routes; set grpo.router_replay = 'none'"
+            )
 
 
 def _check_engine(run: RunConfig) -> None:

@@ -183,6 +183,7 @@ def evaluate_problems(
         )
 
     common = dict(encoder=encoder, mesh=mesh, row_keys=True)
+    sampling = dataclasses.replace(sampling, record_routes=False)  # routes train, not score
     greedy = dataclasses.replace(sampling, greedy=True)
     texts, lengths, trunc = generate_texts(
         graphdef, params, examples, sampling=greedy, num_samples=1,

@@ -50,6 +50,7 @@ COMPONENTS = (
     "activations",
     "update_buffers",
     "scoring",
+    "routes",
 )
 _NAMES = {
     "params": "parameters",
@@ -64,6 +65,7 @@ _NAMES = {
     "gathered": "gathered weights",
     "update_buffers": "update buffers",
     "scoring": "scoring pass",
+    "routes": "recorded routes",
 }
 
 
@@ -96,20 +98,24 @@ class MemoryEstimate:
     scoring: int = 0
     gathered: int = 0
     teacher: int = 0  # on-policy distillation's teacher (the ``teacher`` section)
+    # Routing replay: the experts the sampler records for every position of a step's rows,
+    # held from the decode loop through the update (docs/moe.md).
+    routes: int = 0
 
     @property
     def sampling(self) -> int:
         """Peak while sampling: everything resident plus the sampler's copy, the weights it
         holds gathered and the KV cache."""
         resident = self.params + self.optimizer + self.reference + self.teacher + self.learned
-        return resident + self.sampler_copy + self.gathered + self.kv_cache
+        return resident + self.sampler_copy + self.gathered + self.kv_cache + self.routes
 
     @property
     def training(self) -> int:
         """Peak while updating: everything resident plus the larger of its two phases, the
         scoring pass and the micro-batches (gradients, activations, the update's buffers)."""
         resident = self.params + self.optimizer + self.reference + self.teacher + self.learned
-        return resident + max(self.grads + self.activations + self.update_buffers, self.scoring)
+        phase = max(self.grads + self.activations + self.update_buffers, self.scoring)
+        return resident + self.routes + phase
 
     @property
     def total(self) -> int:
@@ -130,6 +136,8 @@ class MemoryEstimate:
             f"{self.num_params:,} parameters{trains}",
         ]
         for k in COMPONENTS:
+            if k == "routes" and not self.routes:  # a line only with routing replay
+                continue
             lines.append(f"  {_NAMES[k]:<22}{format_bytes(getattr(self, k)):>12}")
         lines.append(f"  {'sampling peak':<22}{format_bytes(self.sampling):>12}")
         lines.append(f"  {'training peak':<22}{format_bytes(self.training):>12}")
@@ -489,10 +497,24 @@ def plan_run(
         )
     est = _with_run_terms(est, run, as_model_config(model_cfg_like), mesh_shape)
     est = dataclasses.replace(est, teacher=_teacher_bytes(run, est, teacher_bytes))
+    est = dataclasses.replace(est, routes=routes_bytes(run, model_cfg_like, mesh_shape))
     budget = budget_bytes if budget_bytes is not None else device_memory_bytes()
     if budget is not None:
         check_budget(est, budget)
     return est
+
+
+def routes_bytes(run, model_cfg_like, mesh_shape: Mapping[str, int]) -> int:
+    """Per-device bytes of the routes a step's rows carry with routing replay
+    (``grpo.router_replay = "rollout"`` on a mixture of experts): the N rows split over the
+    batch shards, P + T positions each, R sparse layers of K experts, in one byte (two past
+    127 experts). 0 without replay."""
+    cfg = as_model_config(model_cfg_like)
+    if run.grpo.router_replay == "none" or not cfg.num_experts:
+        return 0
+    sh = run_shapes(run, cfg, mesh_shape)
+    width = 1 if cfg.num_experts <= 127 else 2
+    return sh.n_s * sh.S * len(cfg.sparse_layers) * cfg.experts_per_token * width
 
 
 def _teacher_bytes(run, est: MemoryEstimate, checkpoint_bytes: int) -> int:
@@ -777,7 +799,12 @@ def _attention_per_row(cfg, sh: RunShapes, queries: int, keys: int) -> int:
 
 def scoring_bytes(run, cfg, sh: RunShapes) -> int:
     """The working set of a scoring pass over the whole batch; 0 when the update runs none."""
-    passes = (run.grpo.beta > 0, run.grpo.old_logps == "recompute", run.train.track_update)
+    passes = (
+        run.grpo.beta > 0,
+        run.grpo.old_logps == "recompute",
+        run.train.track_update,
+        run.grpo.router_replay != "none",  # the own-routing pass of the moe/* metrics
+    )
     if not any(passes) and run.grpo.advantage_estimator != "gae":  # gae: the old values' pass
         return 0
     L, K, Dh = cfg.num_layers, cfg.num_kv_heads // sh.tp_k, cfg.head_dim
@@ -857,10 +884,11 @@ def plan_programs(
     L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
     K, Dh, H = cfg.num_kv_heads // sh.tp_k, cfg.head_dim, cfg.num_heads // sh.tp_h
     state = est.params + est.optimizer + est.reference + est.teacher + batch_bytes(sh)
+    state += est.routes
     phase = max(est.grads + est.activations + est.update_buffers, est.scoring)
     out = {"update": ProgramPlan("update", state + phase + CODE_BYTES, est.learned)}
     if est.scoring:
-        own = est.params + batch_bytes(sh) + est.scoring + CODE_BYTES
+        own = est.params + batch_bytes(sh) + est.routes + est.scoring + CODE_BYTES
         out["scoring"] = ProgramPlan("scoring", own, est.optimizer + est.learned)
     resident = est.optimizer + est.reference + est.teacher + est.learned
     weights = est.sampler_copy or est.params
@@ -875,7 +903,7 @@ def plan_programs(
         out["paged_decode"] = ProgramPlan("paged_decode", own, resident)
         return out
     kv = 2 * L * sh.n_s * sh.S * K * Dh * sh.c
-    decode_state = sh.n_s * sh.T * _STATE_BYTES_PER_TOKEN + sh.n_s * sh.S
+    decode_state = sh.n_s * sh.T * _STATE_BYTES_PER_TOKEN + sh.n_s * sh.S + est.routes
     own = weights + kv + decode_state + est.gathered + CODE_BYTES
     out["decode"] = ProgramPlan("decode", own, resident)
     # No loop runs over the prompt's tokens: a layer at a time (two in flight) and the LM

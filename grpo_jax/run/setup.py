@@ -43,6 +43,7 @@ from grpo_jax.run.builders import (
     build_teacher,
     build_tokenizer,
     eval_examples,
+    route_spec,
     run_devices,
     sampler_dtype_warning,
     tokenizer_sampling,
@@ -323,7 +324,9 @@ def build_trainer(run: RunConfig, policy: Policy, params, mesh, teacher=None):
         logits_chunk=run.train.logits_chunk,
         share_prompts=True,  # the sampler writes each prompt's G rows together
         state_shardings=state_sh,
-        batch_shardings=batch_lib.rollout_batch_shardings(mesh),
+        batch_shardings=batch_lib.rollout_batch_shardings(
+            mesh, routes=route_spec(run, nnx.merge(policy.graphdef, params).config) is not None
+        ),
         ref_shardings=_frozen_shardings(run, lora_run, param_sh, teacher),
         replicated=sharding.replicated(mesh),
         base_graphdef=None if lora_run is None else lora_run.base_graphdef,
@@ -393,7 +396,9 @@ def _setup(run: RunConfig, workdir: pathlib.Path, lock, checkpointer, stream):
             policy=policy,
             encoder=build_encoder(run, tokenizer),
             scorer=build_scorer(run, mesh),
-            sampling=tokenizer_sampling(run, tokenizer),
+            sampling=tokenizer_sampling(
+                run, tokenizer, record_routes=route_spec(run, model_cfg) is not None
+            ),
             grpo=run.grpo,
             batch_size=B,
             placement=placement,

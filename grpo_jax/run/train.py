@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import jax
+from flax import nnx
 
 from grpo_jax.core import batch as batch_lib
 from grpo_jax.core import distributed, problems
@@ -32,6 +33,7 @@ from grpo_jax.learner import update as update_lib
 from grpo_jax.rollout import sources
 from grpo_jax.rollout.staleness import Staleness
 from grpo_jax.run import evaluation, record
+from grpo_jax.run.builders import route_spec
 from grpo_jax.run.config import parse_config
 from grpo_jax.run.report import Reporter
 from grpo_jax.run.schedule import Schedule
@@ -193,11 +195,13 @@ def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
     run = s.run
     if run.train.packing == "on":
         return contextlib.nullcontext(s.trainer.update)
+    routes = route_spec(run, nnx.merge(s.policy.graphdef, state.params).config)
     spec = batch_lib.batch_spec(
-        batch_lib.rollout_batch_shardings(s.placement.mesh),
+        batch_lib.rollout_batch_shardings(s.placement.mesh, routes=routes is not None),
         run.train.batch_size * run.grpo.G,
         prompt_width,
         run.sampling.max_new_tokens,
+        routes=routes,
     )
     return update_lib.CompiledAhead(s.trainer.update, state, spec, key, ref_params)
 

@@ -55,6 +55,9 @@ class SamplingConfig:
         These four leave greedy completions unchanged; sampled ones are drawn
         from the same distribution but change with them (the schedule decides
         which random numbers a row gets; docs/engine.md, "Settings").
+      record_routes: record the experts a mixture of experts' routers chose at every
+        position (``SampleOutput.routes``), for routing replay; set by the run from
+        ``grpo.router_replay``, not a key of the ``sampling`` section.
     """
 
     max_new_tokens: int
@@ -72,6 +75,7 @@ class SamplingConfig:
     slots: int = 0
     pages: int = 0
     prefill_chunk: int = 64
+    record_routes: bool = False
 
     def __post_init__(self):
         # Lists from a config file become tuples so the config stays hashable
@@ -223,6 +227,7 @@ class SamplingSection:
         pad_id: int = 0,
         greedy=False,
         stop_sequences=(),
+        record_routes=False,
     ):
         """The jitted sampler's static ``SamplingConfig`` for this section.
 
@@ -245,6 +250,7 @@ class SamplingSection:
             slots=self.slots,
             pages=self.pages,
             prefill_chunk=self.prefill_chunk,
+            record_routes=record_routes,
         )
 
 

@@ -28,6 +28,10 @@ class Engine:
     # Partial rollouts (``grpo_jax.rollout.partial``) need an engine that continues rows
     # an earlier run left unfinished (:meth:`generate_rows`); the config refuses others.
     carries_rows: bool = False
+    # Routing replay (``grpo.router_replay = "rollout"``) needs an engine whose
+    # :meth:`generate` records each token's experts when ``cfg.record_routes``
+    # (``SampleOutput.routes``); the config refuses others.
+    records_routes: bool = False
 
     def generate(
         self, graphdef, params, tokens_BxP, mask_BxP, key, cfg, *, num_samples: int, mesh=None
@@ -88,6 +92,8 @@ class Engine:
 class StaticEngine(Engine):
     """One batch decoded until its longest row ends, a KV cache of P + T slots a row
     (``grpo_jax.sampling.static``); episodes on ``grpo_jax.sampling.static_turns``."""
+
+    records_routes = True
 
     def generate(
         self, graphdef, params, tokens_BxP, mask_BxP, key, cfg, *, num_samples: int, mesh=None

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.core import distributed
 from grpo_jax.core import sharding as sharding_lib
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.models.partitioning import cache_shardings
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.sampling.config import SamplingConfig, SamplingSection  # noqa: F401 - also here
@@ -119,6 +120,9 @@ class DecodeState(NamedTuple):
     # cache entry for the same executable, which would hide real recompiles.
     # [N, ...] with row keys (one key per row), else one key's.
     key_data: jax.Array
+    # With cfg.record_routes on a mixture of experts: the experts each cache slot's token
+    # used, [N, S, R, K] (int8 / int16, -1 where no token was fed); None otherwise.
+    routes_NxSxRxK: Any = None
 
 
 class SampleOutput(NamedTuple):
@@ -141,6 +145,11 @@ class SampleOutput(NamedTuple):
     lengths: jax.Array  # int32 [N]
     truncated: jax.Array  # bool [N]
     behavior_logps: jax.Array | None = None  # float32 [N, T]
+    # With cfg.record_routes on a mixture of experts: the experts the sparse layers chose at
+    # every position of [prompt | completion], [N, P + T, R, K] int8 (int16 past 127
+    # experts); completion token t's at P + t, -1 where no token was fed (a row's last
+    # token, which predicts nothing the update scores). None otherwise.
+    routes: jax.Array | None = None
 
 
 def split_key(key):
@@ -256,14 +265,20 @@ def _prefill(
         constrain_cache = lambda c: jax.lax.with_sharding_constraint(
             c, cache_shardings(c, mesh, model.layout)
         )
-    logits_Bx1xV, cache = model.forward_with_cache(
-        tokens_BxP,
+    record = _records_routes(model, cfg)
+    inputs = dict(
         positions_BxT=positions_BxP,
         kv_mask_BxS=kv_mask_BxS,
         cache=constrain_cache(model.init_cache(b, s)),
         cache_index=0,  # static: the splash kernel serves the prefill
-        last_only=True,
     )
+    if record:
+        x_BxPxD, cache, routes_BxPxRxK = model.features_with_cache(
+            tokens_BxP, routes_out=True, **inputs
+        )
+        logits_Bx1xV = model.logits(x_BxPxD[:, -1:])  # a prefill needs the last logits only
+    else:
+        logits_Bx1xV, cache = model.forward_with_cache(tokens_BxP, last_only=True, **inputs)
     # Left padding puts every row's last prompt token in column P-1.
     last_NxV = repeat_rows(logits_Bx1xV[:, 0], g)
     if g > 1:
@@ -292,7 +307,18 @@ def _prefill(
         cache=cache,
         key_data=jax.random.key_data(key),
     )
+    if record:
+        dtype = moe_lib.routes_dtype(model.config.num_experts)
+        r_, k_ = routes_BxPxRxK.shape[2:]
+        routes = jnp.full((n, s, r_, k_), -1, dtype)
+        prompt = repeat_rows(routes_BxPxRxK.astype(dtype), g)
+        state = state._replace(routes_NxSxRxK=rows(routes.at[:, :p].set(prompt)))
     return tokens_NxP, mask_NxP, _write(state, sample_with(rows(last_NxV), sub, cfg), cfg)
+
+
+def _records_routes(model, cfg: SamplingConfig) -> bool:
+    """Whether the sampler records routes: asked to, and the model is a mixture of experts."""
+    return cfg.record_routes and bool(getattr(getattr(model, "config", None), "num_experts", 0))
 
 
 def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_impl):
@@ -310,16 +336,27 @@ def _decode(params, state: DecodeState, *, graphdef, cfg: SamplingConfig, key_im
         kv_mask_NxS = jax.lax.dynamic_update_slice(
             st.kv_mask_NxS, jnp.ones((n, 1), jnp.bool_), (jnp.zeros((), jnp.int32), slot)
         )
-        logits_Nx1xV, cache = model.forward_with_cache(
-            st.last_tokens_N[:, None],
+        inputs = dict(
             positions_BxT=(st.prompt_lengths_N + st.step - 1)[:, None],
             kv_mask_BxS=kv_mask_NxS,
             cache=st.cache,
             cache_index=slot,
         )
+        if st.routes_NxSxRxK is None:
+            logits_Nx1xV, cache = model.forward_with_cache(st.last_tokens_N[:, None], **inputs)
+        else:
+            x_Nx1xD, cache, used_Nx1xRxK = model.features_with_cache(
+                st.last_tokens_N[:, None], routes_out=True, **inputs
+            )
+            logits_Nx1xV = model.logits(x_Nx1xD)
         key, sub = split_key(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn = sample_with(logits_Nx1xV[:, 0], sub, cfg)
         st = st._replace(kv_mask_NxS=kv_mask_NxS, cache=cache, key_data=jax.random.key_data(key))
+        if st.routes_NxSxRxK is not None:  # the fed token's experts, at its slot
+            used = used_Nx1xRxK.astype(st.routes_NxSxRxK.dtype)
+            zero = jnp.zeros((), jnp.int32)
+            routes = jax.lax.dynamic_update_slice(st.routes_NxSxRxK, used, (zero, slot, zero, zero))
+            st = st._replace(routes_NxSxRxK=routes)
         return _write(st, drawn, cfg)
 
     state = jax.lax.while_loop(cond, body, state)
@@ -346,9 +383,11 @@ def compile_count() -> int:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(
-    graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None, key_impl, row_keys=False
-):
-    """(prefill, decode) jitted for one model structure, config, group size and mesh."""
+    graphdef, cfg: SamplingConfig, num_samples: int, mesh: Mesh | None, key_impl, row_keys=False,
+    routes=False,
+):  # fmt: skip
+    """(prefill, decode) jitted for one model structure, config, group size and mesh.
+    ``routes``: whether the decode state records routes (:func:`_records_routes`)."""
     if mesh is None:
         prefill_io: dict = {}
         decode_io: dict = {}
@@ -370,6 +409,7 @@ def _compiled(
             kv_mask_NxS=rows2,
             cache=None,
             key_data=rows2 if row_keys else rep,
+            routes_NxSxRxK=sharding_lib.batch_sharding(mesh, 4) if routes else None,
         )
         # None for params: they keep whatever layout the trainer gave them.
         prefill_io = dict(
@@ -460,8 +500,9 @@ def generate(
         key = distributed.put(
             key, sharding_lib.batch_sharding(mesh, 1) if row_keys else sharding_lib.replicated(mesh)
         )
+    routes = cfg.record_routes and _records_routes(nnx.merge(graphdef, params), cfg)
     prefill, decode = _compiled(
-        graphdef, cfg, num_samples, mesh, jax.random.key_impl(key), bool(row_keys)
+        graphdef, cfg, num_samples, mesh, jax.random.key_impl(key), bool(row_keys), routes
     )
     # Under the mesh the model's activation sharding constraints take effect.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
@@ -478,4 +519,5 @@ def generate(
         lengths=state.lengths_N,
         truncated=truncated_N,
         behavior_logps=state.behavior_logps_NxT,
+        routes=state.routes_NxSxRxK,
     )

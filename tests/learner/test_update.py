@@ -95,9 +95,15 @@ def _assert_same_update(one, other, keys, *, params_atol, metrics_rtol=1e-5, met
 def test_rollout_batch_shardings_split_every_field_over_the_batch_axes():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
     sh = upd.rollout_batch_shardings(mesh)
+    with_routes = upd.rollout_batch_shardings(mesh, routes=True)
     for f in dataclasses.fields(RolloutBatch):
+        if f.name == "routes_NxSxRxK":  # routing replay's [N, P + T, R, K], only with it
+            assert getattr(sh, f.name) is None
+            assert getattr(with_routes, f.name) == sharding.batch_sharding(mesh, 4)
+            continue
         ndim = 1 if f.name.endswith("_N") else 2
         assert getattr(sh, f.name) == sharding.batch_sharding(mesh, ndim), f.name
+        assert getattr(with_routes, f.name) == getattr(sh, f.name)
 
 
 @pytest.mark.slow

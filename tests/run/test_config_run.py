@@ -46,6 +46,7 @@ def test_default_and_smoke_parse():
         ({"warm_start.target": "proof"}, r"'warm_start.target' = 'proof' is not one of"),
         ({"mesh.layout": "zero"}, r"'mesh.layout' = 'zero' is not one of"),
         ({"mesh.expert": 0}, r"'mesh.expert' = 0 must be >= 1"),
+        ({"grpo.router_replay": "yes"}, r"^config key 'grpo.router_replay' = 'yes' is not one of"),
         ({"rewards": "exact_matc:1.0"}, r"unknown reward 'exact_matc'; available rewards"),
         ({"rewards": "exact_match:heavy"}, r"weight 'heavy' of reward 'exact_match'"),
         ({"rewards": "exact_match,exact_match"}, r"names a reward twice"),
@@ -463,3 +464,51 @@ def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up
     m.sampling.engine, m.sampling.page_size, m.sampling.pages = "paged", 4, 4
     with pytest.raises(ConfigError, match=r"at once; give at least 5, or 0 for the worst case"):
         config_lib.parse_config(m)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"sampling.engine": "paged"},
+            r"^config key 'grpo.router_replay' = 'rollout' needs sampling.engine = 'static' "
+            r"\(it is 'paged'\): only that engine records the experts each token's router chose$",
+        ),
+        ({"train.packing": "on"}, r"does not combine with train.packing = 'on' yet"),
+        ({"grpo.advantage_estimator": "gae"}, r"with grpo.advantage_estimator = 'gae' yet"),
+        ({"env.name": "guess_number"}, r"with an environment \(env.name = 'guess_number'\)"),
+        ({"teacher.path": "reference", "teacher.kl": "full"}, r"with teacher.kl = 'full' yet"),
+    ],
+)
+def test_router_replay_refuses_what_does_not_carry_routes_in_one_line(overrides, message):
+    config = smoke_config(plain=True, **{"grpo.router_replay": "rollout", **overrides})
+    with pytest.raises(ConfigError, match=message) as e:
+        config_lib.parse_config(config)
+    assert "\n" not in str(e.value)
+
+
+def test_router_replay_needs_a_mixture_of_experts(builtin_tokenizer):
+    run = config_lib.parse_config(smoke_config(plain=True, **{"grpo.router_replay": "rollout"}))
+    dense = builders.model_config(run, builtin_tokenizer)
+    with pytest.raises(ConfigError, match=r"^config key 'grpo.router_replay' = 'rollout' needs a "):
+        builders.check_router_replay(run, dense)
+    moe = family_config(
+        "qwen3_moe", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=8, mlp_dim=16, num_experts=4, experts_per_token=2, mlp_only_layers=(0,),
+    )  # fmt: skip
+    builders.check_router_replay(run, moe)
+    assert builders.route_spec(run, moe)[:2] == (1, 2)  # one sparse layer, top 2
+    off = config_lib.parse_config(smoke_config(plain=True))
+    builders.check_router_replay(off, dense)
+    assert builders.route_spec(off, moe) is None
+
+
+@pytest.mark.slow
+def test_main_refuses_router_replay_for_a_dense_model_in_one_line(tmp_path):
+    out = _main("--config.grpo.router_replay=rollout", tmp_path=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "config error: config key 'grpo.router_replay' = 'rollout' needs a mixture-of-experts "
+        "model; the built-in tiny model is dense (num_experts = 0): set grpo.router_replay = "
+        "'none'"
+    ]

@@ -515,3 +515,26 @@ def test_a_critic_adds_its_head_moments_and_targets():
     recompute = memory.plan_run(run_config(**plan, **{"grpo.old_logps": "recompute"}), HAND, mesh)
     assert grpo.scoring == 0 and ppo.scoring == recompute.scoring > 0
     assert (ppo.activations, ppo.kv_cache) == (grpo.activations, grpo.kv_cache)
+
+
+def test_routing_replay_counts_the_recorded_routes():
+    # HAND's one layer made a mixture of 8 experts, top 2 (R = 1 sparse layer, K = 2). The
+    # routes are [N, P + T, R, K] in int8: N = 8 * 4 = 32 rows over fsdp 2 -> 16, P + T =
+    # 3 + 5 = 8: 16 * 8 * 1 * 2 = 256 bytes, held while sampling and while updating. Past
+    # 127 experts they are int16. The own-routing pass of the moe/* metrics is a scoring pass.
+    moe = types.SimpleNamespace(**{**vars(HAND), **MOE_FIELDS})
+    plan = {"grpo.G": 4, "train.batch_size": 8, "sampling.max_new_tokens": 5}
+    plan.update({"sampling.prompt_buckets": (3,), "warm_start.enabled": False})
+    plan["train.track_update"] = False  # no other scoring pass
+    mesh = {"fsdp": 2}
+    off = memory.plan_run(run_config(**plan), moe, mesh)
+    on = memory.plan_run(run_config(**plan, **{"grpo.router_replay": "rollout"}), moe, mesh)
+    assert (off.routes, on.routes) == (0, 256)
+    assert off.scoring == 0 < on.scoring
+    assert on.sampling - off.sampling == 256
+    assert on.training == dataclasses.replace(on, routes=0).training + 256
+    assert "recorded routes" in on.table() and "recorded routes" not in off.table()
+    wide = types.SimpleNamespace(**{**vars(moe), "num_experts": 128})
+    run = run_config(**plan, **{"grpo.router_replay": "rollout"})
+    assert memory.plan_run(run, wide, mesh).routes == 512
+    assert memory.plan_run(run, HAND, mesh).routes == 0  # a dense model records none

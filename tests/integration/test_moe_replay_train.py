@@ -1,0 +1,75 @@
+"""Routing replay in a run: the CPU default's ``smoke,moe`` variant (4 experts, top 2) with
+``grpo.router_replay = "rollout"`` and one step of staleness, so that each checkpoint holds a
+batch in flight with its recorded routes. Killed after step 3 and resumed from step 2's
+checkpoint, it logs what the uninterrupted run logs (docs/moe.md)."""
+
+import math
+
+import pytest
+from helpers_config import SHORT_RUN, apply_overrides
+from helpers_resume import train_killed_at, without_timings
+
+from configs.default import get_config
+from grpo_jax.run.checkpoints import Checkpointer
+from grpo_jax.run.train import train
+from grpo_jax.run.writers import read_metrics
+
+MOE_KEYS = (
+    "moe/route_flip_frac",
+    "moe/route_flip_layer_frac",
+    "moe/abs_log_ratio_unreplayed",
+    "moe/expert_load_imbalance",
+    "moe/first_ratio_dev",
+)
+
+
+def _config():
+    overrides = {**SHORT_RUN, "grpo.router_replay": "rollout", "train.max_staleness": 1}
+    return apply_overrides(get_config("smoke,moe"), overrides)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_path):
+    cfg = _config()
+    train(cfg, tmp_path / "whole")
+    train_killed_at(cfg, tmp_path / "killed", 3)
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    assert ck.all_steps() == [2]
+    meta = ck.restore_meta(2)
+    ck.close()
+    (inflight,) = meta["inflight"]  # step 3's batch, its routes [N, P + T, R, K] in int8
+    shape, dtype = inflight["shapes"]["routes_NxSxRxK"]
+    assert dtype == "int8" and shape[2:] == [1, 2]  # one sparse layer, top 2
+    train(cfg, tmp_path / "killed")
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert without_timings(resumed) == without_timings(whole)
+    for r in whole[1:]:
+        assert all(math.isfinite(r[k]) for k in MOE_KEYS), r
+        assert r["moe/expert_load_imbalance"] >= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # A reward that varies within groups, so that some are kept and have tokens.
+        {
+            "train.dynamic_sampling": True,
+            "train.max_staleness": 0,
+            "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
+        },
+        {"mesh.sampler_devices": 4, "mesh.num_devices": 8},
+    ],
+    ids=["dynamic_sampling", "sampler_mesh"],
+)
+def test_routes_travel_with_dynamic_sampling_and_from_a_sampler_mesh(tmp_path, overrides):
+    """Dynamic sampling's rounds (prompts of several widths, gathered into one batch) and a
+    sampler mesh of its own (the batch copied to the learner's) carry the routes too: the
+    replayed first update's ratio stays within rounding of 1 with pi_old rescored."""
+    cfg = apply_overrides(_config(), {"train.steps": 2, "grpo.old_logps": "recompute", **overrides})
+    train(cfg, tmp_path)
+    for r in read_metrics(tmp_path / "metrics.jsonl")[1:]:
+        assert all(math.isfinite(r[k]) for k in MOE_KEYS), r
+        assert r["moe/first_ratio_dev"] <= 1e-5
