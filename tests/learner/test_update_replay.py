@@ -19,7 +19,7 @@ from helpers_jit import completion_logps
 
 from grpo_jax.core import sharding
 from grpo_jax.core.batch import RolloutBatch, batch_spec, rollout_batch_shardings
-from grpo_jax.learner import optimizer
+from grpo_jax.learner import optimizer, replay
 from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, family_config
 from grpo_jax.models import moe as moe_lib
@@ -164,14 +164,14 @@ def test_replay_metrics_of_a_hand_made_case():
     mask = np.array([[1, 1, 1], [1, 1, 1]], np.float32)
     own_lp = np.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]], np.float32)
     old_lp = np.array([[-1.0, -2.5, -3.0], [-1.5, -1.0, 0.0]], np.float32)
-    m = upd.replay_metrics(rec, own, own_lp, old_lp, mask, num_experts=4)
+    m = replay.replay_metrics(rec, own, own_lp, old_lp, mask, num_experts=4)
     m = {k: float(v) for k, v in m.items()}
     assert m["moe/route_flip_frac"] == pytest.approx(2 / 5)
     assert m["moe/route_flip_layer_frac"] == pytest.approx(2 / 5)
     assert m["moe/abs_log_ratio_unreplayed"] == pytest.approx((0.5 + 0.5) / 5)
     # Picks of the 5 tokens: expert 0 x4, 1 x4, 2 x1, 3 x1; mean 10 / 4 = 2.5; max 4.
     assert m["moe/expert_load_imbalance"] == pytest.approx(4 / 2.5)
-    empty = upd.replay_metrics(rec, own, own_lp, old_lp, 0 * mask, num_experts=4)
+    empty = replay.replay_metrics(rec, own, own_lp, old_lp, 0 * mask, num_experts=4)
     assert all(np.isnan(float(v)) for v in empty.values())
 
 
