@@ -120,6 +120,23 @@ def test_a_tiny_moe_on_an_expert_axis_compiles_every_program(tmp_path):
 
 @pytest.mark.slow
 @needs_libtpu
+def test_the_paged_engines_programs_compile_on_an_expert_axis(tmp_path):
+    """The paged engine's prefill chunk and decode step on expert 2 x fsdp 2, its Pallas
+    decode kernel (under shard_map) beside the grouped matmuls' kernels."""
+    over = {"sampling.engine": "paged", "model.attention": "splash"}
+    names = ("paged_prefill", "paged_decode")
+    status, _, err = _plan(
+        _config(**over), topology="v5e-4", programs=names, json=str(tmp_path / "p.json")
+    )
+    assert status == 0, err
+    rows = {r["program"]: r for r in json.loads((tmp_path / "p.json").read_text())["programs"]}
+    assert set(rows) == set(names)
+    assert not any(r["error"] for r in rows.values())
+    assert rows["paged_decode"]["kernels"] == 2 * (3 + 1) + 2  # one attention kernel a layer
+
+
+@pytest.mark.slow
+@needs_libtpu
 def test_xla_holds_1_over_expert_of_the_experts_weights_per_chip():
     """The prefill's arguments per chip (XLA's count) on expert 2 x fsdp 2 against the same
     program on tensor 2 x fsdp 2 under the fsdp layout (the tensor axis splits nothing there,
