@@ -79,6 +79,7 @@ def _plan(config, opts: Options, out, err) -> int:
     chip = topo.chip
     run = parse_config(config)
     cfg, source = architectures.resolve(run, model=opts.model, model_config=opts.model_config)
+    budget.check_expert_axis(run, cfg, source)
     mesh_shape = budget.mesh_shape(run, topo.chips)
     if opts.suggest:
         found = budget.suggest(run, cfg, topo.chips, chip.hbm_limit, topo.slices)
@@ -101,7 +102,7 @@ def _plan(config, opts: Options, out, err) -> int:
         f"GiB), ICI {chip.ici_bandwidth / 1e9:.0f} GB/s; {chip.source}",
         file=out,
     )
-    print(f"model: {source}, {cfg.num_params:,} parameters, {_run_line(run, cfg)}", file=out)
+    print(f"model: {source}, {_params_line(cfg)}, {_run_line(run, cfg)}", file=out)
     worst = max((needs[p] for p in wanted if p in needs), key=lambda n: n.total, default=None)
     if worst is not None and worst.total > chip.hbm_limit and not (opts.force or opts.plan_only):
         raise ConfigError(
@@ -117,6 +118,18 @@ def _plan(config, opts: Options, out, err) -> int:
     if problem:
         raise ConfigError(problem)
     return _compile_all(run, cfg, topo, mesh_shape, needs, wanted, opts, out, err)
+
+
+def _params_line(cfg) -> str:
+    """The parameters; a mixture of experts' also those a token computes with (the FLOPs'
+    count, ``budget.model_flops``)."""
+    line = f"{cfg.num_params:,} parameters"
+    if cfg.num_experts:
+        line += (
+            f" ({cfg.active_params:,} active: {cfg.experts_per_token} of {cfg.num_experts} "
+            f"experts per token in {len(cfg.sparse_layers)} layers)"
+        )
+    return line
 
 
 def _run_line(run, cfg) -> str:

@@ -19,6 +19,7 @@ from grpo_jax.models import builtin_tokenizer, gguf, tiny_config
 from grpo_jax.models.gguf_format import GGUFFile
 from grpo_jax.models.hf_config import config_from_hf
 from grpo_jax.models.safetensors_io import CheckpointError
+from grpo_jax.run import runlocal
 
 _QWEN = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False)
 _LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, hidden_act="silu", rope_theta=500_000.0)
@@ -53,6 +54,13 @@ REPOS_AND_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen3-32b": ("Qwen/Qwen3-32B", dict(
         model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
         num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, tie_word_embeddings=False, **_QWEN)),
+    # A mixture of experts (docs/moe.md): every layer sparse, 128 experts, top 8.
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         max_position_embeddings=40960, tie_word_embeddings=False, **_QWEN)),
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -144,6 +152,11 @@ def resolve(run, *, model: str = "", model_config: str = ""):
         if name is None:
             raise ConfigError(f"--model={model} is not a known model; known: {', '.join(CONFIGS)}")
         hf, source = CONFIGS[name], f"{REPOS[name]} (built-in table)"
+    elif run.model.path.startswith(runlocal.TINY_PREFIX):  # the checkpoint a run would make
+        family = run.model.path[len(runlocal.TINY_PREFIX) :]
+        tiny = runlocal.tiny_model_config(family)
+        fields.setdefault("param_dtype", fields.get("dtype", tiny.dtype))  # as loaded below
+        return tiny.replace(**fields), f"{run.model.path} (a tiny random {family} checkpoint)"
     elif run.model.path.endswith(".gguf") and pathlib.Path(run.model.path).expanduser().is_file():
         hf, source = gguf.hf_config(GGUFFile(run.model.path)), run.model.path  # its metadata alone
     elif run.model.path and (pathlib.Path(run.model.path).expanduser() / "config.json").is_file():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.core.sharding import EXPERT_AXIS
 from grpo_jax.run import memory
 
 GiB = 2**30
@@ -95,10 +96,10 @@ def fits(run, cfg, mesh_shape, limit: float, headroom: float = 0.9):
 
 def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
     """Overrides (config key -> value) that make ``run`` fit ``chips`` chips of ``limit``
-    bytes each, by the plan, changing as little as it can: the mesh first (all chips in
-    fsdp, data over the slices), then more gradient-accumulation steps, a smaller logits
-    chunk, tensor parallelism, splash attention, remat, scanned layers (the last the most
-    disruptive). None when nothing tried fits.
+    bytes each, by the plan, changing as little as it can: the mesh first (the chips that
+    ``mesh.expert`` leaves in fsdp, data over the slices), then more gradient-accumulation
+    steps, a smaller logits chunk, tensor parallelism, splash attention, remat, scanned layers
+    (the last the most disruptive). None when nothing tried fits.
 
     Returns (overrides, the run with them, its model config, the mesh shape).
     """
@@ -117,7 +118,8 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
                 r = dc.replace(r, **{section: dc.replace(getattr(r, section), **fields)})
         return r, c
 
-    base = {"mesh.data": slices, "mesh.fsdp": chips // slices, "mesh.tensor": 1}
+    expert = run.mesh.expert  # the run's own: its experts stay split as it asks
+    base = {"mesh.data": slices, "mesh.fsdp": chips // (slices * expert), "mesh.tensor": 1}
     N = run.train.batch_size * run.grpo.G
     minibatch = run.train.minibatch_size or N
     # The run's own value first, then those that need less memory, least disruptive innermost.
@@ -139,14 +141,17 @@ def suggest(run, cfg, chips: int, limit: float, slices: int = 1):
         for chunk in chunks
     ]
     for scan, remat, attention, tensor, accum, chunk in plans:
-        if chips % (tensor * slices):
+        if chips % (tensor * slices * expert):
             continue
-        over = dict(base, **{"mesh.fsdp": chips // (tensor * slices), "mesh.tensor": tensor})
+        fsdp = chips // (tensor * slices * expert)
+        over = dict(base, **{"mesh.fsdp": fsdp, "mesh.tensor": tensor})
         if tensor > 1:
             over["mesh.layout"] = "fsdp_tp"
         over.update({"optim.grad_accum": accum, "train.logits_chunk": chunk})
         over.update({"model.remat": remat, "model.scan_layers": scan, "model.attention": attention})
-        mesh_shape = {"data": over["mesh.data"], "fsdp": over["mesh.fsdp"], "tensor": tensor}
+        mesh_shape = {"data": over["mesh.data"], "fsdp": fsdp, "tensor": tensor}
+        if expert != 1:
+            mesh_shape[EXPERT_AXIS] = expert
         shards = over["mesh.data"] * over["mesh.fsdp"]
         if N % (shards * run.grpo.G) or (minibatch // accum) % shards:
             continue
@@ -170,9 +175,12 @@ def _current(run, key: str, chips: int):
 
 
 def mesh_shape(run, chips: int) -> dict[str, int]:
-    """The run's mesh axes on ``chips`` devices, -1 resolved as ``sharding.make_mesh`` does;
-    a one-line ConfigError when they do not multiply to ``chips``."""
+    """The run's mesh axes on ``chips`` devices, -1 resolved as ``sharding.make_mesh`` does,
+    with "expert" when ``mesh.expert`` is larger than 1 (a mesh has that axis only then); a
+    one-line ConfigError when they do not multiply to ``chips``."""
     axes = {"data": run.mesh.data, "fsdp": run.mesh.fsdp, "tensor": run.mesh.tensor}
+    if run.mesh.expert != 1:
+        axes[EXPERT_AXIS] = run.mesh.expert
     known = math.prod(v for v in axes.values() if v != -1)
     free = [a for a, v in axes.items() if v == -1]
     if len(free) > 1 or (free and chips % known) or (not free and known != chips):
@@ -183,3 +191,21 @@ def mesh_shape(run, chips: int) -> dict[str, int]:
     if free:
         axes[free[0]] = chips // known
     return axes
+
+
+def check_expert_axis(run, cfg, source: str) -> None:
+    """A one-line ConfigError unless ``mesh.expert`` splits the model's experts evenly (as a
+    run refuses it, ``run.builders.check_expert_axis``; here naming where the model's sizes
+    came from): a size that does not divide them would leave them whole on every chip."""
+    expert, num = run.mesh.expert, cfg.num_experts
+    if expert == 1 or (num and num % expert == 0):
+        return
+    if not num:
+        raise ConfigError(
+            f"config key 'mesh.expert' = {expert} needs a mixture-of-experts model; {source} "
+            "is dense (num_experts = 0): set mesh.expert = 1"
+        )
+    raise ConfigError(
+        f"config key 'mesh.expert' = {expert} must divide the model's num_experts = {num} "
+        f"({source})"
+    )

@@ -214,10 +214,30 @@ def conv_flops(lhs_dims, out_dims, labels, attrs: str) -> float:
     return 2.0 * out_dims[out_l.index("b")] * out_dims[out_l.index("f")] * in_f * taps
 
 
+# The TPU compiler's own kernel for ``jax.lax.ragged_dot`` (a mixture of experts' grouped
+# matmul, docs/moe.md): a custom call named for it (or carrying its tiling), its group
+# metadata first, then the rows [m, k] and the groups' weights [g, k, n];
+# "ragged-dot-metadata" computes no FLOPs.
+_RAGGED_DOT = re.compile(r"ragged-dot-(?!metadata)")
+
+
+def _ragged_dot_flops(ins: Instr, out, table: dict[str, str]) -> float:
+    """2 x the output's [m, n] elements x k: each row times its one group's [k, n]."""
+    if len(ins.operands) < 2 or len(out[0][1]) != 2:
+        return 0.0
+    lhs, rhs = (shapes_in(table.get(o, "")) for o in ins.operands[-2:])
+    if not lhs or not rhs or len(rhs[0][1]) != 3 or rhs[0][1][-2] != lhs[0][1][-1]:
+        return 0.0
+    return 2.0 * math.prod(out[0][1]) * lhs[0][1][-1]
+
+
 def _flops(ins: Instr, table: dict[str, str]) -> float:
     """A ``dot``'s 2 x the output's elements x the contracted size, a convolution's
-    :func:`conv_flops`; 0 for anything else."""
+    :func:`conv_flops`, a grouped matmul's :func:`_ragged_dot_flops`; 0 for anything else."""
     out = shapes_in(ins.shape)
+    ragged = _RAGGED_DOT.match(ins.name) or "ragged_dot_tiling=" in ins.attrs
+    if out and ins.op == "custom-call" and ragged:
+        return _ragged_dot_flops(ins, out, table)
     if not out or ins.op not in ("dot", "convolution") or not ins.operands:
         return 0.0
     lhs = table.get(ins.operands[0])
@@ -259,8 +279,8 @@ def analyse(hlo: str) -> Costs:
     :func:`trip_count`, a ``conditional`` its largest branch, fusions, calls and asynchronous
     starts their callees. Collective bytes are the outputs of the all-gathers, all-reduces,
     reduce-scatters, all-to-alls and collective permutes, times the trips of the loops around
-    them. Pallas kernels (``tpu_custom_call``) have no FLOPs here; they are counted by
-    target."""
+    them. Pallas kernels (``tpu_custom_call``) have no FLOPs here, but for the TPU
+    compiler's grouped matmul (:func:`_ragged_dot_flops`); they are counted by target."""
     comps, entry = parse(hlo)
     memo: dict[tuple[str, bool], tuple[float, float]] = {}
     loops: list[tuple[int | None, bool]] = []

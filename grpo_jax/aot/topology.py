@@ -203,9 +203,10 @@ def devices(topology: Topology) -> list:
 
 
 def make_mesh(topology: Topology, axes: dict[str, int], devs: list):
-    """The run's ("data", "fsdp", "tensor") mesh over ``devs``; over several slices the data
-    axis spans the slices (``create_hybrid_device_mesh``) and fsdp and tensor stay inside one,
-    so only the gradients' data-parallel reduction crosses the data-centre network."""
+    """The run's ("data", "fsdp", "tensor"[, "expert"]) mesh over ``devs``; over several
+    slices the data axis spans the slices (``create_hybrid_device_mesh``) and the others stay
+    inside one, so only the gradients' data-parallel reduction crosses the data-centre
+    network."""
     # Inside the function on purpose: this module imports no JAX (it names the libtpu
     # settings that must be in the environment before JAX loads libtpu).
     from grpo_jax.core import sharding
@@ -216,13 +217,16 @@ def make_mesh(topology: Topology, axes: dict[str, int], devs: list):
     from jax.experimental import mesh_utils
     from jax.sharding import Mesh
 
-    sizes = [axes.get(a, 1) for a in sharding.MESH_AXES]
+    names = sharding.MESH_AXES
+    if axes.get(sharding.EXPERT_AXIS, 1) != 1:  # as make_mesh: the axis only when not 1
+        names = (*names, sharding.EXPERT_AXIS)
+    sizes = [axes.get(a, 1) for a in names]
     if sizes[0] % topology.slices:
         raise ConfigError(
             f"config key 'mesh.data' = {sizes[0]} must be a multiple of the "
             f"{topology.slices} slices of {topology.name} (data parallelism spans the slices)"
         )
-    ici = (sizes[0] // topology.slices, sizes[1], sizes[2])
-    dcn = (topology.slices, 1, 1)
+    ici = (sizes[0] // topology.slices, *sizes[1:])
+    dcn = (topology.slices,) + (1,) * (len(sizes) - 1)
     array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devs)
-    return Mesh(np.asarray(array), sharding.MESH_AXES)
+    return Mesh(np.asarray(array), names)

@@ -155,6 +155,17 @@ def tiny_tokenizer(family: str):
     return tok
 
 
+def tiny_model_config(family: str):
+    """The ``ModelConfig`` of ``model.path = "tiny:<family>"``, nothing written (the plan
+    command's, ``grpo_jax.aot.architectures``); a one-line ConfigError for another family."""
+    if family not in _SPECIALS:
+        raise ConfigError(
+            f"config key 'model.path' = {TINY_PREFIX + family!r}: no tiny checkpoint of family "
+            f"{family!r}; known: {sorted('tiny:' + f for f in _SPECIALS)}"
+        )
+    return _tiny_model_config(family, tiny_tokenizer(family))
+
+
 def _tiny_model_config(family: str, tok):
     ids = lambda t: tok.convert_tokens_to_ids(t)
     eos = (ids(_SPECIALS[family]["eos"]),)

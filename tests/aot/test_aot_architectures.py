@@ -13,7 +13,7 @@ from grpo_jax.models.hf_config import config_from_hf
 PUBLISHED = {
     "qwen2.5-0.5b": 0.494, "qwen2.5-1.5b": 1.54, "qwen3-0.6b": 0.596, "qwen3-8b": 8.19,
     "qwen3-32b": 32.8, "llama3.2-1b": 1.24, "llama3.1-8b": 8.03, "gemma3-270m": 0.268,
-    "gemma3-1b": 1.0, "gemma3-27b": 27.0,
+    "gemma3-1b": 1.0, "gemma3-27b": 27.0, "qwen3-30b-a3b": 30.5,
 }  # fmt: skip
 
 
@@ -21,6 +21,16 @@ PUBLISHED = {
 def test_each_model_has_its_published_size(name):
     cfg = config_from_hf(architectures.CONFIGS[name], source=name)
     assert cfg.num_params / 1e9 == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_a_mixture_of_experts_has_its_published_active_size():
+    """Qwen3-30B-A3B: 3.3B of its parameters compute each token (8 of 128 experts)."""
+    cfg = config_from_hf(architectures.CONFIGS["qwen3-30b-a3b"], source="qwen3-30b-a3b")
+    assert (cfg.family, cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim) == (
+        "qwen3_moe", 128, 8, 768,
+    )  # fmt: skip
+    assert len(cfg.sparse_layers) == cfg.num_layers == 48
+    assert cfg.active_params / 1e9 == pytest.approx(3.3, rel=0.02)
 
 
 def test_the_recipes_models_are_all_in_the_table():

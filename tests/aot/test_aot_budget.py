@@ -138,3 +138,28 @@ def test_a_critics_moments_and_head_are_what_the_plan_adds():
     assert est.params - grpo_est.params == head_bytes
     # The moments of a 0-d leaf (the bias) are dropped above like the optimizer's scalars.
     assert per_device_bytes(moments) + 2 * 4 == est.optimizer
+
+
+def test_a_mixture_of_experts_flops_count_the_active_parameters():
+    """The MFU's useful FLOPs (``budget.model_flops``) of Qwen3-30B-A3B: 2 per active
+    parameter and decoded token (its LM head included, the embedding lookup not), a tenth of
+    what its 30.5B parameters would give."""
+    run, cfg = _run("qwen3-8b,pod", **{"model.path": "Qwen/Qwen3-30B-A3B"})
+    assert cfg.num_experts == 128
+    chips = 64
+    N, T = run.train.batch_size * run.grpo.G, run.sampling.max_new_tokens
+    flops = budget.model_flops(run, cfg, chips)
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert flops["decode"] == 2 * (cfg.active_params - embed) * N * T / chips
+    every_expert = budget.model_flops(run, cfg.replace(experts_per_token=128), chips)
+    assert 0.09 < flops["update"] / every_expert["update"] < 0.13
+
+
+def test_suggest_keeps_the_runs_expert_axis():
+    """A mixture on expert 8: the chips it leaves go to fsdp, the experts stay split."""
+    run, cfg = _run("qwen3-8b,pod", **{"model.path": "Qwen/Qwen3-30B-A3B", "mesh.expert": 8})
+    topo = parse_topology("v5p-128")
+    changed, r, c, mesh = budget.suggest(run, cfg, topo.chips, topo.chip.hbm_limit)
+    assert mesh["expert"] == 8 and mesh["data"] * mesh["fsdp"] * mesh["tensor"] == 8
+    assert "mesh.expert" not in changed and r.mesh.expert == 8
+    assert budget.fits(r, c, mesh, topo.chip.hbm_limit)[0]

@@ -108,3 +108,53 @@ def test_the_tpu_compilers_forms():
     assert costs.loops == [(6, True)]
     assert costs.flops == pytest.approx(6 * step + 2 * step + conv)
     assert costs.collective_bytes == 6 * 8 * 64 * 2  # the gathered [8, 64], not the operand
+
+
+# A mixture of experts' grouped matmul (``jax.lax.ragged_dot``) as the TPU compiler writes
+# it: its own kernel, after the kernel that computes the groups' metadata; in a loop of 3.
+RAGGED = """\
+HloModule m
+
+%body (p: (s32[], f32[512,64])) -> (s32[], f32[512,64]) {
+  %p = (s32[], f32[512,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[512,64] get-tuple-element(%p), index=1
+  %sizes = s32[4] constant({128, 128, 128, 128})
+  %ragged-dot-metadata = (s32[5], s32[19], s32[19], s32[1]) custom-call(%sizes), \
+custom_call_target="tpu_custom_call"
+  %m0 = s32[5] get-tuple-element(%ragged-dot-metadata), index=0
+  %m3 = s32[1] get-tuple-element(%ragged-dot-metadata), index=3
+  %w = f32[4,64,192] constant({...})
+  %ragged-dot-none.2 = f32[512,192] custom-call(%m3, %m0, /*index=2*/%x, %w), \
+custom_call_target="tpu_custom_call", frontend_attributes={ragged_dot_tiling="128,64,192"}
+  %wd = f32[4,192,64] constant({...})
+  %down = f32[512,64] custom-call(%m3, %m0, %ragged-dot-none.2, %wd), \
+custom_call_target="tpu_custom_call", frontend_attributes={ragged_dot_tiling="128,192,64"}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[512,64]) tuple(%next, %down)
+}
+
+%cond (p.1: (s32[], f32[512,64])) -> pred[] {
+  %p.1 = (s32[], f32[512,64]) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (x0: f32[512,64]) -> (s32[], f32[512,64]) {
+  %x0 = f32[512,64] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[512,64]) tuple(%zero, %x0)
+  ROOT %loop = (s32[], f32[512,64]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_grouped_matmuls_kernel_counts_each_row_times_its_groups_weights():
+    """Each of the 512 rows goes through one group's [64, 192] and back through [192, 64]:
+    2 x 512 x 64 x 192 FLOPs each way, 3 times; the metadata kernel none. (Before, the
+    kernels counted nothing: a mixture's experts were missing from its FLOPs.)"""
+    costs = hlo_costs.analyse(RAGGED)
+    assert costs.flops == 3 * 2 * (2 * 512 * 64 * 192)
+    assert costs.kernels == 3
