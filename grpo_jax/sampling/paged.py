@@ -629,10 +629,14 @@ def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> Sampl
         truncated=~rows.ended_N,
         behavior_logps=rows.behavior_NxT,
     )
+    # None stays None: the paged engine records no routes (SampleOutput.routes).
     if mesh is None:
-        return SampleOutput(*(jnp.asarray(x) for x in host))
+        return SampleOutput(*(None if x is None else jnp.asarray(x) for x in host))
     return SampleOutput(
-        *(distributed.put(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in host)
+        *(
+            None if x is None else distributed.put(x, sharding_lib.batch_sharding(mesh, x.ndim))
+            for x in host
+        )
     )
 
 

@@ -202,3 +202,13 @@ def test_hf_families_greedy_equal_the_static_engine(hf_models, family):
     full = np.where(out.mask, _full_logps((graphdef, params), out, 1.0), 0.0)
     np.testing.assert_allclose(out.logps, full, atol=2e-5)
     assert st.prompt_pages == sum(-(-len(p) // 4) for p in prompts)
+
+
+def test_output_rows_keeps_the_fields_the_engine_does_not_fill_empty():
+    """The paged engine records no routes: its SampleOutput carries None there (an array
+    of None made every paged rollout raise once SampleOutput gained the routes field)."""
+    rows = paged.fresh_rows(4, 3, pad_id=0)._replace(count_N=np.array([1, 2, 3, 0], np.int32))
+    out = paged.output_rows(rows, np.ones((2, 5), np.int32), np.ones((2, 5), bool), g=2)
+    assert out.routes is None
+    assert out.tokens.shape == (4, 3) and out.prompt_tokens.shape == (4, 5)
+    np.testing.assert_array_equal(out.mask.sum(1), [1, 2, 3, 0])
