@@ -21,12 +21,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # JAX's persistent compilation cache is off in the tests unless GRPO_JAX_TEST_XLA_CACHE=1 asks
 # for it (then in ~/.cache/grpo_jax/tests-xla, or JAX_COMPILATION_CACHE_DIR, for programs that
-# take 0.5 s or more to compile). Four whole-suite runs in fresh clones lost an xdist worker to a
-# segfault in XLA:CPU while it serialized an executable into that cache, after three changes
-# that each removed one suspected cause, and a lost worker cost CI its time limit. A cold run
-# gains little from it (the fast tier: 101 s with every program cached, 80 s with the 0.5 s
-# floor, 83 s without; docs/testing.md); a warm rerun on one machine gains more. The tests of
-# the cache itself turn it on for themselves.
+# take 0.5 s or more to compile): a cold run gains little from it (the fast tier: 101 s with
+# every program cached, 80 s with the 0.5 s floor, 83 s without; docs/testing.md), a warm
+# rerun on one machine more. The tests of the cache itself turn it on for themselves.
 if os.environ.get("GRPO_JAX_TEST_XLA_CACHE", "0") == "1":
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/grpo_jax/tests-xla")
@@ -52,6 +49,22 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test file, JAX's compiled programs are dropped. Every XLA:CPU executable
+    keeps a few memory mappings of its code, and a worker that ran hundreds of files held
+    over 50,000 of them: at the kernel's limit (vm.max_map_count, 65,530) XLA:CPU crashed
+    compiling or serializing the next program, which lost CI a worker four times. Dropped
+    here, a worker stays near a thousand (docs/testing.md)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture

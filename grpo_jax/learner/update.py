@@ -963,11 +963,6 @@ def jit_update(
 # The first step: the update compiled while the sampler compiles and runs.
 
 
-def persistent_cache_on() -> bool:
-    """Whether JAX's persistent compilation cache is on (its directory set and enabled)."""
-    return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
-
-
 def _signature(args):
     leaves, treedef = jax.tree.flatten(args)
     return treedef, [(x.shape, x.dtype, x.sharding) for x in leaves]
@@ -996,23 +991,8 @@ class CompiledAhead:
 
         self._jitted = jitted
         self._signature = _signature(args)
-        self._pool = None  # the compile-ahead thread, when there is one
-        if persistent_cache_on():
-            # With JAX's persistent compilation cache, the compiled update is serialized
-            # into it; serialized in this background thread, it crashed XLA:CPU (segfaults
-            # in the test suite, which runs with the cache on, also while the caller only
-            # waited). The update then compiles in the caller's thread, overlapping nothing:
-            # a relaunch reads both programs from the cache instead.
-            self._future = concurrent.futures.Future()
-            try:
-                self._future.set_result(jitted.lower(*args).compile())
-            except Exception as e:  # noqa: BLE001 - the jitted call raises it with context
-                self._future.set_exception(e)
-        else:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="compile-update"
-            )
-            self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-update")
+        self._future = self._pool.submit(lambda: jitted.lower(*args).compile())
 
     def __enter__(self):
         return self
@@ -1022,8 +1002,7 @@ class CompiledAhead:
 
     def close(self) -> None:
         """Waits for the compilation (its error, if any, is the jitted call's to raise)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
     def __call__(self, *args):
         if _signature(args) == self._signature:
