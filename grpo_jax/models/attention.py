@@ -8,6 +8,11 @@ times v: ``einsum`` (the reference), ``blockwise`` (online softmax over key bloc
 with a recomputing gradient: Milakov & Gimelshein 2018, Rabe & Staats 2021, Dao et al. 2022),
 ``dot_product`` (``jax.nn.dot_product_attention``), ``splash`` (TPU Pallas) and the paged
 engine's decode kernel. docs/long_context.md, "model.attention", has the formulas and mask.
+
+Attention sinks (GPT-OSS): a learned logit per query head joins every softmax's denominator
+and attends to nothing, so a query may give its keys less than all of its weight. ``einsum``,
+``blockwise`` and the paged gather path take them (``sinks_KxG``); ``dot_product`` and
+``splash`` do not (``ModelConfig`` refuses the combination).
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class PagedKV(NamedTuple):
 
 
 def paged_attention(
-    q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, q_pos_BxT, k_pos_BxS, window, scale, softcap
-):
+    q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, q_pos_BxT, k_pos_BxS, window, scale, softcap,
+    sinks_KxG=None,
+):  # fmt: skip
     """The gather-based path over a paged cache: the einsum reference on gathered
     keys/values, the mask by positions (:class:`PagedKV`) rather than by slots."""
     dt = q_BxTxKxGxDh.dtype
@@ -116,7 +122,7 @@ def paged_attention(
     if window is not None:
         ok_BxTxS &= dist_BxTxS < window
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    probs_BxKxGxTxS = softmax_with_sinks(scores_BxKxGxTxS, sinks_KxG).astype(dt)
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
 
 
@@ -267,11 +273,25 @@ def _cap(scores, softcap):
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
+def softmax_with_sinks(scores_BxKxGxTxS: jax.Array, sinks_KxG: jax.Array | None) -> jax.Array:
+    """softmax over the keys (last axis); with sinks, each head's sink logit joins the
+    denominator: p_s = exp(x_s) / (sum_s' exp(x_s') + exp(sink)), float32."""
+    if sinks_KxG is None:
+        return jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+    sink = jnp.broadcast_to(
+        sinks_KxG.astype(jnp.float32)[None, :, :, None, None], (*scores_BxKxGxTxS.shape[:-1], 1)
+    )
+    both = jnp.concatenate([scores_BxKxGxTxS.astype(jnp.float32), sink], axis=-1)
+    return jax.nn.softmax(both, axis=-1)[..., :-1]
+
+
 # ---------------------------------------------------------------------------
 # einsum: the reference.
 
 
-def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, softcap):
+def einsum_attention(
+    q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, softcap, sinks_KxG=None
+):
     """The reference; ``k_spec`` / ``v_spec`` name the key/value layouts (einsum letters)."""
     dt = q_BxTxKxGxDh.dtype
     scores_BxKxGxTxS = jnp.einsum(
@@ -280,7 +300,7 @@ def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, 
     scores_BxKxGxTxS = _cap(scores_BxKxGxTxS * scale, softcap)
     ok_BxTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window, seg=segment_ids(mask))
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    probs_BxKxGxTxS = softmax_with_sinks(scores_BxKxGxTxS, sinks_KxG).astype(dt)
     return jnp.einsum(f"bkgts,{v_spec}->btkgh", probs_BxKxGxTxS, v.astype(dt))
 
 
@@ -325,8 +345,11 @@ def _seg_of(seg, kv_seg_blk):
     return None if seg is None else (seg[0], kv_seg_blk)
 
 
-def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T])."""
+def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T]).
+
+    ``sinks`` [K, G] (or None): each head's sink starts the online softmax as a key with
+    logit sink and value 0 (m = sink, l = 1), so it joins the normaliser alone."""
     B, K, G, T, Dh = q.shape
     n = k.shape[2] // block
     k_N, v_N, kv_mask_N = (
@@ -356,22 +379,24 @@ def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)
         jnp.zeros((B, K, G, T), jnp.float32),
         jnp.zeros((B, K, G, T, Dh), jnp.float32),
     )
+    if sinks is not None:
+        sink_BxKxGxT = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], (B, K, G, T))
+        init = (sink_BxKxGxT, jnp.ones((B, K, G, T), jnp.float32), init[2])
     js = jnp.arange(n, dtype=jnp.int32)
     (m, l, acc), _ = jax.lax.scan(step, init, (js, k_N, v_N, kv_mask_N, seg_N))
     return acc / l[..., None], m, l
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    return _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)[0].astype(
-        q.dtype
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    out = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block)[0]
+    return out.astype(q.dtype)
 
 
-def _flash_fwd(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)
+def _flash_fwd(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block)
     out = out.astype(q.dtype)
-    return out, (q, k, v, q_slot, kv_mask, window, seg, out, m, l)
+    return out, (q, k, v, q_slot, kv_mask, window, seg, sinks, out, m, l)
 
 
 def _flash_bwd(scale, softcap, block, res, d_out):
@@ -380,9 +405,11 @@ def _flash_bwd(scale, softcap, block, res, d_out):
 
         dv_j = p^T do,  dp = do v_j^T,  ds = p * (dp - rowsum(do * out)),
         ds_raw = ds * (1 - tanh^2(raw / c)) when soft-capped,
-        dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q.
+        dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q,
+        dsink = -sum over rows and queries of p_sink * rowsum(do * out)
+    (a sink is a key of value 0: its ds is p_sink * (0 - rowsum(do * out))).
     """
-    q, k, v, q_slot, kv_mask, window, seg, out, m, l = res
+    q, k, v, q_slot, kv_mask, window, seg, sinks, out, m, l = res
     n = k.shape[2] // block
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
@@ -415,6 +442,10 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         step, jnp.zeros(q.shape, jnp.float32), (js, k_N, v_N, kv_mask_N, seg_N)
     )
     zero_int = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    d_sinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - m) * inv_l
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).astype(sinks.dtype)
     return (
         dq.astype(q.dtype),
         _unblocks(dk_N, 2).astype(k.dtype),
@@ -423,6 +454,7 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         zero_int(kv_mask),
         zero_int(window),
         jax.tree.map(zero_int, seg),
+        d_sinks,
     )
 
 
@@ -430,8 +462,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise_attention(
-    q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask: AttnMask, scale, softcap, block_size
-):
+    q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask: AttnMask, scale, softcap, block_size,
+    sinks_KxG=None,
+):  # fmt: skip
     """Online-softmax attention over key blocks of ``block_size`` slots (module docstring).
 
     Keys/values are padded with masked slots up to a multiple of the block.
@@ -458,6 +491,7 @@ def blockwise_attention(
         kv_mask_BxS,
         jnp.asarray(window, jnp.int32),
         seg,
+        sinks_KxG,
         scale,
         softcap,
         block,

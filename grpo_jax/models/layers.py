@@ -51,6 +51,7 @@ WEIGHT_NAMES = (
     "up_proj",
     "down_proj",
     "router",
+    "gate_up_experts",
     "gate_experts",
     "up_experts",
     "down_experts",
@@ -162,6 +163,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg, stack)
             self.k_norm = RMSNorm(Dh, cfg, stack)
+        if cfg.attention_sinks:  # one logit per query head (GPT-OSS)
+            self.sinks = p((H,), ("heads",))
+
+    def _sinks(self):
+        """The sinks as [K, G] float32 (query head h = k * G + g), or None."""
+        if not self.cfg.attention_sinks:
+            return None
+        return self.sinks[...].astype(jnp.float32).reshape(self.cfg.num_kv_heads, -1)
 
     def __call__(
         self,
@@ -262,7 +271,7 @@ class Attention(nnx.Module):
         return attn_lib.paged_attention(
             q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh,
             mask.q_slot_BxT,  # the queries' positions
-            kv.pos_BxS, mask.window, scale, softcap,
+            kv.pos_BxS, mask.window, scale, softcap, self._sinks(),
         )  # fmt: skip
 
     def _out(self, out_BxTxKxGxDh, w):
@@ -291,7 +300,9 @@ class Attention(nnx.Module):
             impl = "einsum" if q_BxTxKxGxDh.shape[1] == 1 else "blockwise"
         if impl == "einsum":
             v_spec = "bkhs" if cached else "bskh"
-            return attn_lib.einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap)
+            return attn_lib.einsum_attention(
+                q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap, self._sinks()
+            )
         if impl in ("blockwise", "splash"):
             k_BxKxSxDh = k if cached else jnp.transpose(k, (0, 2, 1, 3))
             v_BxKxSxDh = jnp.swapaxes(v, 2, 3) if cached else jnp.transpose(v, (0, 2, 1, 3))
@@ -308,8 +319,9 @@ class Attention(nnx.Module):
                     layout,
                 )
             return attn_lib.blockwise_attention(
-                q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size
-            )
+                q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size,
+                self._sinks(),
+            )  # fmt: skip
         k_BxSxKxDh = jnp.transpose(k, (0, 2, 1, 3)) if cached else k
         v_BxSxKxDh = jnp.transpose(v, (0, 3, 1, 2)) if cached else v
         return attn_lib.dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask, scale)
@@ -322,11 +334,14 @@ def _activation(cfg: ModelConfig):
 
 
 class MoE(nnx.Module):
-    """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's sparse block).
+    """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's or GPT-OSS's block).
 
     The weights are stacked over the E experts; the router is [D, E]. The names differ
     from the dense MLP's (``gate_experts``, not ``gate_proj``): LoRA adapts the dense
-    projections only. ``grpo_jax.models.moe`` has the routing and the dispatch.
+    projections only. With ``cfg.swiglu_limit`` (GPT-OSS) the gate and up projections are
+    one weight ``gate_up_experts`` [E, D, 2F], gate and up interleaved along its output as
+    the checkpoint stores them, and ``cfg.moe_bias`` adds the router's and the experts'
+    biases. ``grpo_jax.models.moe`` has the routing and the dispatch.
     """
 
     def __init__(self, cfg: ModelConfig, stack: int = 0):
@@ -334,9 +349,16 @@ class MoE(nnx.Module):
         self.cfg = cfg
         p = lambda shape, axes: param(shape, axes, pd, stack=stack)
         self.router = p((D, E), ("embed", None))
-        self.gate_experts = p((E, D, F), ("experts", "embed", "mlp"))
-        self.up_experts = p((E, D, F), ("experts", "embed", "mlp"))
+        if cfg.swiglu_limit is not None:
+            self.gate_up_experts = p((E, D, 2 * F), ("experts", "embed", "mlp"))
+        else:
+            self.gate_experts = p((E, D, F), ("experts", "embed", "mlp"))
+            self.up_experts = p((E, D, F), ("experts", "embed", "mlp"))
         self.down_experts = p((E, F, D), ("experts", "mlp", "embed"))
+        if cfg.moe_bias:
+            self.router_bias = p((E,), (None,))
+            self.gate_up_bias = p((E, 2 * F), ("experts", "mlp"))
+            self.down_bias = p((E, D), ("experts", "norm"))
 
     def __call__(self, x_BxTxD: jax.Array, layout: str, routes_BxTxK=None):
         """(out [B, T, D], the experts used [B, T, K] int32); ``routes_BxTxK`` replays them."""
@@ -345,9 +367,22 @@ class MoE(nnx.Module):
         w = lambda p: p[...].astype(dt)
         x_MxD = x_BxTxD.reshape(B * T, D)
         given = None if routes_BxTxK is None else routes_BxTxK.reshape(B * T, -1)
+        logits_MxE = x_MxD @ w(self.router)
+        if cfg.moe_bias:
+            logits_MxE = logits_MxE + w(self.router_bias)
         weights_MxK, experts_MxK = moe_lib.route(
-            x_MxD @ w(self.router), cfg.experts_per_token, cfg.norm_topk_prob, given
-        )
+            logits_MxE, cfg.experts_per_token, cfg.norm_topk_prob, given,
+            softmax_over_topk=cfg.router_softmax_over_topk,
+        )  # fmt: skip
+        if cfg.swiglu_limit is not None:
+            gate_up_bias = w(self.gate_up_bias) if cfg.moe_bias else None
+            down_bias = w(self.down_bias) if cfg.moe_bias else None
+            out_MxD = moe_lib.clamped_grouped_experts(
+                x_MxD, experts_MxK, weights_MxK.astype(dt), w(self.gate_up_experts),
+                gate_up_bias, w(self.down_experts), down_bias, cfg.swiglu_alpha,
+                cfg.swiglu_limit,
+            )  # fmt: skip
+            return out_MxD.reshape(B, T, D), experts_MxK.reshape(B, T, -1)
         out_MxD = moe_lib.grouped_experts(
             x_MxD, experts_MxK, weights_MxK.astype(dt),
             w(self.gate_experts), w(self.up_experts), w(self.down_experts), _activation(cfg),
