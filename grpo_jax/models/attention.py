@@ -11,8 +11,8 @@ engine's decode kernel. docs/long_context.md, "model.attention", has the formula
 
 Attention sinks (GPT-OSS): a learned logit per query head joins every softmax's denominator
 and attends to nothing, so a query may give its keys less than all of its weight. ``einsum``,
-``blockwise`` and the paged gather path take them (``sinks_KxG``); ``dot_product`` and
-``splash`` do not (``ModelConfig`` refuses the combination).
+``blockwise``, ``splash``, the paged gather path and the paged decode kernel take them
+(``sinks_KxG``); ``dot_product`` does not (``ModelConfig`` refuses the combination).
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def paged_attention(
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
 
 
-def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, softcap):
+def paged_decode_attention(
+    q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, softcap, sinks_KxG=None
+):
     """One query per row over a paged cache, as a Pallas kernel that reads each row's
     pages through its block table (``model.attention = "splash"``'s decode step on the
     paged engine; docs/engine.md). Equal to :func:`paged_attention` on the gathered
@@ -138,7 +140,8 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     blocks: the TPU lowering wants a block's last two dimensions whole or in (8, 128)
     tiles, which one head of [pages, Z, K, Dh] is not), and folds it into each head's
     online softmax (running max, normaliser and weighted sum in scratch), written out
-    after the last entry.
+    after the last entry. With ``sinks_KxG`` each head's softmax starts from its sink
+    (running max = sink, normaliser = 1).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -146,6 +149,7 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     B, K, G, Dh = q_BxKxGxDh.shape
     Z = kv.k.shape[1]
     M = kv.table_BxN.shape[1]
+    sinks = sinks_KxG is not None
     k_pos = kv.pos_BxS.reshape(B, M, 1, Z).astype(jnp.int32)
     per_page = lambda b, j, table, q_pos: (table[b, j], 0, 0, 0)
     per_row = lambda b, j, table, q_pos: (b, 0, 0, 0)
@@ -157,7 +161,8 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
             pl.BlockSpec((None, Z, K, Dh), per_page),
             pl.BlockSpec((None, Z, K, Dh), per_page),
             pl.BlockSpec((None, None, 1, Z), lambda b, j, table, q_pos: (b, j, 0, 0)),
-        ],
+        ]
+        + ([pl.BlockSpec((K, G, 1), lambda b, j, table, q_pos: (0, 0, 0))] if sinks else []),
         out_specs=pl.BlockSpec((None, K, G, Dh), per_row),
         scratch_shapes=[
             pltpu.VMEM((K, G, 1), jnp.float32),
@@ -166,8 +171,9 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
         ],
     )
     kernel = functools.partial(
-        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M, heads=K
-    )
+        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M, heads=K,
+        sinks=sinks,
+    )  # fmt: skip
     call = lambda interpret: pl.pallas_call(
         kernel,
         grid_spec=grid,
@@ -176,22 +182,29 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     )
     table = kv.table_BxN.astype(jnp.int32)
     args = (table, q_pos_B.astype(jnp.int32), q_BxKxGxDh, kv.k, kv.v, k_pos)
+    if sinks:
+        args += (sinks_KxG.astype(jnp.float32)[..., None],)
     return _on_platform(call)(*args)
 
 
 def _paged_decode_kernel(
-    table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, o_ref, m_sc, l_sc, acc_sc, *,
-    scale, window, softcap, entries, heads,
+    table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs,
+    scale, window, softcap, entries, heads, sinks,
 ):  # fmt: skip
     from jax.experimental import pallas as pl
 
+    sinks_ref, (o_ref, m_sc, l_sc, acc_sc) = (refs[0], refs[1:]) if sinks else (None, refs)
     b, j = pl.program_id(0), pl.program_id(1)
     del table_ref  # read by the index maps only
 
     @pl.when(j == 0)
     def _():
-        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        if sinks:  # the sink is the first "key": max = sink, exp(sink - max) = 1
+            m_sc[...] = sinks_ref[...]
+            l_sc[...] = jnp.ones(l_sc.shape, jnp.float32)
+        else:
+            m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     contract = lambda a, b_, dims: jax.lax.dot_general(
@@ -585,6 +598,7 @@ def splash_attention(
     block_size: int,
     local_window: int | None,
     layout: str,
+    sinks_KxG: jax.Array | None = None,
 ):
     """TPU splash attention for queries in consecutive slots from ``mask.q_offset``.
 
@@ -597,7 +611,8 @@ def splash_attention(
     global kernel or the one of ``local_window``. On a mesh with the
     ("data", "fsdp", "tensor") axes the kernel runs under ``shard_map``, rows
     over the batch axes and KV heads over "tensor" as the layout shards them,
-    since a Pallas call is not partitioned by XLA.
+    since a Pallas call is not partitioned by XLA. ``sinks_KxG``: the kernel's own attention
+    sinks, each KV head's G of them given to its call.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -631,9 +646,16 @@ def splash_attention(
         pad_t(kv_seg_BxS, 1, Sp - S),
     )
 
-    def run(kern, q, k, v, q_seg, kv_seg):
+    has_sinks = sinks_KxG is not None
+    if has_sinks:
+        args += (sinks_KxG.astype(jnp.float32),)
+
+    def run(kern, q, k, v, q_seg, kv_seg, *sinks):
         def row(q_KxGxTxDh, k_KxSxDh, v_KxSxDh, q_seg_T, kv_seg_S):
             seg = sk.SegmentIds(q=q_seg_T, kv=kv_seg_S)
+            if has_sinks:
+                head = lambda q, k, v, s_G: kern(q, k, v, segment_ids=seg, sinks=s_G)
+                return jax.vmap(head)(q_KxGxTxDh, k_KxSxDh, v_KxSxDh, sinks[0])
             return jax.vmap(lambda q, k, v: kern(q, k, v, segment_ids=seg))(
                 q_KxGxTxDh, k_KxSxDh, v_KxSxDh
             )
@@ -648,9 +670,10 @@ def splash_attention(
     def attend_with(interpret):  # Mosaic's kernel lowered for a TPU, else interpreted
         kernel = lambda w: _splash_kernel((Tp, Sp), off, w, G, softcap, bq, bkv, interpret)
 
-        def attend(q, k, v, q_seg, kv_seg, *w):
+        def attend(q, k, v, q_seg, kv_seg, *rest):
+            sinks, w = rest[: int(has_sinks)], rest[int(has_sinks) :]
             if static:
-                return run(kernel(window), q, k, v, q_seg, kv_seg)
+                return run(kernel(window), q, k, v, q_seg, kv_seg, *sinks)
             return jax.lax.cond(
                 w[0] >= NO_WINDOW,
                 lambda *a: run(kernel(None), *a),
@@ -660,6 +683,7 @@ def splash_attention(
                 v,
                 q_seg,
                 kv_seg,
+                *sinks,
             )
 
         return attend
@@ -673,7 +697,7 @@ def splash_attention(
         P = jax.sharding.PartitionSpec
         b_ax, k_ax = fit_spec(logical_to_spec(("batch", "kv_heads"), layout), (B, K), mesh.shape)
         heads, rows = P(b_ax, k_ax), P(b_ax)
-        in_specs = (heads,) * 3 + (rows,) * 2 + (P(),) * len(extra)
+        in_specs = (heads,) * 3 + (rows,) * 2 + (P(k_ax),) * has_sinks + (P(),) * len(extra)
         out = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
             *args, *extra
         )

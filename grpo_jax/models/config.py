@@ -275,10 +275,10 @@ class ModelConfig:
                     f"config key 'model.{key}' = {getattr(self, key)!r} must be True or False"
                 )
         check_bool("model.attention_sinks", self.attention_sinks)
-        if self.attention_sinks and self.attention in ("dot_product", "splash"):
+        if self.attention_sinks and self.attention == "dot_product":
             raise ConfigError(
                 f"config key 'model.attention' = {self.attention!r} has no attention sinks "
-                f"(model.family = {self.family!r}); use 'einsum' or 'blockwise'"
+                f"(model.family = {self.family!r}); use 'einsum', 'blockwise' or 'splash'"
             )
         if self.attention == "dot_product" and self.attn_logit_softcap is not None:
             raise ConfigError(

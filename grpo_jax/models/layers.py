@@ -78,15 +78,19 @@ def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> 
         offset += size
 
 
-def _paged_decode(q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, softcap, layout):
+def _paged_decode(
+    q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, softcap, layout, sinks_KxG=None
+):
     """The Pallas paged decode kernel; on a mesh with the ("data", "fsdp", "tensor") axes
     it runs under ``shard_map`` (XLA does not partition a Pallas call): each device
     attends its rows over its copy of the pool, which the engine keeps whole on every
     device."""
-    call = lambda q, k, v, table, pos, q_pos: attn_lib.paged_decode_attention(
-        q, attn_lib.PagedKV(k, v, None, None, table, pos), q_pos, window, scale, softcap
-    )
-    args = (q_BxKxGxDh, kv.k, kv.v, kv.table_BxN, kv.pos_BxS, q_pos_B)
+    call = lambda q, k, v, table, pos, q_pos, *sinks: attn_lib.paged_decode_attention(
+        q, attn_lib.PagedKV(k, v, None, None, table, pos), q_pos, window, scale, softcap,
+        *sinks,
+    )  # fmt: skip
+    sinks = () if sinks_KxG is None else (sinks_KxG,)
+    args = (q_BxKxGxDh, kv.k, kv.v, kv.table_BxN, kv.pos_BxS, q_pos_B, *sinks)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
         return call(*args)
@@ -96,7 +100,7 @@ def _paged_decode(q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, soft
     return jax.shard_map(
         call,
         mesh=mesh,
-        in_specs=(rows, whole, whole, rows, rows, rows),
+        in_specs=(rows, whole, whole, rows, rows, rows) + (whole,) * len(sinks),
         out_specs=rows,
         check_vma=False,
     )(*args)
@@ -264,7 +268,7 @@ class Attention(nnx.Module):
         if T == 1 and cfg.attention == "splash":
             out_BxKxGxDh = _paged_decode(
                 q_BxTxKxGxDh[:, 0], kv, mask.q_slot_BxT[:, 0], mask.window, scale, softcap,
-                layout,
+                layout, self._sinks(),
             )  # fmt: skip
             return out_BxKxGxDh[:, None]
         k_BxSxKxDh, v_BxSxKxDh = kv.gather()
@@ -317,6 +321,7 @@ class Attention(nnx.Module):
                     cfg.attention_block_size,
                     cfg.sliding_window,
                     layout,
+                    self._sinks(),
                 )
             return attn_lib.blockwise_attention(
                 q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size,

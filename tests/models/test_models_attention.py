@@ -49,8 +49,8 @@ def _loss_and_grads(model, tokens, mask):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_implementation_equals_einsum_in_logits_and_gradients(family, impl):
-    if family == "gpt_oss" and impl != "blockwise":  # no sinks there: refused (tested below)
-        pytest.skip("attention sinks run on einsum and blockwise only")
+    if family == "gpt_oss" and impl == "dot_product":  # no sinks there: refused (tested below)
+        pytest.skip("jax.nn.dot_product_attention has no attention sinks")
     cfg = _cfg(family, impl)
     tokens, mask = left_padded_batch((11, 7, 3), 11, cfg.vocab_size, seed=3)
     ref = random_model(cfg)
@@ -195,10 +195,9 @@ def test_sinks_in_blockwise_and_paged_equal_einsum_in_value_and_gradient():
     assert np.abs(with_sinks).sum() < np.abs(without).sum()
 
 
-@pytest.mark.parametrize("impl", ["dot_product", "splash"])
-def test_attention_sinks_are_refused_where_the_kernel_has_none(impl):
-    with pytest.raises(ConfigError, match=f"'model.attention' = '{impl}' has no attention sinks"):
-        small_config("gpt_oss", attention=impl)
+def test_attention_sinks_are_refused_where_the_kernel_has_none():
+    with pytest.raises(ConfigError, match="'model.attention' = 'dot_product' has no attention"):
+        small_config("gpt_oss", attention="dot_product")
 
 
 def test_blockwise_backward_never_forms_the_full_score_matrix():
