@@ -115,8 +115,9 @@ class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019) over the last axis: x / sqrt(mean(x^2) + eps) * w.
 
     ``plus_one`` (Gemma): the stored weight is an offset, the scale is (1 + w),
-    and the product is taken in float32 before casting back; otherwise (Llama,
-    Qwen) the normalised x is cast back first, then multiplied by w.
+    and the product is taken in float32 before casting back; GPT-OSS also takes
+    w * x in float32 before the cast; otherwise (Llama, Qwen) the normalised x is
+    cast back first, then multiplied by w.
     """
 
     def __init__(self, dim: int, cfg: ModelConfig, stack: int = 0):
@@ -124,12 +125,15 @@ class RMSNorm(nnx.Module):
         self.plus_one = cfg.norm_plus_one
         init = "zeros" if cfg.norm_plus_one else "ones"
         self.scale = param((dim,), ("norm",), cfg.params_dtype, init=init, stack=stack)
+        self.scale_in_float32 = cfg.family == "gpt_oss"  # GPT-OSS multiplies before the cast
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.plus_one:
             return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        if self.scale_in_float32:
+            return (self.scale[...].astype(jnp.float32) * normed).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 

@@ -339,3 +339,31 @@ def test_yarn_config_without_its_keys_names_them(tmp_path):
     assert cfg.rope_scaling == RopeScaling(
         "yarn", 32.0, original_max_position_embeddings=4096, truncate=False
     )
+
+
+@pytest.mark.slow
+def test_rmsnorm_multiplies_in_float32_before_the_cast_as_transformers():
+    """GPT-OSS's RMSNorm takes w * x in float32 and casts after (Llama's casts first): in
+    bfloat16 the outputs equal transformers' GptOssRMSNorm bit for bit."""
+    import ml_dtypes
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from grpo_jax.models.layers import RMSNorm
+
+    cfg = family_config(
+        "gpt_oss", vocab_size=10, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=8, mlp_dim=8, dtype="bfloat16", param_dtype="bfloat16",
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64)).astype(ml_dtypes.bfloat16)
+    w = (1 + 0.3 * rng.standard_normal(64)).astype(ml_dtypes.bfloat16)
+    norm = RMSNorm(64, cfg)
+    norm.scale[...] = jnp.asarray(w)
+    ours = np.asarray(norm(jnp.asarray(x))).astype(np.float32)
+    ref = GptOssRMSNorm(64, eps=cfg.rms_norm_eps).to(torch.bfloat16)
+    bf16 = lambda a: torch.tensor(a.astype(np.float32)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(bf16(w))
+        theirs = ref(bf16(x)).float().numpy()
+    np.testing.assert_array_equal(ours, theirs)
