@@ -15,7 +15,7 @@ import pathlib
 
 import numpy as np
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -70,6 +70,25 @@ _FAMILY = {
         mlp_only_layers=[1],  # Sparse, dense, sparse.
         rope_parameters=dict(rope_type="default", rope_theta=1e6),
     ),
+    "gpt_oss": dict(
+        head_dim=16,
+        num_hidden_layers=3,  # sliding, full, sliding
+        intermediate_size=32,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=4,  # Shorter than the test sequences.
+        swiglu_limit=0.3,  # Low enough that the clamps bind on this model's activations.
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150_000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=64,
+        ),
+    ),
     "gemma3": dict(
         head_dim=16,
         num_hidden_layers=4,
@@ -94,6 +113,7 @@ def hf_config(family: str, **overrides):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gpt_oss": transformers.GptOssConfig,
         "gemma3": transformers.Gemma3TextConfig,
     }
     if family not in classes:
@@ -114,10 +134,12 @@ def make_tiny_hf_checkpoint(
 ) -> pathlib.Path:
     """Writes a tiny random ``family`` checkpoint (config.json + safetensors) at ``path``.
 
-    Families "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3": vocab 320, hidden
+    Families "llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3": vocab 320, hidden
     64, 2-4 layers, 4 query / 2 KV heads; Llama with llama3 RoPE scaling and an untied
     head, Qwen2 with q/k/v biases, Qwen3 with an explicit head_dim, Qwen3-MoE with
-    6 experts (top 2, renormalised) in layers 0 and 2 and a dense layer 1, Gemma 3
+    6 experts (top 2, renormalised) in layers 0 and 2 and a dense layer 1, GPT-OSS with
+    6 experts (top 2) in every layer, attention sinks, a sliding window of 4 on layers 0
+    and 2, YaRN RoPE and a SwiGLU clamp of 0.3 that binds, Gemma 3
     with a sliding window of 4, a scaled global RoPE and final soft-capping.
     Every parameter (norms and biases too) is random, so parity tests see
     all of them. ``overrides`` go to the transformers config class;

@@ -38,6 +38,10 @@ GEN_PROMPT = {
     "gemma3": "<end_of_turn>\n<start_of_turn>model\n",
 }
 USER_TURN["qwen3_moe"], GEN_PROMPT["qwen3_moe"] = USER_TURN["qwen3"], GEN_PROMPT["qwen3"]
+USER_TURN["gpt_oss"], GEN_PROMPT["gpt_oss"] = (
+    "<|start|>user<|message|>",
+    ("<|end|><|start|>assistant<|message|>"),
+)
 
 
 def _load():
@@ -119,17 +123,20 @@ def test_runlocal_trains(name, assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_runlocal_trains_a_mixture_of_experts(assets, tmp_path):
-    """The Qwen3 recipe's runlocal variant on "tiny:qwen3_moe" (4 experts, top 2): the whole
-    loop (sampling, scoring, the update, evaluation) runs a mixture of experts."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_runlocal_trains_a_mixture_of_experts(assets, tmp_path, family):
+    """The Qwen3 recipe's runlocal variant on "tiny:qwen3_moe" or "tiny:gpt_oss" (4 experts,
+    top 2): the whole loop (sampling, scoring, the update, evaluation) runs a mixture of
+    experts."""
     from grpo_jax.run.train import train
 
     config = recipes.get_config("model=qwen3-0.6b,runlocal")
-    config.model.path = "tiny:qwen3_moe"
+    config.model.path = f"tiny:{family}"
     summary = train(config, tmp_path)
-    (made,) = assets.glob("qwen3_moe-tiny-*/config.json")
+    (made,) = assets.glob(f"{family}-tiny-*/config.json")
     hf = json.loads(made.read_text())
-    assert (hf["model_type"], hf["num_experts"], hf["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    assert (hf["model_type"], experts, hf["num_experts_per_tok"]) == (family, 4, 2)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -205,7 +212,7 @@ def test_config_files_write_nothing(tmp_path, monkeypatch):
         runlocal.resolve(parse_config(config))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", "gpt_oss", "llama", "gemma3"])
 def test_tiny_tokenizer_chat_template(family):
     from grpo_jax.data import format_prompt
 

@@ -1,4 +1,5 @@
-"""Decoder-only transformers in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3).
+"""Decoder-only transformers in Flax NNX (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE,
+GPT-OSS, Gemma 3).
 
     model = create_model(tiny_config(vocab_size=100))       # random, built-in size
     model = from_pretrained("/path/to/hf_dir", dtype=jnp.bfloat16, mesh=mesh)

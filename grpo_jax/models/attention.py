@@ -8,6 +8,11 @@ times v: ``einsum`` (the reference), ``blockwise`` (online softmax over key bloc
 with a recomputing gradient: Milakov & Gimelshein 2018, Rabe & Staats 2021, Dao et al. 2022),
 ``dot_product`` (``jax.nn.dot_product_attention``), ``splash`` (TPU Pallas) and the paged
 engine's decode kernel. docs/long_context.md, "model.attention", has the formulas and mask.
+
+Attention sinks (GPT-OSS): a learned logit per query head joins every softmax's denominator
+and attends to nothing, so a query may give its keys less than all of its weight. ``einsum``,
+``blockwise``, ``splash``, the paged gather path and the paged decode kernel take them
+(``sinks_KxG``); ``dot_product`` does not (``ModelConfig`` refuses the combination).
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class PagedKV(NamedTuple):
 
 
 def paged_attention(
-    q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, q_pos_BxT, k_pos_BxS, window, scale, softcap
-):
+    q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, q_pos_BxT, k_pos_BxS, window, scale, softcap,
+    sinks_KxG=None,
+):  # fmt: skip
     """The gather-based path over a paged cache: the einsum reference on gathered
     keys/values, the mask by positions (:class:`PagedKV`) rather than by slots."""
     dt = q_BxTxKxGxDh.dtype
@@ -116,11 +122,13 @@ def paged_attention(
     if window is not None:
         ok_BxTxS &= dist_BxTxS < window
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    probs_BxKxGxTxS = softmax_with_sinks(scores_BxKxGxTxS, sinks_KxG).astype(dt)
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxDh.astype(dt))
 
 
-def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, softcap):
+def paged_decode_attention(
+    q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, softcap, sinks_KxG=None
+):
     """One query per row over a paged cache, as a Pallas kernel that reads each row's
     pages through its block table (``model.attention = "splash"``'s decode step on the
     paged engine; docs/engine.md). Equal to :func:`paged_attention` on the gathered
@@ -132,7 +140,8 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     blocks: the TPU lowering wants a block's last two dimensions whole or in (8, 128)
     tiles, which one head of [pages, Z, K, Dh] is not), and folds it into each head's
     online softmax (running max, normaliser and weighted sum in scratch), written out
-    after the last entry.
+    after the last entry. With ``sinks_KxG`` each head's softmax starts from its sink
+    (running max = sink, normaliser = 1).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -140,6 +149,7 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     B, K, G, Dh = q_BxKxGxDh.shape
     Z = kv.k.shape[1]
     M = kv.table_BxN.shape[1]
+    sinks = sinks_KxG is not None
     k_pos = kv.pos_BxS.reshape(B, M, 1, Z).astype(jnp.int32)
     per_page = lambda b, j, table, q_pos: (table[b, j], 0, 0, 0)
     per_row = lambda b, j, table, q_pos: (b, 0, 0, 0)
@@ -151,7 +161,8 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
             pl.BlockSpec((None, Z, K, Dh), per_page),
             pl.BlockSpec((None, Z, K, Dh), per_page),
             pl.BlockSpec((None, None, 1, Z), lambda b, j, table, q_pos: (b, j, 0, 0)),
-        ],
+        ]
+        + ([pl.BlockSpec((K, G, 1), lambda b, j, table, q_pos: (0, 0, 0))] if sinks else []),
         out_specs=pl.BlockSpec((None, K, G, Dh), per_row),
         scratch_shapes=[
             pltpu.VMEM((K, G, 1), jnp.float32),
@@ -160,8 +171,9 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
         ],
     )
     kernel = functools.partial(
-        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M, heads=K
-    )
+        _paged_decode_kernel, scale=scale, window=window, softcap=softcap, entries=M, heads=K,
+        sinks=sinks,
+    )  # fmt: skip
     call = lambda interpret: pl.pallas_call(
         kernel,
         grid_spec=grid,
@@ -170,22 +182,29 @@ def paged_decode_attention(q_BxKxGxDh, kv: PagedKV, q_pos_B, window, scale, soft
     )
     table = kv.table_BxN.astype(jnp.int32)
     args = (table, q_pos_B.astype(jnp.int32), q_BxKxGxDh, kv.k, kv.v, k_pos)
+    if sinks:
+        args += (sinks_KxG.astype(jnp.float32)[..., None],)
     return _on_platform(call)(*args)
 
 
 def _paged_decode_kernel(
-    table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, o_ref, m_sc, l_sc, acc_sc, *,
-    scale, window, softcap, entries, heads,
+    table_ref, q_pos_ref, q_ref, k_ref, v_ref, k_pos_ref, *refs,
+    scale, window, softcap, entries, heads, sinks,
 ):  # fmt: skip
     from jax.experimental import pallas as pl
 
+    sinks_ref, (o_ref, m_sc, l_sc, acc_sc) = (refs[0], refs[1:]) if sinks else (None, refs)
     b, j = pl.program_id(0), pl.program_id(1)
     del table_ref  # read by the index maps only
 
     @pl.when(j == 0)
     def _():
-        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        if sinks:  # the sink is the first "key": max = sink, exp(sink - max) = 1
+            m_sc[...] = sinks_ref[...]
+            l_sc[...] = jnp.ones(l_sc.shape, jnp.float32)
+        else:
+            m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     contract = lambda a, b_, dims: jax.lax.dot_general(
@@ -267,11 +286,25 @@ def _cap(scores, softcap):
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
+def softmax_with_sinks(scores_BxKxGxTxS: jax.Array, sinks_KxG: jax.Array | None) -> jax.Array:
+    """softmax over the keys (last axis); with sinks, each head's sink logit joins the
+    denominator: p_s = exp(x_s) / (sum_s' exp(x_s') + exp(sink)), float32."""
+    if sinks_KxG is None:
+        return jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+    sink = jnp.broadcast_to(
+        sinks_KxG.astype(jnp.float32)[None, :, :, None, None], (*scores_BxKxGxTxS.shape[:-1], 1)
+    )
+    both = jnp.concatenate([scores_BxKxGxTxS.astype(jnp.float32), sink], axis=-1)
+    return jax.nn.softmax(both, axis=-1)[..., :-1]
+
+
 # ---------------------------------------------------------------------------
 # einsum: the reference.
 
 
-def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, softcap):
+def einsum_attention(
+    q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, softcap, sinks_KxG=None
+):
     """The reference; ``k_spec`` / ``v_spec`` name the key/value layouts (einsum letters)."""
     dt = q_BxTxKxGxDh.dtype
     scores_BxKxGxTxS = jnp.einsum(
@@ -280,7 +313,7 @@ def einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask: AttnMask, scale, 
     scores_BxKxGxTxS = _cap(scores_BxKxGxTxS * scale, softcap)
     ok_BxTxS = allowed(mask.q_slot_BxT, mask.kv_mask_BxS, mask.window, seg=segment_ids(mask))
     scores_BxKxGxTxS = jnp.where(ok_BxTxS[:, None, None], scores_BxKxGxTxS, MASKED)
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(dt)
+    probs_BxKxGxTxS = softmax_with_sinks(scores_BxKxGxTxS, sinks_KxG).astype(dt)
     return jnp.einsum(f"bkgts,{v_spec}->btkgh", probs_BxKxGxTxS, v.astype(dt))
 
 
@@ -325,8 +358,11 @@ def _seg_of(seg, kv_seg_blk):
     return None if seg is None else (seg[0], kv_seg_blk)
 
 
-def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T])."""
+def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    """(out [B,K,G,T,Dh] float32, row max m, row normaliser l [B,K,G,T]).
+
+    ``sinks`` [K, G] (or None): each head's sink starts the online softmax as a key with
+    logit sink and value 0 (m = sink, l = 1), so it joins the normaliser alone."""
     B, K, G, T, Dh = q.shape
     n = k.shape[2] // block
     k_N, v_N, kv_mask_N = (
@@ -356,22 +392,24 @@ def _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)
         jnp.zeros((B, K, G, T), jnp.float32),
         jnp.zeros((B, K, G, T, Dh), jnp.float32),
     )
+    if sinks is not None:
+        sink_BxKxGxT = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None], (B, K, G, T))
+        init = (sink_BxKxGxT, jnp.ones((B, K, G, T), jnp.float32), init[2])
     js = jnp.arange(n, dtype=jnp.int32)
     (m, l, acc), _ = jax.lax.scan(step, init, (js, k_N, v_N, kv_mask_N, seg_N))
     return acc / l[..., None], m, l
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    return _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)[0].astype(
-        q.dtype
-    )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    out = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block)[0]
+    return out.astype(q.dtype)
 
 
-def _flash_fwd(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block):
-    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, scale, softcap, block)
+def _flash_fwd(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block):
+    out, m, l = _flash_forward(q, k, v, q_slot, kv_mask, window, seg, sinks, scale, softcap, block)
     out = out.astype(q.dtype)
-    return out, (q, k, v, q_slot, kv_mask, window, seg, out, m, l)
+    return out, (q, k, v, q_slot, kv_mask, window, seg, sinks, out, m, l)
 
 
 def _flash_bwd(scale, softcap, block, res, d_out):
@@ -380,9 +418,11 @@ def _flash_bwd(scale, softcap, block, res, d_out):
 
         dv_j = p^T do,  dp = do v_j^T,  ds = p * (dp - rowsum(do * out)),
         ds_raw = ds * (1 - tanh^2(raw / c)) when soft-capped,
-        dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q.
+        dq += scale * ds_raw k_j,  dk_j = scale * ds_raw^T q,
+        dsink = -sum over rows and queries of p_sink * rowsum(do * out)
+    (a sink is a key of value 0: its ds is p_sink * (0 - rowsum(do * out))).
     """
-    q, k, v, q_slot, kv_mask, window, seg, out, m, l = res
+    q, k, v, q_slot, kv_mask, window, seg, sinks, out, m, l = res
     n = k.shape[2] // block
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
@@ -415,6 +455,10 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         step, jnp.zeros(q.shape, jnp.float32), (js, k_N, v_N, kv_mask_N, seg_N)
     )
     zero_int = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    d_sinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, :, None] - m) * inv_l
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).astype(sinks.dtype)
     return (
         dq.astype(q.dtype),
         _unblocks(dk_N, 2).astype(k.dtype),
@@ -423,6 +467,7 @@ def _flash_bwd(scale, softcap, block, res, d_out):
         zero_int(kv_mask),
         zero_int(window),
         jax.tree.map(zero_int, seg),
+        d_sinks,
     )
 
 
@@ -430,8 +475,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blockwise_attention(
-    q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask: AttnMask, scale, softcap, block_size
-):
+    q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask: AttnMask, scale, softcap, block_size,
+    sinks_KxG=None,
+):  # fmt: skip
     """Online-softmax attention over key blocks of ``block_size`` slots (module docstring).
 
     Keys/values are padded with masked slots up to a multiple of the block.
@@ -458,6 +504,7 @@ def blockwise_attention(
         kv_mask_BxS,
         jnp.asarray(window, jnp.int32),
         seg,
+        sinks_KxG,
         scale,
         softcap,
         block,
@@ -551,6 +598,7 @@ def splash_attention(
     block_size: int,
     local_window: int | None,
     layout: str,
+    sinks_KxG: jax.Array | None = None,
 ):
     """TPU splash attention for queries in consecutive slots from ``mask.q_offset``.
 
@@ -563,7 +611,8 @@ def splash_attention(
     global kernel or the one of ``local_window``. On a mesh with the
     ("data", "fsdp", "tensor") axes the kernel runs under ``shard_map``, rows
     over the batch axes and KV heads over "tensor" as the layout shards them,
-    since a Pallas call is not partitioned by XLA.
+    since a Pallas call is not partitioned by XLA. ``sinks_KxG``: the kernel's own attention
+    sinks, each KV head's G of them given to its call.
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
@@ -597,9 +646,16 @@ def splash_attention(
         pad_t(kv_seg_BxS, 1, Sp - S),
     )
 
-    def run(kern, q, k, v, q_seg, kv_seg):
+    has_sinks = sinks_KxG is not None
+    if has_sinks:
+        args += (sinks_KxG.astype(jnp.float32),)
+
+    def run(kern, q, k, v, q_seg, kv_seg, *sinks):
         def row(q_KxGxTxDh, k_KxSxDh, v_KxSxDh, q_seg_T, kv_seg_S):
             seg = sk.SegmentIds(q=q_seg_T, kv=kv_seg_S)
+            if has_sinks:
+                head = lambda q, k, v, s_G: kern(q, k, v, segment_ids=seg, sinks=s_G)
+                return jax.vmap(head)(q_KxGxTxDh, k_KxSxDh, v_KxSxDh, sinks[0])
             return jax.vmap(lambda q, k, v: kern(q, k, v, segment_ids=seg))(
                 q_KxGxTxDh, k_KxSxDh, v_KxSxDh
             )
@@ -614,9 +670,10 @@ def splash_attention(
     def attend_with(interpret):  # Mosaic's kernel lowered for a TPU, else interpreted
         kernel = lambda w: _splash_kernel((Tp, Sp), off, w, G, softcap, bq, bkv, interpret)
 
-        def attend(q, k, v, q_seg, kv_seg, *w):
+        def attend(q, k, v, q_seg, kv_seg, *rest):
+            sinks, w = rest[: int(has_sinks)], rest[int(has_sinks) :]
             if static:
-                return run(kernel(window), q, k, v, q_seg, kv_seg)
+                return run(kernel(window), q, k, v, q_seg, kv_seg, *sinks)
             return jax.lax.cond(
                 w[0] >= NO_WINDOW,
                 lambda *a: run(kernel(None), *a),
@@ -626,6 +683,7 @@ def splash_attention(
                 v,
                 q_seg,
                 kv_seg,
+                *sinks,
             )
 
         return attend
@@ -639,7 +697,7 @@ def splash_attention(
         P = jax.sharding.PartitionSpec
         b_ax, k_ax = fit_spec(logical_to_spec(("batch", "kv_heads"), layout), (B, K), mesh.shape)
         heads, rows = P(b_ax, k_ax), P(b_ax)
-        in_specs = (heads,) * 3 + (rows,) * 2 + (P(),) * len(extra)
+        in_specs = (heads,) * 3 + (rows,) * 2 + (P(k_ax),) * has_sinks + (P(),) * len(extra)
         out = jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
             *args, *extra
         )

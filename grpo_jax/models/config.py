@@ -1,6 +1,7 @@
 """Architecture of a decoder-only transformer: one frozen, validated, hashable dataclass.
 
-One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Gemma 3 text models:
+One :class:`ModelConfig` covers Llama 3.x, Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, GPT-OSS and Gemma 3
+text models:
 ``family`` names the Hugging Face checkpoint layout, the boolean switches say what the math
 does (:func:`family_config` sets them per family). It is hashable because the model keeps it
 as static structure, part of the graphdef jitted functions key their caches on. Also the
@@ -11,6 +12,7 @@ families' switches.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -23,10 +25,10 @@ from grpo_jax.core.errors import ConfigError
 # The attention implementations (``grpo_jax.models.attention``), for ``model.attention``.
 ATTENTION = ("einsum", "blockwise", "dot_product", "splash")
 DEFAULT_ATTENTION = "einsum"  # the reference implementation
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,6 +44,11 @@ class RopeScaling:
         otherwise                 -> (1 - s) inv_freq / factor + s inv_freq,
                                      s = (L / w - low_freq_factor)
                                          / (high_freq_factor - low_freq_factor).
+    kind "yarn": YaRN (Peng et al. 2023), as transformers computes it: dimension d of the
+    Dh/2 keeps inv_freq where its wavelength completes more than beta_fast turns in L
+    positions, takes inv_freq / factor where it completes fewer than beta_slow, and blends
+    linearly between (the range's ends rounded outwards when ``truncate``); cos and sin are
+    multiplied by ``attention_factor`` (None: 0.1 ln(factor) + 1).
     """
 
     kind: str
@@ -49,6 +56,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self):
         check_choice("rope_scaling.kind", self.kind, ROPE_SCALINGS)
@@ -63,12 +74,30 @@ class RopeScaling:
                     f"rope_scaling.high_freq_factor = {self.high_freq_factor} must be > "
                     f"low_freq_factor = {self.low_freq_factor}"
                 )
+        if self.kind in ("llama3", "yarn"):
             check_range(
                 "rope_scaling.original_max_position_embeddings",
                 self.original_max_position_embeddings,
                 lo=1,
                 integer=True,
             )
+        if self.kind == "yarn":
+            check_range("rope_scaling.beta_fast", self.beta_fast, lo=0.0, lo_open=True)
+            check_range("rope_scaling.beta_slow", self.beta_slow, lo=0.0, lo_open=True)
+            check_bool("rope_scaling.truncate", self.truncate)
+            if self.attention_factor is not None:
+                check_range(
+                    "rope_scaling.attention_factor", self.attention_factor, lo=0.0, lo_open=True
+                )
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor on cos and sin (YaRN's attention factor; 1 for the other kinds)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 def dtype_name(key: str, value: Any, section: str = "model") -> str:
@@ -131,6 +160,15 @@ class ModelConfig:
       decoder_sparse_step, mlp_only_layers: layer i is sparse iff i is not in
         mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (Qwen3-MoE's
         rule); the dense layers' MLP has width ``mlp_dim``.
+      attention_sinks: a learned logit per query head joins each softmax's
+        denominator and attends to nothing (GPT-OSS).
+      moe_bias: biases on the router and on every expert's projections (GPT-OSS).
+      router_softmax_over_topk: the routing weights are the softmax of the k
+        chosen logits (GPT-OSS), not the top k of a softmax over all E.
+      swiglu_limit, swiglu_alpha: when the limit is set, the experts run GPT-OSS's
+        clamped SwiGLU, gate = min(gate, limit), up = clip(up, -limit, limit),
+        out = (up + 1) * gate * sigmoid(alpha * gate), on one fused gate/up
+        weight with gate and up interleaved along its output.
     """
 
     family: str
@@ -175,6 +213,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    router_softmax_over_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -231,6 +274,12 @@ class ModelConfig:
                 raise ConfigError(
                     f"config key 'model.{key}' = {getattr(self, key)!r} must be True or False"
                 )
+        check_bool("model.attention_sinks", self.attention_sinks)
+        if self.attention_sinks and self.attention == "dot_product":
+            raise ConfigError(
+                f"config key 'model.attention' = {self.attention!r} has no attention sinks "
+                f"(model.family = {self.family!r}); use 'einsum', 'blockwise' or 'splash'"
+            )
         if self.attention == "dot_product" and self.attn_logit_softcap is not None:
             raise ConfigError(
                 "config key 'model.attention' = 'dot_product' cannot soft-cap attention scores "
@@ -249,6 +298,11 @@ class ModelConfig:
         check_range("model.num_experts", self.num_experts, lo=0, integer=True)
         check_range("model.decoder_sparse_step", self.decoder_sparse_step, lo=1, integer=True)
         check_bool("model.norm_topk_prob", self.norm_topk_prob)
+        check_bool("model.moe_bias", self.moe_bias)
+        check_bool("model.router_softmax_over_topk", self.router_softmax_over_topk)
+        if self.swiglu_limit is not None:
+            check_range("model.swiglu_limit", self.swiglu_limit, lo=0.0, lo_open=True)
+        check_range("model.swiglu_alpha", self.swiglu_alpha, lo=0.0, lo_open=True)
         if not self.num_experts:
             return
         check_range(
@@ -257,6 +311,11 @@ class ModelConfig:
         )  # fmt: skip
         if self.moe_mlp_dim is not None:
             check_range("model.moe_mlp_dim", self.moe_mlp_dim, lo=1, integer=True)
+        if self.moe_bias and self.swiglu_limit is None:
+            raise ConfigError(
+                "config key 'model.moe_bias' = True needs model.swiglu_limit set: the experts' "
+                "biases are those of GPT-OSS's fused gate/up weight"
+            )
         sparse = self.sparse_layers
         if self.scan_layers and 0 < len(sparse) < self.num_layers:
             raise ConfigError(
@@ -331,9 +390,11 @@ class ModelConfig:
         H, K = self.num_heads, self.num_kv_heads
         attn = D * Dh * (2 * H + 2 * K) + (Dh * (H + 2 * K) if self.qkv_bias else 0)
         attn += (D if self.out_bias else 0) + (2 * Dh if self.qk_norm else 0)
+        attn += H if self.attention_sinks else 0
         mlp = 3 * D * F + ((2 * F + D) if self.mlp_bias else 0)
         n_sparse = len(self.sparse_layers)
         moe = self.num_experts * (3 * D * self.expert_mlp_dim + D)  # experts and router
+        moe += self.num_experts * (2 * self.expert_mlp_dim + D + 1) if self.moe_bias else 0
         mlps = (self.num_layers - n_sparse) * mlp + n_sparse * moe
         norms = D * (4 if self.sandwich_norm else 2)
         head = 0 if self.tie_embeddings else D * self.vocab_size
@@ -345,6 +406,7 @@ class ModelConfig:
         router did not choose (E - K of each sparse layer's E); the router counts whole."""
         idle = self.num_experts - self.experts_per_token
         expert = 3 * self.hidden_size * self.expert_mlp_dim
+        expert += (2 * self.expert_mlp_dim + self.hidden_size) if self.moe_bias else 0
         return self.num_params - len(self.sparse_layers) * max(idle, 0) * expert
 
     def replace(self, **changes) -> ModelConfig:
@@ -363,6 +425,20 @@ _FAMILY_SWITCHES: dict[str, dict[str, Any]] = {
         experts_per_token=2,
         norm_topk_prob=True,
     ),  # fmt: skip
+    "gpt_oss": dict(
+        activation="silu",
+        qkv_bias=True,
+        out_bias=True,
+        rms_norm_eps=1e-5,
+        rope_theta=150_000.0,
+        attention_sinks=True,
+        num_experts=8,
+        experts_per_token=2,
+        moe_bias=True,
+        router_softmax_over_topk=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+    ),
     "gemma3": dict(
         activation="gelu_tanh",
         qk_norm=True,
@@ -381,10 +457,19 @@ def family_config(family: str, **fields) -> ModelConfig:
 
     For ``gemma3`` without explicit ``layer_types``, every sixth layer is
     global and the rest slide (Gemma 3's 5:1 pattern), with a default window
-    of 512 and query_pre_attn_scalar = head_dim.
+    of 512 and query_pre_attn_scalar = head_dim. For ``gpt_oss`` the even layers
+    slide and the odd ones are global (GPT-OSS's alternation), with a default
+    window of 128.
     """
     check_choice("model.family", family, FAMILIES)
     merged = {**_FAMILY_SWITCHES[family], **fields}
+    if family == "gpt_oss":
+        n = merged.get("num_layers", 0)
+        if merged.get("layer_types") is None and isinstance(n, int):
+            merged["layer_types"] = tuple(
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+            )
+        merged.setdefault("sliding_window", 128)
     if family == "gemma3":
         n = merged.get("num_layers", 0)
         if merged.get("layer_types") is None and isinstance(n, int):
@@ -514,7 +599,7 @@ class ModelSection:
 
     Attributes:
       path: a Hugging Face checkpoint directory; "" is the built-in tiny model;
-        "tiny:<family>" (qwen2, qwen3, qwen3_moe, llama, gemma3) a small random
+        "tiny:<family>" (qwen2, qwen3, qwen3_moe, gpt_oss, llama, gemma3) a small random
         checkpoint of that family, written when the run starts
         (``grpo_jax.run.runlocal``).
       dtype: compute dtype (None: the checkpoint's, float32 for the tiny model).

@@ -29,6 +29,7 @@ from grpo_jax.models.hf_config import (
 )
 from grpo_jax.models.hf_config_export import config_to_hf
 from grpo_jax.models.hf_weights import IGNORED_SUFFIXES, LM_HEADS, PREFIXES, weight_table
+from grpo_jax.models.mxfp4 import with_mxfp4
 from grpo_jax.models.partitioning import check_layout, param_shardings
 from grpo_jax.models.safetensors_io import CheckpointError, SafetensorsCheckpoint, write_checkpoint
 from grpo_jax.models.transformer import Transformer
@@ -79,7 +80,7 @@ def open_checkpoint(path: str | os.PathLike, **fields):
     )
     if eos != cfg.eos_token_ids:
         cfg = cfg.replace(eos_token_id=eos)
-    ckpt = SafetensorsCheckpoint(directory)
+    ckpt = with_mxfp4(SafetensorsCheckpoint(directory))  # MXFP4 experts read dequantised
     prefix, lm_head = _find_prefix(ckpt, directory)
     return directory, hf, cfg, ckpt, prefix, lm_head
 

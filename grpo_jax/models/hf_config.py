@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 from typing import Any
 
@@ -25,6 +26,7 @@ MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -107,6 +109,37 @@ _DEFAULTS["qwen3_moe"] = {
     "mlp_only_layers": [],
 }
 
+# GptOssConfig's defaults; a config.json with neither rope_parameters nor rope_scaling means
+# YaRN with these parameters.
+_GPT_OSS_ROPE = dict(
+    rope_type="yarn",
+    factor=32.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=4096,
+)
+_DEFAULTS["gpt_oss"] = dict(
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=36,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=150_000.0,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    attention_bias=True,
+)
+
 # Keys whose explicit null differs from the default (no soft-capping, no pad token).
 _NULLABLE = (
     "final_logit_softcapping",
@@ -185,6 +218,32 @@ def _text_settings(hf: dict[str, Any], source: str) -> tuple[str, dict[str, Any]
     return family, settings
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(params: dict[str, Any], source: str, what: str) -> RopeScaling:
+    """YaRN's parameters as transformers reads them (its defaults: beta_fast 32, beta_slow 1,
+    truncate True; the attention factor from mscale and mscale_all_dim when both are set)."""
+    if "original_max_position_embeddings" not in params or "factor" not in params:
+        missing = "factor" if "factor" not in params else "original_max_position_embeddings"
+        raise CheckpointError(f"{source}: {what} of rope_type 'yarn' lacks {missing!r}")
+    factor = float(params["factor"])
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return RopeScaling(
+        "yarn",
+        factor,
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+    )
+
+
 def _rope_scaling(params: dict[str, Any] | None, source: str, what: str) -> RopeScaling | None:
     if not params:
         return None
@@ -193,6 +252,8 @@ def _rope_scaling(params: dict[str, Any] | None, source: str, what: str) -> Rope
         return None
     if kind == "linear":
         return RopeScaling("linear", float(params["factor"]))
+    if kind == "yarn":
+        return _yarn(params, source, what)
     if kind == "llama3":
         try:
             return RopeScaling(
@@ -207,7 +268,8 @@ def _rope_scaling(params: dict[str, Any] | None, source: str, what: str) -> Rope
                 f"{source}: {what} of rope_type 'llama3' lacks {e.args[0]!r}"
             ) from e
     raise CheckpointError(
-        f"{source}: unsupported rope_type {kind!r} in {what}; supported: default, linear, llama3"
+        f"{source}: unsupported rope_type {kind!r} in {what}; supported: default, linear, "
+        "llama3, yarn"
     )
 
 
@@ -219,6 +281,8 @@ def _rope(family: str, s: dict[str, Any], source: str) -> dict[str, Any]:
     """rope_theta, rope_scaling, local_rope_theta from any of the layouts."""
     rope = s.get("rope_parameters") or {}
     legacy = s.get("rope_scaling") or {}
+    if family == "gpt_oss" and not rope and not legacy:
+        rope = _GPT_OSS_ROPE
     if family != "gemma3":
         if _is_nested(rope):
             rope = rope.get("full_attention") or {}
@@ -254,6 +318,11 @@ def _layer_types(family: str, s: dict[str, Any], n: int, source: str) -> dict[st
                 "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
             ]
         return dict(layer_types=tuple(types), sliding_window=s["sliding_window"])
+    if family == "gpt_oss":  # even layers slide, odd ones are global, unless listed
+        types = s.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+        ]
+        return dict(layer_types=tuple(types), sliding_window=s["sliding_window"])
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not s.get("use_sliding_window"):  # transformers drops the window when it is off.
             return dict(layer_types=None, sliding_window=None)
@@ -278,6 +347,22 @@ def _experts(hf: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(s["norm_topk_prob"]),
         decoder_sparse_step=int(s["decoder_sparse_step"]),
         mlp_only_layers=tuple(int(i) for i in s.get("mlp_only_layers") or ()),
+    )
+
+
+def _gpt_oss(s: dict[str, Any], attention_bias: bool) -> dict[str, Any]:
+    """GPT-OSS's fields: every layer a mixture of experts of width intermediate_size, with
+    biases, a softmax over the top-k logits, the clamped SwiGLU and attention sinks."""
+    return dict(
+        qkv_bias=attention_bias,
+        out_bias=attention_bias,
+        attention_sinks=True,
+        num_experts=int(s["num_local_experts"]),
+        experts_per_token=int(s["num_experts_per_tok"]),
+        moe_bias=True,
+        router_softmax_over_topk=True,
+        swiglu_limit=float(s["swiglu_limit"]),
+        swiglu_alpha=float(s["swiglu_alpha"]),
     )
 
 
@@ -330,6 +415,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json", **fields)
         elif family in ("qwen3", "qwen3_moe"):
             kwargs.update(qkv_bias=attention_bias, out_bias=attention_bias, qk_norm=True)
             kwargs.update(_experts(hf, s) if family == "qwen3_moe" else {})
+        elif family == "gpt_oss":
+            kwargs.update(_gpt_oss(s, attention_bias))
         else:
             kwargs.update(
                 qkv_bias=attention_bias,

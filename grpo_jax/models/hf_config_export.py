@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 EXPORT_MODEL_TYPES = {
@@ -26,6 +27,7 @@ EXPORT_MODEL_TYPES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
     "gemma3": "gemma3_text",
 }
 
@@ -59,6 +61,18 @@ def check_exportable(cfg: ModelConfig) -> None:
             sandwich_norm=False,
             scale_embeddings=False,
         ),
+        "gpt_oss": dict(
+            qk_norm=False,
+            mlp_bias=False,
+            norm_plus_one=False,
+            sandwich_norm=False,
+            scale_embeddings=False,
+            attention_sinks=True,
+            moe_bias=True,
+            router_softmax_over_topk=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+        ),
         "gemma3": dict(
             qk_norm=True,
             mlp_bias=False,
@@ -67,6 +81,10 @@ def check_exportable(cfg: ModelConfig) -> None:
             scale_embeddings=True,
         ),
     }[cfg.family]
+    if cfg.family != "gpt_oss":  # GPT-OSS's pieces have no place in the other formats.
+        want.update(
+            attention_sinks=False, moe_bias=False, router_softmax_over_topk=False, swiglu_limit=None
+        )
     if cfg.family != "qwen2":
         want["out_bias"] = cfg.qkv_bias  # One attention_bias switch covers q, k, v and o.
     want["attn_logit_softcap"] = None  # No family's transformers code applies it.
@@ -75,8 +93,13 @@ def check_exportable(cfg: ModelConfig) -> None:
     bad = {k: getattr(cfg, k) for k, v in want.items() if getattr(cfg, k) != v}
     if cfg.family == "llama" and cfg.layer_types and "sliding_attention" in cfg.layer_types:
         bad["layer_types"] = cfg.layer_types
-    if cfg.family != "qwen3_moe" and cfg.num_experts:
-        bad["num_experts"] = cfg.num_experts  # Only Qwen3-MoE's format has experts.
+    if cfg.family not in ("qwen3_moe", "gpt_oss") and cfg.num_experts:
+        bad["num_experts"] = cfg.num_experts  # Only the MoE families' formats have experts.
+    if cfg.family == "gpt_oss":
+        if not cfg.num_experts or cfg.swiglu_limit is None:
+            bad.update(num_experts=cfg.num_experts, swiglu_limit=cfg.swiglu_limit)
+        if cfg.moe_mlp_dim not in (None, cfg.mlp_dim):  # one intermediate_size for both
+            bad["moe_mlp_dim"] = cfg.moe_mlp_dim
     if cfg.family != "gemma3" and cfg.local_rope_theta not in (None, cfg.rope_theta):
         bad["local_rope_theta"] = cfg.local_rope_theta
     if bad:
@@ -100,6 +123,15 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
                 high_freq_factor=scaling.high_freq_factor,
                 original_max_position_embeddings=scaling.original_max_position_embeddings,
             )
+        if scaling.kind == "yarn":
+            d.update(
+                beta_fast=scaling.beta_fast,
+                beta_slow=scaling.beta_slow,
+                truncate=scaling.truncate,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+            )
+            if scaling.attention_factor is not None:
+                d["attention_factor"] = scaling.attention_factor
     return d
 
 
@@ -171,6 +203,20 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str) -> dict[str, Any]:
             hf["sliding_window_pattern"] = pattern  # For loaders older than layer_types.
         return hf
     hf.update(hidden_act=act, rope_parameters=global_rope)
+    if cfg.family == "gpt_oss":
+        # Written even for plain RoPE: a GPT-OSS config without one means YaRN.
+        hf["rope_scaling"] = global_rope
+        hf.update(
+            attention_bias=cfg.qkv_bias,
+            intermediate_size=cfg.expert_mlp_dim,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            sliding_window=cfg.sliding_window,
+            layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        )
+        return hf
     if cfg.family == "llama":
         hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     else:

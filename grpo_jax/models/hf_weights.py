@@ -83,6 +83,24 @@ def _expert_entries(cfg: ModelConfig, p: str, layer: tuple) -> list[Entry]:
     return out
 
 
+def _gpt_oss_entries(cfg: ModelConfig, p: str, layer: tuple) -> list[Entry]:
+    """A GPT-OSS layer's router ``mlp.router`` (weight [E, D], bias [E]) and its experts,
+    stacked in the checkpoint as the model keeps them: ``gate_up_proj`` [E, D, 2F] (gate and
+    up interleaved), ``down_proj`` [E, F, D] and their biases. MXFP4 checkpoints store the
+    two weights as ``*_blocks`` and ``*_scales``, dequantised on reading (``models.mxfp4``)."""
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.expert_mlp_dim
+    same, t = (_same, _same), (_transpose, _transpose)
+    m, q = (*layer, "mlp"), f"{p}mlp."
+    return [
+        Entry(q + "router.weight", (*m, "router"), (E, D), *t),
+        Entry(q + "router.bias", (*m, "router_bias"), (E,), *same),
+        Entry(q + "experts.gate_up_proj", (*m, "gate_up_experts"), (E, D, 2 * F), *same),
+        Entry(q + "experts.gate_up_proj_bias", (*m, "gate_up_bias"), (E, 2 * F), *same),
+        Entry(q + "experts.down_proj", (*m, "down_experts"), (E, F, D), *same),
+        Entry(q + "experts.down_proj_bias", (*m, "down_bias"), (E, D), *same),
+    ]
+
+
 def weight_table(
     cfg: ModelConfig, prefix: str = "model.", lm_head: str = "lm_head.weight"
 ) -> list[Entry]:
@@ -124,6 +142,11 @@ def weight_table(
         if cfg.qk_norm:
             add("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (Dh,))
             add("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (Dh,))
+        if cfg.attention_sinks:
+            add("self_attn.sinks", ("attn", "sinks"), (H,))
+        if cfg.is_sparse(i) and cfg.swiglu_limit is not None:
+            entries.extend(_gpt_oss_entries(cfg, p, layer))
+            continue
         if cfg.is_sparse(i):
             entries.extend(_expert_entries(cfg, p, layer))
             continue

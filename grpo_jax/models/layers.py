@@ -51,6 +51,7 @@ WEIGHT_NAMES = (
     "up_proj",
     "down_proj",
     "router",
+    "gate_up_experts",
     "gate_experts",
     "up_experts",
     "down_experts",
@@ -77,15 +78,19 @@ def randomize_weights(module: nnx.Module, key: jax.Array, std: float = 0.02) -> 
         offset += size
 
 
-def _paged_decode(q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, softcap, layout):
+def _paged_decode(
+    q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, softcap, layout, sinks_KxG=None
+):
     """The Pallas paged decode kernel; on a mesh with the ("data", "fsdp", "tensor") axes
     it runs under ``shard_map`` (XLA does not partition a Pallas call): each device
     attends its rows over its copy of the pool, which the engine keeps whole on every
     device."""
-    call = lambda q, k, v, table, pos, q_pos: attn_lib.paged_decode_attention(
-        q, attn_lib.PagedKV(k, v, None, None, table, pos), q_pos, window, scale, softcap
-    )
-    args = (q_BxKxGxDh, kv.k, kv.v, kv.table_BxN, kv.pos_BxS, q_pos_B)
+    call = lambda q, k, v, table, pos, q_pos, *sinks: attn_lib.paged_decode_attention(
+        q, attn_lib.PagedKV(k, v, None, None, table, pos), q_pos, window, scale, softcap,
+        *sinks,
+    )  # fmt: skip
+    sinks = () if sinks_KxG is None else (sinks_KxG,)
+    args = (q_BxKxGxDh, kv.k, kv.v, kv.table_BxN, kv.pos_BxS, q_pos_B, *sinks)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
         return call(*args)
@@ -95,7 +100,7 @@ def _paged_decode(q_BxKxGxDh, kv: attn_lib.PagedKV, q_pos_B, window, scale, soft
     return jax.shard_map(
         call,
         mesh=mesh,
-        in_specs=(rows, whole, whole, rows, rows, rows),
+        in_specs=(rows, whole, whole, rows, rows, rows) + (whole,) * len(sinks),
         out_specs=rows,
         check_vma=False,
     )(*args)
@@ -110,8 +115,9 @@ class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019) over the last axis: x / sqrt(mean(x^2) + eps) * w.
 
     ``plus_one`` (Gemma): the stored weight is an offset, the scale is (1 + w),
-    and the product is taken in float32 before casting back; otherwise (Llama,
-    Qwen) the normalised x is cast back first, then multiplied by w.
+    and the product is taken in float32 before casting back; GPT-OSS also takes
+    w * x in float32 before the cast; otherwise (Llama, Qwen) the normalised x is
+    cast back first, then multiplied by w.
     """
 
     def __init__(self, dim: int, cfg: ModelConfig, stack: int = 0):
@@ -119,12 +125,15 @@ class RMSNorm(nnx.Module):
         self.plus_one = cfg.norm_plus_one
         init = "zeros" if cfg.norm_plus_one else "ones"
         self.scale = param((dim,), ("norm",), cfg.params_dtype, init=init, stack=stack)
+        self.scale_in_float32 = cfg.family == "gpt_oss"  # GPT-OSS multiplies before the cast
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.plus_one:
             return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        if self.scale_in_float32:
+            return (self.scale[...].astype(jnp.float32) * normed).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
@@ -162,6 +171,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(Dh, cfg, stack)
             self.k_norm = RMSNorm(Dh, cfg, stack)
+        if cfg.attention_sinks:  # one logit per query head (GPT-OSS)
+            self.sinks = p((H,), ("heads",))
+
+    def _sinks(self):
+        """The sinks as [K, G] float32 (query head h = k * G + g), or None."""
+        if not self.cfg.attention_sinks:
+            return None
+        return self.sinks[...].astype(jnp.float32).reshape(self.cfg.num_kv_heads, -1)
 
     def __call__(
         self,
@@ -255,14 +272,14 @@ class Attention(nnx.Module):
         if T == 1 and cfg.attention == "splash":
             out_BxKxGxDh = _paged_decode(
                 q_BxTxKxGxDh[:, 0], kv, mask.q_slot_BxT[:, 0], mask.window, scale, softcap,
-                layout,
+                layout, self._sinks(),
             )  # fmt: skip
             return out_BxKxGxDh[:, None]
         k_BxSxKxDh, v_BxSxKxDh = kv.gather()
         return attn_lib.paged_attention(
             q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh,
             mask.q_slot_BxT,  # the queries' positions
-            kv.pos_BxS, mask.window, scale, softcap,
+            kv.pos_BxS, mask.window, scale, softcap, self._sinks(),
         )  # fmt: skip
 
     def _out(self, out_BxTxKxGxDh, w):
@@ -291,7 +308,9 @@ class Attention(nnx.Module):
             impl = "einsum" if q_BxTxKxGxDh.shape[1] == 1 else "blockwise"
         if impl == "einsum":
             v_spec = "bkhs" if cached else "bskh"
-            return attn_lib.einsum_attention(q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap)
+            return attn_lib.einsum_attention(
+                q_BxTxKxGxDh, k, v, k_spec, v_spec, mask, scale, cap, self._sinks()
+            )
         if impl in ("blockwise", "splash"):
             k_BxKxSxDh = k if cached else jnp.transpose(k, (0, 2, 1, 3))
             v_BxKxSxDh = jnp.swapaxes(v, 2, 3) if cached else jnp.transpose(v, (0, 2, 1, 3))
@@ -306,10 +325,12 @@ class Attention(nnx.Module):
                     cfg.attention_block_size,
                     cfg.sliding_window,
                     layout,
+                    self._sinks(),
                 )
             return attn_lib.blockwise_attention(
-                q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size
-            )
+                q_BxTxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, mask, scale, cap, cfg.attention_block_size,
+                self._sinks(),
+            )  # fmt: skip
         k_BxSxKxDh = jnp.transpose(k, (0, 2, 1, 3)) if cached else k
         v_BxSxKxDh = jnp.transpose(v, (0, 3, 1, 2)) if cached else v
         return attn_lib.dot_product_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask, scale)
@@ -322,11 +343,14 @@ def _activation(cfg: ModelConfig):
 
 
 class MoE(nnx.Module):
-    """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's sparse block).
+    """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's or GPT-OSS's block).
 
     The weights are stacked over the E experts; the router is [D, E]. The names differ
     from the dense MLP's (``gate_experts``, not ``gate_proj``): LoRA adapts the dense
-    projections only. ``grpo_jax.models.moe`` has the routing and the dispatch.
+    projections only. With ``cfg.swiglu_limit`` (GPT-OSS) the gate and up projections are
+    one weight ``gate_up_experts`` [E, D, 2F], gate and up interleaved along its output as
+    the checkpoint stores them, and ``cfg.moe_bias`` adds the router's and the experts'
+    biases. ``grpo_jax.models.moe`` has the routing and the dispatch.
     """
 
     def __init__(self, cfg: ModelConfig, stack: int = 0):
@@ -334,9 +358,16 @@ class MoE(nnx.Module):
         self.cfg = cfg
         p = lambda shape, axes: param(shape, axes, pd, stack=stack)
         self.router = p((D, E), ("embed", None))
-        self.gate_experts = p((E, D, F), ("experts", "embed", "mlp"))
-        self.up_experts = p((E, D, F), ("experts", "embed", "mlp"))
+        if cfg.swiglu_limit is not None:
+            self.gate_up_experts = p((E, D, 2 * F), ("experts", "embed", "mlp"))
+        else:
+            self.gate_experts = p((E, D, F), ("experts", "embed", "mlp"))
+            self.up_experts = p((E, D, F), ("experts", "embed", "mlp"))
         self.down_experts = p((E, F, D), ("experts", "mlp", "embed"))
+        if cfg.moe_bias:
+            self.router_bias = p((E,), (None,))
+            self.gate_up_bias = p((E, 2 * F), ("experts", "mlp"))
+            self.down_bias = p((E, D), ("experts", "norm"))
 
     def __call__(self, x_BxTxD: jax.Array, layout: str, routes_BxTxK=None):
         """(out [B, T, D], the experts used [B, T, K] int32); ``routes_BxTxK`` replays them."""
@@ -345,9 +376,22 @@ class MoE(nnx.Module):
         w = lambda p: p[...].astype(dt)
         x_MxD = x_BxTxD.reshape(B * T, D)
         given = None if routes_BxTxK is None else routes_BxTxK.reshape(B * T, -1)
+        logits_MxE = x_MxD @ w(self.router)
+        if cfg.moe_bias:
+            logits_MxE = logits_MxE + w(self.router_bias)
         weights_MxK, experts_MxK = moe_lib.route(
-            x_MxD @ w(self.router), cfg.experts_per_token, cfg.norm_topk_prob, given
-        )
+            logits_MxE, cfg.experts_per_token, cfg.norm_topk_prob, given,
+            softmax_over_topk=cfg.router_softmax_over_topk,
+        )  # fmt: skip
+        if cfg.swiglu_limit is not None:
+            gate_up_bias = w(self.gate_up_bias) if cfg.moe_bias else None
+            down_bias = w(self.down_bias) if cfg.moe_bias else None
+            out_MxD = moe_lib.clamped_grouped_experts(
+                x_MxD, experts_MxK, weights_MxK.astype(dt), w(self.gate_up_experts),
+                gate_up_bias, w(self.down_experts), down_bias, cfg.swiglu_alpha,
+                cfg.swiglu_limit,
+            )  # fmt: skip
+            return out_MxD.reshape(B, T, D), experts_MxK.reshape(B, T, -1)
         out_MxD = moe_lib.grouped_experts(
             x_MxD, experts_MxK, weights_MxK.astype(dt),
             w(self.gate_experts), w(self.up_experts), w(self.down_experts), _activation(cfg),

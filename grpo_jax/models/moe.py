@@ -4,7 +4,8 @@ Shapes: M tokens (B * T), D model width, E experts, K experts per token, F an ex
 
 The router is Qwen3-MoE's (transformers' ``Qwen3MoeTopKRouter``): logits in the compute
 dtype, a float32 softmax over the E experts, the top K probabilities, renormalised to sum 1
-when ``normalize``. Given ``routes`` (the experts another pass chose) the same probabilities
+when ``normalize``; or GPT-OSS's (``softmax_over_topk``): the top K logits, then a float32
+softmax over those K. Given ``routes`` (the experts another pass chose) the same probabilities
 are read at those experts instead of the top K, so the router's gradient still flows through
 the weights of the given experts (routing replay, docs/moe.md).
 
@@ -19,21 +20,29 @@ import jax
 import jax.numpy as jnp
 
 
-def route(logits_MxE: jax.Array, k: int, normalize: bool, routes_MxK: jax.Array | None = None):
+def route(
+    logits_MxE: jax.Array, k: int, normalize: bool, routes_MxK: jax.Array | None = None,
+    *, softmax_over_topk: bool = False,
+):  # fmt: skip
     """(routing weights [M, K] float32, chosen experts [M, K] int32) of the router's logits.
 
     Without ``routes_MxK`` the experts are the top ``k`` of softmax(logits), in descending
     order; with it, they are the given ones and the weights are their probabilities. A token
-    whose given row holds a negative id (not recorded) takes its own top ``k``.
+    whose given row holds a negative id (not recorded) takes its own top ``k``. With
+    ``softmax_over_topk`` the weights are the softmax of the chosen experts' logits
+    (GPT-OSS), whichever chose them, and ``normalize`` has nothing left to do.
     """
-    probs_MxE = jax.nn.softmax(logits_MxE.astype(jnp.float32), axis=-1)
-    weights_MxK, experts_MxK = jax.lax.top_k(probs_MxE, k)
+    logits_MxE = logits_MxE.astype(jnp.float32)
+    scores_MxE = logits_MxE if softmax_over_topk else jax.nn.softmax(logits_MxE, axis=-1)
+    weights_MxK, experts_MxK = jax.lax.top_k(scores_MxE, k)
     if routes_MxK is not None:
         # A token whose routes were not recorded (-1: a sampler never fed it) keeps its own.
         given_MxK = routes_MxK.astype(jnp.int32)
         recorded_Mx1 = jnp.all(given_MxK >= 0, axis=-1, keepdims=True)
         experts_MxK = jnp.where(recorded_Mx1, given_MxK, experts_MxK)
-        weights_MxK = jnp.take_along_axis(probs_MxE, experts_MxK, axis=-1)
+        weights_MxK = jnp.take_along_axis(scores_MxE, experts_MxK, axis=-1)
+    if softmax_over_topk:
+        return jax.nn.softmax(weights_MxK, axis=-1), experts_MxK.astype(jnp.int32)
     if normalize:
         weights_MxK = weights_MxK / jnp.sum(weights_MxK, axis=-1, keepdims=True)
     return weights_MxK, experts_MxK.astype(jnp.int32)
@@ -66,6 +75,60 @@ def grouped_experts(
     back_N = jnp.argsort(order_N)  # the inverse permutation: pair n's row in the sorted order
     out_MxKxD = jnp.take(out_NxD, back_N, axis=0).reshape(M, K, -1)
     return jnp.einsum("mkd,mk->md", out_MxKxD, weights_MxK.astype(out_MxKxD.dtype))
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GPT-OSS's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate = jnp.minimum(gate, jnp.asarray(limit, gate.dtype))
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * jnp.asarray(alpha, gate.dtype)))
+
+
+def clamped_grouped_experts(
+    x_MxD, experts_MxK, weights_MxK, gate_up_ExDx2F, gate_up_bias_Ex2F, down_ExFxD,
+    down_bias_ExD, alpha: float, limit: float,
+):  # fmt: skip
+    """GPT-OSS's experts through the dispatch of :func:`grouped_experts`: one ``ragged_dot``
+    by the fused gate/up weight (gate at even columns, up at odd), the biases of each row's
+    expert, :func:`clamped_swiglu`, the down projection and its bias, then the weighted sum
+    (the down bias inside the weight, as transformers adds it). Biases may be None."""
+    M, K = experts_MxK.shape
+    E = gate_up_ExDx2F.shape[0]
+    flat_N = experts_MxK.reshape(-1)
+    order_N = jnp.argsort(flat_N, stable=True)
+    sizes_E = jnp.bincount(flat_N, length=E).astype(jnp.int32)
+    expert_N = jnp.take(flat_N, order_N)  # each sorted row's expert
+    rows_NxD = jnp.take(x_MxD, order_N // K, axis=0)
+    gate_up_Nx2F = jax.lax.ragged_dot(rows_NxD, gate_up_ExDx2F, sizes_E)
+    if gate_up_bias_Ex2F is not None:
+        gate_up_Nx2F = gate_up_Nx2F + jnp.take(gate_up_bias_Ex2F, expert_N, axis=0)
+    h_NxF = clamped_swiglu(gate_up_Nx2F[:, ::2], gate_up_Nx2F[:, 1::2], alpha, limit)
+    out_NxD = jax.lax.ragged_dot(h_NxF, down_ExFxD, sizes_E)
+    if down_bias_ExD is not None:
+        out_NxD = out_NxD + jnp.take(down_bias_ExD, expert_N, axis=0)
+    back_N = jnp.argsort(order_N)
+    out_MxKxD = jnp.take(out_NxD, back_N, axis=0).reshape(M, K, -1)
+    return jnp.einsum("mkd,mk->md", out_MxKxD, weights_MxK.astype(out_MxKxD.dtype))
+
+
+def clamped_dense_experts(
+    x_MxD, experts_MxK, weights_MxK, gate_up_ExDx2F, gate_up_bias_Ex2F, down_ExFxD,
+    down_bias_ExD, alpha: float, limit: float,
+):  # fmt: skip
+    """:func:`clamped_grouped_experts` computed the slow way (every expert on every token,
+    masked by the routing weights): the reference the dispatch is tested against."""
+    E = gate_up_ExDx2F.shape[0]
+    mask_MxKxE = jax.nn.one_hot(experts_MxK, E, dtype=weights_MxK.dtype)
+    w_MxE = jnp.einsum("mk,mke->me", weights_MxK, mask_MxKxE)
+    gu_ExMx2F = jnp.einsum("md,edf->emf", x_MxD, gate_up_ExDx2F)
+    if gate_up_bias_Ex2F is not None:
+        gu_ExMx2F = gu_ExMx2F + gate_up_bias_Ex2F[:, None, :]
+    h_ExMxF = clamped_swiglu(gu_ExMx2F[..., ::2], gu_ExMx2F[..., 1::2], alpha, limit)
+    out_ExMxD = jnp.einsum("emf,efd->emd", h_ExMxF, down_ExFxD)
+    if down_bias_ExD is not None:
+        out_ExMxD = out_ExMxD + down_bias_ExD[:, None, :]
+    return jnp.einsum("emd,me->md", out_ExMxD, w_MxE.astype(out_ExMxD.dtype))
 
 
 def dense_experts(x_MxD, experts_MxK, weights_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):

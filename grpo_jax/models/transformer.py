@@ -68,7 +68,7 @@ def _stack_routes(routes: list) -> jax.Array | None:
 
 
 class Transformer(nnx.Module):
-    """Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 decoder (:class:`ModelConfig` has the switches).
+    """Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS / Gemma 3 decoder (:class:`ModelConfig`).
 
     Call ``model(tokens_BxT)`` for float32 logits [B, T, V] of a full,
     uncached forward pass; ``init_cache`` and ``forward_with_cache`` serve the
@@ -121,7 +121,8 @@ class Transformer(nnx.Module):
             if key not in keys:
                 keys[key] = len(tables)
                 inv_freq = inv_frequencies(cfg.head_dim, *key)
-                tables.append(rope_cos_sin(positions_BxT, inv_freq, cfg.compute_dtype))
+                scale = 1.0 if key[1] is None else key[1].cos_sin_scale
+                tables.append(rope_cos_sin(positions_BxT, inv_freq, cfg.compute_dtype, scale))
             kind.append(keys[key])
         return tables, kind
 

@@ -1,8 +1,8 @@
 """Small files that ``runlocal`` runs need, made by the library when a run starts.
 
 A config describes a run; it writes no files. ``model.path = "tiny:<family>"``
-asks for a small random checkpoint of a model family (Qwen2, Qwen3, Qwen3-MoE, Llama,
-Gemma 3) with a character tokenizer carrying the family's chat-template
+asks for a small random checkpoint of a model family (Qwen2, Qwen3, Qwen3-MoE, GPT-OSS,
+Llama, Gemma 3) with a character tokenizer carrying the family's chat-template
 markers, saved as a Hugging Face directory; ``data.jsonl_dir =
 "tiny:word_problems"`` asks for a folder of synthetic GSM8K-format word
 problems. :func:`resolve` (called by ``grpo_jax.run.setup``) writes them under
@@ -44,6 +44,11 @@ _SPECIALS = {
         eos="<|eot_id|>",
     ),
     "gemma3": dict(specials=["<start_of_turn>", "<end_of_turn>"], eos="<eos>"),
+    # GPT-OSS's harmony markers; a message ends at <|end|>, the assistant's answer at <|return|>.
+    "gpt_oss": dict(
+        specials=["<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>"],
+        eos="<|return|>",
+    ),
 }
 _SPECIALS["qwen3"] = _SPECIALS["qwen3_moe"] = _SPECIALS["qwen2"]
 
@@ -75,6 +80,12 @@ _CHAT_TEMPLATES = {
         "+ (sys if loop.index0 == 1 else '') + m['content'] + '<end_of_turn>\\n' }}"
         "{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+    # Harmony's message framing, without its channels and its system preamble.
+    "gpt_oss": (
+        "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + "
+        "'<|end|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start|>assistant<|message|>' }}{% endif %}"
     ),
 }
 
@@ -146,7 +157,7 @@ def tiny_tokenizer(family: str):
     spec = _SPECIALS[family]
     tok.add_tokens([s for s in spec["specials"] if s not in tok.get_vocab()], special_tokens=True)
     tok.eos_token = spec["eos"]
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "gpt_oss"):
         tok.pad_token = "<|endoftext|>"
     elif family == "llama":
         tok.bos_token = "<|begin_of_text|>"
@@ -171,12 +182,17 @@ def _tiny_model_config(family: str, tok):
     eos = (ids(_SPECIALS[family]["eos"]),)
     if family == "gemma3":  # Gemma's generation_config ends turns at <end_of_turn> too.
         eos += (ids("<end_of_turn>"),)
+    if family == "gpt_oss":  # and GPT-OSS's at a message's <|end|>
+        eos += (ids("<|end|>"),)
     fields = dict(_TINY)
     if family == "gemma3":  # One sliding and one global layer, as Gemma 3 interleaves them.
         fields.update(num_layers=2, layer_types=("sliding_attention", "full_attention"))
         fields["sliding_window"] = 64
     if family == "qwen3_moe":  # 4 experts of half the dense width, top 2 (docs/moe.md).
         fields.update(num_experts=4, experts_per_token=2, moe_mlp_dim=32, norm_topk_prob=True)
+    if family == "gpt_oss":  # a sliding and a global layer; 4 experts of width 32, top 2
+        fields.update(num_layers=2, sliding_window=64, num_experts=4, experts_per_token=2)
+        fields["mlp_dim"] = 32
     return family_config(
         family,
         vocab_size=len(tok),

@@ -18,7 +18,7 @@ from grpo_jax.models import (
 )
 from grpo_jax.run.config import ConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3")
 
 
 def small_config(family: str, **overrides) -> ModelConfig:
@@ -38,6 +38,12 @@ def small_config(family: str, **overrides) -> ModelConfig:
             layer_types=("sliding_attention", "full_attention", "sliding_attention"),
             final_logit_softcap=30.0,
             attn_logit_softcap=50.0,
+        )
+    if family == "gpt_oss":  # Window 3 binds; layers slide, attend globally, slide.
+        fields.update(
+            sliding_window=3,
+            tie_embeddings=False,
+            rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=16),
         )
     if family == "llama":
         fields.update(
@@ -121,8 +127,10 @@ def test_config_errors_name_the_key(overrides, message):
 
 
 def test_rope_scaling_errors():
-    with pytest.raises(ConfigError, match="'rope_scaling.kind' = 'yarn' is not one of"):
-        RopeScaling("yarn", 2.0)
+    with pytest.raises(ConfigError, match="'rope_scaling.kind' = 'dynamic' is not one of"):
+        RopeScaling("dynamic", 2.0)
+    with pytest.raises(ConfigError, match="'rope_scaling.beta_fast' = -1.0"):
+        RopeScaling("yarn", 2.0, beta_fast=-1.0)
     with pytest.raises(ConfigError, match="high_freq_factor = 1.0 must be > low_freq_factor"):
         RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=1.0)
 

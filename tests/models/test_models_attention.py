@@ -49,6 +49,8 @@ def _loss_and_grads(model, tokens, mask):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_implementation_equals_einsum_in_logits_and_gradients(family, impl):
+    if family == "gpt_oss" and impl == "dot_product":  # no sinks there: refused (tested below)
+        pytest.skip("jax.nn.dot_product_attention has no attention sinks")
     cfg = _cfg(family, impl)
     tokens, mask = left_padded_batch((11, 7, 3), 11, cfg.vocab_size, seed=3)
     ref = random_model(cfg)
@@ -145,6 +147,57 @@ def test_blockwise_kernel_value_and_gradient(window, softcap, block):
     for a, b in zip(g0, g1):
         np.testing.assert_allclose(b, a, atol=1e-5)
     assert np.isfinite(np.asarray(o1)).all()  # Pad queries see nothing: finite, not NaN.
+
+
+@pytest.mark.slow
+def test_sinks_in_blockwise_and_paged_equal_einsum_in_value_and_gradient():
+    """Attention sinks: the blockwise kernel (sink as the online softmax's start, its own
+    gradient) and the paged engine's gather path equal the einsum reference, the sinks'
+    gradient included; a sink takes weight away from the keys (outputs shrink)."""
+    q, k, v = _random_qkv(2, T=9)
+    B, T, K, G, _ = q.shape
+    kv_mask = jnp.asarray(np.arange(T)[None] >= np.array([[0], [3]]))
+    slot = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mask = attn_lib.AttnMask(slot, kv_mask, 4)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal((K, G)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
+    real = np.asarray(kv_mask)[:, :, None, None, None]
+    loss = lambda out: jnp.sum(jnp.where(real, out * w, 0.0))
+    pos = jnp.where(kv_mask, slot - jnp.asarray([[0], [3]]), attn_lib.NO_WINDOW)
+    impls = {
+        "einsum": lambda q, k, v, s: attn_lib.einsum_attention(
+            q, k, v, "bskh", "bskh", mask, 0.5, None, s
+        ),
+        "blockwise": lambda q, k, v, s: attn_lib.blockwise_attention(
+            q, jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3)), mask, 0.5, None,
+            3, s,
+        ),
+        "paged": lambda q, k, v, s: attn_lib.paged_attention(
+            q, k, v, pos, pos, 4, 0.5, None, s
+        ),
+    }  # fmt: skip
+    results = {
+        name: jax.jit(jax.value_and_grad(lambda *a: loss(f(*a)), argnums=(0, 1, 2, 3)))(
+            q, k, v, sinks
+        )
+        for name, f in impls.items()
+    }
+    (l0, g0) = results["einsum"]
+    assert np.abs(np.asarray(g0[3])).min() > 0  # every sink's gradient is live
+    for name in ("blockwise", "paged"):
+        l1, g1 = results[name]
+        np.testing.assert_allclose(l1, l0, rtol=1e-5, err_msg=name)
+        for a, b in zip(g0, g1):
+            np.testing.assert_allclose(b, a, atol=1e-5, err_msg=name)
+    r = np.broadcast_to(real, q.shape)
+    with_sinks = np.asarray(impls["einsum"](q, k, v, sinks))[r]
+    without = np.asarray(impls["einsum"](q, k, v, None))[r]
+    assert np.abs(with_sinks).sum() < np.abs(without).sum()
+
+
+def test_attention_sinks_are_refused_where_the_kernel_has_none():
+    with pytest.raises(ConfigError, match="'model.attention' = 'dot_product' has no attention"):
+        small_config("gpt_oss", attention="dot_product")
 
 
 def test_blockwise_backward_never_forms_the_full_score_matrix():

@@ -66,7 +66,7 @@ def test_float32_logits_match_transformers(family, checkpoints, references):
     np.testing.assert_allclose(ours, ref, atol=F32_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss", "gemma3"])
 def test_left_padded_logits_match_transformers(family, checkpoints, references):
     """Same mask and positions given to both: the real tokens' logits agree."""
     tokens = random_tokens((3, 10), seed=2)

@@ -1,4 +1,6 @@
-"""Routing replay on a tiny mixture of experts (16 experts, top 4, both layers sparse).
+"""Routing replay on a tiny mixture of experts (top 4, both layers sparse), for Qwen3-MoE's
+router (16 experts) and GPT-OSS's (32 experts; a softmax over the top 4 logits, biases,
+clamped experts: with 16, its bfloat16 copy flipped no route on these tokens).
 
 The rollout's routes come from a copy of the policy that routes differently: a bfloat16
 sampling copy, or parameters changed by a small step. The first step of an update compares
@@ -22,6 +24,11 @@ CFG = family_config(
     "qwen3_moe", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
     head_dim=8, mlp_dim=32, moe_mlp_dim=16, num_experts=16, experts_per_token=4,
 )  # fmt: skip
+GPT_OSS = family_config(
+    "gpt_oss", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, mlp_dim=16, num_experts=32, experts_per_token=4, sliding_window=6,
+)  # fmt: skip
+CONFIGS = {"qwen3_moe": CFG, "gpt_oss": GPT_OSS}
 
 
 def _logps(graphdef):
@@ -37,17 +44,19 @@ def _logps(graphdef):
     return f
 
 
-@pytest.fixture(scope="module")
-def setup():
-    graphdef, params = nnx.split(random_model(CFG, seed=0))
-    tokens, mask = left_padded_batch((16, 12, 9, 16), 16, CFG.vocab_size, seed=1)
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def setup(request):
+    cfg = CONFIGS[request.param]
+    graphdef, params = nnx.split(random_model(cfg, seed=0))
+    tokens, mask = left_padded_batch((16, 12, 9, 16), 16, cfg.vocab_size, seed=1)
     return graphdef, params, tokens, mask
 
 
 def _rollout_routes(source, graphdef, params, tokens, mask):
     """The routes a rollout records when its copy of the policy is ``source``."""
     if source == "bfloat16 copy":
-        bf16 = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
+        cfg = nnx.merge(graphdef, params).config
+        bf16 = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
         copy = jax.tree.map(lambda v: v.astype(jnp.bfloat16), params)
         return _logps(nnx.graphdef(create_model(bf16)))(copy, tokens, mask, None)
     rng = np.random.default_rng(5)

@@ -1,7 +1,9 @@
 """Expert parallelism on 8 fake CPU devices: a mixture of experts whose experts are split over
-an "expert" mesh axis of 4 (and its width over fsdp 2) computes the single-device logits."""
+an "expert" mesh axis of 4 (and its width over fsdp 2) computes the single-device logits
+(Qwen3-MoE, and GPT-OSS with its fused gate/up weight, expert biases and attention sinks)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,6 +19,10 @@ from grpo_jax.sampling.static import SamplingConfig, pad_prompts
 CFG = family_config(
     "qwen3_moe", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
     head_dim=8, mlp_dim=32, moe_mlp_dim=16, num_experts=8, experts_per_token=2,
+)  # fmt: skip
+GPT_OSS = family_config(
+    "gpt_oss", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, mlp_dim=16, num_experts=8, experts_per_token=2, sliding_window=4,
 )  # fmt: skip
 
 
@@ -35,15 +41,19 @@ def test_a_mesh_has_the_expert_axis_only_when_it_is_larger_than_one():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp"])
-def test_expert_sharded_forward_equals_single_device(layout):
+def test_expert_sharded_forward_equals_single_device(layout, family):
+    cfg = CFG if family == "qwen3_moe" else GPT_OSS
     mesh = sharding.make_mesh({"expert": 4, "fsdp": 2}, jax.devices()[:8])
-    tokens, mask = left_padded_batch((9, 5, 9, 2), 9, CFG.vocab_size, seed=2)
-    single = create_model(CFG, seed=1)
-    sharded = create_model(CFG, seed=1, mesh=mesh, layout=layout)
-    gate = sharded.layers[0].mlp.gate_experts[...]
+    tokens, mask = left_padded_batch((9, 5, 9, 2), 9, cfg.vocab_size, seed=2)
+    single = create_model(cfg, seed=1)
+    sharded = create_model(cfg, seed=1, mesh=mesh, layout=layout)
+    mlp = sharded.layers[0].mlp
+    gate = (mlp.gate_experts if family == "qwen3_moe" else mlp.gate_up_experts)[...]
     assert gate.sharding.spec == P("expert", "fsdp", None if layout == "fsdp" else "tensor")
-    assert gate.addressable_shards[0].data.shape == (2, 16, 16)  # 8 experts / 4, 32 / 2
+    # 8 experts / 4, 32 / 2; GPT-OSS's fused gate/up is 2F wide
+    assert gate.addressable_shards[0].data.shape == (2, 16, 16 if family == "qwen3_moe" else 32)
     want_z, want_routes = _logits_and_routes(single, tokens, mask)
     rows = sharding.batch_sharding(mesh)
     with jax.set_mesh(mesh):
@@ -57,12 +67,15 @@ def test_expert_sharded_forward_equals_single_device(layout):
 
 
 def _logits_and_routes(model, tokens, mask):
-    """(logits, routes) with the weights sharpened (x4): routing and logits far from uniform."""
+    """(logits, routes) with the weights sharpened (x4): routing and logits far from uniform;
+    biases and sinks (zeros at creation) moved off zero so that they count."""
     graphdef, params = nnx.split(model)
+    wave = lambda x: 0.1 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
 
     @jax.jit
     def f(params, tokens, mask):
         sharp = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)
+        sharp = jax.tree.map(lambda x: jnp.where(jnp.any(x != 0), x, x + wave(x)), sharp)
         model = nnx.merge(graphdef, sharp)
         x, routes = model.routed_features(tokens, mask_BxT=mask)
         return model.logits(x), routes

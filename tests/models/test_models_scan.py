@@ -168,7 +168,9 @@ def test_scanned_hf_import_matches_transformers_and_exports_the_same_tensors(fam
     mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
     model = from_pretrained(path, scan_layers=True, mesh=mesh, layout="fsdp")
     assert model.config.scan_layers
-    up = model.layers.mlp.up_experts if family == "qwen3_moe" else model.layers.mlp.up_proj
+    mlp = model.layers.mlp
+    up = {"qwen3_moe": "up_experts", "gpt_oss": "gate_up_experts"}.get(family, "up_proj")
+    up = getattr(mlp, up)
     assert up[...].shape[0] == model.config.num_layers
     tokens = np.random.default_rng(0).integers(0, 320, (2, 12)).astype(np.int32)
     graphdef, params = nnx.split(model)

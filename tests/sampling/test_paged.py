@@ -187,9 +187,9 @@ def hf_models(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3"])
 def test_hf_families_greedy_equal_the_static_engine(hf_models, family):
-    """Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (a sliding window of 4, shorter than
+    """Tiny random Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS and Gemma 3 (a window of 4, shorter than
     prompts and completions here): the paged engine's greedy completions are the static
     engine's token for token, its log-probs a full forward pass's."""
     graphdef, params = nnx.split(hf_models[family])

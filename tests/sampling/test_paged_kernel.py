@@ -38,14 +38,28 @@ def test_the_kernel_equals_the_gather_path(window, softcap):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, 0]), atol=1e-6)
 
 
+def test_the_kernel_with_sinks_equals_the_gather_path():
+    """Attention sinks (GPT-OSS): each head's softmax starts from its sink in the kernel."""
+    q, kv, q_pos = _pages_case(seed=1)
+    sinks = jnp.asarray(np.random.default_rng(2).normal(size=(2, 2)), jnp.float32)
+    got = attn.paged_decode_attention(q, kv, q_pos, 4, 0.3, None, sinks)
+    k, v = kv.gather()
+    want = attn.paged_attention(q[:, None], k, v, q_pos[:, None], kv.pos_BxS, 4, 0.3, None, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, 0]), atol=1e-6)
+    without = attn.paged_attention(q[:, None], k, v, q_pos[:, None], kv.pos_BxS, 4, 0.3, None)
+    assert np.abs(np.asarray(want - without)).max() > 1e-2  # the sinks matter here
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_oss"])
 def test_the_paged_engine_with_the_kernel_equals_the_gather_path(family):
     """Greedy tokens equal and log-probs within 1e-5 on a tiny model (Gemma 3: a window of 4
     on the local layer, shorter than the rows)."""
     extra = {}
-    if family == "gemma3":
+    if family in ("gemma3", "gpt_oss"):
         extra = dict(sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+    if family == "gpt_oss":
+        extra.update(num_experts=4, experts_per_token=2)
     cfg = tiny_config(64, family=family, hidden_size=32, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, mlp_dim=64, **extra)  # fmt: skip
     graphdef, params = nnx.split(create_model(cfg, seed=0))
