@@ -249,10 +249,13 @@ def test_unsupported_model_type(checkpoints, tmp_path):
 
 
 def test_unsupported_rope_type():
-    hf = dict(LLAMA_31_V4, rope_scaling={"type": "yarn", "factor": 4.0})
+    hf = dict(LLAMA_31_V4, rope_scaling={"type": "longrope", "factor": 4.0})
     with pytest.raises(
-        CheckpointError, match="unsupported rope_type 'yarn' in rope parameters; supported"
+        CheckpointError, match="unsupported rope_type 'longrope' in rope parameters; supported"
     ):
+        config_from_hf(hf)
+    hf = dict(LLAMA_31_V4, rope_scaling={"type": "yarn", "factor": 4.0})  # YaRN (GPT-OSS)
+    with pytest.raises(CheckpointError, match="of rope_type 'yarn' lacks 'original_max_pos"):
         config_from_hf(hf)
     hf = dict(LLAMA_31_V4, rope_scaling={"rope_type": "llama3", "factor": 8.0})
     with pytest.raises(CheckpointError, match="of rope_type 'llama3' lacks 'low_freq_factor'"):
