@@ -51,11 +51,13 @@ class GreedyAnchor(engines.Engine):
             rest = rest.reshape(b, g - 1, *rest.shape[1:])
             return jnp.concatenate([first_B[:, None], rest], axis=1).reshape(b * g, *rest.shape[2:])
 
-        out = SampleOutput(*(interleave(x, y) for x, y in zip(greedy, drawn, strict=True)))
+        # A field the static engine leaves None (its routes, without routing replay) stays None.
+        out = SampleOutput(
+            *(None if x is None else interleave(x, y) for x, y in zip(greedy, drawn, strict=True))
+        )
         if mesh is not None:  # rows back in the batch layout, whole groups per shard
-            out = SampleOutput(
-                *(jax.device_put(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in out)
-            )
+            put = lambda x: jax.device_put(x, sharding_lib.batch_sharding(mesh, x.ndim))
+            out = SampleOutput(*(None if x is None else put(x) for x in out))
         return out, AnchorStats(b, b * (g - 1))
 
     def check(self, sampling, model, *, completion, completion_key):
