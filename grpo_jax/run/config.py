@@ -625,9 +625,11 @@ def _check_teacher(run: RunConfig) -> None:
 
 
 def _check_router_replay(run: RunConfig) -> None:
-    """Routing replay needs rollouts that record routes (the static engine's single-turn
-    rounds) and an update whose passes take them (docs/moe.md); whether the model is a
-    mixture of experts is checked as it is built (``grpo_jax.run.builders``)."""
+    """Routing replay needs rollouts that record routes (single-turn rounds of an engine that
+    records them, ``static`` or ``paged``, not partial rollouts: a carried row's earlier
+    tokens were fed by another run, which kept no routes) and an update whose passes take
+    them (docs/moe.md); whether the model is a mixture of experts is checked as it is built
+    (``grpo_jax.run.builders``)."""
     if run.grpo.router_replay == "none":
         return
     where = f"config key 'grpo.router_replay' = {run.grpo.router_replay!r}"

@@ -109,6 +109,7 @@ class PagedEngine(Engine):
     its pool ``paged_pool``, its episodes ``paged_turns``; docs/engine.md)."""
 
     carries_rows = True
+    records_routes = True  # fresh runs (generate); carried rows (generate_rows) record none
 
     def generate(
         self, graphdef, params, tokens_BxP, mask_BxP, key, cfg, *, num_samples: int, mesh=None

@@ -25,6 +25,7 @@ from flax import nnx
 from grpo_jax.core import distributed
 from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.models.attention import NO_WINDOW
 from grpo_jax.sampling.draw import sample_with, stop_hits
 from grpo_jax.sampling.paged_pool import (
@@ -44,8 +45,9 @@ from grpo_jax.sampling.static import SampleOutput, SamplingConfig, repeat_rows
 
 
 def _prefill_chunk(
-    params, pages, tokens_C, start, count, table_M, n, shared, ltable_M, *, graphdef, z: int
-):
+    params, pages, tokens_C, start, count, table_M, n, shared, ltable_M, *, graphdef, z: int,
+    routes=None,
+):  # fmt: skip
     """Writes tokens at positions [start, start + count) (count <= C) into a row's pages.
 
     A prompt's chunk: ``n`` = ``shared`` = 0 (slot j of the table holds position
@@ -53,7 +55,9 @@ def _prefill_chunk(
     tokens, ``shared`` the table entries that are the prompt's pages, as in a
     decode step. ``ltable_M``: the sliding-window layers' block table when
     they have page ids of their own (None: they share ``table_M``). Returns
-    (pages, logits [1, V] of the chunk's last real token).
+    (pages, logits [1, V] of the chunk's last real token), and with ``routes`` (the
+    dtype routes are recorded in) a third item: the experts the sparse layers chose for
+    the chunk's tokens, [C, R, K].
     """
     model = nnx.merge(graphdef, params)
     c, m = tokens_C.shape[0], table_M.shape[0]
@@ -64,7 +68,7 @@ def _prefill_chunk(
     local = None
     if ltable_M is not None:
         local = (jnp.where(real_C, jnp.take(ltable_M, entry_C), SCRATCH_PAGE), ltable_M[None])
-    x_1xCxD, pages = model.features_paged(
+    x_1xCxD, pages, *used = model.features_paged(
         tokens_C[None],
         positions_BxT=pos_C[None],
         pages=pages,
@@ -72,9 +76,13 @@ def _prefill_chunk(
         table_BxN=table_M[None],
         pos_BxS=_slot_positions(jnp.arange(m * z, dtype=jnp.int32)[None], n, shared * z),
         local=local,
+        routes_out=routes is not None,
     )
     last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
-    return pages, model.logits(last_1x1xD)[:, 0]
+    logits_1xV = model.logits(last_1x1xD)[:, 0]
+    if routes is None:
+        return pages, logits_1xV
+    return pages, logits_1xV, used[0][0].astype(routes)
 
 
 def _slot_positions(j_RxS, n_Rx1, shared_Rx1, last_Rx1=None):
@@ -114,11 +122,14 @@ def _first_draw(logits_1xV, key, prompt, *, cfg: SamplingConfig, g: int):
     return tokens_G, logps_G, behavior_G, ends_G
 
 
-def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingConfig, z: int):
+def _decode_step(
+    params, pages, inputs, key, step, *, graphdef, cfg: SamplingConfig, z: int, routes=None
+):
     """One token per row: feeds each row's last token, draws the next.
 
     ``inputs`` (:class:`_StepInputs`, R rows) say where each row's tokens
-    live. Returns (pages, tokens, logps, behaviour logps, ended) [R] each.
+    live. Returns (pages, tokens, logps, behaviour logps, ended) [R] each, and with
+    ``routes`` (their dtype) the experts the fed tokens used, [R, R_sparse, K].
     """
     model = nnx.merge(graphdef, params)
     s = inputs.table_RxM.shape[1] * z
@@ -126,7 +137,7 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
     pos_RxS = _slot_positions(
         j_RxS, inputs.prompt_len_R[:, None], (inputs.shared_R * z)[:, None], inputs.pos_R[:, None]
     )
-    x_RxD, pages = model.features_paged(
+    x_RxD, pages, *used = model.features_paged(
         inputs.tokens_R[:, None],
         positions_BxT=inputs.pos_R[:, None],
         pages=pages,
@@ -134,11 +145,14 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
         table_BxN=inputs.table_RxM,
         pos_BxS=pos_RxS,
         local=None if inputs.ltable_RxM is None else (inputs.lwrite_page_R, inputs.ltable_RxM),
+        routes_out=routes is not None,
     )
     draw_key = jax.random.fold_in(key, step)
     tokens_R, logps_R, behavior_R = sample_with(model.logits(x_RxD)[:, 0], draw_key, cfg)
     ends_R = _ends(tokens_R, inputs.prev_RxL1, inputs.count_R + 1, cfg)
-    return pages, tokens_R, logps_R, behavior_R, ends_R
+    if routes is None:
+        return pages, tokens_R, logps_R, behavior_R, ends_R
+    return pages, tokens_R, logps_R, behavior_R, ends_R, used[0][:, 0].astype(routes)
 
 
 class _StepInputs(NamedTuple):
@@ -185,18 +199,23 @@ def compile_count() -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int):
-    """(init pages, prefill chunk, first draw, decode step) jitted for one model and config."""
+def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int, routes=None):
+    """(init pages, prefill chunk, first draw, decode step) jitted for one model and config.
+    ``routes``: the dtype the prefill chunks and decode steps return their tokens' experts
+    in (:func:`records_routes`); None: they return none (the programs of a run without
+    routing replay)."""
     init = jax.jit(
         lambda params, pages, local: nnx.merge(graphdef, params).init_pages(pages, z, local),
         static_argnums=(1, 2),
     )
     prefill = jax.jit(
-        functools.partial(_prefill_chunk, graphdef=graphdef, z=z), donate_argnums=(1,)
+        functools.partial(_prefill_chunk, graphdef=graphdef, z=z, routes=routes),
+        donate_argnums=(1,),
     )
     first = jax.jit(functools.partial(_first_draw, cfg=cfg, g=num_samples))
     decode = jax.jit(
-        functools.partial(_decode_step, graphdef=graphdef, cfg=cfg, z=z), donate_argnums=(1,)
+        functools.partial(_decode_step, graphdef=graphdef, cfg=cfg, z=z, routes=routes),
+        donate_argnums=(1,),
     )
     _JITTED.extend([init, prefill, first, decode])
     return init, prefill, first, decode
@@ -278,9 +297,15 @@ class _Run:
     ``due``: the run returns once every row of groups 0 .. due - 1 has
     finished; the rows of later groups may then be unfinished (or never
     started), and their state in ``self.rows`` is where they stopped.
+    ``routes``: with routing replay, the [N, P + T, R, K] array (all -1) the run
+    writes each fed token's experts into, laid out as ``SampleOutput.routes``
+    (prompts left-padded to P); the jitted calls ``fns`` then return them.
     """
 
-    def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due):
+    def __init__(
+        self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due,
+        routes=None,
+    ):  # fmt: skip
         self.init, self.prefill, self.first, self.decode = fns
         self.params, self.prompts, self.cfg, self.g, self.shape = params, prompts, cfg, g, shape
         self.key_first, self.key_decode = jax.random.split(key)
@@ -305,6 +330,10 @@ class _Run:
         self.steps = self.chunks = self.extend_chunks = 0
         self.occupied = self.rows_run = 0
         self.prompt_page_count = 0
+        self.routes = routes
+        # (prompt, first position, tokens, device array [C, R, K]) of each prompt chunk,
+        # read back once the run ends: a prefill chunk then waits for no transfer.
+        self.chunk_routes: list = []
 
     def _to_write(self, s: int) -> int:
         """Own tokens slot ``s``'s row must still write before it can decode (carried rows)."""
@@ -369,10 +398,12 @@ class _Run:
             if self.win is not None:
                 self.win.prompt[b].append(self.win.pool.take())
         local = None if self.win is None else self.win.prompt[b]
-        self.pages, logits_1xV = write_chunk(
+        self.pages, logits_1xV, *used = write_chunk(
             self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
             self.cfg.pad_id, self.shape.table, pages, local_ids=local,
         )  # fmt: skip
+        if used:
+            self.chunk_routes.append((b, start, count, used[0]))
         self.chunks += 1
         if start + count < len(prompt):
             self.filling = (b, start + count)
@@ -413,11 +444,12 @@ class _Run:
             if self.win is not None:
                 self.win.take_own(s)
         local = None if self.win is None else self.win.table(s, b, self.shape.table)
-        self.pages, _ = write_chunk(
+        # A carried row's own tokens: no routes recorded (generate_rows records none).
+        self.pages = write_chunk(
             self.prefill, self.params, self.pages, self.rows.tokens_NxT[r, start : start + count],
             n + start, c, self.cfg.pad_id, self.shape.table, shared + own, n=n,
             shared=len(shared), local_ids=local,
-        )  # fmt: skip
+        )[0]  # fmt: skip
         self.slot_written[s] += count
         self.extend_chunks += 1
 
@@ -471,18 +503,34 @@ class _Run:
         self.pages, *out = self.decode(
             self.params, self.pages, x, self.key_decode, np.int32(self.steps)
         )
-        tokens_R, logps_R, behavior_R, ends_R = jax.device_get(out)
+        tokens_R, logps_R, behavior_R, ends_R, *used = jax.device_get(out)
         self.steps += 1
         self.occupied += len(active)
         self.rows_run += rows
+        p = None if self.routes is None else self.routes.shape[1] - self.cfg.max_new_tokens
         for i, s in enumerate(active):
             r = self.slot_req[s]
+            if used:  # the fed token, completion token count - 1, sits at column P + count - 1
+                self.routes[r, p + count_N[r] - 1] = used[0][i]
             self.slot_written[s] += 1
             self._record(r, tokens_R[i], logps_R[i], behavior_R[i])
             if ends_R[i] or count_N[r] == self.cfg.max_new_tokens:
                 self.rows.ended_N[r] = ends_R[i]
                 self._release(s, r)
                 self._finished(r)
+
+    def read_routes(self) -> np.ndarray | None:
+        """The routes array with the prompt chunks' experts written in: a prompt of n real
+        tokens at columns P - n .. P - 1 of each of its G rows (left-padded)."""
+        if self.routes is None:
+            return None
+        p = self.routes.shape[1] - self.cfg.max_new_tokens
+        chunks = jax.device_get([used for *_, used in self.chunk_routes])
+        for (b, start, count, _), used in zip(self.chunk_routes, chunks):
+            col = p - len(self.prompts[b]) + start
+            self.routes[b * self.g : (b + 1) * self.g, col : col + count] = used[:count]
+        self.chunk_routes = []
+        return self.routes
 
     def _release(self, s: int, r: int) -> None:
         own = self.slot_pages[s]
@@ -552,21 +600,44 @@ def generate_rows(
     drawn from it given the whole prefix. Later groups use the slots the due
     ones leave free, and may stop anywhere. ``width``: the prompts' padded
     width the engine's sizes follow (default: the smallest prompt bucket that
-    holds the longest).
+    holds the longest). It records no routes (``cfg.record_routes`` is for
+    :func:`generate`): a carried row's earlier tokens were fed by another run.
     """
     if due < 1 or due > len(prompts):
         raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
     if width is None:  # the prompt bucket: the same shapes (and programs) step after step
         longest = max(len(p) for p in prompts)
         width = min((b for b in cfg.prompt_buckets if b >= longest), default=longest)
+    run, stats = _run_rows(
+        graphdef, params, prompts, rows, key, cfg, num_samples, due, width, mesh, record=False
+    )
+    return run.rows, stats
+
+
+def records_routes(model_cfg, cfg: SamplingConfig) -> bool:
+    """Whether a fresh run records routes: asked to (``cfg.record_routes``, set by routing
+    replay) and the model is a mixture of experts (as the static sampler decides)."""
+    return cfg.record_routes and bool(getattr(model_cfg, "num_experts", 0))
+
+
+def _run_rows(graphdef, params, prompts, rows, key, cfg, g, due, width, mesh, *, record):
+    """:func:`generate_rows`'s run -> (the finished ``_Run``, its stats). ``record``: with
+    :func:`records_routes`, the run writes each fed token's experts into ``run.routes``
+    [N, width + T, R, K] (a fresh run's only: carried rows' earlier tokens have none)."""
     model_cfg = nnx.merge(graphdef, params).config
     window = model_window(model_cfg)
-    shape = engine_shape(cfg, len(prompts), num_samples, width, due=due, window=window)
-    fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
-    run = _Run(fns, params, prompts, as_key(key), cfg, num_samples, shape, rows, due)
+    shape = engine_shape(cfg, len(prompts), g, width, due=due, window=window)
+    routes = dtype = None
+    if record and records_routes(model_cfg, cfg):
+        dtype = moe_lib.routes_dtype(model_cfg.num_experts)
+        r_, k_ = len(model_cfg.sparse_layers), model_cfg.experts_per_token
+        n, s_ = len(rows.count_N), width + cfg.max_new_tokens
+        routes = np.full((n, s_, r_, k_), -1, np.dtype(dtype))
+    fns = _compiled(graphdef, cfg, g, shape.page_size, dtype)
+    run = _Run(fns, params, prompts, as_key(key), cfg, g, shape, rows, due, routes)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()
-    return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
+    return run, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
 
 
 def generate_with_stats(
@@ -599,25 +670,18 @@ def generate_with_stats(
     prompts = real_prompts(tokens_BxP, mask_BxP)
     b, p = tokens_BxP.shape
     g, t = num_samples, cfg.max_new_tokens
-    rows, stats = generate_rows(
-        graphdef,
-        params,
-        prompts,
-        fresh_rows(b * g, t, cfg.pad_id),
-        key,
-        cfg,
-        num_samples=g,
-        due=b,
-        width=p,
-        mesh=mesh,
-    )
-    out = output_rows(rows, tokens_BxP, mask_BxP, g, mesh=mesh)
+    fresh = fresh_rows(b * g, t, cfg.pad_id)
+    run, stats = _run_rows(graphdef, params, prompts, fresh, key, cfg, g, b, p, mesh, record=True)
+    out = output_rows(run.rows, tokens_BxP, mask_BxP, g, mesh=mesh, routes=run.read_routes())
     return out, stats
 
 
-def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> SampleOutput:
+def output_rows(
+    rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None, routes=None
+) -> SampleOutput:
     """The :class:`SampleOutput` of B groups' finished ``rows`` (B*G of them) for prompts
-    ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch."""
+    ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch.
+    ``routes``: the recorded routes [N, P + T, R, K], or None (no routing replay)."""
     t = rows.tokens_NxT.shape[1]
     host = SampleOutput(
         prompt_tokens=np.repeat(np.asarray(tokens_BxP, np.int32), g, axis=0),
@@ -628,8 +692,9 @@ def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> Sampl
         lengths=rows.count_N,
         truncated=~rows.ended_N,
         behavior_logps=rows.behavior_NxT,
+        routes=routes,
     )
-    # None stays None: the paged engine records no routes (SampleOutput.routes).
+    # None stays None: routes without routing replay (SampleOutput.routes).
     if mesh is None:
         return SampleOutput(*(None if x is None else jnp.asarray(x) for x in host))
     return SampleOutput(

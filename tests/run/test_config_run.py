@@ -470,9 +470,13 @@ def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up
     "overrides, message",
     [
         (
-            {"sampling.engine": "paged"},
-            r"^config key 'grpo.router_replay' = 'rollout' needs sampling.engine = 'static' "
-            r"\(it is 'paged'\): only that engine records the experts each token's router chose$",
+            {
+                "sampling.engine": "paged",
+                "sampling.partial_rollouts": True,
+                "train.max_staleness": 1,
+            },
+            r"^config key 'grpo.router_replay' = 'rollout' does not combine with "
+            r"sampling.partial_rollouts = True yet: ",
         ),
         ({"train.packing": "on"}, r"does not combine with train.packing = 'on' yet"),
         ({"grpo.advantage_estimator": "gae"}, r"with grpo.advantage_estimator = 'gae' yet"),
@@ -485,6 +489,14 @@ def test_router_replay_refuses_what_does_not_carry_routes_in_one_line(overrides,
     with pytest.raises(ConfigError, match=message) as e:
         config_lib.parse_config(config)
     assert "\n" not in str(e.value)
+
+
+def test_router_replay_runs_on_both_engines():
+    """Both built-in engines record routes (docs/moe.md), so either parses with replay."""
+    for engine in ("static", "paged"):
+        overrides = {"grpo.router_replay": "rollout", "sampling.engine": engine}
+        run = config_lib.parse_config(smoke_config(plain=True, **overrides))
+        assert (run.sampling.engine, run.grpo.router_replay) == (engine, "rollout")
 
 
 def test_router_replay_needs_a_mixture_of_experts(builtin_tokenizer):

@@ -1,0 +1,98 @@
+"""Routing replay's recording on the paged engine (sampling/paged.py; docs/moe.md): each fed
+token's experts, laid out as the static sampler's ``SampleOutput.routes``."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers_paged import BUCKETS, PROMPTS, _both
+
+from grpo_jax.models import create_model, family_config
+from grpo_jax.sampling import paged
+from grpo_jax.sampling.static import SamplingConfig, pad_prompts
+
+# A tiny Qwen3-MoE whose middle layer is dense: R = 2 sparse layers of 3, top 2 of 8 experts.
+MOE_CFG = family_config(
+    "qwen3_moe", vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+    head_dim=8, mlp_dim=32, moe_mlp_dim=16, num_experts=8, experts_per_token=2,
+    mlp_only_layers=(1,),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_policy():
+    graphdef, params = nnx.split(create_model(MOE_CFG, seed=0))
+    # Sharper logits than the random init's: a well separated argmax and router top-k.
+    return graphdef, jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)
+
+
+def _expected_recorded(out):
+    """[N, P + T]: the positions a sampler feeds, real prompt tokens and every completion
+    token but a row's last (which predicts nothing the update scores)."""
+    t = out.tokens.shape[1]
+    lengths = np.asarray(out.lengths)
+    fed_NxT = np.arange(t)[None] < (lengths - 1)[:, None]
+    return np.concatenate([np.asarray(out.prompt_mask), fed_NxT], axis=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine",
+    [
+        # 12 requests through 5 slots, prompts in chunks of 3 over pages of 4.
+        dict(page_size=4, slots=5, prefill_chunk=3),
+        # One slot per row, a whole prompt per chunk.
+        dict(),
+    ],
+)
+def test_greedy_routes_equal_the_static_engines_and_a_full_pass(moe_policy, engine):
+    """Position for position: where the paged engine fed a token, the experts the static
+    sampler recorded there and those of one full pass over [prompt | completion]; -1 at
+    left padding, a row's last token and after it."""
+    # Greedy rows here: 20 51 51 4 ..., 26 50 32 26 50 48 ..., 1 19 ... and three that run to
+    # T; the EOS ids end the first three after 4, 6 and 1 tokens (the last: none fed).
+    kw = dict(max_new_tokens=10, greedy=True, eos_ids=(4, 48, 1), record_routes=True)
+    ref, out, _ = _both(moe_policy, PROMPTS, 2, **kw, **engine)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    np.testing.assert_array_equal(np.asarray(out.lengths)[::2], [4, 6, 1, 10, 10, 10])
+    rec, stat = np.asarray(out.routes), np.asarray(ref.routes)
+    assert rec.shape == stat.shape == (12, 8 + 10, 2, 2) and rec.dtype == stat.dtype == np.int8
+    fed = _expected_recorded(out)
+    assert ((rec >= 0).all(axis=(2, 3)) == fed).all()
+    assert (rec[~fed] == -1).all()
+    np.testing.assert_array_equal(rec[fed], stat[fed])
+    graphdef, params = moe_policy
+    seq = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
+    _, full = nnx.merge(graphdef, params).routed_features(seq, mask_BxT=mask)
+    np.testing.assert_array_equal(rec[fed], np.asarray(full)[fed])
+
+
+def test_no_routes_without_record_routes_or_experts(moe_policy):
+    """Routes only when asked for, on a mixture of experts; a dense model or a run without
+    replay gets None and the programs that return none."""
+    from helpers_paged import MODEL_CFG
+
+    toks, mask = pad_prompts(PROMPTS[:2], pad_id=0, buckets=BUCKETS)
+    cfg = SamplingConfig(max_new_tokens=3, greedy=True, prompt_buckets=BUCKETS, engine="paged")
+    out = paged.generate(*moe_policy, toks, mask, jax.random.key(0), cfg, num_samples=2)
+    assert out.routes is None
+    dense = nnx.split(create_model(MODEL_CFG, seed=0))
+    asked = dataclasses.replace(cfg, record_routes=True)
+    out = paged.generate(*dense, toks, mask, jax.random.key(0), asked, num_samples=2)
+    assert out.routes is None
+    assert not paged.records_routes(MODEL_CFG, asked) and not paged.records_routes(MOE_CFG, cfg)
+    assert paged.records_routes(MOE_CFG, asked)
+
+
+def test_output_rows_places_the_routes_it_is_given():
+    rows = paged.fresh_rows(4, 3, pad_id=0)._replace(count_N=np.array([1, 2, 3, 0], np.int32))
+    routes = np.arange(4 * 8 * 1 * 2, dtype=np.int8).reshape(4, 8, 1, 2)
+    out = paged.output_rows(
+        rows, np.ones((2, 5), np.int32), np.ones((2, 5), bool), 2, routes=routes
+    )
+    np.testing.assert_array_equal(out.routes, routes)
