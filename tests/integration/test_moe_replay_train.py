@@ -61,13 +61,15 @@ def test_kill_and_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pa
             "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
         },
         {"mesh.sampler_devices": 4, "mesh.num_devices": 8},
+        {"sampling.engine": "paged"},
     ],
-    ids=["dynamic_sampling", "sampler_mesh"],
+    ids=["dynamic_sampling", "sampler_mesh", "paged_engine"],
 )
 def test_routes_travel_with_dynamic_sampling_and_from_a_sampler_mesh(tmp_path, overrides):
-    """Dynamic sampling's rounds (prompts of several widths, gathered into one batch) and a
-    sampler mesh of its own (the batch copied to the learner's) carry the routes too: the
-    replayed first update's ratio stays within rounding of 1 with pi_old rescored."""
+    """Dynamic sampling's rounds (prompts of several widths, gathered into one batch), a
+    sampler mesh of its own (the batch copied to the learner's) and the paged engine carry
+    the routes too: the replayed first update's ratio stays within rounding of 1 with pi_old
+    rescored."""
     cfg = apply_overrides(_config(), {"train.steps": 2, "grpo.old_logps": "recompute", **overrides})
     train(cfg, tmp_path)
     for r in read_metrics(tmp_path / "metrics.jsonl")[1:]:
