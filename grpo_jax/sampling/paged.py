@@ -633,7 +633,10 @@ def _run_rows(graphdef, params, prompts, rows, key, cfg, g, due, width, mesh, *,
         r_, k_ = len(model_cfg.sparse_layers), model_cfg.experts_per_token
         n, s_ = len(rows.count_N), width + cfg.max_new_tokens
         routes = np.full((n, s_, r_, k_), -1, np.dtype(dtype))
-    fns = _compiled(graphdef, cfg, g, shape.page_size, dtype)
+    # Without routes, the very call (and cache entry) of paged_turns and the compiled-ahead
+    # programs (grpo_jax.aot): lru_cache keys f(a) and f(a, None) apart.
+    z = shape.page_size
+    fns = _compiled(graphdef, cfg, g, z) if dtype is None else _compiled(graphdef, cfg, g, z, dtype)
     run = _Run(fns, params, prompts, as_key(key), cfg, g, shape, rows, due, routes)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()

@@ -81,6 +81,11 @@ def test_no_routes_without_record_routes_or_experts(moe_policy):
     cfg = SamplingConfig(max_new_tokens=3, greedy=True, prompt_buckets=BUCKETS, engine="paged")
     out = paged.generate(*moe_policy, toks, mask, jax.random.key(0), cfg, num_samples=2)
     assert out.routes is None
+    # The programs without routes are those every other caller gets (paged_turns, the
+    # programs compiled ahead): the same cache entry, no new one.
+    misses = paged._compiled.cache_info().misses
+    paged._compiled(moe_policy[0], cfg, 2, cfg.page_size)
+    assert paged._compiled.cache_info().misses == misses
     dense = nnx.split(create_model(MODEL_CFG, seed=0))
     asked = dataclasses.replace(cfg, record_routes=True)
     out = paged.generate(*dense, toks, mask, jax.random.key(0), asked, num_samples=2)
