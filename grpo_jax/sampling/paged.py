@@ -276,19 +276,39 @@ class Rows(NamedTuple):
     behavior_NxT: np.ndarray  # float32: and under the distribution drawn from
     count_N: np.ndarray  # int32: tokens drawn
     ended_N: np.ndarray  # bool: ended by EOS or a stop sequence
+    # With routing replay (:func:`fresh_routes`), the experts of each position the run that
+    # last fed the row fed, [N, W + T, R, K]: its prompt left-padded to W, completion token t
+    # at W + t, -1 where nothing was fed; None: no routes recorded.
+    routes_NxSxRxK: np.ndarray | None = None
 
     def finished(self, t: int) -> np.ndarray:
         return self.ended_N | (self.count_N >= t)
 
 
-def fresh_rows(n: int, t: int, pad_id: int) -> Rows:
+def fresh_rows(n: int, t: int, pad_id: int, routes=None) -> Rows:
+    """N rows with nothing drawn; ``routes``: their routes array (:func:`fresh_routes`)."""
     return Rows(
         np.full((n, t), pad_id, np.int32),
         np.zeros((n, t), np.float32),
         np.zeros((n, t), np.float32),
         np.zeros(n, np.int32),
         np.zeros(n, np.bool_),
+        routes,
     )
+
+
+def records_routes(model_cfg, cfg: SamplingConfig) -> bool:
+    """Whether a run records routes: asked to (``cfg.record_routes``, set by routing replay)
+    and the model is a mixture of experts (as the static sampler decides)."""
+    return cfg.record_routes and bool(getattr(model_cfg, "num_experts", 0))
+
+
+def fresh_routes(model_cfg, n: int, width: int, t: int) -> np.ndarray:
+    """An empty routes array (all -1) for N rows of prompts up to ``width`` tokens and ``t``
+    completion tokens: [N, width + t, R, K] in ``moe.routes_dtype``."""
+    dtype = np.dtype(moe_lib.routes_dtype(model_cfg.num_experts))
+    shape = (n, width + t, len(model_cfg.sparse_layers), model_cfg.experts_per_token)
+    return np.full(shape, -1, dtype)
 
 
 class _Run:
@@ -297,21 +317,19 @@ class _Run:
     ``due``: the run returns once every row of groups 0 .. due - 1 has
     finished; the rows of later groups may then be unfinished (or never
     started), and their state in ``self.rows`` is where they stopped.
-    ``routes``: with routing replay, the [N, P + T, R, K] array (all -1) the run
-    writes each fed token's experts into, laid out as ``SampleOutput.routes``
-    (prompts left-padded to P); the jitted calls ``fns`` then return them.
+    With ``rows.routes_NxSxRxK`` the jitted calls ``fns`` return the fed tokens' experts,
+    and the run writes them there (:meth:`read_routes`).
     """
 
-    def __init__(
-        self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due,
-        routes=None,
-    ):  # fmt: skip
+    def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due):
         self.init, self.prefill, self.first, self.decode = fns
         self.params, self.prompts, self.cfg, self.g, self.shape = params, prompts, cfg, g, shape
         self.key_first, self.key_decode = jax.random.split(key)
         t, self.due = cfg.max_new_tokens, due
-        self.rows = Rows(*(np.array(x) for x in rows))  # copies: the caller's stay as they were
+        # Copies: the caller's stay as they were.
+        self.rows = Rows(*(None if x is None else np.array(x) for x in rows))
         finished_N = self.rows.finished(t)
+        self.before_N = finished_N  # rows finished before the run: their routes stay
         self.due_left = int((~finished_N[: due * g]).sum())  # unfinished rows of due groups
         self.pool = Pool(shape.pages)
         self.win = Window(shape, len(prompts)) if shape.local_pages else None
@@ -330,9 +348,9 @@ class _Run:
         self.steps = self.chunks = self.extend_chunks = 0
         self.occupied = self.rows_run = 0
         self.prompt_page_count = 0
-        self.routes = routes
-        # (prompt, first position, tokens, device array [C, R, K]) of each prompt chunk,
-        # read back once the run ends: a prefill chunk then waits for no transfer.
+        self.routes = self.rows.routes_NxSxRxK
+        # (rows, first column, tokens, device array [C, R, K]) of each prefill chunk, read
+        # back once the run ends: a chunk then waits for no transfer.
         self.chunk_routes: list = []
 
     def _to_write(self, s: int) -> int:
@@ -402,8 +420,10 @@ class _Run:
             self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
             self.cfg.pad_id, self.shape.table, pages, local_ids=local,
         )  # fmt: skip
-        if used:
-            self.chunk_routes.append((b, start, count, used[0]))
+        if used:  # the group's rows still drawing (a carried group's finished ones keep theirs)
+            rows_G = [r for r in range(b * self.g, (b + 1) * self.g) if not self.before_N[r]]
+            col = self.routes.shape[1] - self.cfg.max_new_tokens - len(prompt) + start
+            self.chunk_routes.append((rows_G, col, count, used[0]))
         self.chunks += 1
         if start + count < len(prompt):
             self.filling = (b, start + count)
@@ -444,12 +464,14 @@ class _Run:
             if self.win is not None:
                 self.win.take_own(s)
         local = None if self.win is None else self.win.table(s, b, self.shape.table)
-        # A carried row's own tokens: no routes recorded (generate_rows records none).
-        self.pages = write_chunk(
+        self.pages, _, *used = write_chunk(
             self.prefill, self.params, self.pages, self.rows.tokens_NxT[r, start : start + count],
             n + start, c, self.cfg.pad_id, self.shape.table, shared + own, n=n,
             shared=len(shared), local_ids=local,
-        )[0]  # fmt: skip
+        )  # fmt: skip
+        if used:  # own token i at column W + i
+            col = self.routes.shape[1] - self.cfg.max_new_tokens + start
+            self.chunk_routes.append(([r], col, count, used[0]))
         self.slot_written[s] += count
         self.extend_chunks += 1
 
@@ -519,18 +541,17 @@ class _Run:
                 self._release(s, r)
                 self._finished(r)
 
-    def read_routes(self) -> np.ndarray | None:
-        """The routes array with the prompt chunks' experts written in: a prompt of n real
-        tokens at columns P - n .. P - 1 of each of its G rows (left-padded)."""
+    def read_routes(self) -> None:
+        """Writes the prefill chunks' experts into the routes: a prompt of n real tokens at
+        columns W - n .. W - 1 of its rows still drawing, a carried row's own tokens after
+        W. A row the run fed has then every position it fed from this run's parameters
+        (the run that finishes a row feeds its whole prefix again)."""
         if self.routes is None:
-            return None
-        p = self.routes.shape[1] - self.cfg.max_new_tokens
+            return
         chunks = jax.device_get([used for *_, used in self.chunk_routes])
-        for (b, start, count, _), used in zip(self.chunk_routes, chunks):
-            col = p - len(self.prompts[b]) + start
-            self.routes[b * self.g : (b + 1) * self.g, col : col + count] = used[:count]
+        for (rows, col, count, _), used in zip(self.chunk_routes, chunks):
+            self.routes[rows, col : col + count] = used[:count]
         self.chunk_routes = []
-        return self.routes
 
     def _release(self, s: int, r: int) -> None:
         own = self.slot_pages[s]
@@ -600,47 +621,36 @@ def generate_rows(
     drawn from it given the whole prefix. Later groups use the slots the due
     ones leave free, and may stop anywhere. ``width``: the prompts' padded
     width the engine's sizes follow (default: the smallest prompt bucket that
-    holds the longest). It records no routes (``cfg.record_routes`` is for
-    :func:`generate`): a carried row's earlier tokens were fed by another run.
+    holds the longest). With ``rows.routes_NxSxRxK`` (routing replay) each row the run
+    feeds gets the routes of every position it fed there (the prompt's and the carried
+    tokens' again, with ``params``); rows finished before keep theirs.
     """
     if due < 1 or due > len(prompts):
         raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
     if width is None:  # the prompt bucket: the same shapes (and programs) step after step
         longest = max(len(p) for p in prompts)
         width = min((b for b in cfg.prompt_buckets if b >= longest), default=longest)
-    run, stats = _run_rows(
-        graphdef, params, prompts, rows, key, cfg, num_samples, due, width, mesh, record=False
-    )
-    return run.rows, stats
-
-
-def records_routes(model_cfg, cfg: SamplingConfig) -> bool:
-    """Whether a fresh run records routes: asked to (``cfg.record_routes``, set by routing
-    replay) and the model is a mixture of experts (as the static sampler decides)."""
-    return cfg.record_routes and bool(getattr(model_cfg, "num_experts", 0))
-
-
-def _run_rows(graphdef, params, prompts, rows, key, cfg, g, due, width, mesh, *, record):
-    """:func:`generate_rows`'s run -> (the finished ``_Run``, its stats). ``record``: with
-    :func:`records_routes`, the run writes each fed token's experts into ``run.routes``
-    [N, width + T, R, K] (a fresh run's only: carried rows' earlier tokens have none)."""
     model_cfg = nnx.merge(graphdef, params).config
     window = model_window(model_cfg)
-    shape = engine_shape(cfg, len(prompts), g, width, due=due, window=window)
-    routes = dtype = None
-    if record and records_routes(model_cfg, cfg):
+    shape = engine_shape(cfg, len(prompts), num_samples, width, due=due, window=window)
+    z, dtype = shape.page_size, None
+    if rows.routes_NxSxRxK is not None:
         dtype = moe_lib.routes_dtype(model_cfg.num_experts)
-        r_, k_ = len(model_cfg.sparse_layers), model_cfg.experts_per_token
-        n, s_ = len(rows.count_N), width + cfg.max_new_tokens
-        routes = np.full((n, s_, r_, k_), -1, np.dtype(dtype))
+        longest = max(len(p) for p in prompts)
+        if rows.routes_NxSxRxK.shape[1] < longest + cfg.max_new_tokens:
+            raise ValueError(
+                f"rows.routes_NxSxRxK {rows.routes_NxSxRxK.shape} holds no prompt of "
+                f"{longest} tokens and {cfg.max_new_tokens} more"
+            )
     # Without routes, the very call (and cache entry) of paged_turns and the compiled-ahead
     # programs (grpo_jax.aot): lru_cache keys f(a) and f(a, None) apart.
-    z = shape.page_size
+    g = num_samples
     fns = _compiled(graphdef, cfg, g, z) if dtype is None else _compiled(graphdef, cfg, g, z, dtype)
-    run = _Run(fns, params, prompts, as_key(key), cfg, g, shape, rows, due, routes)
+    run = _Run(fns, params, prompts, as_key(key), cfg, g, shape, rows, due)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()
-    return run, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
+    run.read_routes()
+    return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
 
 
 def generate_with_stats(
@@ -673,19 +683,32 @@ def generate_with_stats(
     prompts = real_prompts(tokens_BxP, mask_BxP)
     b, p = tokens_BxP.shape
     g, t = num_samples, cfg.max_new_tokens
-    fresh = fresh_rows(b * g, t, cfg.pad_id)
-    run, stats = _run_rows(graphdef, params, prompts, fresh, key, cfg, g, b, p, mesh, record=True)
-    out = output_rows(run.rows, tokens_BxP, mask_BxP, g, mesh=mesh, routes=run.read_routes())
+    model_cfg = nnx.merge(graphdef, params).config
+    routes = fresh_routes(model_cfg, b * g, p, t) if records_routes(model_cfg, cfg) else None
+    rows, stats = generate_rows(
+        graphdef,
+        params,
+        prompts,
+        fresh_rows(b * g, t, cfg.pad_id, routes),
+        key,
+        cfg,
+        num_samples=g,
+        due=b,
+        width=p,
+        mesh=mesh,
+    )
+    out = output_rows(rows, tokens_BxP, mask_BxP, g, mesh=mesh)
     return out, stats
 
 
-def output_rows(
-    rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None, routes=None
-) -> SampleOutput:
+def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> SampleOutput:
     """The :class:`SampleOutput` of B groups' finished ``rows`` (B*G of them) for prompts
     ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch.
-    ``routes``: the recorded routes [N, P + T, R, K], or None (no routing replay)."""
+    Their routes, when recorded, are cut to the prompts' width: [N, P + T, R, K]."""
     t = rows.tokens_NxT.shape[1]
+    routes = rows.routes_NxSxRxK
+    if routes is not None:
+        routes = routes[:, routes.shape[1] - np.shape(tokens_BxP)[1] - t :]
     host = SampleOutput(
         prompt_tokens=np.repeat(np.asarray(tokens_BxP, np.int32), g, axis=0),
         prompt_mask=np.repeat(np.asarray(mask_BxP, bool), g, axis=0),

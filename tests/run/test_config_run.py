@@ -469,15 +469,6 @@ def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (
-            {
-                "sampling.engine": "paged",
-                "sampling.partial_rollouts": True,
-                "train.max_staleness": 1,
-            },
-            r"^config key 'grpo.router_replay' = 'rollout' does not combine with "
-            r"sampling.partial_rollouts = True yet: ",
-        ),
         ({"train.packing": "on"}, r"does not combine with train.packing = 'on' yet"),
         ({"grpo.advantage_estimator": "gae"}, r"with grpo.advantage_estimator = 'gae' yet"),
         ({"env.name": "guess_number"}, r"with an environment \(env.name = 'guess_number'\)"),
@@ -491,12 +482,15 @@ def test_router_replay_refuses_what_does_not_carry_routes_in_one_line(overrides,
     assert "\n" not in str(e.value)
 
 
-def test_router_replay_runs_on_both_engines():
-    """Both built-in engines record routes (docs/moe.md), so either parses with replay."""
-    for engine in ("static", "paged"):
-        overrides = {"grpo.router_replay": "rollout", "sampling.engine": engine}
+def test_router_replay_runs_on_both_engines_and_with_partial_rollouts():
+    """Both built-in engines record routes, partial rollouts carry them (docs/moe.md): each
+    parses with replay."""
+    partial = {"sampling.partial_rollouts": True, "train.max_staleness": 1}
+    for engine, more in (("static", {}), ("paged", {}), ("paged", partial)):
+        overrides = {"grpo.router_replay": "rollout", "sampling.engine": engine, **more}
         run = config_lib.parse_config(smoke_config(plain=True, **overrides))
         assert (run.sampling.engine, run.grpo.router_replay) == (engine, "rollout")
+        assert run.sampling.partial_rollouts == bool(more)
 
 
 def test_router_replay_needs_a_mixture_of_experts(builtin_tokenizer):

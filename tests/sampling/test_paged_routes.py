@@ -94,10 +94,66 @@ def test_no_routes_without_record_routes_or_experts(moe_policy):
     assert paged.records_routes(MOE_CFG, asked)
 
 
-def test_output_rows_places_the_routes_it_is_given():
-    rows = paged.fresh_rows(4, 3, pad_id=0)._replace(count_N=np.array([1, 2, 3, 0], np.int32))
-    routes = np.arange(4 * 8 * 1 * 2, dtype=np.int8).reshape(4, 8, 1, 2)
-    out = paged.output_rows(
-        rows, np.ones((2, 5), np.int32), np.ones((2, 5), bool), 2, routes=routes
+def test_output_rows_cuts_the_rows_routes_to_the_prompts_width():
+    """Rows carry routes for prompts up to W = 7 tokens; prompts 5 wide get the last 5 + T
+    columns (the prompts are left-padded, so their real tokens' columns are among them)."""
+    routes = np.arange(4 * 10 * 1 * 2, dtype=np.int8).reshape(4, 10, 1, 2)
+    rows = paged.fresh_rows(4, 3, pad_id=0, routes=routes)
+    out = paged.output_rows(rows, np.ones((2, 5), np.int32), np.ones((2, 5), bool), 2)
+    np.testing.assert_array_equal(out.routes, routes[:, 2:])
+
+
+def _full_routes(policy, prompts, rows, width):
+    """The routes of one full pass of ``policy`` over each row's [prompt | completion], its
+    prompt left-padded to ``width``; and where a run feeds tokens (as _expected_recorded)."""
+    toks, mask = pad_prompts([list(p) for p in prompts], pad_id=0, buckets=(width,))
+    g = len(rows.count_N) // len(prompts)
+    toks, mask = np.repeat(toks, g, axis=0), np.repeat(mask, g, axis=0)
+    t = rows.tokens_NxT.shape[1]
+    done = np.arange(t)[None] < rows.count_N[:, None]
+    seq = jnp.asarray(np.concatenate([toks, rows.tokens_NxT], axis=1))
+    full_mask = jnp.asarray(np.concatenate([mask, done], axis=1))
+    _, full = nnx.merge(policy[0], policy[1]).routed_features(seq, mask_BxT=full_mask)
+    fed = np.concatenate([mask, np.arange(t)[None] < (rows.count_N - 1)[:, None]], axis=1)
+    return np.asarray(full), fed
+
+
+@pytest.mark.slow
+def test_carried_rows_routes_are_those_of_the_run_that_finished_them(moe_policy):
+    """Partial rollouts (``generate_rows``): a first run with parameters A stops once group 0
+    is done, rows of later groups part-way; a second with B finishes them (sampled rows, ended
+    by EOS ids at different lengths). Each row's routes
+    are a full pass's with the parameters of the run that finished it, at every position it
+    fed (the carried prefix fed again by the second run), -1 elsewhere."""
+    graphdef, a = moe_policy
+    rng = np.random.default_rng(3)
+    b = jax.tree.map(lambda v: v + 0.05 * rng.standard_normal(v.shape).astype(v.dtype), a)
+    prompts = [np.asarray(p, np.int32) for p in PROMPTS[:4]]
+    eos = (4, 48, 1)  # rows of 1 to 10 tokens
+    cfg = SamplingConfig(
+        max_new_tokens=10, temperature=1.0, eos_ids=eos, prompt_buckets=BUCKETS,
+        engine="paged", slots=4, page_size=4, prefill_chunk=3, record_routes=True,
+    )  # fmt: skip
+    w, n = max(BUCKETS), 4 * 2
+    rows = paged.fresh_rows(n, 10, 0, paged.fresh_routes(MOE_CFG, n, w, 10))
+    first, _ = paged.generate_rows(
+        graphdef, a, prompts, rows, jax.random.key(0), cfg, num_samples=2, due=1
     )
-    np.testing.assert_array_equal(out.routes, routes)
+    early = first.finished(10)
+    assert early[:2].all() and not early.all()
+    assert ((first.count_N > 1) & ~early).any()  # rows carried part-way
+    # and a group with a row finished in the first run and one carried: its prompt is fed
+    # again in the second, for the carried row alone.
+    assert (early.reshape(4, 2).any(1) & ~early.reshape(4, 2).all(1)).any()
+    second, st = paged.generate_rows(
+        graphdef, b, prompts, first, jax.random.key(1), cfg, num_samples=2, due=4
+    )
+    assert second.finished(10).all() and st.extend_chunks > 0
+    rec = second.routes_NxSxRxK
+    full_a, fed = _full_routes((graphdef, a), prompts, second, w)
+    full_b, _ = _full_routes((graphdef, b), prompts, second, w)
+    assert ((rec >= 0).all(axis=(2, 3)) == fed).all() and (rec[~fed] == -1).all()
+    np.testing.assert_array_equal(rec[early][fed[early]], full_a[early][fed[early]])
+    late = ~early
+    np.testing.assert_array_equal(rec[late][fed[late]], full_b[late][fed[late]])
+    assert (full_a[late][fed[late]] != full_b[late][fed[late]]).any()  # A's would not do
