@@ -112,7 +112,7 @@ def main(argv=None) -> None:
             groups = groups[b:] + prompts_of(run, s + k + 1)
             rows = paged.Rows(
                 *(
-                    np.concatenate([x[b * g :], y])
+                    None if x is None else np.concatenate([x[b * g :], y])  # routes: None
                     for x, y in zip(rows, paged.fresh_rows(b * g, t, 0))
                 )
             )

@@ -381,8 +381,9 @@ class Transformer(nnx.Module):
         return {"k": zeros(), "v": zeros()}
 
     def features_paged(
-        self, tokens_BxT, *, positions_BxT, pages, write, table_BxN, pos_BxS, local=None
-    ):
+        self, tokens_BxT, *, positions_BxT, pages, write, table_BxN, pos_BxS, local=None,
+        routes_out=False,
+    ):  # fmt: skip
         """(:meth:`features` [B, T, D], updated pages) of T tokens per row over a paged cache.
 
         Token t of row b is stored at (page, slot) ``write[0][b * T + t]``,
@@ -396,7 +397,9 @@ class Transformer(nnx.Module):
         gone from them). Attention is the gather-based einsum path
         (``grpo_jax.models.attention.paged_attention``), or with ``cfg.attention``
         "splash" and one token per row the Pallas paged decode kernel
-        (``paged_decode_attention``; on a mesh under ``shard_map``).
+        (``paged_decode_attention``; on a mesh under ``shard_map``). ``routes_out``: a
+        third item, the experts the sparse layers used [B, T, R, K] (None for a dense
+        model), as :meth:`features_with_cache` returns them.
         """
         cfg = self.config
         if cfg.scan_layers:
@@ -405,7 +408,7 @@ class Transformer(nnx.Module):
             )
         tables, kind = self._rope_tables(positions_BxT)
         x_BxTxD = self._embed(tokens_BxT)
-        ks, vs = [], []
+        ks, vs, used = [], [], []
         for i, block in enumerate(self.layers):
             cos, sin = tables[kind[i]]
             # The queries' positions and the window; the keys' visibility is by pos_BxS.
@@ -414,10 +417,13 @@ class Transformer(nnx.Module):
             if local is not None and cfg.window(i) is not None:
                 page_M, table = local
             pool = PagedKV(pages["k"][i], pages["v"][i], page_M, write[1], table, pos_BxS)
-            x_BxTxD, pool, _ = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
+            x_BxTxD, pool, chosen = block(x_BxTxD, cos, sin, mask, self.layout, pool, None)
+            if chosen is not None:
+                used.append(chosen)
             ks.append(pool.k)
             vs.append(pool.v)
-        return x_BxTxD, {"k": tuple(ks), "v": tuple(vs)}
+        pages = {"k": tuple(ks), "v": tuple(vs)}
+        return (x_BxTxD, pages, _stack_routes(used)) if routes_out else (x_BxTxD, pages)
 
 
 def create_model(

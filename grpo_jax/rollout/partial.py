@@ -4,8 +4,10 @@
 With ``train.max_staleness`` = k >= 1 the engine run of step s holds the groups of steps
 s .. s + k; it stops once step s's own groups are done, and the next run continues the rest
 with its own parameters. Each token's version and log-probs are recorded beside it, and a
-checkpoint holds the carried groups. docs/engine.md, "Partial rollouts", has the versions
-and their bound, the objective, exact resume and the metrics.
+checkpoint holds the carried groups. With routing replay each row carries its routes, those
+of the run that last fed it (the run that finishes a row feeds its whole prefix again).
+docs/engine.md, "Partial rollouts", has the versions and their bound, the objective, exact
+resume and the metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from flax import nnx
 
 from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.core.batch import jsonable
@@ -39,7 +42,8 @@ class Group:
 
 
 def stack_rows(groups: list[Group]) -> paged.Rows:
-    return paged.Rows(*(np.concatenate(x) for x in zip(*(g.rows for g in groups))))
+    cat = lambda xs: None if xs[0] is None else np.concatenate(xs)
+    return paged.Rows(*(cat(x) for x in zip(*(g.rows for g in groups))))
 
 
 class Carry:
@@ -86,6 +90,7 @@ class Carry:
             raise RuntimeError(f"{len(self.groups)} groups carried; top_up to {self.width} first")
         graphdef, params = self.r.sampler_policy(params)
         b, g = self.r.batch_size, self.r.grpo.G
+        self._give_routes(nnx.merge(graphdef, params).config)
         before = stack_rows(self.groups)
         # The run's config named an engine that carries rows (grpo_jax.run.config checks it).
         rows, stats = get_engine(self.r.sampling.engine).generate_rows(
@@ -105,10 +110,22 @@ class Carry:
         )
         for i, grp in enumerate(self.groups):
             sl = slice(i * g, (i + 1) * g)
-            grp.rows = paged.Rows(*(x[sl] for x in rows))
+            grp.rows = paged.Rows(*(None if x is None else x[sl] for x in rows))
             grp.versions_GxT = np.where(drawn_NxT[sl], version, grp.versions_GxT)
         done, self.groups = self.groups[:b], self.groups[b:]
         return done, stats
+
+    def _give_routes(self, model_cfg) -> None:
+        """With routing replay, a routes array for each group without one yet: [G, W + T, R,
+        K], W the largest prompt bucket (the widest prompt the batches pad to)."""
+        s = self.r.sampling
+        if not paged.records_routes(model_cfg, s):
+            return
+        w, g = max(s.prompt_buckets), self.r.grpo.G
+        for grp in self.groups:
+            if grp.rows.routes_NxSxRxK is None:
+                routes = paged.fresh_routes(model_cfg, g, w, s.max_new_tokens)
+                grp.rows = grp.rows._replace(routes_NxSxRxK=routes)
 
     def metrics(self, done: list[Group], version: int) -> dict[str, float]:
         """The ``partial/*`` metrics of a step's groups (sampled by ``version`` and earlier)."""
@@ -140,7 +157,8 @@ class Carry:
         return {"partial": {"groups": groups, "shapes": shapes}}
 
     def state_arrays(self) -> dict:
-        """Their rows' tokens, log-probs, versions and counts (no keys or values)."""
+        """Their rows' tokens, log-probs, versions and counts, and with routing replay their
+        routes (no keys or values)."""
         return {"partial": self._arrays()} if self.groups else {}
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -149,6 +167,7 @@ class Carry:
         arrays = {
             name: np.asarray(x).reshape(len(self.groups), g, *np.shape(x)[1:])
             for name, x in rows._asdict().items()
+            if x is not None  # routes: with routing replay only
         }
         arrays["versions_NxT"] = np.stack([x.versions_GxT for x in self.groups])
         return arrays
@@ -190,7 +209,9 @@ class Carry:
             Group(
                 example=meta["example"],
                 prompt=np.asarray(meta["prompt"], np.int32),
-                rows=paged.Rows(*(arrays[name][i] for name in paged.Rows._fields)),
+                rows=paged.Rows(
+                    *(arrays[name][i] if name in arrays else None for name in paged.Rows._fields)
+                ),
                 versions_GxT=arrays["versions_NxT"][i],
             )
             for i, meta in enumerate(info["groups"])

@@ -85,7 +85,8 @@ class Engine:
     ):
         """Continues ``rows`` (``paged.Rows``) of ``prompts`` (each prompt's real tokens) until
         the ``due`` first groups are finished -> (the rows then, statistics); only an engine
-        that ``carries_rows`` (``paged.generate_rows`` documents the contract)."""
+        that ``carries_rows`` (``paged.generate_rows`` documents the contract, the rows'
+        routes under routing replay included)."""
         raise NotImplementedError(f"{type(self).__name__} does not carry rows between its runs")
 
 
@@ -109,6 +110,7 @@ class PagedEngine(Engine):
     its pool ``paged_pool``, its episodes ``paged_turns``; docs/engine.md)."""
 
     carries_rows = True
+    records_routes = True  # and carried rows carry theirs (paged.Rows.routes_NxSxRxK)
 
     def generate(
         self, graphdef, params, tokens_BxP, mask_BxP, key, cfg, *, num_samples: int, mesh=None

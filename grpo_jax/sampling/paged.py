@@ -25,6 +25,7 @@ from flax import nnx
 from grpo_jax.core import distributed
 from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.models.attention import NO_WINDOW
 from grpo_jax.sampling.draw import sample_with, stop_hits
 from grpo_jax.sampling.paged_pool import (
@@ -44,8 +45,9 @@ from grpo_jax.sampling.static import SampleOutput, SamplingConfig, repeat_rows
 
 
 def _prefill_chunk(
-    params, pages, tokens_C, start, count, table_M, n, shared, ltable_M, *, graphdef, z: int
-):
+    params, pages, tokens_C, start, count, table_M, n, shared, ltable_M, *, graphdef, z: int,
+    routes=None,
+):  # fmt: skip
     """Writes tokens at positions [start, start + count) (count <= C) into a row's pages.
 
     A prompt's chunk: ``n`` = ``shared`` = 0 (slot j of the table holds position
@@ -53,7 +55,9 @@ def _prefill_chunk(
     tokens, ``shared`` the table entries that are the prompt's pages, as in a
     decode step. ``ltable_M``: the sliding-window layers' block table when
     they have page ids of their own (None: they share ``table_M``). Returns
-    (pages, logits [1, V] of the chunk's last real token).
+    (pages, logits [1, V] of the chunk's last real token), and with ``routes`` (the
+    dtype routes are recorded in) a third item: the experts the sparse layers chose for
+    the chunk's tokens, [C, R, K].
     """
     model = nnx.merge(graphdef, params)
     c, m = tokens_C.shape[0], table_M.shape[0]
@@ -64,7 +68,7 @@ def _prefill_chunk(
     local = None
     if ltable_M is not None:
         local = (jnp.where(real_C, jnp.take(ltable_M, entry_C), SCRATCH_PAGE), ltable_M[None])
-    x_1xCxD, pages = model.features_paged(
+    x_1xCxD, pages, *used = model.features_paged(
         tokens_C[None],
         positions_BxT=pos_C[None],
         pages=pages,
@@ -72,9 +76,13 @@ def _prefill_chunk(
         table_BxN=table_M[None],
         pos_BxS=_slot_positions(jnp.arange(m * z, dtype=jnp.int32)[None], n, shared * z),
         local=local,
+        routes_out=routes is not None,
     )
     last_1x1xD = jax.lax.dynamic_slice_in_dim(x_1xCxD, count - 1, 1, axis=1)
-    return pages, model.logits(last_1x1xD)[:, 0]
+    logits_1xV = model.logits(last_1x1xD)[:, 0]
+    if routes is None:
+        return pages, logits_1xV
+    return pages, logits_1xV, used[0][0].astype(routes)
 
 
 def _slot_positions(j_RxS, n_Rx1, shared_Rx1, last_Rx1=None):
@@ -114,11 +122,14 @@ def _first_draw(logits_1xV, key, prompt, *, cfg: SamplingConfig, g: int):
     return tokens_G, logps_G, behavior_G, ends_G
 
 
-def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingConfig, z: int):
+def _decode_step(
+    params, pages, inputs, key, step, *, graphdef, cfg: SamplingConfig, z: int, routes=None
+):
     """One token per row: feeds each row's last token, draws the next.
 
     ``inputs`` (:class:`_StepInputs`, R rows) say where each row's tokens
-    live. Returns (pages, tokens, logps, behaviour logps, ended) [R] each.
+    live. Returns (pages, tokens, logps, behaviour logps, ended) [R] each, and with
+    ``routes`` (their dtype) the experts the fed tokens used, [R, R_sparse, K].
     """
     model = nnx.merge(graphdef, params)
     s = inputs.table_RxM.shape[1] * z
@@ -126,7 +137,7 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
     pos_RxS = _slot_positions(
         j_RxS, inputs.prompt_len_R[:, None], (inputs.shared_R * z)[:, None], inputs.pos_R[:, None]
     )
-    x_RxD, pages = model.features_paged(
+    x_RxD, pages, *used = model.features_paged(
         inputs.tokens_R[:, None],
         positions_BxT=inputs.pos_R[:, None],
         pages=pages,
@@ -134,11 +145,14 @@ def _decode_step(params, pages, inputs, key, step, *, graphdef, cfg: SamplingCon
         table_BxN=inputs.table_RxM,
         pos_BxS=pos_RxS,
         local=None if inputs.ltable_RxM is None else (inputs.lwrite_page_R, inputs.ltable_RxM),
+        routes_out=routes is not None,
     )
     draw_key = jax.random.fold_in(key, step)
     tokens_R, logps_R, behavior_R = sample_with(model.logits(x_RxD)[:, 0], draw_key, cfg)
     ends_R = _ends(tokens_R, inputs.prev_RxL1, inputs.count_R + 1, cfg)
-    return pages, tokens_R, logps_R, behavior_R, ends_R
+    if routes is None:
+        return pages, tokens_R, logps_R, behavior_R, ends_R
+    return pages, tokens_R, logps_R, behavior_R, ends_R, used[0][:, 0].astype(routes)
 
 
 class _StepInputs(NamedTuple):
@@ -185,18 +199,23 @@ def compile_count() -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int):
-    """(init pages, prefill chunk, first draw, decode step) jitted for one model and config."""
+def _compiled(graphdef, cfg: SamplingConfig, num_samples: int, z: int, routes=None):
+    """(init pages, prefill chunk, first draw, decode step) jitted for one model and config.
+    ``routes``: the dtype the prefill chunks and decode steps return their tokens' experts
+    in (:func:`records_routes`); None: they return none (the programs of a run without
+    routing replay)."""
     init = jax.jit(
         lambda params, pages, local: nnx.merge(graphdef, params).init_pages(pages, z, local),
         static_argnums=(1, 2),
     )
     prefill = jax.jit(
-        functools.partial(_prefill_chunk, graphdef=graphdef, z=z), donate_argnums=(1,)
+        functools.partial(_prefill_chunk, graphdef=graphdef, z=z, routes=routes),
+        donate_argnums=(1,),
     )
     first = jax.jit(functools.partial(_first_draw, cfg=cfg, g=num_samples))
     decode = jax.jit(
-        functools.partial(_decode_step, graphdef=graphdef, cfg=cfg, z=z), donate_argnums=(1,)
+        functools.partial(_decode_step, graphdef=graphdef, cfg=cfg, z=z, routes=routes),
+        donate_argnums=(1,),
     )
     _JITTED.extend([init, prefill, first, decode])
     return init, prefill, first, decode
@@ -257,19 +276,39 @@ class Rows(NamedTuple):
     behavior_NxT: np.ndarray  # float32: and under the distribution drawn from
     count_N: np.ndarray  # int32: tokens drawn
     ended_N: np.ndarray  # bool: ended by EOS or a stop sequence
+    # With routing replay (:func:`fresh_routes`), the experts of each position the run that
+    # last fed the row fed, [N, W + T, R, K]: its prompt left-padded to W, completion token t
+    # at W + t, -1 where nothing was fed; None: no routes recorded.
+    routes_NxSxRxK: np.ndarray | None = None
 
     def finished(self, t: int) -> np.ndarray:
         return self.ended_N | (self.count_N >= t)
 
 
-def fresh_rows(n: int, t: int, pad_id: int) -> Rows:
+def fresh_rows(n: int, t: int, pad_id: int, routes=None) -> Rows:
+    """N rows with nothing drawn; ``routes``: their routes array (:func:`fresh_routes`)."""
     return Rows(
         np.full((n, t), pad_id, np.int32),
         np.zeros((n, t), np.float32),
         np.zeros((n, t), np.float32),
         np.zeros(n, np.int32),
         np.zeros(n, np.bool_),
+        routes,
     )
+
+
+def records_routes(model_cfg, cfg: SamplingConfig) -> bool:
+    """Whether a run records routes: asked to (``cfg.record_routes``, set by routing replay)
+    and the model is a mixture of experts (as the static sampler decides)."""
+    return cfg.record_routes and bool(getattr(model_cfg, "num_experts", 0))
+
+
+def fresh_routes(model_cfg, n: int, width: int, t: int) -> np.ndarray:
+    """An empty routes array (all -1) for N rows of prompts up to ``width`` tokens and ``t``
+    completion tokens: [N, width + t, R, K] in ``moe.routes_dtype``."""
+    dtype = np.dtype(moe_lib.routes_dtype(model_cfg.num_experts))
+    shape = (n, width + t, len(model_cfg.sparse_layers), model_cfg.experts_per_token)
+    return np.full(shape, -1, dtype)
 
 
 class _Run:
@@ -278,6 +317,8 @@ class _Run:
     ``due``: the run returns once every row of groups 0 .. due - 1 has
     finished; the rows of later groups may then be unfinished (or never
     started), and their state in ``self.rows`` is where they stopped.
+    With ``rows.routes_NxSxRxK`` the jitted calls ``fns`` return the fed tokens' experts,
+    and the run writes them there (:meth:`read_routes`).
     """
 
     def __init__(self, fns, params, prompts, key, cfg: SamplingConfig, g: int, shape, rows, due):
@@ -285,8 +326,10 @@ class _Run:
         self.params, self.prompts, self.cfg, self.g, self.shape = params, prompts, cfg, g, shape
         self.key_first, self.key_decode = jax.random.split(key)
         t, self.due = cfg.max_new_tokens, due
-        self.rows = Rows(*(np.array(x) for x in rows))  # copies: the caller's stay as they were
+        # Copies: the caller's stay as they were.
+        self.rows = Rows(*(None if x is None else np.array(x) for x in rows))
         finished_N = self.rows.finished(t)
+        self.before_N = finished_N  # rows finished before the run: their routes stay
         self.due_left = int((~finished_N[: due * g]).sum())  # unfinished rows of due groups
         self.pool = Pool(shape.pages)
         self.win = Window(shape, len(prompts)) if shape.local_pages else None
@@ -305,6 +348,10 @@ class _Run:
         self.steps = self.chunks = self.extend_chunks = 0
         self.occupied = self.rows_run = 0
         self.prompt_page_count = 0
+        self.routes = self.rows.routes_NxSxRxK
+        # (rows, first column, tokens, device array [C, R, K]) of each prefill chunk, read
+        # back once the run ends: a chunk then waits for no transfer.
+        self.chunk_routes: list = []
 
     def _to_write(self, s: int) -> int:
         """Own tokens slot ``s``'s row must still write before it can decode (carried rows)."""
@@ -369,10 +416,14 @@ class _Run:
             if self.win is not None:
                 self.win.prompt[b].append(self.win.pool.take())
         local = None if self.win is None else self.win.prompt[b]
-        self.pages, logits_1xV = write_chunk(
+        self.pages, logits_1xV, *used = write_chunk(
             self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
             self.cfg.pad_id, self.shape.table, pages, local_ids=local,
         )  # fmt: skip
+        if used:  # the group's rows still drawing (a carried group's finished ones keep theirs)
+            rows_G = [r for r in range(b * self.g, (b + 1) * self.g) if not self.before_N[r]]
+            col = self.routes.shape[1] - self.cfg.max_new_tokens - len(prompt) + start
+            self.chunk_routes.append((rows_G, col, count, used[0]))
         self.chunks += 1
         if start + count < len(prompt):
             self.filling = (b, start + count)
@@ -413,11 +464,14 @@ class _Run:
             if self.win is not None:
                 self.win.take_own(s)
         local = None if self.win is None else self.win.table(s, b, self.shape.table)
-        self.pages, _ = write_chunk(
+        self.pages, _, *used = write_chunk(
             self.prefill, self.params, self.pages, self.rows.tokens_NxT[r, start : start + count],
             n + start, c, self.cfg.pad_id, self.shape.table, shared + own, n=n,
             shared=len(shared), local_ids=local,
         )  # fmt: skip
+        if used:  # own token i at column W + i
+            col = self.routes.shape[1] - self.cfg.max_new_tokens + start
+            self.chunk_routes.append(([r], col, count, used[0]))
         self.slot_written[s] += count
         self.extend_chunks += 1
 
@@ -471,18 +525,33 @@ class _Run:
         self.pages, *out = self.decode(
             self.params, self.pages, x, self.key_decode, np.int32(self.steps)
         )
-        tokens_R, logps_R, behavior_R, ends_R = jax.device_get(out)
+        tokens_R, logps_R, behavior_R, ends_R, *used = jax.device_get(out)
         self.steps += 1
         self.occupied += len(active)
         self.rows_run += rows
+        p = None if self.routes is None else self.routes.shape[1] - self.cfg.max_new_tokens
         for i, s in enumerate(active):
             r = self.slot_req[s]
+            if used:  # the fed token, completion token count - 1, sits at column P + count - 1
+                self.routes[r, p + count_N[r] - 1] = used[0][i]
             self.slot_written[s] += 1
             self._record(r, tokens_R[i], logps_R[i], behavior_R[i])
             if ends_R[i] or count_N[r] == self.cfg.max_new_tokens:
                 self.rows.ended_N[r] = ends_R[i]
                 self._release(s, r)
                 self._finished(r)
+
+    def read_routes(self) -> None:
+        """Writes the prefill chunks' experts into the routes: a prompt of n real tokens at
+        columns W - n .. W - 1 of its rows still drawing, a carried row's own tokens after
+        W. A row the run fed has then every position it fed from this run's parameters
+        (the run that finishes a row feeds its whole prefix again)."""
+        if self.routes is None:
+            return
+        chunks = jax.device_get([used for *_, used in self.chunk_routes])
+        for (rows, col, count, _), used in zip(self.chunk_routes, chunks):
+            self.routes[rows, col : col + count] = used[:count]
+        self.chunk_routes = []
 
     def _release(self, s: int, r: int) -> None:
         own = self.slot_pages[s]
@@ -552,7 +621,9 @@ def generate_rows(
     drawn from it given the whole prefix. Later groups use the slots the due
     ones leave free, and may stop anywhere. ``width``: the prompts' padded
     width the engine's sizes follow (default: the smallest prompt bucket that
-    holds the longest).
+    holds the longest). With ``rows.routes_NxSxRxK`` (routing replay) each row the run
+    feeds gets the routes of every position it fed there (the prompt's and the carried
+    tokens' again, with ``params``); rows finished before keep theirs.
     """
     if due < 1 or due > len(prompts):
         raise ValueError(f"due = {due} must be in [1, {len(prompts)}] (the groups)")
@@ -562,10 +633,23 @@ def generate_rows(
     model_cfg = nnx.merge(graphdef, params).config
     window = model_window(model_cfg)
     shape = engine_shape(cfg, len(prompts), num_samples, width, due=due, window=window)
-    fns = _compiled(graphdef, cfg, num_samples, shape.page_size)
-    run = _Run(fns, params, prompts, as_key(key), cfg, num_samples, shape, rows, due)
+    z, dtype = shape.page_size, None
+    if rows.routes_NxSxRxK is not None:
+        dtype = moe_lib.routes_dtype(model_cfg.num_experts)
+        longest = max(len(p) for p in prompts)
+        if rows.routes_NxSxRxK.shape[1] < longest + cfg.max_new_tokens:
+            raise ValueError(
+                f"rows.routes_NxSxRxK {rows.routes_NxSxRxK.shape} holds no prompt of "
+                f"{longest} tokens and {cfg.max_new_tokens} more"
+            )
+    # Without routes, the very call (and cache entry) of paged_turns and the compiled-ahead
+    # programs (grpo_jax.aot): lru_cache keys f(a) and f(a, None) apart.
+    g = num_samples
+    fns = _compiled(graphdef, cfg, g, z) if dtype is None else _compiled(graphdef, cfg, g, z, dtype)
+    run = _Run(fns, params, prompts, as_key(key), cfg, g, shape, rows, due)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         run.run()
+    run.read_routes()
     return run.rows, run.stats(kv_bytes_per_token(model_cfg) * shape.page_size)
 
 
@@ -599,11 +683,13 @@ def generate_with_stats(
     prompts = real_prompts(tokens_BxP, mask_BxP)
     b, p = tokens_BxP.shape
     g, t = num_samples, cfg.max_new_tokens
+    model_cfg = nnx.merge(graphdef, params).config
+    routes = fresh_routes(model_cfg, b * g, p, t) if records_routes(model_cfg, cfg) else None
     rows, stats = generate_rows(
         graphdef,
         params,
         prompts,
-        fresh_rows(b * g, t, cfg.pad_id),
+        fresh_rows(b * g, t, cfg.pad_id, routes),
         key,
         cfg,
         num_samples=g,
@@ -617,8 +703,12 @@ def generate_with_stats(
 
 def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> SampleOutput:
     """The :class:`SampleOutput` of B groups' finished ``rows`` (B*G of them) for prompts
-    ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch."""
+    ``tokens_BxP`` (left-padded): on the default device, or split over ``mesh``'s batch.
+    Their routes, when recorded, are cut to the prompts' width: [N, P + T, R, K]."""
     t = rows.tokens_NxT.shape[1]
+    routes = rows.routes_NxSxRxK
+    if routes is not None:
+        routes = routes[:, routes.shape[1] - np.shape(tokens_BxP)[1] - t :]
     host = SampleOutput(
         prompt_tokens=np.repeat(np.asarray(tokens_BxP, np.int32), g, axis=0),
         prompt_mask=np.repeat(np.asarray(mask_BxP, bool), g, axis=0),
@@ -628,8 +718,9 @@ def output_rows(rows: Rows, tokens_BxP, mask_BxP, g: int, *, mesh=None) -> Sampl
         lengths=rows.count_N,
         truncated=~rows.ended_N,
         behavior_logps=rows.behavior_NxT,
+        routes=routes,
     )
-    # None stays None: the paged engine records no routes (SampleOutput.routes).
+    # None stays None: routes without routing replay (SampleOutput.routes).
     if mesh is None:
         return SampleOutput(*(None if x is None else jnp.asarray(x) for x in host))
     return SampleOutput(

@@ -51,6 +51,31 @@ def test_kill_and_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pa
 
 
 @pytest.mark.slow
+def test_kill_and_resume_with_routing_replay_and_partial_rollouts(tmp_path):
+    """Partial rollouts on the paged engine with replay: carried rows keep their routes in
+    the checkpoint (the groups in flight), and the run killed after step 3 and resumed from
+    step 2 logs what the uninterrupted run logs."""
+    partial = {"sampling.engine": "paged", "sampling.partial_rollouts": True}
+    partial.update({"sampling.page_size": 4, "sampling.prefill_chunk": 8})
+    cfg = apply_overrides(_config(), partial)
+    train(cfg, tmp_path / "whole")
+    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
+    assert sum(r["partial/carried_rows"] for r in whole[1:]) > 0  # rows did carry over
+    train_killed_at(cfg, tmp_path / "killed", 3)
+    ck = Checkpointer(tmp_path / "killed" / "checkpoints")
+    assert ck.all_steps() == [2]
+    shape, dtype = ck.restore_meta(2)["inflight"]["partial"]["shapes"]["routes_NxSxRxK"]
+    ck.close()
+    assert dtype == "int8" and shape[3:] == [1, 2]  # [groups, G, W + T, R, K]
+    train(cfg, tmp_path / "killed")
+    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert without_timings(resumed) == without_timings(whole)
+    for r in whole[1:]:
+        assert all(math.isfinite(r[k]) for k in MOE_KEYS), r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -61,13 +86,16 @@ def test_kill_and_resume_with_routing_replay_equals_the_uninterrupted_run(tmp_pa
             "rewards": "exact_match(tag=None):1.0,format(pattern='.*[0-4].*'):0.5",
         },
         {"mesh.sampler_devices": 4, "mesh.num_devices": 8},
+        {"sampling.engine": "paged"},
+        {"sampling.engine": "paged", "sampling.partial_rollouts": True},
     ],
-    ids=["dynamic_sampling", "sampler_mesh"],
+    ids=["dynamic_sampling", "sampler_mesh", "paged_engine", "partial_rollouts"],
 )
 def test_routes_travel_with_dynamic_sampling_and_from_a_sampler_mesh(tmp_path, overrides):
-    """Dynamic sampling's rounds (prompts of several widths, gathered into one batch) and a
-    sampler mesh of its own (the batch copied to the learner's) carry the routes too: the
-    replayed first update's ratio stays within rounding of 1 with pi_old rescored."""
+    """Dynamic sampling's rounds (prompts of several widths, gathered into one batch), a
+    sampler mesh of its own (the batch copied to the learner's), the paged engine and its
+    partial rollouts (rows carried between runs) carry the routes too: the replayed first
+    update's ratio stays within rounding of 1 with pi_old rescored."""
     cfg = apply_overrides(_config(), {"train.steps": 2, "grpo.old_logps": "recompute", **overrides})
     train(cfg, tmp_path)
     for r in read_metrics(tmp_path / "metrics.jsonl")[1:]:

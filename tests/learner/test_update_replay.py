@@ -1,11 +1,12 @@
 """Routing replay in training (``grpo.router_replay = "rollout"``, docs/moe.md).
 
-The static sampler records each position's experts; the update replays them in the policy's
-passes. The rollout comes from a copy of a tiny mixture (16 experts, top 4) whose parameters
-moved by a step of 1e-3 (a sampler one version behind): its routers pick other experts than
-the policy's at some tokens. pi_old is the policy under the rollout's routes. The first
-update's ratio is then 1 to 1e-6 in float32 with replay, and away from 1 without (the
-flipped tokens, counted by ``moe/route_flip_frac``).
+The sampler (the static engine or the paged one) records each position's experts; the
+update replays them in the policy's passes. The rollout comes from a copy of a tiny mixture
+(16 experts, top 4) whose parameters moved by a step of 1e-3 (a sampler one version
+behind): its routers pick other experts than the policy's at some tokens. pi_old is the
+policy under the rollout's routes. The first update's ratio is then 1 to 1e-6 in float32
+with replay, and away from 1 without (the flipped tokens, counted by
+``moe/route_flip_frac``).
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, family_config
 from grpo_jax.models import moe as moe_lib
 from grpo_jax.run.config import GRPOConfig, OptimConfig
+from grpo_jax.sampling import paged
 from grpo_jax.sampling.static import SamplingConfig, generate
 
 CFG = family_config(
@@ -48,13 +50,16 @@ def _moved(params):
     return jax.tree.map(lambda v: v + 1e-3 * rng.standard_normal(v.shape).astype(v.dtype), params)
 
 
-@pytest.fixture(scope="module")
-def rollout():
-    """(graphdef, the policy's params, the moved copy's params, its SampleOutput)."""
+@pytest.fixture(scope="module", params=["static", "paged"])
+def rollout(request):
+    """(graphdef, the policy's params, the moved copy's params, its SampleOutput), sampled
+    on each engine."""
     graphdef, params = nnx.split(create_model(CFG, seed=0))
     copy = _moved(params)
     tokens, mask = _prompts()
-    out = generate(graphdef, copy, tokens, mask, jax.random.key(2), SAMPLING, num_samples=G)
+    cfg = dataclasses.replace(SAMPLING, engine=request.param)
+    sample = generate if request.param == "static" else paged.generate
+    out = sample(graphdef, copy, tokens, mask, jax.random.key(2), cfg, num_samples=G)
     return graphdef, params, copy, out
 
 
@@ -116,7 +121,7 @@ def test_the_sampler_records_each_fed_tokens_experts_only_when_asked(rollout):
     fmask = jnp.concatenate([out.prompt_mask, out.mask], axis=1)
     _, own = nnx.merge(graphdef, copy).routed_features(full, mask_BxT=fmask)
     rec, own, fmask = np.asarray(out.routes), np.asarray(own), np.asarray(fmask)
-    fed = fmask & (rec[..., 0, 0] >= 0)
+    fed = fmask & (rec >= 0).all(axis=(2, 3))
     np.testing.assert_array_equal(rec[fed], own[fed])
     lengths = np.asarray(out.lengths)
     last = np.arange(B * G), 8 + lengths - 1

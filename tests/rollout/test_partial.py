@@ -36,11 +36,12 @@ def policy():
 
 def _rows(rows, groups, g):
     """Rows of groups ``groups`` (a slice) of a Rows of G rows per group."""
-    return paged.Rows(*(x[groups.start * g : groups.stop * g] for x in rows))
+    cut = slice(groups.start * g, groups.stop * g)
+    return paged.Rows(*(None if x is None else x[cut] for x in rows))  # routes: None
 
 
 def _cat(*parts):
-    return paged.Rows(*(np.concatenate(x) for x in zip(*parts)))
+    return paged.Rows(*(None if x[0] is None else np.concatenate(x) for x in zip(*parts)))
 
 
 def _prompts(prompts):

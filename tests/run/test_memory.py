@@ -538,3 +538,11 @@ def test_routing_replay_counts_the_recorded_routes():
     run = run_config(**plan, **{"grpo.router_replay": "rollout"})
     assert memory.plan_run(run, wide, mesh).routes == 512
     assert memory.plan_run(run, HAND, mesh).routes == 0  # a dense model records none
+    # The paged engine writes them on the host and returns the same [N, P + T, R, K] array:
+    # the same bytes on the device, none in its pool or its programs' buffers.
+    engine = {"sampling.engine": "paged", "sampling.page_size": 4}
+    paged = run_config(**plan, **engine, **{"grpo.router_replay": "rollout"})
+    paged_off = run_config(**plan, **engine)
+    on_p, off_p = memory.plan_run(paged, moe, mesh), memory.plan_run(paged_off, moe, mesh)
+    assert (off_p.routes, on_p.routes) == (0, 256)
+    assert on_p.kv_cache == off_p.kv_cache and on_p.sampling - off_p.sampling == 256

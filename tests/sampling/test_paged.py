@@ -205,7 +205,7 @@ def test_hf_families_greedy_equal_the_static_engine(hf_models, family):
 
 
 def test_output_rows_keeps_the_fields_the_engine_does_not_fill_empty():
-    """The paged engine records no routes: its SampleOutput carries None there (an array
+    """Given no routes (no routing replay), the SampleOutput carries None there (an array
     of None made every paged rollout raise once SampleOutput gained the routes field)."""
     rows = paged.fresh_rows(4, 3, pad_id=0)._replace(count_N=np.array([1, 2, 3, 0], np.int32))
     out = paged.output_rows(rows, np.ones((2, 5), np.int32), np.ones((2, 5), bool), g=2)
