@@ -72,6 +72,7 @@ def test_greedy_routes_equal_the_static_engines_and_a_full_pass(moe_policy, engi
     np.testing.assert_array_equal(rec[fed], np.asarray(full)[fed])
 
 
+@pytest.mark.slow  # compiles the paged engine twice (3.3 s in the fast tier)
 def test_no_routes_without_record_routes_or_experts(moe_policy):
     """Routes only when asked for, on a mixture of experts; a dense model or a run without
     replay gets None and the programs that return none."""
