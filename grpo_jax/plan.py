@@ -31,7 +31,16 @@ from grpo_jax.core.errors import ConfigError  # noqa: E402
 
 topology_lib.quiet_libtpu()
 GiB = 2**30
-PROGRAMS = ("update", "scoring", "prefill", "decode", "paged_prefill", "paged_decode")
+PROGRAMS = (
+    "update",
+    "scoring",
+    "prefill",
+    "decode",
+    "paged_prefill",
+    "paged_decode",
+    "reward_model",
+    "judge",
+)
 
 
 @dataclasses.dataclass
@@ -133,13 +142,16 @@ def _params_line(cfg) -> str:
 
 
 def _run_line(run, cfg) -> str:
-    return (
+    line = (
         f"B {run.train.batch_size}, G {run.grpo.G}, P {max(run.sampling.prompt_buckets)}, "
         f"T {run.sampling.max_new_tokens}, minibatch {run.train.minibatch_size or 'all'}, "
         f"grad_accum {run.optim.grad_accum}, logits_chunk {run.train.logits_chunk}, "
         f"{cfg.dtype} over {cfg.param_dtype}, remat {cfg.remat}, scan_layers {cfg.scan_layers}, "
         f"attention {cfg.attention}, engine {getattr(run.sampling, 'engine', 'static')}"
     )
+    if run.model.lora.enabled:  # the programs carry the adapters; only they train
+        line += f", LoRA rank {run.model.lora.rank} on {'/'.join(run.model.lora.projections)}"
+    return line
 
 
 def _print_plan_only(needs, wanted, chip, out) -> None:
@@ -210,7 +222,10 @@ def _row(m, need, run, cfg, mesh_shape, chip, model_flops) -> dict:
     row["resident"] = need.resident if need else 0
     if m.error:
         return row
-    traffic = budget.hbm_traffic(m.program, run, cfg, mesh_shape)
+    if m.program in ("reward_model", "judge"):  # one pass: its weights and activations once
+        traffic = need.own if need else 0.0
+    else:
+        traffic = budget.hbm_traffic(m.program, run, cfg, mesh_shape)
     row.update(budget.roofline(m.flops, m.collective_bytes, traffic, chip))
     row["hbm_traffic"] = traffic
     useful = model_flops.get(m.program, 0.0)

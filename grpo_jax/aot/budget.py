@@ -17,9 +17,51 @@ from grpo_jax.run import memory
 GiB = 2**30
 
 
-def needs(run, cfg, mesh_shape, *, learned_bytes: int = 0) -> dict[str, memory.ProgramPlan]:
-    """{program: its plan} (``grpo_jax.run.memory.plan_programs``)."""
-    return memory.plan_programs(run, cfg, mesh_shape, learned_bytes=learned_bytes)
+def needs(run, cfg, mesh_shape) -> dict[str, memory.ProgramPlan]:
+    """{program: its plan} (``grpo_jax.run.memory.plan_programs``), with the learned reward
+    model's and the judge's scoring passes when the run has them (``memory.plan_learned``;
+    their checkpoints' config.json and safetensors headers are read, no weight)."""
+    learned = _learned(run, cfg, mesh_shape)
+    total = sum(weights for _, _, _, weights in learned)
+    out = memory.plan_programs(run, cfg, mesh_shape, learned_bytes=total)
+    est = memory.plan_run(run, cfg, mesh_shape, budget_bytes=math.inf, learned_bytes=total)
+    policy = est.params + est.optimizer + est.reference + est.teacher
+    for name, section, model_cfg, weights in learned:
+        resident = policy + total - weights  # all else the run holds beside it
+        if not weights:  # the reference as judge: the reference's weights are its argument
+            weights, resident = est.reference, resident - est.reference
+        out[name] = memory.plan_learned(
+            name, run, model_cfg, mesh_shape, weights=weights, section=section, resident=resident
+        )
+    return out
+
+
+def _learned(run, cfg, mesh_shape) -> list:
+    """[(program, its config section, its model's config, its weights' bytes per device)]:
+    the reward model's and a judge's of their own checkpoint (0 bytes for the reference)."""
+    from grpo_jax.models import CheckpointError
+    from grpo_jax.models.hf import open_checkpoint
+    from grpo_jax.reward_models import model as reward_model_lib
+
+    out, layout = [], run.mesh.layout
+    for name, section, classifier in (
+        ("reward_model", run.reward_model, True),
+        ("judge", run.judge, False),
+    ):
+        if not section.path:
+            continue
+        if name == "judge" and section.path == "reference":
+            out.append((name, section, cfg, 0))
+            continue
+        try:
+            model_cfg = open_checkpoint(section.path, dtype="float32", param_dtype="float32")[2]
+            weights = reward_model_lib.checkpoint_bytes(
+                section.path, mesh_shape, layout, classifier=classifier
+            )
+        except CheckpointError as e:
+            raise ConfigError(f"config key '{name}.path' = {section.path!r}: {e}") from None
+        out.append((name, section, model_cfg, weights))
+    return out
 
 
 # ---------------------------------------------------------------------------

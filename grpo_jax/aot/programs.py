@@ -28,14 +28,27 @@ from grpo_jax.core import sharding as sharding_lib
 from grpo_jax.learner import optimizer as optim_lib
 from grpo_jax.learner import update as update_lib
 from grpo_jax.learner.optimizer import TrainState
+from grpo_jax.models import lora
 from grpo_jax.models.partitioning import cache_shardings, param_shardings
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.objective.logprobs import completion_logps
+from grpo_jax.reward_models import judge as judge_lib
+from grpo_jax.reward_models import model as reward_model_lib
+from grpo_jax.reward_models import scorer as scorer_lib
 from grpo_jax.run.builders import route_spec
 from grpo_jax.sampling import paged, paged_pool
 from grpo_jax.sampling import static as static_sampler
 
-ORDER = ("decode", "prefill", "paged_decode", "paged_prefill", "scoring", "update")
+ORDER = (
+    "decode",
+    "prefill",
+    "paged_decode",
+    "paged_prefill",
+    "reward_model",
+    "judge",
+    "scoring",
+    "update",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +70,18 @@ def _sds(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def abstract_params(cfg, mesh, layout: str):
-    """(graphdef, parameters as ShapeDtypeStructs with their shardings): no weights."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout))
+def abstract_params(cfg, mesh, layout: str, lora_cfg=None):
+    """(graphdef, parameters as ShapeDtypeStructs with their shardings): no weights. With
+    ``lora_cfg`` (an enabled ``LoRAConfig``) the model carries its adapters, as
+    ``run.builders.build_policy`` attaches them (``grpo_jax.models.lora``)."""
+
+    def make():
+        model = Transformer(cfg, rngs=nnx.Rngs(0), layout=layout)
+        if lora_cfg is not None:
+            lora.attach(model, lora_cfg, jax.random.key(0))
+        return model
+
+    abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     shardings = param_shardings(state, mesh, layout)
     params = jax.tree.map(lambda s, h: _sds(s.shape, s.dtype, h), state, shardings)
@@ -87,7 +109,16 @@ class Builder:
         run = self.run
         self.key_dtype = jax.random.key(0).dtype  # made here, outside any mesh
         self.key_impl = jax.random.key_impl(jax.random.key(0))
-        self.graphdef, self.params = abstract_params(self.cfg, self.mesh, run.mesh.layout)
+        layout = run.mesh.layout
+        # LoRA: the adapted model is the one the samplers and the update run; the update
+        # also takes the base's graphdef (the reference is the base inside the parameters).
+        self.lora = run.model.lora if run.model.lora.enabled else None
+        self.graphdef, self.params = abstract_params(self.cfg, self.mesh, layout, self.lora)
+        self.base_graphdef = None
+        if self.lora is not None:
+            self.base_graphdef = nnx.split(
+                nnx.eval_shape(lambda: Transformer(self.cfg, rngs=nnx.Rngs(0), layout=layout))
+            )[0]
         self.rep = sharding_lib.replicated(self.mesh)
         self.B, self.G = run.train.batch_size, run.grpo.G
         self.N = self.B * self.G
@@ -109,7 +140,9 @@ class Builder:
         return {"w": _sds((d,), jnp.float32, self.rep), "b": _sds((), jnp.float32, self.rep)}
 
     def opt_state(self, tx, critic=None):
-        target = self.params if critic is None else {"policy": self.params, "value": critic}
+        """The optimizer's state over what trains: the adapters alone with LoRA."""
+        trained = self.params if self.lora is None else lora.trainable(self.params)
+        target = trained if critic is None else {"policy": trained, "value": critic}
         abstract = jax.eval_shape(tx.init, target)
         shardings = optim_lib.opt_state_shardings(tx, target, self.mesh)
         return jax.tree.map(lambda s, h: _sds(s.shape, s.dtype, h), abstract, shardings)
@@ -124,6 +157,9 @@ class Builder:
         head = self.critic()
         state = TrainState(self.params, self.opt_state(tx, head), *(i32() for _ in range(4)), head)
         param_sh = jax.tree.map(lambda x: x.sharding, self.params)
+        # The reference: a copy of the parameters when beta > 0, but with LoRA the base half
+        # of the policy's own (``run.setup``'s frozen shardings).
+        ref = self.params if run.grpo.beta > 0 and self.lora is None else None
         step = update_lib.jit_update(
             graphdef=self.graphdef,
             tx=tx,
@@ -137,10 +173,11 @@ class Builder:
             share_prompts=True,
             state_shardings=jax.tree.map(lambda x: x.sharding, state),
             batch_shardings=self.bsh,
-            ref_shardings=param_sh if run.grpo.beta > 0 else None,
+            ref_shardings=param_sh if ref is not None else None,
             replicated=self.rep,
+            base_graphdef=self.base_graphdef,
+            lora_dropout=run.model.lora.dropout,
         )
-        ref = self.params if run.grpo.beta > 0 else None
         return Program("update", step, (state, self.batch(), self.key(), ref))
 
     def scoring(self) -> Program:
@@ -217,6 +254,43 @@ class Builder:
             ),
         ]
 
+    def learned(self) -> list[Program]:
+        """The learned reward model's and the LLM judge's scoring pass (``reward_model.path``,
+        ``judge.path``), as ``grpo_jax.reward_models`` jits them: one batch of their
+        ``batch_size`` rows at their largest bucket, split over the batch axes, their
+        weights in the run's layout. Their config.json and safetensors headers are read, no
+        weight; the judge "reference" scores with the policy's own parameters."""
+        run, made = self.run, []
+        rm, judge = run.reward_model, run.judge
+        if rm.path:
+            graphdef, params = self._checkpoint(rm.path, classifier=True)
+            fn = jax.jit(scorer_lib._scores_fn, static_argnums=0)
+            args = (graphdef, params, *self._rows(rm))
+            made.append(Program("reward_model", fn, args))
+        if judge.path:
+            if judge.path == judge_lib.REFERENCE:
+                graphdef, params = self.graphdef, self.params
+            else:
+                graphdef, params = self._checkpoint(judge.path, classifier=False)
+            k = len(judge.score_tokens)
+            score = (_sds((k,), jnp.int32, self.rep), _sds((k,), jnp.float32, self.rep))
+            fn = jax.jit(judge_lib._judge_fn, static_argnums=0)
+            made.append(Program("judge", fn, (graphdef, params, *self._rows(judge), *score)))
+        return made
+
+    def _checkpoint(self, path: str, *, classifier: bool):
+        layout = self.run.mesh.layout
+        model = reward_model_lib.abstract_checkpoint_model(path, layout, classifier=classifier)
+        graphdef, state = nnx.split(model)
+        shardings = param_shardings(state, self.mesh, layout)
+        return graphdef, jax.tree.map(lambda s, h: _sds(s.shape, s.dtype, h), state, shardings)
+
+    def _rows(self, section):
+        """A scoring batch's tokens and mask: ``batch_size`` rows of the largest bucket."""
+        rows2 = sharding_lib.batch_sharding(self.mesh, 2)
+        shape = (section.batch_size, max(section.buckets))
+        return _sds(shape, jnp.int32, rows2), _sds(shape, jnp.bool_, rows2)
+
 
 def _decode_state_shardings(cfg, state, mesh, layout):
     """The shardings ``sampling.static``'s prefill gives its decode state: rows over the
@@ -242,6 +316,8 @@ def programs(run, cfg, mesh, names=None) -> list[Program]:
         made += [p for p in b.static() if p.name in want]
     if want & {"paged_prefill", "paged_decode"} and paged_engine:
         made += [p for p in b.paged() if p.name in want]
+    if want & {"reward_model", "judge"}:
+        made += [p for p in b.learned() if p.name in want]
     if "scoring" in want and scores:
         made.append(b.scoring())
     if "update" in want:

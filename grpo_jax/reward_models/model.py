@@ -118,19 +118,27 @@ def reward_model_bytes(model: RewardModel) -> int:
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
 
 
+def abstract_checkpoint_model(path, layout: str = "fsdp", *, classifier: bool):
+    """The model of the checkpoint at ``path`` as ``nnx.eval_shape`` makes it (shapes and
+    logical axes, no weight), in float32 as :func:`load_reward_model` and the judge's
+    ``from_pretrained`` load it: a reward model (``classifier``) or a causal LM (a judge).
+    Reads config.json and the safetensors headers only."""
+    f32 = jnp.float32
+    directory, hf, cfg, ckpt, _, _ = open_checkpoint(path, dtype=f32, param_dtype=f32)
+    if classifier:
+        n = _num_labels(hf, ckpt, directory)
+        return nnx.eval_shape(lambda: RewardModel(cfg, n, rngs=nnx.Rngs(0), layout=layout))
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout))
+
+
 def checkpoint_bytes(path, mesh_shape, layout: str = "fsdp", *, classifier: bool) -> int:
     """Per-device bytes of the weights of the checkpoint at ``path`` once placed in ``layout``
     over a mesh of ``mesh_shape``: a reward model (``classifier``) or a causal LM (a judge).
     Reads config.json and the safetensors headers only."""
-    directory, hf, cfg, ckpt, _, _ = open_checkpoint(path)
+    model = abstract_checkpoint_model(path, layout, classifier=classifier)
     mesh_shape = {a: int(dict(mesh_shape).get(a, 1)) for a in MESH_AXES}  # missing: size 1
-    if classifier:
-        n = _num_labels(hf, ckpt, directory)
-        build = lambda: RewardModel(cfg, n, rngs=nnx.Rngs(0), layout=layout)
-    else:
-        build = lambda: Transformer(cfg, rngs=nnx.Rngs(0), layout=layout)
     total = 0
-    for v in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param), is_leaf=_is_var):
+    for v in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=_is_var):
         spec = fit_spec(
             logical_to_spec(v.get_metadata().get("logical_axes"), layout), v.shape, mesh_shape
         )

@@ -909,9 +909,37 @@ def plan_programs(
     # No loop runs over the prompt's tokens: a layer at a time (two in flight) and the LM
     # head gathered, and one layer's activations over this device's prompts.
     layers = 2 * body // L * sh.c + V * D * sh.c if sh.sharded else 0
-    dense = sh.c * 4 * cfg.mlp_dim // sh.tp_f if len(cfg.sparse_layers) < L else 0
-    mlp = max(dense, moe_token_bytes(cfg, mesh_shape, run.mesh.layout, sh.c))
-    per_token = sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh) + mlp
+    per_token = _layer_token_bytes(cfg, sh, mesh_shape, run.mesh.layout)
     acts = sh.b_s * (sh.P * per_token + _attention_per_row(cfg, sh, sh.P, sh.P))
     out["prefill"] = ProgramPlan("prefill", weights + kv + layers + acts + CODE_BYTES, resident)
     return out
+
+
+def _layer_token_bytes(cfg, sh: RunShapes, mesh_shape, layout: str) -> int:
+    """One layer's activations per token of a forward pass with no cache kept: the
+    residual, norms and projections, and the MLP's (or the experts') widest."""
+    L, D = cfg.num_layers, cfg.hidden_size
+    K, Dh, H = cfg.num_kv_heads // sh.tp_k, cfg.head_dim, cfg.num_heads // sh.tp_h
+    dense = sh.c * 4 * cfg.mlp_dim // sh.tp_f if len(cfg.sparse_layers) < L else 0
+    mlp = max(dense, moe_token_bytes(cfg, mesh_shape, layout, sh.c))
+    return sh.c * (6 * D + 2 * H * Dh + 2 * K * Dh) + mlp
+
+
+def plan_learned(
+    name: str, run, model_cfg_like, mesh_shape, *, weights: int, section, resident: int
+) -> ProgramPlan:
+    """A learned reward model's or LLM judge's scoring pass (``grpo_jax.aot.programs``'s
+    ``reward_model`` and ``judge``: ``section.batch_size`` rows of its largest bucket over
+    the batch axes): ``weights``, its parameters' bytes on a device; when they are sharded,
+    two layers gathered at a time (the judge's LM head too); one layer's activations over
+    this device's rows, as the prefill's; the rows themselves."""
+    cfg = as_model_config(model_cfg_like)
+    sh = run_shapes(run, cfg, mesh_shape)
+    _, body, _ = _sizes(cfg, mesh_shape, run.mesh.layout)
+    shards = int(mesh_shape.get("data", 1)) * int(mesh_shape.get("fsdp", 1))
+    rows, length = -(-section.batch_size // shards), max(section.buckets)
+    head = cfg.vocab_size * cfg.hidden_size * sh.c if name == "judge" else 0
+    layers = 2 * body // cfg.num_layers * sh.c + head if sh.sharded else 0
+    per_token = _layer_token_bytes(cfg, sh, mesh_shape, run.mesh.layout)
+    acts = rows * (length * per_token + _attention_per_row(cfg, sh, length, length))
+    return ProgramPlan(name, weights + layers + acts + rows * length * 5 + CODE_BYTES, resident)
