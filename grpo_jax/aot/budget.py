@@ -50,6 +50,12 @@ def _learned(run, cfg, mesh_shape) -> list:
     ):
         if not section.path:
             continue
+        shards = int(mesh_shape.get("data", 1)) * int(mesh_shape.get("fsdp", 1))
+        if section.batch_size % shards:  # as the run refuses it (grpo_jax.reward_models)
+            raise ConfigError(
+                f"config key '{name}.batch_size' = {section.batch_size} must be a multiple "
+                f"of the mesh's {shards} batch shards"
+            )
         if name == "judge" and section.path == "reference":
             out.append((name, section, cfg, 0))
             continue
@@ -70,16 +76,19 @@ def _learned(run, cfg, mesh_shape) -> list:
 
 def model_flops(run, cfg, chips: int) -> dict[str, float]:
     """Per chip, the FLOPs a step needs by the model alone (6 per parameter and trained
-    token, 2 per parameter and scored token, the LM head on completions only, each prompt
-    once per group; attention's scores left out): what an MFU counts as useful. A mixture
-    of experts counts the parameters a token computes with (``ModelConfig.active_params``:
-    K of each sparse layer's E experts)."""
+    token, 4 with LoRA, 2 per parameter and scored token, the LM head on completions only,
+    each prompt once per group; attention's scores left out): what an MFU counts as useful.
+    A mixture of experts counts the parameters a token computes with
+    (``ModelConfig.active_params``: K of each sparse layer's E experts)."""
     sh_tokens_prompt = run.train.batch_size * max(run.sampling.prompt_buckets)
     N, T = run.train.batch_size * run.grpo.G, run.sampling.max_new_tokens
     embed = cfg.vocab_size * cfg.hidden_size
     body = cfg.active_params - embed * (1 if cfg.tie_embeddings else 2)
     tokens = sh_tokens_prompt + N * T
-    train = run.grpo.mu * (6 * body * tokens + 6 * embed * N * T)
+    # LoRA trains adapters on a frozen base (LM head included): no weight gradient of the
+    # base's matmuls, 4 FLOPs per parameter and token where full training takes 6.
+    k = 4 if run.model.lora.enabled else 6
+    train = run.grpo.mu * (k * body * tokens + k * embed * N * T)
     passes = (run.grpo.beta > 0) + (run.grpo.old_logps == "recompute") + run.train.track_update
     score = 2 * body * tokens + 2 * embed * N * T
     sample = 2 * body * tokens + 2 * embed * N * T

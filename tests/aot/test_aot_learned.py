@@ -135,3 +135,16 @@ def test_the_scorers_compile_for_v5e_within_the_plan(checkpoints, tmp_path):
         assert not r["error"], r["error"]
         weights = checkpoint_bytes(str(path), mesh_shape, classifier=classifier)
         assert weights <= r["arguments"] and r["xla_total"] <= r["plan"]
+
+
+def test_a_scorer_batch_the_batch_shards_do_not_divide_is_one_line(tmp_path):
+    """As the run refuses it, before any checkpoint is read."""
+    c = _config((tmp_path / "nowhere", tmp_path / "judge"))
+    c.reward_model.batch_size = 6
+    out, err = io.StringIO(), io.StringIO()
+    status = plan.plan(c, plan.Options(topology="v5e-4", plan_only=True), out=out, err=err)
+    assert status == 2
+    assert err.getvalue().strip() == (
+        "config error: config key 'reward_model.batch_size' = 6 must be a multiple of the "
+        "mesh's 4 batch shards"
+    )

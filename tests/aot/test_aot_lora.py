@@ -97,3 +97,15 @@ def test_a_lora_update_on_v5e_holds_the_adapters_moments_not_the_bases():
     assert lo.params + lo.optimizer + lo.reference + batch <= measured.arguments
     assert measured.arguments < hi.params + hi.optimizer + hi.reference + batch
     assert measured.total <= budget.needs(run, cfg, shape)["update"].own
+
+
+def test_a_lora_updates_useful_flops_leave_out_the_bases_weight_gradient():
+    """The MFU's useful FLOPs: with LoRA the frozen base's matmuls run forward and back to
+    the activations only, 4 FLOPs per parameter and token where full training takes 6."""
+    from grpo_jax.aot import budget
+
+    over = {"grpo.old_logps": "sampler", "train.track_update": False}
+    run, full = _run(beta=0.0, **over), _run(rank=0, beta=0.0, **over)  # no scoring pass
+    cfg = architectures.resolve(run)[0]
+    lora_f, full_f = budget.model_flops(run, cfg, 4), budget.model_flops(full, cfg, 4)
+    assert lora_f["update"] == pytest.approx(4 / 6 * full_f["update"])
