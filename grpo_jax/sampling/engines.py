@@ -128,7 +128,10 @@ class PagedEngine(Engine):
 
     def turns(self, graphdef, params, tokens_BxP, mask_BxP, key, sampling, cfg, num_samples):
         prompts = paged.real_prompts(tokens_BxP, mask_BxP)
-        return paged_turns.TurnEngine(graphdef, params, prompts, key, sampling, cfg, num_samples)
+        width = np.shape(tokens_BxP)[1]
+        return paged_turns.TurnEngine(
+            graphdef, params, prompts, key, sampling, cfg, num_samples, width=width
+        )
 
     def kv_bytes(self, cfg, model_cfg, *, prompts: int, samples: int, due: int, mesh_shape):
         # The pool is whole on every device (the engine runs in one process, unsharded).
