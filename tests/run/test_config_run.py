@@ -471,7 +471,6 @@ def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up
     [
         ({"train.packing": "on"}, r"does not combine with train.packing = 'on' yet"),
         ({"grpo.advantage_estimator": "gae"}, r"with grpo.advantage_estimator = 'gae' yet"),
-        ({"env.name": "guess_number"}, r"with an environment \(env.name = 'guess_number'\)"),
         ({"teacher.path": "reference", "teacher.kl": "full"}, r"with teacher.kl = 'full' yet"),
     ],
 )
@@ -482,15 +481,18 @@ def test_router_replay_refuses_what_does_not_carry_routes_in_one_line(overrides,
     assert "\n" not in str(e.value)
 
 
-def test_router_replay_runs_on_both_engines_and_with_partial_rollouts():
-    """Both built-in engines record routes, partial rollouts carry them (docs/moe.md): each
-    parses with replay."""
+def test_router_replay_runs_on_both_engines_with_partial_rollouts_and_episodes():
+    """Both built-in engines record routes, partial rollouts carry them, multi-turn episodes
+    record them on either engine (docs/moe.md): each parses with replay."""
     partial = {"sampling.partial_rollouts": True, "train.max_staleness": 1}
-    for engine, more in (("static", {}), ("paged", {}), ("paged", partial)):
+    env = {"env.name": "guess_number"}
+    cases = [("static", {}), ("paged", {}), ("paged", partial), ("static", env), ("paged", env)]
+    for engine, more in cases:
         overrides = {"grpo.router_replay": "rollout", "sampling.engine": engine, **more}
         run = config_lib.parse_config(smoke_config(plain=True, **overrides))
         assert (run.sampling.engine, run.grpo.router_replay) == (engine, "rollout")
-        assert run.sampling.partial_rollouts == bool(more)
+        assert run.sampling.partial_rollouts == (more is partial)
+        assert run.env.name == more.get("env.name", "")
 
 
 def test_router_replay_needs_a_mixture_of_experts(builtin_tokenizer):
