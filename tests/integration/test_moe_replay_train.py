@@ -113,10 +113,9 @@ def _multiturn_config(overrides):
     spec = importlib.util.spec_from_file_location("mt_cfg", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    moe = {"model.num_experts": 4, "model.experts_per_token": 2, "model.moe_mlp_dim": 32}
     run = {"train.steps": 3, "eval.every": 0, "eval.num_samples": 0, "checkpoint.every": 0}
     replay = {"grpo.router_replay": "rollout", "grpo.old_logps": "recompute"}
-    return apply_overrides(mod.get_config("runlocal"), {**moe, **run, **replay, **overrides})
+    return apply_overrides(mod.get_config("runlocal,moe"), {**run, **replay, **overrides})
 
 
 @pytest.mark.slow
@@ -126,7 +125,8 @@ def _multiturn_config(overrides):
     ids=["static", "paged_staleness_1"],
 )
 def test_a_multi_turn_run_replays_its_episodes_routes(tmp_path, monkeypatch, overrides):
-    """guess_number episodes on the tiny mixture (one sparse layer, top 2 of 4), on each
+    """configs/multiturn.py's ``runlocal,moe``: guess_number episodes on a tiny mixture (one
+    sparse layer, top 2 of 4), on each
     engine (the paged one a step ahead, its batch in flight with its routes): every batch
     carries the routes of every position its episodes fed, the environment's answers
     included, and the replayed first ratio is 1 to rounding with pi_old rescored."""
