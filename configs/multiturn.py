@@ -18,6 +18,9 @@ sampled one before and after, and the wall time.
 
 Variants (``--config=configs/multiturn.py:<arg>``):
   runlocal  seconds: a few steps and small evaluations (tests use it).
+  moe       the model's MLPs as mixtures of 4 experts of half the MLP width, top 2
+            (docs/moe.md); with ``--config.grpo.router_replay=rollout`` the episodes'
+            routes, observation tokens' included, are replayed. Combines: ``runlocal,moe``.
 
 Override anything, e.g. ``--config.seed=1 --config.env.max_turns=3``.
 """
@@ -30,7 +33,7 @@ common = config_module("common", beside=__file__)
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
-    a = common.parse_arg(arg, where="configs/multiturn.py", runlocal=False, smoke=False)
+    a = common.parse_arg(arg, where="configs/multiturn.py", runlocal=False, smoke=False, moe=False)
     c = common.base()
 
     c.model.hidden_size = 64
@@ -99,4 +102,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.eval.num_samples = 2
         c.eval.k = 2
         c.checkpoint.every = 2
+    if a.moe:
+        c.model.num_experts = 4
+        c.model.experts_per_token = 2
+        c.model.moe_mlp_dim = c.model.mlp_dim // 2
     return c

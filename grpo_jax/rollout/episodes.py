@@ -100,6 +100,10 @@ class Episodes:
     log-probs (0 elsewhere). ``rewards_N`` sums each episode's step rewards (NaN
     after an environment error). ``truncated_N``: ended by a budget (turns, tokens,
     an observation too long). ``turn_texts``: each row's model turns as text.
+    ``routes_NxSxRxK``: with routing replay (``sampling.record_routes`` on a mixture of
+    experts), the experts of every position of [prompt | transcript] as the sampler fed it,
+    model and environment tokens alike, [N, P + T, R, K] (-1 where nothing was fed); None
+    otherwise.
     """
 
     prompt_tokens_NxP: np.ndarray
@@ -117,6 +121,7 @@ class Episodes:
     turn_texts: list[list[str]]
     error_messages: list[str]
     phases: int = 0
+    routes_NxSxRxK: np.ndarray | None = None
 
 
 def run_episodes(
@@ -182,6 +187,8 @@ def run_episodes(
             break
         eng.start_turns(queued)
     tokens, mask, logps, behavior, length = eng.transcripts()
+    # Episodes of an engine's own without routes() record none (docs/engine.md, records_routes).
+    routes = eng.routes() if hasattr(eng, "routes") else None
     return Episodes(
         prompt_tokens_NxP=np.repeat(np.asarray(prompt_tokens_BxP), num_samples, axis=0),
         prompt_mask_NxP=np.repeat(np.asarray(prompt_mask_BxP, bool), num_samples, axis=0),
@@ -198,6 +205,7 @@ def run_episodes(
         turn_texts=book.turn_texts,
         error_messages=book.messages,
         phases=book.phases,
+        routes_NxSxRxK=None if routes is None else np.array(routes),
     )
 
 
@@ -474,6 +482,7 @@ def collect(r, env, params, examples: list[dict], key: jax.Array):
         advantages_N=put(advantages_N.astype(np.float32)),
         weights_N=put(np.ones((N,), np.float32)),
         group_ids_N=put(np.repeat(np.arange(B, dtype=np.int32), G)),
+        routes_NxSxRxK=None if ep.routes_NxSxRxK is None else put(ep.routes_NxSxRxK),
     )
     host = HostRollout(
         examples=list(examples),
@@ -546,7 +555,9 @@ def _play_chunks(
     per-episode arrays (example-major, ``num_samples`` each). Evaluation plays on the static
     kernel whatever ``sampling.engine`` says: its row keys keep each episode independent of
     the other rows of its call (the paged engine draws per decode call)."""
-    r = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, engine=STATIC))
+    # Routes train, they do not score: evaluation records none (as the single-turn's).
+    sampling = dataclasses.replace(r.sampling, engine=STATIC, record_routes=False)
+    r = dataclasses.replace(r, sampling=sampling)
     parts = []
     for c, i in enumerate(range(0, len(examples), per_call)):
         chunk = list(examples[i : i + per_call])

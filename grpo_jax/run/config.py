@@ -625,10 +625,10 @@ def _check_teacher(run: RunConfig) -> None:
 
 
 def _check_router_replay(run: RunConfig) -> None:
-    """Routing replay needs rollouts that record routes (single-turn rounds of an engine that
-    records them, ``static`` or ``paged``, partial rollouts included) and an update whose
-    passes take them (docs/moe.md); whether the model is a mixture of experts is checked as
-    it is built (``grpo_jax.run.builders``)."""
+    """Routing replay needs rollouts that record routes (an engine that records them,
+    ``static`` or ``paged``: single-turn rounds, partial rollouts and multi-turn episodes,
+    observation tokens included) and an update whose passes take them (docs/moe.md); whether
+    the model is a mixture of experts is checked as it is built (``grpo_jax.run.builders``)."""
     if run.grpo.router_replay == "none":
         return
     where = f"config key 'grpo.router_replay' = {run.grpo.router_replay!r}"
@@ -640,7 +640,6 @@ def _check_router_replay(run: RunConfig) -> None:
             "that engine records the experts each token's router chose"
         )
     refused = [
-        (bool(run.env.name), f"an environment (env.name = {run.env.name!r})"),
         (run.train.packing == "on", "train.packing = 'on'"),
         (run.grpo.advantage_estimator == "gae", "grpo.advantage_estimator = 'gae'"),
         (run.teacher.enabled and run.teacher.kl == "full", "teacher.kl = 'full'"),

@@ -30,7 +30,8 @@ class Engine:
     carries_rows: bool = False
     # Routing replay (``grpo.router_replay = "rollout"``) needs an engine whose
     # :meth:`generate` records each token's experts when ``cfg.record_routes``
-    # (``SampleOutput.routes``); the config refuses others.
+    # (``SampleOutput.routes``), and whose :meth:`turns` episodes do (their ``routes()``);
+    # the config refuses others.
     records_routes: bool = False
 
     def generate(
@@ -51,8 +52,10 @@ class Engine:
     def turns(self, graphdef, params, tokens_BxP, mask_BxP, key, sampling, cfg, num_samples):
         """Multi-turn episodes: an object with ``grpo_jax.sampling.static_turns.StaticTurns``'s
         phase interface (``phase``, ``finish``, ``start_turns``, ``transcripts`` and its
-        host arrays), which ``grpo_jax.rollout.episodes`` drives. By default the static
-        kernel: an engine without episodes of its own plays them there."""
+        host arrays, and ``routes()``: the fed tokens' experts [N, P + T, R, K] when
+        ``sampling.record_routes``, else None), which ``grpo_jax.rollout.episodes`` drives.
+        By default the static kernel: an engine without episodes of its own plays them
+        there."""
         return StaticTurns(graphdef, params, tokens_BxP, mask_BxP, key, sampling, cfg, num_samples)
 
     def kv_bytes(self, cfg, model_cfg, *, prompts: int, samples: int, due: int, mesh_shape):
@@ -128,7 +131,10 @@ class PagedEngine(Engine):
 
     def turns(self, graphdef, params, tokens_BxP, mask_BxP, key, sampling, cfg, num_samples):
         prompts = paged.real_prompts(tokens_BxP, mask_BxP)
-        return paged_turns.TurnEngine(graphdef, params, prompts, key, sampling, cfg, num_samples)
+        width = np.shape(tokens_BxP)[1]
+        return paged_turns.TurnEngine(
+            graphdef, params, prompts, key, sampling, cfg, num_samples, width=width
+        )
 
     def kv_bytes(self, cfg, model_cfg, *, prompts: int, samples: int, due: int, mesh_shape):
         # The pool is whole on every device (the engine runs in one process, unsharded).

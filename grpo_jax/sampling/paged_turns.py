@@ -15,8 +15,10 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from grpo_jax.core.errors import ConfigError
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.sampling import paged, paged_pool
 from grpo_jax.sampling.static import SamplingConfig
 from grpo_jax.sampling.static_turns import BUDGET, RUNNING, TURN_END, MultiTurnConfig
@@ -28,11 +30,18 @@ class TurnEngine:
     """N episodes' transcripts and pages (module doc). Host arrays, one entry a row:
     ``tokens_NxT``, ``mask_NxT`` (written by the model), ``logps_NxT``,
     ``behavior_NxT``, ``len_N`` (transcript tokens), ``reason_N`` (``RUNNING``,
-    ``TURN_END``, ``BUDGET``: why the row's last phase ended), ``last_eos_N``."""
+    ``TURN_END``, ``BUDGET``: why the row's last phase ended), ``last_eos_N``.
+
+    ``width``: the prompts' padded width P (default: the longest prompt), the layout of
+    :meth:`routes` [N, P + T, R, K], which routing replay records (``sampling.record_routes``
+    on a mixture of experts): the prompt's experts from its prefill chunks, shared by its G
+    rows, each observation token's from the chunk or decode step that fed it, each model
+    token's from the decode step that fed it."""
 
     def __init__(
-        self, graphdef, params, prompts, key, sampling: SamplingConfig, cfg: MultiTurnConfig, g
-    ):
+        self, graphdef, params, prompts, key, sampling: SamplingConfig, cfg: MultiTurnConfig, g,
+        width: int | None = None,
+    ):  # fmt: skip
         key = paged.as_key(key)
         if jnp.ndim(key) != 0:  # row keys (evaluation's) are the static kernel's
             raise ValueError("the paged engine plays episodes with one key, not row keys")
@@ -48,7 +57,16 @@ class TurnEngine:
         self.table = prompt_pages + self.own_worst  # block-table entries of a row, at most
         worst = len(prompts) * prompt_pages + n * self.own_worst
         self.pool = paged_pool.Pool(1 + (sampling.pages or worst))
-        self.init, self.prefill, self.first, self.decode = paged._compiled(graphdef, sampling, g, z)
+        model_cfg = nnx.merge(graphdef, params).config
+        self.width = max(len(p) for p in prompts) if width is None else width
+        self._routes, self.chunk_routes = None, []  # chunks' (rows, column, count, experts)
+        if paged.records_routes(model_cfg, sampling):
+            self._routes = paged.fresh_routes(model_cfg, n, self.width, t)
+            dtype = moe_lib.routes_dtype(model_cfg.num_experts)  # as paged.generate_rows's
+            fns = paged._compiled(graphdef, sampling, g, z, dtype)
+        else:  # the very programs (and cache entry) of a run without routing replay
+            fns = paged._compiled(graphdef, sampling, g, z)
+        self.init, self.prefill, self.first, self.decode = fns
         self.key_first, self.key_decode = jax.random.split(key)
         pad = sampling.pad_id
         self.tokens_NxT = np.full((n, t), pad, np.int32)
@@ -87,6 +105,18 @@ class TurnEngine:
     def transcripts(self):
         """-> (tokens, model mask, log-probs, behaviour log-probs, lengths)."""
         return self.tokens_NxT, self.mask_NxT, self.logps_NxT, self.behavior_NxT, self.len_N
+
+    def routes(self):
+        """The experts of every position the rows fed, [N, P + T, R, K] (-1 where nothing was
+        fed: the prompt's left padding, a row's last token and after it); None without
+        routing replay. The prefill chunks' are read here, once: no chunk waits for them."""
+        if self._routes is None:
+            return None
+        chunks = jax.device_get([used for *_, used in self.chunk_routes])
+        for (rows, col, count, _), used in zip(self.chunk_routes, chunks):
+            self._routes[rows, col : col + count] = used[:count]
+        self.chunk_routes = []
+        return self._routes
 
     # -- the host loop ---------------------------------------------------------
 
@@ -180,10 +210,13 @@ class TurnEngine:
         pages = self.prompt_pages[b]
         while len(pages) * z < start + count:
             pages.append(self.pool.take())
-        self.pages, logits_1xV = paged.write_chunk(
+        self.pages, logits_1xV, *used = paged.write_chunk(
             self.prefill, self.params, self.pages, prompt[start : start + count], start, c,
             self.sampling.pad_id, self.table, pages,
         )  # fmt: skip
+        if used:  # prompt token i of n at column P - n + i of its G rows
+            rows_G = list(range(b * self.g, (b + 1) * self.g))
+            self.chunk_routes.append((rows_G, self.width - len(prompt) + start, count, used[0]))
         if start + count < len(prompt):
             self.filling = (b, start + count)
             return True
@@ -203,11 +236,13 @@ class TurnEngine:
         self._pages_for(r, start + count)
         b = r // self.g
         n, shared = len(self.prompts[b]), self.prompt_pages[b]
-        self.pages, _ = paged.write_chunk(
+        self.pages, _, *used = paged.write_chunk(
             self.prefill, self.params, self.pages, self.tokens_NxT[r, start : start + count],
             n + start, c, self.sampling.pad_id, self.table, shared + self.row_pages[r], n=n,
             shared=len(shared),
         )  # fmt: skip
+        if used:  # transcript token i (the turn's last model token, an observation's) at P + i
+            self.chunk_routes.append(([r], self.width + start, count, used[0]))
         self.written_N[r] += count
 
     def _decode(self, active: list[int]) -> None:
@@ -235,10 +270,12 @@ class TurnEngine:
         self.pages, *out = self.decode(
             self.params, self.pages, x, self.key_decode, np.int32(self.steps)
         )
-        tokens_R, logps_R, behavior_R, ends_R = jax.device_get(out)
+        tokens_R, logps_R, behavior_R, ends_R, *used = jax.device_get(out)
         self.steps += 1
         for i, s in enumerate(active):
             r = self.slot_row[s]
+            if used:  # the fed token, transcript token written_N, at column P + written_N
+                self._routes[r, self.width + self.written_N[r]] = used[0][i]
             self.written_N[r] += 1
             if self._record(r, tokens_R[i], logps_R[i], behavior_R[i], bool(ends_R[i])):
                 self.slot_row[s] = -1

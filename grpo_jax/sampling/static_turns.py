@@ -20,9 +20,11 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.core.checks import check_range
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.models.transformer import positions_from_mask
 from grpo_jax.sampling.static import (
     SamplingConfig,
+    _records_routes,
     repeat_rows,
     sample_keys,
     sample_with,
@@ -101,6 +103,11 @@ class MTState(NamedTuple):
     forced_len_N: jax.Array  # int32
     forced_pos_N: jax.Array  # int32
     key_data: jax.Array  # raw PRNG key data: one key [...], or one per row [N, ...]
+    # With sampling.record_routes on a mixture of experts: the experts each position of
+    # [prompt | transcript] used when it was fed, [N, P + T, R, K] (int8 / int16, -1 where
+    # nothing was fed); indexed by position, not cache slot, so the rolls leave it be.
+    # None otherwise: the programs of a run without routing replay.
+    routes_NxSxRxK: Any = None
 
 
 def cache_axes(model, b: int, s: int):
@@ -180,14 +187,22 @@ def prefill(params, prompt_BxP, pmask_BxP, key, *, graphdef, sampling, cfg, g):
     n, s = b * g, p + t
     pmask_BxP = pmask_BxP.astype(jnp.bool_)
     kv_mask_BxS = jnp.concatenate([pmask_BxP, jnp.zeros((b, t), jnp.bool_)], axis=1)
-    logits_Bx1xV, cache = model.forward_with_cache(
-        prompt_BxP.astype(jnp.int32),
+    inputs = dict(
         positions_BxT=positions_from_mask(pmask_BxP),
         kv_mask_BxS=kv_mask_BxS,
         cache=model.init_cache(b, s),
         cache_index=0,  # static: the splash kernel serves the prefill
-        last_only=True,
     )
+    record = _records_routes(model, sampling)
+    if record:
+        x_BxPxD, cache, routes_BxPxRxK = model.features_with_cache(
+            prompt_BxP.astype(jnp.int32), routes_out=True, **inputs
+        )
+        logits_Bx1xV = model.logits(x_BxPxD[:, -1:])
+    else:
+        logits_Bx1xV, cache = model.forward_with_cache(
+            prompt_BxP.astype(jnp.int32), last_only=True, **inputs
+        )
     batch_axes, _ = cache_axes(model, b, s)
     cache = jax.tree.map(lambda c, ax: repeat_rows(c, g, axis=ax), cache, batch_axes)
     if jnp.ndim(key) == 1:  # row keys: one per prompt -> one per episode
@@ -215,6 +230,12 @@ def prefill(params, prompt_BxP, pmask_BxP, key, *, graphdef, sampling, cfg, g):
         forced_pos_N=zeros_N,
         key_data=jax.random.key_data(key),
     )
+    if record:  # the prompt's experts, once per prompt, repeated to its G rows
+        dtype = moe_lib.routes_dtype(model.config.num_experts)
+        r_, k_ = routes_BxPxRxK.shape[2:]
+        prompt = repeat_rows(routes_BxPxRxK.astype(dtype), g)
+        routes = jnp.full((n, s, r_, k_), -1, dtype).at[:, :p].set(prompt)
+        st = st._replace(routes_NxSxRxK=routes)
     feed_N = jnp.ones((n,), jnp.bool_)
     return write_token(st, feed_N, token_N, feed_N, logp_N, behavior_N, cfg, sampling)
 
@@ -252,13 +273,24 @@ def phase(params, st: MTState, *, graphdef, sampling: SamplingConfig, cfg, key_i
         kv_mask = jax.lax.dynamic_update_slice(
             st.kv_mask_NxS, col | feed_N[:, None], (jnp.zeros((), jnp.int32), slot)
         )
-        logits_Nx1xV, cache = model.forward_with_cache(
-            st.pending_N[:, None],
-            positions_BxT=st.pos_N[:, None],
-            kv_mask_BxS=kv_mask,
-            cache=st.cache,
-            cache_index=slot,
+        inputs = dict(
+            positions_BxT=st.pos_N[:, None], kv_mask_BxS=kv_mask, cache=st.cache, cache_index=slot
         )
+        if st.routes_NxSxRxK is None:
+            logits_Nx1xV, cache = model.forward_with_cache(st.pending_N[:, None], **inputs)
+        else:
+            x_Nx1xD, cache, used_Nx1xRxK = model.features_with_cache(
+                st.pending_N[:, None], routes_out=True, **inputs
+            )
+            logits_Nx1xV = model.logits(x_Nx1xD)
+            # The fed token, model's or observation's, is transcript token len - 1: its
+            # experts go to position P + len - 1 of the feeding rows (the others' drop).
+            p = s - st.tokens_NxT.shape[1]
+            at_N = jnp.where(feed_N, p + st.len_N - 1, s)
+            routes = st.routes_NxSxRxK.at[jnp.arange(n), at_N].set(
+                used_Nx1xRxK[:, 0].astype(st.routes_NxSxRxK.dtype), mode="drop"
+            )
+            st = st._replace(routes_NxSxRxK=routes)
         key, sub = split_key(jax.random.wrap_key_data(st.key_data, impl=key_impl))
         drawn_N, logp_N, behavior_N = sample_with(logits_Nx1xV[:, 0], sub, sampling)
         forcing_N = st.forced_pos_N < st.forced_len_N
@@ -302,7 +334,8 @@ class StaticTurns:
     with (``grpo_jax.sampling.paged_turns.TurnEngine`` has the same): :meth:`phase`, then the host
     arrays of the rows (``active_N``: still in their turn, the cache being full;
     ``reason_N``, ``len_N``, ``last_eos_N``, ``tokens_NxT``, ``mask_NxT``), then
-    :meth:`start_turns` with the observations of the rows that go on."""
+    :meth:`start_turns` with the observations of the rows that go on; at the end
+    :meth:`transcripts` and :meth:`routes` (routing replay's)."""
 
     def __init__(self, graphdef, params, prompt_tokens_BxP, prompt_mask_BxP, key, sampling, cfg, g):
         self.params, self.o = params, cfg.max_obs_tokens
@@ -360,3 +393,10 @@ class StaticTurns:
         st = self.st
         out = jax.device_get((st.tokens_NxT, st.mask_NxT, st.logps_NxT, st.behavior_NxT, st.len_N))
         return tuple(np.asarray(x) for x in out)
+
+    def routes(self):
+        """The experts of every position the rows fed, [N, P + T, R, K] on the host (-1 where
+        nothing was fed: a row's last token and after it), with ``sampling.record_routes`` on
+        a mixture of experts; else None."""
+        r = self.st.routes_NxSxRxK
+        return None if r is None else np.asarray(jax.device_get(r))

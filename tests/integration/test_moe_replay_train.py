@@ -1,15 +1,20 @@
 """Routing replay in a run: the CPU default's ``smoke,moe`` variant (4 experts, top 2) with
 ``grpo.router_replay = "rollout"`` and one step of staleness, so that each checkpoint holds a
 batch in flight with its recorded routes. Killed after step 3 and resumed from step 2's
-checkpoint, it logs what the uninterrupted run logs (docs/moe.md)."""
+checkpoint, it logs what the uninterrupted run logs (docs/moe.md). And a multi-turn run of
+configs/multiturn.py's with that mixture and replay on."""
 
+import importlib.util
 import math
+import pathlib
 
+import numpy as np
 import pytest
 from helpers_config import SHORT_RUN, apply_overrides
 from helpers_resume import train_killed_at, without_timings
 
 from configs.default import get_config
+from grpo_jax.rollout import episodes
 from grpo_jax.run.checkpoints import Checkpointer
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
@@ -99,5 +104,52 @@ def test_routes_travel_with_dynamic_sampling_and_from_a_sampler_mesh(tmp_path, o
     cfg = apply_overrides(_config(), {"train.steps": 2, "grpo.old_logps": "recompute", **overrides})
     train(cfg, tmp_path)
     for r in read_metrics(tmp_path / "metrics.jsonl")[1:]:
+        assert all(math.isfinite(r[k]) for k in MOE_KEYS), r
+        assert r["moe/first_ratio_dev"] <= 1e-5
+
+
+def _multiturn_config(overrides):
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "multiturn.py"
+    spec = importlib.util.spec_from_file_location("mt_cfg", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = {"train.steps": 3, "eval.every": 0, "eval.num_samples": 0, "checkpoint.every": 0}
+    replay = {"grpo.router_replay": "rollout", "grpo.old_logps": "recompute"}
+    return apply_overrides(mod.get_config("runlocal,moe"), {**run, **replay, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"sampling.engine": "paged", "train.max_staleness": 1}],
+    ids=["static", "paged_staleness_1"],
+)
+def test_a_multi_turn_run_replays_its_episodes_routes(tmp_path, monkeypatch, overrides):
+    """configs/multiturn.py's ``runlocal,moe``: guess_number episodes on a tiny mixture (one
+    sparse layer, top 2 of 4), on each
+    engine (the paged one a step ahead, its batch in flight with its routes): every batch
+    carries the routes of every position its episodes fed, the environment's answers
+    included, and the replayed first ratio is 1 to rounding with pi_old rescored."""
+    batches = []
+    collect = episodes.collect
+
+    def kept(*args, **kw):
+        batch, host = collect(*args, **kw)
+        batches.append(batch)
+        return batch, host
+
+    monkeypatch.setattr(episodes, "collect", kept)
+    train(_multiturn_config(overrides), tmp_path)
+    assert len(batches) == 3
+    for b in batches:
+        routes, mask = np.asarray(b.routes_NxSxRxK), np.asarray(b.mask_NxT)
+        p, t = b.prompt_tokens_NxP.shape[1], mask.shape[1]
+        assert routes.shape == (mask.shape[0], p + t, 1, 2) and routes.dtype == np.int8
+        last = t - 1 - np.argmax(mask[:, ::-1], axis=1)  # each transcript's last token
+        fed = np.arange(t)[None] < last[:, None]
+        assert (fed & ~mask).sum() > 0  # observations were fed
+        assert (routes[:, p:][fed] >= 0).all() and (routes[:, p:][~fed] == -1).all()
+    for r in read_metrics(tmp_path / "metrics.jsonl")[1:]:
+        assert r["env/turns_mean"] > 1 and r["env/errors"] == 0
         assert all(math.isfinite(r[k]) for k in MOE_KEYS), r
         assert r["moe/first_ratio_dev"] <= 1e-5

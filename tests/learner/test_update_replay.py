@@ -6,16 +6,19 @@ update replays them in the policy's passes. The rollout comes from a copy of a t
 behind): its routers pick other experts than the policy's at some tokens. pi_old is the
 policy under the rollout's routes. The first update's ratio is then 1 to 1e-6 in float32
 with replay, and away from 1 without (the flipped tokens, counted by
-``moe/route_flip_frac``).
+``moe/route_flip_frac``); on single-turn rows and on multi-turn transcripts, whose
+observation tokens' experts are replayed as well.
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers_episodes import EOS, PROMPTS, _envs, decode, encode_obs
 from helpers_jit import completion_logps
 
 from grpo_jax.core import sharding
@@ -24,9 +27,10 @@ from grpo_jax.learner import optimizer, replay
 from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, family_config
 from grpo_jax.models import moe as moe_lib
+from grpo_jax.rollout import episodes
 from grpo_jax.run.config import GRPOConfig, OptimConfig
 from grpo_jax.sampling import paged
-from grpo_jax.sampling.static import SamplingConfig, generate
+from grpo_jax.sampling.static import SamplingConfig, generate, pad_prompts
 
 CFG = family_config(
     "qwen3_moe", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -63,12 +67,13 @@ def rollout(request):
     return graphdef, params, copy, out
 
 
-def _batch(graphdef, params, out) -> RolloutBatch:
-    """The rollout as a batch, pi_old the float32 policy's under the rollout's routes."""
-    n = B * G
+def _batch(graphdef, params, out, pi_old_routes=None) -> RolloutBatch:
+    """The rollout as a batch, pi_old the float32 policy's under the rollout's routes (or
+    under ``pi_old_routes``)."""
+    n = len(out.tokens)
     old = completion_logps(
         graphdef, params, out.prompt_tokens, out.prompt_mask, out.tokens, out.mask, 1.0,
-        routes=out.routes,
+        routes=out.routes if pi_old_routes is None else pi_old_routes,
     )  # fmt: skip
     old = np.asarray(old) * np.asarray(out.mask)
     return RolloutBatch(
@@ -220,3 +225,63 @@ def test_dynamic_sampling_widens_a_narrower_rounds_routes_like_its_prompts(one_d
     assert prompts[:, 0].tolist() == [20, 20, 0, 0] and not pmask[2:, 0].any()
     assert routes[0, :, 0, 0].tolist() == [20, 21, 22, 23, 24]
     assert routes[2, :, 0, 0].tolist() == [-1, 10, 11, 12, 13]
+
+
+@pytest.fixture(scope="module", params=["static", "paged"])
+def episode_rollout(request):
+    """Multi-turn episodes (scripted observations of 1 to 3 tokens) played by the moved copy
+    on each engine: (graphdef, params, copy, the transcripts as a SampleOutput's fields, the
+    observation tokens the rows fed [N, P + T])."""
+    graphdef, params = nnx.split(create_model(CFG, seed=0))
+    copy = _moved(params)
+    toks, mask = pad_prompts(PROMPTS, pad_id=0, buckets=(8,))
+    cfg = episodes.MultiTurnConfig(max_tokens=24, max_turns=4, max_obs_tokens=4, max_turn_tokens=5)
+    s = dataclasses.replace(SAMPLING, max_new_tokens=1, eos_ids=EOS, engine=request.param)
+    ep = episodes.run_episodes(
+        graphdef, copy, _envs(G), toks, mask, jax.random.key(2), sampling=s, cfg=cfg,
+        encode_observation=encode_obs, decode=decode, num_samples=G,
+    )  # fmt: skip
+    fed = np.arange(ep.tokens_NxT.shape[1])[None] < (ep.lengths_N - 1)[:, None]
+    obs = np.concatenate([np.zeros_like(ep.prompt_mask_NxP), fed & ~ep.mask_NxT], axis=1)
+    out = types.SimpleNamespace(
+        prompt_tokens=jnp.asarray(ep.prompt_tokens_NxP),
+        prompt_mask=jnp.asarray(ep.prompt_mask_NxP),
+        tokens=jnp.asarray(ep.tokens_NxT),
+        mask=jnp.asarray(ep.mask_NxT),
+        routes=ep.routes_NxSxRxK,
+    )
+    return graphdef, params, copy, out, obs
+
+
+def _full_pass_routes(graphdef, params, out):
+    """The experts one full pass of ``params`` chooses over [prompt | transcript] (a
+    transcript ends with a model token: its real tokens end with its mask's last)."""
+    span = np.flip(np.cumsum(np.flip(np.asarray(out.mask), 1), 1) > 0, 1)
+    seq = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    mask = jnp.concatenate([out.prompt_mask, jnp.asarray(span)], axis=1)
+    return np.asarray(nnx.merge(graphdef, params).routed_features(seq, mask_BxT=mask)[1])
+
+
+@pytest.mark.slow
+def test_replay_of_multi_turn_transcripts_makes_the_first_ratio_one(
+    episode_rollout, one_device_mesh
+):
+    """pi_old here is the policy under the routing a full pass of the rollout's copy chooses
+    over each whole transcript, computed apart from the sampler: the update's replay of the
+    recorded routes gives ratio 1 to 1e-6 only if they hold the copy's experts at every
+    position, the observation tokens' included, some of which the policy would route
+    otherwise. Without replay, routes flip and the ratio moves."""
+    graphdef, params, copy, out, obs = episode_rollout
+    copy_routes = _full_pass_routes(graphdef, copy, out)
+    own_routes = _full_pass_routes(graphdef, params, out)
+    assert obs.sum() >= 10
+    flipped_obs = moe_lib.route_flips(own_routes[obs], copy_routes[obs]).any(-1)
+    assert np.asarray(flipped_obs).any(), "no observation token routes otherwise"
+    batch = _batch(graphdef, params, out, pi_old_routes=copy_routes)
+    on = _first_step(graphdef, params, batch, one_device_mesh, router_replay="rollout")
+    off = _first_step(graphdef, params, batch, one_device_mesh, router_replay="none")
+    assert on["moe/first_ratio_dev"] <= 1e-6, on["moe/first_ratio_dev"]
+    np.testing.assert_allclose([on["train/ratio_min"], on["train/ratio_max"]], 1.0, atol=1e-6)
+    off_dev = max(off["train/ratio_max"] - 1.0, 1.0 - off["train/ratio_min"])
+    assert off_dev > 1e-3, off_dev
+    assert 0.01 < on["moe/route_flip_frac"] < 0.9, on["moe/route_flip_frac"]

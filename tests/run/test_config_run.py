@@ -122,14 +122,14 @@ def test_the_expert_axis_is_in_the_mesh_and_checked_against_the_model(builtin_to
     builders.check_expert_axis(config_lib.parse_config(smoke_config(plain=True)), dense)
 
 
-def _main(*args, tmp_path):
+def _main(*args, tmp_path, config="configs/default.py:smoke"):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "grpo_jax.main",
-            "--config=configs/default.py:smoke",
+            f"--config={config}",
             f"--workdir={tmp_path / 'wd'}",
             *args,
         ],
@@ -471,26 +471,31 @@ def test_paged_page_and_pool_sizes_are_checked_against_the_sequences_at_start_up
     [
         ({"train.packing": "on"}, r"does not combine with train.packing = 'on' yet"),
         ({"grpo.advantage_estimator": "gae"}, r"with grpo.advantage_estimator = 'gae' yet"),
-        ({"env.name": "guess_number"}, r"with an environment \(env.name = 'guess_number'\)"),
         ({"teacher.path": "reference", "teacher.kl": "full"}, r"with teacher.kl = 'full' yet"),
     ],
 )
 def test_router_replay_refuses_what_does_not_carry_routes_in_one_line(overrides, message):
-    config = smoke_config(plain=True, **{"grpo.router_replay": "rollout", **overrides})
-    with pytest.raises(ConfigError, match=message) as e:
-        config_lib.parse_config(config)
-    assert "\n" not in str(e.value)
+    """Single-turn and with an environment alike (episodes record routes; these passes do
+    not take them)."""
+    for env in ({}, {"env.name": "guess_number"}):
+        config = smoke_config(plain=True, **{"grpo.router_replay": "rollout", **env, **overrides})
+        with pytest.raises(ConfigError, match=message) as e:
+            config_lib.parse_config(config)
+        assert "\n" not in str(e.value)
 
 
-def test_router_replay_runs_on_both_engines_and_with_partial_rollouts():
-    """Both built-in engines record routes, partial rollouts carry them (docs/moe.md): each
-    parses with replay."""
+def test_router_replay_runs_on_both_engines_with_partial_rollouts_and_episodes():
+    """Both built-in engines record routes, partial rollouts carry them, multi-turn episodes
+    record them on either engine (docs/moe.md): each parses with replay."""
     partial = {"sampling.partial_rollouts": True, "train.max_staleness": 1}
-    for engine, more in (("static", {}), ("paged", {}), ("paged", partial)):
+    env = {"env.name": "guess_number"}
+    cases = [("static", {}), ("paged", {}), ("paged", partial), ("static", env), ("paged", env)]
+    for engine, more in cases:
         overrides = {"grpo.router_replay": "rollout", "sampling.engine": engine, **more}
         run = config_lib.parse_config(smoke_config(plain=True, **overrides))
         assert (run.sampling.engine, run.grpo.router_replay) == (engine, "rollout")
-        assert run.sampling.partial_rollouts == bool(more)
+        assert run.sampling.partial_rollouts == (more is partial)
+        assert run.env.name == more.get("env.name", "")
 
 
 def test_router_replay_needs_a_mixture_of_experts(builtin_tokenizer):
@@ -518,3 +523,27 @@ def test_main_refuses_router_replay_for_a_dense_model_in_one_line(tmp_path):
         "model; the built-in tiny model is dense (num_experts = 0): set grpo.router_replay = "
         "'none'"
     ]
+
+
+@pytest.mark.slow
+def test_main_refuses_what_multi_turn_replay_cannot_run_in_one_line(tmp_path):
+    """With an environment: a dense model, and a mixture with packed rows (whose passes do not
+    take the routes); one line each, exit status 2, nothing trained."""
+    mt = "configs/multiturn.py:runlocal"
+    dense = _main("--config.grpo.router_replay=rollout", tmp_path=tmp_path / "a", config=mt)
+    packed = _main(
+        "--config.grpo.router_replay=rollout", "--config.train.packing=on",
+        tmp_path=tmp_path / "b", config=mt + ",moe",
+    )  # fmt: skip
+    assert (dense.returncode, packed.returncode) == (2, 2)
+    assert dense.stderr.splitlines() == [
+        "config error: config key 'grpo.router_replay' = 'rollout' needs a mixture-of-experts "
+        "model; the built-in tiny model is dense (num_experts = 0): set grpo.router_replay = "
+        "'none'"
+    ]
+    assert packed.stderr.splitlines() == [
+        "config error: config key 'grpo.router_replay' = 'rollout' does not combine with "
+        "train.packing = 'on' yet: its rollouts or its update's passes do not carry the "
+        "recorded routes; set grpo.router_replay = 'none'"
+    ]
+    assert not (tmp_path / "a" / "wd" / "metrics.jsonl").exists()
