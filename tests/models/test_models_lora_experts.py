@@ -376,3 +376,70 @@ def test_expert_sharded_lora_equals_single_device(family):
     dev = mesh.devices.flat[0]
     base, adapters = lora.split(p)
     assert est.params == _device_bytes(base, dev) + _device_bytes(adapters, dev)
+
+
+@pytest.mark.slow  # one jitted GRPO update
+@pytest.mark.parametrize("family", FAMILIES)
+def test_update_trains_the_expert_adapters_only(family, one_device_mesh):
+    """One GRPO update (beta > 0: the base with adapters off is the reference): optimizer
+    state for the adapters only, the base untouched bit for bit, every adapter moved, every
+    expert's adapter included."""
+    from helpers_batches import rollout_batch
+
+    from grpo_jax.learner import optimizer
+    from grpo_jax.learner import update as upd
+    from grpo_jax.run.config import GRPOConfig, OptimConfig
+
+    _, _, gd2, p2, _ = _model(family)
+    mesh = one_device_mesh
+    p3 = jax.device_put(_perturbed(p2), sharding.replicated(mesh))
+    cfg = _cfg(family)
+    rng = np.random.default_rng(0)
+    rows = dict(
+        prompt_tokens=rng.integers(4, cfg.vocab_size, (8, 5)).astype(np.int32),
+        prompt_mask=np.ones((8, 5), bool),
+        tokens=rng.integers(4, cfg.vocab_size, (8, 4)).astype(np.int32),
+        mask=np.ones((8, 4), bool),
+    )
+    batch = rollout_batch(gd2, p3, rows, rng.normal(size=8).astype(np.float32))
+    tx, schedule = optimizer.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+    state = optimizer.init_state(p3, tx, mesh, trained=lora.trainable(p3))
+    n_adapters = sum(x.size for x in jax.tree.leaves(lora.trainable(p3)))
+    assert sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim) == 2 * n_adapters
+    step = upd.jit_update(
+        graphdef=gd2, tx=tx, schedule=schedule, grpo=GRPOConfig(G=4, beta=0.1),
+        minibatch_size=0, grad_accum=1, batch_shards=sharding.batch_shards(mesh),
+        track_update=False, state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        batch_shardings=upd.rollout_batch_shardings(mesh), ref_shardings=None,
+        replicated=sharding.replicated(mesh), base_graphdef=nnx.split(create_model(cfg))[0],
+    )  # fmt: skip
+    before = jax.tree.map(np.asarray, p3)
+    new, metrics = step(state, batch, jax.random.key(0), None)
+    assert np.isfinite(float(metrics["train/loss"])) and float(metrics["train/kl"]) > 0
+    base_before, ad_before = lora.split(before)
+    base_after, ad_after = lora.split(new.params)
+    for x, y in zip(jax.tree.leaves(base_before), jax.tree.leaves(base_after), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    flat_after = dict(nnx.to_flat_state(ad_after))
+    for path, x in nnx.to_flat_state(ad_before):
+        y = np.asarray(flat_after[path].get_value())
+        assert np.isfinite(y).all()
+        moved = np.asarray(x.get_value()) != y
+        assert moved.any(), path
+        if "_experts_lora_" in str(path[-1]):
+            assert all(moved[e].any() for e in range(cfg.num_experts)), path
+
+
+def test_expert_targets_on_a_dense_model_stop_the_run_at_start_up(builtin_tokenizer):
+    """The built-in dense model with model.lora.targets naming experts: the builder refuses
+    it before any weight is made."""
+    from configs.default import get_config
+    from grpo_jax.run import builders
+    from grpo_jax.run.config import parse_config
+
+    c = get_config("smoke")
+    c.model.lora.rank, c.model.lora.targets = 2, "q,down_experts"
+    run = parse_config(c)
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    with pytest.raises(ConfigError, match="'down_experts' names experts' weights that the bui"):
+        builders.build_model(run, builtin_tokenizer, mesh)
