@@ -108,6 +108,7 @@ def export_hf(
     if lora_run is None and format == "peft":
         raise ExportError(f"--format=peft: the run in {workdir} has no LoRA adapters (model.lora)")
     if format == "peft":
+        lora.check_peft(params)  # before the base is written beside the adapters
         base_model = lora_run.base_path
         if run.warm_start.enabled or not base_model or base_model.endswith(".gguf"):
             # The adapters need the base they were trained on, which is on no disk as

@@ -513,6 +513,19 @@ def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
 # the checkpoint, the loader's settings and the low-rank adapters.
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture of experts' weights (``layers.MoE``), adapted only when named: each expert gets
+# its own adapter (docs/lora.md, "The experts"). "experts" names all of them.
+EXPERT_PROJECTIONS = ("gate_experts", "up_experts", "gate_up_experts", "down_experts")
+ADAPTABLE = LORA_PROJECTIONS + EXPERT_PROJECTIONS
+
+
+def expert_weights(cfg) -> tuple[str, ...]:
+    """The names of the experts' weights a ``ModelConfig`` builds (none for a dense model)."""
+    if not cfg.num_experts or not cfg.sparse_layers:
+        return ()
+    if cfg.swiglu_limit is not None:  # GPT-OSS: gate and up fused, interleaved
+        return ("gate_up_experts", "down_experts")
+    return ("gate_experts", "up_experts", "down_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +544,9 @@ class LoRAConfig:
       targets: the projections that get adapters: short names (q, k, v, o,
         gate, up, down), full names (q_proj, ...) or regular expressions
         matched against the full names ("(q|v)_proj"); a string is split at
-        commas.
+        commas. A mixture of experts' weights are adapted only when named
+        exactly (``EXPERT_PROJECTIONS``, or "experts" for all of them): a
+        regular expression never matches them.
     """
 
     rank: int = 0
@@ -561,7 +576,8 @@ class LoRAConfig:
                 raise ConfigError(
                     f"config key 'model.lora.targets' entry {t!r} matches no projection; "
                     f"projections: {[p[:-5] for p in LORA_PROJECTIONS]} (or their full names "
-                    f"{list(LORA_PROJECTIONS)}, or a regular expression over the full names)"
+                    f"{list(LORA_PROJECTIONS)}, or a regular expression over the full names); "
+                    f"the experts' weights by name: {list(EXPERT_PROJECTIONS)} or 'experts'"
                 )
 
     @staticmethod
@@ -573,7 +589,10 @@ class LoRAConfig:
                 f"config key 'model.lora.targets' entry {target!r} is not a valid regular "
                 f"expression ({e})"
             ) from None
-        return tuple(p for p in LORA_PROJECTIONS if target in (p, p[:-5]) or pattern.fullmatch(p))
+        dense = tuple(p for p in LORA_PROJECTIONS if target in (p, p[:-5]) or pattern.fullmatch(p))
+        if target == "experts":
+            return dense + EXPERT_PROJECTIONS
+        return dense + ((target,) if target in EXPERT_PROJECTIONS else ())
 
     @property
     def enabled(self) -> bool:
@@ -585,9 +604,25 @@ class LoRAConfig:
 
     @property
     def projections(self) -> tuple[str, ...]:
-        """The full names of the target projections, in ``LORA_PROJECTIONS`` order."""
+        """The full names of the target projections, in ``ADAPTABLE`` order."""
         hit = {p for t in self.targets for p in self._matches(t)}
-        return tuple(p for p in LORA_PROJECTIONS if p in hit)
+        return tuple(p for p in ADAPTABLE if p in hit)
+
+    def check_model(self, cfg, model: str) -> None:
+        """A one-line ConfigError when a target names experts' weights that ``cfg`` (the
+        model ``model``) lacks: a dense model, or Qwen3-MoE's gate/up against GPT-OSS's
+        fused gate_up (and back)."""
+        if not self.enabled:
+            return
+        have = expert_weights(cfg)
+        for t in self.targets:
+            named = EXPERT_PROJECTIONS if t == "experts" else (t,)
+            named = tuple(n for n in named if n in EXPERT_PROJECTIONS)
+            if named and not set(named) & set(have):
+                raise ConfigError(
+                    f"config key 'model.lora.targets' entry {t!r} names experts' weights that "
+                    f"{model} does not have (its experts' weights: {list(have) or 'none, dense'})"
+                )
 
 
 MODEL_KEYS = ("path", "dtype", "param_dtype", "remat", "attention", "scan_layers")

@@ -346,11 +346,12 @@ class MoE(nnx.Module):
     """A mixture of gated-MLP experts with a top-k router (Qwen3-MoE's or GPT-OSS's block).
 
     The weights are stacked over the E experts; the router is [D, E]. The names differ
-    from the dense MLP's (``gate_experts``, not ``gate_proj``): LoRA adapts the dense
-    projections only. With ``cfg.swiglu_limit`` (GPT-OSS) the gate and up projections are
-    one weight ``gate_up_experts`` [E, D, 2F], gate and up interleaved along its output as
-    the checkpoint stores them, and ``cfg.moe_bias`` adds the router's and the experts'
-    biases. ``grpo_jax.models.moe`` has the routing and the dispatch.
+    from the dense MLP's (``gate_experts``, not ``gate_proj``): LoRA adapts the experts only
+    when they are named (``EXPERT_PROJECTIONS``), one adapter per expert. With
+    ``cfg.swiglu_limit`` (GPT-OSS) the gate and up projections are one weight
+    ``gate_up_experts`` [E, D, 2F], gate and up interleaved along its output as the
+    checkpoint stores them, and ``cfg.moe_bias`` adds the router's and the experts' biases.
+    ``grpo_jax.models.moe`` has the routing and the dispatch.
     """
 
     def __init__(self, cfg: ModelConfig, stack: int = 0):
@@ -383,18 +384,20 @@ class MoE(nnx.Module):
             logits_MxE, cfg.experts_per_token, cfg.norm_topk_prob, given,
             softmax_over_topk=cfg.router_softmax_over_topk,
         )  # fmt: skip
+        adapters = lora.expert_adapters(self)  # None without LoRA on the experts
         if cfg.swiglu_limit is not None:
             gate_up_bias = w(self.gate_up_bias) if cfg.moe_bias else None
             down_bias = w(self.down_bias) if cfg.moe_bias else None
             out_MxD = moe_lib.clamped_grouped_experts(
                 x_MxD, experts_MxK, weights_MxK.astype(dt), w(self.gate_up_experts),
                 gate_up_bias, w(self.down_experts), down_bias, cfg.swiglu_alpha,
-                cfg.swiglu_limit,
+                cfg.swiglu_limit, adapters,
             )  # fmt: skip
             return out_MxD.reshape(B, T, D), experts_MxK.reshape(B, T, -1)
         out_MxD = moe_lib.grouped_experts(
             x_MxD, experts_MxK, weights_MxK.astype(dt),
             w(self.gate_experts), w(self.up_experts), w(self.down_experts), _activation(cfg),
+            adapters,
         )  # fmt: skip
         return out_MxD.reshape(B, T, D), experts_MxK.reshape(B, T, -1)
 

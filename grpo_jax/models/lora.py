@@ -8,7 +8,9 @@
     nnx.merge(base_graphdef, base)            # the reference: the base, adapters off
 
 The adapters are float32 ``nnx.Param``s beside their projection, added by :func:`add`, with
-no merged copy of any weight (docs/lora.md).
+no merged copy of any weight (docs/lora.md). A mixture of experts' weights [E, in, out], when
+named, get one adapter per expert, A [E, in, r] and B [E, r, out], run inside the experts'
+dispatch (:func:`expert_adapters`, ``grpo_jax.models.moe.ExpertLoRA``).
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.models.config import LORA_PROJECTIONS, LoRAConfig
+from grpo_jax.models import moe
+from grpo_jax.models.config import ADAPTABLE, EXPERT_PROJECTIONS, LORA_PROJECTIONS, LoRAConfig
 from grpo_jax.models.hf_weights import weight_table
 from grpo_jax.models.partitioning import logical_sharding
 from grpo_jax.models.stacking import unstack_layers
 
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
-# Input dimensions of each projection's weight (the rest are its outputs).
-_IN_DIMS = {p: 2 if p == "o_proj" else 1 for p in LORA_PROJECTIONS}
+# Input dimensions of each projection's weight (the rest are its outputs), after the leading
+# axes that batch it: a scanned model's "layers" and a mixture's "experts".
+_IN_DIMS = {p: 2 if p == "o_proj" else 1 for p in ADAPTABLE}
+_BATCH_AXES = ("layers", "experts")
 
 
 def is_adapter(path) -> bool:
@@ -91,16 +96,39 @@ def add(module, name: str, x_MxI: jax.Array, y_MxO: jax.Array) -> jax.Array:
     dt = x_MxI.dtype
     a_IxR = a[...].reshape(-1, a.shape[-1]).astype(dt)
     b_RxO = b[...].reshape(b.shape[0], -1).astype(dt)
-    if _dropout.key is not None:
-        layer = getattr(module, "lora_layer", None)
-        key = jax.random.fold_in(_dropout.key, LORA_PROJECTIONS.index(name))
-        if layer is not None:  # this layer's own mask (a scanned model's index is traced)
-            key = jax.random.fold_in(key, layer[...])
-        keep = 1.0 - _dropout.rate
-        mask = jax.random.bernoulli(key, keep, x_MxI.shape)
-        x_MxI = jnp.where(mask, x_MxI / jnp.asarray(keep, dt), jnp.zeros((), dt))
+    x_MxI = _drop(module, name, x_MxI)
     scale = jnp.asarray(module.lora_scale, dt)
     return y_MxO + ((x_MxI @ a_IxR) @ b_RxO) * scale
+
+
+def _drop(module, name: str, x: jax.Array) -> jax.Array:
+    """``x`` with the dropout in force (:func:`dropout`) applied, its mask drawn for this
+    projection and layer; ``x`` itself outside the block."""
+    if _dropout.key is None:
+        return x
+    dt = x.dtype
+    layer = getattr(module, "lora_layer", None)
+    key = jax.random.fold_in(_dropout.key, ADAPTABLE.index(name))
+    if layer is not None:  # this layer's own mask (a scanned model's index is traced)
+        key = jax.random.fold_in(key, layer[...])
+    keep = 1.0 - _dropout.rate
+    mask = jax.random.bernoulli(key, keep, x.shape)
+    return jnp.where(mask, x / jnp.asarray(keep, dt), jnp.zeros((), dt))
+
+
+def expert_adapters(module) -> moe.ExpertLoRA | None:
+    """The adapters of a mixture-of-experts block's weights (``layers.MoE``), for the experts'
+    dispatch (``grpo_jax.models.moe``), or None when it has none. Each sorted row of the
+    dispatch draws its own dropout mask (a (token, expert) pair, not a token)."""
+    pairs = {
+        name: (getattr(module, name + SUFFIX_A)[...], getattr(module, name + SUFFIX_B)[...])
+        for name in EXPERT_PROJECTIONS
+        if getattr(module, name + SUFFIX_A, None) is not None
+    }
+    if not pairs:
+        return None
+    drop = None if _dropout.key is None else (lambda name, x: _drop(module, name, x))
+    return moe.ExpertLoRA(pairs, float(module.lora_scale), drop)
 
 
 # ---------------------------------------------------------------------------
@@ -115,7 +143,7 @@ def _targets(model):
     """(module, projection name, weight Param) of every projection of ``model``."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
-            for name in LORA_PROJECTIONS:
+            for name in ADAPTABLE:
                 w = getattr(node, name, None)
                 if isinstance(w, nnx.Param):
                     yield node, name, w
@@ -135,7 +163,7 @@ def attach(model, cfg: LoRAConfig, key: jax.Array, *, mesh=None, layout: str = "
         raise ValueError("lora.attach: the model has no projections to adapt")
     for i, (module, name, w) in enumerate(found):
         axes = tuple(w.get_metadata().get("logical_axes") or (None,) * w.ndim)
-        lead = 1 if axes and axes[0] == "layers" else 0
+        lead = _lead(axes)
         n_in = lead + _IN_DIMS[name]
         in_shape, out_shape = w.shape[lead:n_in], w.shape[n_in:]
         a_shape = (*w.shape[:lead], *in_shape, r)
@@ -164,6 +192,16 @@ def attach(model, cfg: LoRAConfig, key: jax.Array, *, mesh=None, layout: str = "
         module.lora_scale = float(cfg.scale)
     if cfg.dropout > 0:
         _attach_layer_indices(model, mesh)
+
+
+def _lead(axes) -> int:
+    """How many leading axes batch a weight: a scanned model's "layers", then a mixture's
+    "experts" (each expert its own adapter)."""
+    lead = 0
+    for name in _BATCH_AXES:
+        if lead < len(axes) and axes[lead] == name:
+            lead += 1
+    return lead
 
 
 def _attach_layer_indices(model, mesh) -> None:
@@ -257,7 +295,7 @@ def merged(params, scale: float):
 
 
 def _fold(w, a, b, scale):
-    lead = a.ndim + b.ndim - 2 - w.ndim  # 1 for stacked layers, else 0
+    lead = a.ndim + b.ndim - 2 - w.ndim  # the batching axes: stacked layers, experts
     r = a.shape[-1]
     in_shape = a.shape[lead:-1]
     out_shape = b.shape[lead + 1 :]
@@ -331,6 +369,22 @@ def peft_tensors(params, model_cfg, prefix: str = "model.") -> dict[str, np.ndar
     return out
 
 
+def check_peft(params) -> None:
+    """A one-line ValueError when ``params`` hold adapters of a mixture's experts: PEFT's
+    adapter format names a module's ``lora_A``/``lora_B`` of one Linear weight, and a
+    mixture's stacked (GPT-OSS: fused, interleaved) expert weights have no such module in
+    the checkpoint's names. Their merged weights export as usual."""
+    names = sorted(
+        {str(path[-1])[: -len(SUFFIX_A)] for path in _flat(trainable(params))}
+        & set(EXPERT_PROJECTIONS)
+    )
+    if names:
+        raise ValueError(
+            f"config key 'model.lora.targets' adapts the experts' weights {names}, which "
+            "PEFT's adapter format cannot name: export the merged weights (--format=merged)"
+        )
+
+
 def _check_flattening(entry, in_shape, out_shape) -> None:
     """Hugging Face's [out, in] weight must be our [*in, *out] weight flattened and transposed
     (true of every projection in ``hf_weights``), so that A and B map the same way."""
@@ -351,6 +405,7 @@ def save_peft(
     """
     from safetensors.numpy import save_file
 
+    check_peft(params)
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = peft_tensors(params, model_cfg, prefix)

@@ -12,12 +12,67 @@ the weights of the given experts (routing replay, docs/moe.md).
 The experts run dropless: the M * K (token, expert) pairs are sorted by expert, each expert's
 contiguous rows are multiplied by its weights in one ``jax.lax.ragged_dot``, and the rows go
 back to their tokens; no capacity, no dropped token.
+
+LoRA on the experts (:class:`ExpertLoRA`): each expert's own adapter runs on that expert's
+rows of the same sorted order, y += ragged_dot(ragged_dot(x, A), B) * scale.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class ExpertLoRA(NamedTuple):
+    """Low-rank adapters on the experts' weights (docs/lora.md, "The experts").
+
+    ``pairs`` maps a weight's name (``gate_experts``, ``up_experts``, ``gate_up_experts``,
+    ``down_experts``) to its (A [E, in, r], B [E, r, out]); ``drop(name, x)`` applies the
+    adapters' dropout to their input rows, or is None.
+    """
+
+    pairs: Mapping[str, tuple[jax.Array, jax.Array]]
+    scale: float
+    drop: Callable | None = None
+
+    def grouped(self, name: str, x_NxI, y_NxO, sizes_E):
+        """``y`` plus the adapter's term for rows sorted by expert (group sizes ``sizes_E``)."""
+        if name not in self.pairs:
+            return y_NxO
+        a_ExIxR, b_ExRxO = self.pairs[name]
+        dt = x_NxI.dtype
+        if self.drop is not None:
+            x_NxI = self.drop(name, x_NxI)
+        xa_NxR = jax.lax.ragged_dot(x_NxI, a_ExIxR.astype(dt), sizes_E)
+        delta_NxO = jax.lax.ragged_dot(xa_NxR, b_ExRxO.astype(dt), sizes_E)
+        return y_NxO + delta_NxO * jnp.asarray(self.scale, dt)
+
+    def dense(self, name: str, x, y_ExMxO):
+        """``y`` plus the adapter's term for every expert on every row: x [M, in] (shared by
+        the experts) or [E, M, in]; no dropout (the slow reference)."""
+        if name not in self.pairs:
+            return y_ExMxO
+        a_ExIxR, b_ExRxO = self.pairs[name]
+        dt = x.dtype
+        spec = "mi,eir->emr" if x.ndim == 2 else "emi,eir->emr"
+        xa_ExMxR = jnp.einsum(spec, x, a_ExIxR.astype(dt))
+        delta_ExMxO = jnp.einsum("emr,ero->emo", xa_ExMxR, b_ExRxO.astype(dt))
+        return y_ExMxO + delta_ExMxO * jnp.asarray(self.scale, dt)
+
+
+def _grouped(lora: ExpertLoRA | None, name: str, x_NxI, w_ExIxO, sizes_E):
+    """One expert weight on rows sorted by expert, with its adapter when it has one."""
+    y_NxO = jax.lax.ragged_dot(x_NxI, w_ExIxO, sizes_E)
+    return y_NxO if lora is None else lora.grouped(name, x_NxI, y_NxO, sizes_E)
+
+
+def _dense(lora: ExpertLoRA | None, name: str, x, w_ExIxO):
+    """One expert weight for every expert on every row (x [M, in] or [E, M, in])."""
+    y_ExMxO = jnp.einsum("md,edf->emf" if x.ndim == 2 else "emf,efd->emd", x, w_ExIxO)
+    return y_ExMxO if lora is None else lora.dense(name, x, y_ExMxO)
 
 
 def route(
@@ -56,12 +111,14 @@ def grouped_experts(
     up_ExDxF: jax.Array,
     down_ExFxD: jax.Array,
     activation,
+    lora: ExpertLoRA | None = None,
 ) -> jax.Array:
     """sum_k weight[m, k] * expert[experts[m, k]](x[m]) for every token: [M, D].
 
     An expert is a gated MLP, down(activation(x gate) * (x up)). The (token, expert) pairs
     are sorted by expert (a stable sort), each expert's group of rows goes through one
-    ``ragged_dot``, and the inverse permutation brings the rows back.
+    ``ragged_dot``, and the inverse permutation brings the rows back. ``lora`` adds each
+    expert's adapters on the same sorted rows.
     """
     M, K = experts_MxK.shape
     E = gate_ExDxF.shape[0]
@@ -69,9 +126,9 @@ def grouped_experts(
     order_N = jnp.argsort(flat_N, stable=True)
     sizes_E = jnp.bincount(flat_N, length=E).astype(jnp.int32)
     rows_NxD = jnp.take(x_MxD, order_N // K, axis=0)
-    gate_NxF = jax.lax.ragged_dot(rows_NxD, gate_ExDxF, sizes_E)
-    up_NxF = jax.lax.ragged_dot(rows_NxD, up_ExDxF, sizes_E)
-    out_NxD = jax.lax.ragged_dot(activation(gate_NxF) * up_NxF, down_ExFxD, sizes_E)
+    gate_NxF = _grouped(lora, "gate_experts", rows_NxD, gate_ExDxF, sizes_E)
+    up_NxF = _grouped(lora, "up_experts", rows_NxD, up_ExDxF, sizes_E)
+    out_NxD = _grouped(lora, "down_experts", activation(gate_NxF) * up_NxF, down_ExFxD, sizes_E)
     back_N = jnp.argsort(order_N)  # the inverse permutation: pair n's row in the sorted order
     out_MxKxD = jnp.take(out_NxD, back_N, axis=0).reshape(M, K, -1)
     return jnp.einsum("mkd,mk->md", out_MxKxD, weights_MxK.astype(out_MxKxD.dtype))
@@ -87,12 +144,14 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
 
 def clamped_grouped_experts(
     x_MxD, experts_MxK, weights_MxK, gate_up_ExDx2F, gate_up_bias_Ex2F, down_ExFxD,
-    down_bias_ExD, alpha: float, limit: float,
+    down_bias_ExD, alpha: float, limit: float, lora: ExpertLoRA | None = None,
 ):  # fmt: skip
     """GPT-OSS's experts through the dispatch of :func:`grouped_experts`: one ``ragged_dot``
     by the fused gate/up weight (gate at even columns, up at odd), the biases of each row's
     expert, :func:`clamped_swiglu`, the down projection and its bias, then the weighted sum
-    (the down bias inside the weight, as transformers adds it). Biases may be None."""
+    (the down bias inside the weight, as transformers adds it). Biases may be None. The
+    fused weight's adapter (``gate_up_experts``) adds to its interleaved columns, before
+    the bias and the split."""
     M, K = experts_MxK.shape
     E = gate_up_ExDx2F.shape[0]
     flat_N = experts_MxK.reshape(-1)
@@ -100,11 +159,11 @@ def clamped_grouped_experts(
     sizes_E = jnp.bincount(flat_N, length=E).astype(jnp.int32)
     expert_N = jnp.take(flat_N, order_N)  # each sorted row's expert
     rows_NxD = jnp.take(x_MxD, order_N // K, axis=0)
-    gate_up_Nx2F = jax.lax.ragged_dot(rows_NxD, gate_up_ExDx2F, sizes_E)
+    gate_up_Nx2F = _grouped(lora, "gate_up_experts", rows_NxD, gate_up_ExDx2F, sizes_E)
     if gate_up_bias_Ex2F is not None:
         gate_up_Nx2F = gate_up_Nx2F + jnp.take(gate_up_bias_Ex2F, expert_N, axis=0)
     h_NxF = clamped_swiglu(gate_up_Nx2F[:, ::2], gate_up_Nx2F[:, 1::2], alpha, limit)
-    out_NxD = jax.lax.ragged_dot(h_NxF, down_ExFxD, sizes_E)
+    out_NxD = _grouped(lora, "down_experts", h_NxF, down_ExFxD, sizes_E)
     if down_bias_ExD is not None:
         out_NxD = out_NxD + jnp.take(down_bias_ExD, expert_N, axis=0)
     back_N = jnp.argsort(order_N)
@@ -114,32 +173,35 @@ def clamped_grouped_experts(
 
 def clamped_dense_experts(
     x_MxD, experts_MxK, weights_MxK, gate_up_ExDx2F, gate_up_bias_Ex2F, down_ExFxD,
-    down_bias_ExD, alpha: float, limit: float,
+    down_bias_ExD, alpha: float, limit: float, lora: ExpertLoRA | None = None,
 ):  # fmt: skip
     """:func:`clamped_grouped_experts` computed the slow way (every expert on every token,
     masked by the routing weights): the reference the dispatch is tested against."""
     E = gate_up_ExDx2F.shape[0]
     mask_MxKxE = jax.nn.one_hot(experts_MxK, E, dtype=weights_MxK.dtype)
     w_MxE = jnp.einsum("mk,mke->me", weights_MxK, mask_MxKxE)
-    gu_ExMx2F = jnp.einsum("md,edf->emf", x_MxD, gate_up_ExDx2F)
+    gu_ExMx2F = _dense(lora, "gate_up_experts", x_MxD, gate_up_ExDx2F)
     if gate_up_bias_Ex2F is not None:
         gu_ExMx2F = gu_ExMx2F + gate_up_bias_Ex2F[:, None, :]
     h_ExMxF = clamped_swiglu(gu_ExMx2F[..., ::2], gu_ExMx2F[..., 1::2], alpha, limit)
-    out_ExMxD = jnp.einsum("emf,efd->emd", h_ExMxF, down_ExFxD)
+    out_ExMxD = _dense(lora, "down_experts", h_ExMxF, down_ExFxD)
     if down_bias_ExD is not None:
         out_ExMxD = out_ExMxD + down_bias_ExD[:, None, :]
     return jnp.einsum("emd,me->md", out_ExMxD, w_MxE.astype(out_ExMxD.dtype))
 
 
-def dense_experts(x_MxD, experts_MxK, weights_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation):
+def dense_experts(
+    x_MxD, experts_MxK, weights_MxK, gate_ExDxF, up_ExDxF, down_ExFxD, activation,
+    lora: ExpertLoRA | None = None,
+):  # fmt: skip
     """:func:`grouped_experts` computed the slow way: every expert on every token, masked by
     the routing weights. The reference the dispatch is tested against."""
     E = gate_ExDxF.shape[0]
     mask_MxKxE = jax.nn.one_hot(experts_MxK, E, dtype=weights_MxK.dtype)
     w_MxE = jnp.einsum("mk,mke->me", weights_MxK, mask_MxKxE)
-    h_ExMxF = activation(jnp.einsum("md,edf->emf", x_MxD, gate_ExDxF))
-    h_ExMxF = h_ExMxF * jnp.einsum("md,edf->emf", x_MxD, up_ExDxF)
-    out_ExMxD = jnp.einsum("emf,efd->emd", h_ExMxF, down_ExFxD)
+    h_ExMxF = activation(_dense(lora, "gate_experts", x_MxD, gate_ExDxF))
+    h_ExMxF = h_ExMxF * _dense(lora, "up_experts", x_MxD, up_ExDxF)
+    out_ExMxD = _dense(lora, "down_experts", h_ExMxF, down_ExFxD)
     return jnp.einsum("emd,me->md", out_ExMxD, w_MxE.astype(out_ExMxD.dtype))
 
 

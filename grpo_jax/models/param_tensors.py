@@ -124,7 +124,9 @@ def lora_tensors(tensors, rank: int, targets) -> list[tuple[str, tuple[int, ...]
     """(name, shape, logical axes) of the LoRA adapters of ``tensors`` (``param_tensors``).
 
     A projection W [*in, *out] (o_proj has two input dimensions, the others one;
-    a stacked layer axis leads both) gets A [*in, r] and B [r, *out].
+    a stacked layer axis leads both) gets A [*in, r] and B [r, *out]. A mixture's expert
+    weight [E, in, out] gets one adapter per expert, A [E, in, r] and B [E, r, out], split
+    over the "experts" axis as the weight is.
     """
     out = []
     for name, shape, _, axes in tensors:
@@ -132,6 +134,7 @@ def lora_tensors(tensors, rank: int, targets) -> list[tuple[str, tuple[int, ...]
         if proj not in targets:
             continue
         lead = 1 if axes and axes[0] == "layers" else 0
+        lead += 1 if lead < len(axes) and axes[lead] == "experts" else 0
         n_in = lead + (2 if proj == "o_proj" else 1)
         out.append((f"{name}_lora_a", (*shape[:n_in], rank), (*axes[:n_in], "lora")))
         out.append(

@@ -161,10 +161,12 @@ def build_model(run: RunConfig, tokenizer, mesh):
         model = load(run.model.path, mesh=mesh, layout=run.mesh.layout, **run.model.loader_kwargs())
         check_expert_axis(run, model.config)
         check_router_replay(run, model.config)
+        run.model.lora.check_model(model.config, run.model.path)
     else:
         cfg = model_config(run, tokenizer)
         check_expert_axis(run, cfg)
         check_router_replay(run, cfg)
+        run.model.lora.check_model(cfg, "the built-in tiny model")
         model = models.create_model(cfg, seed=run.seed, mesh=mesh, layout=run.mesh.layout)
     return nnx.split(model)
 

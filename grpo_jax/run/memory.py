@@ -18,7 +18,7 @@ import numpy as np
 
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.sharding import EXPERT_AXIS, LAYOUTS, MESH_AXES
-from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION
+from grpo_jax.models.config import ATTENTION, DEFAULT_ATTENTION, EXPERT_PROJECTIONS
 
 # The parameter inventory lived here: param_tensors, param_count, shard_numel and
 # lora_tensors are still importable from this module.
@@ -218,7 +218,9 @@ def estimate(
     mesh = _checked_args(mesh_shape, layout, optimizer, attention, sizes, beta)
     cfg = as_model_config(model_cfg_like)
     tensors = param_tensors(cfg)
-    state = _state_bytes(tensors, mesh, layout, param_bytes, beta, lora_rank, lora_targets)
+    state = _state_bytes(
+        tensors, mesh, layout, param_bytes, beta, lora_rank, lora_targets, cfg.experts_per_token
+    )
     params, grads, trained, reference, trainable_params, lora_layer = state
     shards = mesh["data"] * mesh["fsdp"]
     rows = lambda r: r // shards if r % shards == 0 else r
@@ -277,14 +279,17 @@ def _checked_args(mesh_shape: Mapping[str, int], layout, optimizer, attention, s
     return mesh
 
 
-def _state_bytes(tensors, mesh, layout: str, param_bytes: int, beta: float, lora_rank, targets):
+def _state_bytes(
+    tensors, mesh, layout: str, param_bytes: int, beta: float, lora_rank, targets, k: int = 0
+):
     """Per-device bytes of the training state: (params, grads, trained, reference,
-    trainable_params, adapted projections per layer).
+    trainable_params, the adapters' saved x A per layer and token, in multiples of r).
 
     Full fine-tuning: params = grads = trained (what the optimizer moments
     cover), the reference a copy when beta > 0. LoRA (``lora_rank`` r > 0):
     float32 adapters are added to params and are all that is trained and has
-    gradients; the reference is the base itself (no copy).
+    gradients; the reference is the base itself (no copy). An expert weight's adapter
+    (``EXPERT_PROJECTIONS``) saves x A for each of a token's ``k`` experts.
     """
     per_device, adapter_numel = _numel_per_device(tensors, mesh, layout, lora_rank, targets)
     params = per_device * param_bytes
@@ -296,7 +301,8 @@ def _state_bytes(tensors, mesh, layout: str, param_bytes: int, beta: float, lora
         trained = 4 * adapter_numel
         trainable_params = sum(math.prod(shape) for _, shape, _ in adapters)
         params, grads, reference = params + trained, trained, 0
-        per_layer = len({n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters})
+        adapted = {n.rsplit(".", 1)[-1][: -len("_lora_a")] for n, _, _ in adapters}
+        per_layer = sum(k if p in EXPERT_PROJECTIONS else 1 for p in adapted)
     return params, grads, trained, reference, trainable_params, per_layer
 
 
