@@ -169,7 +169,9 @@ def _step(graphdef, tx, label: int, state, mesh):
     if mesh is None:
         return jax.jit(step_fn)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.jit(step_fn, out_shardings=(shardings, None))
+    # Under the mesh: each device's pairs with the weights gathered, not every pair over part
+    # of the model's width with its activations all-reduced (``sharding.OnMesh``).
+    return sharding.OnMesh(jax.jit(step_fn, out_shardings=(shardings, None)), mesh)
 
 
 def _counters(state):

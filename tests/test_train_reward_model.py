@@ -340,3 +340,35 @@ def test_command_refuses_bad_flags_and_pairs_in_one_line_with_exit_status_2(tmp_
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(message), lines
     assert not (tmp_path / "rm").exists()
+
+
+@pytest.mark.slow
+def test_a_sharded_training_step_reduces_no_activations(builtin_tokenizer, tiny_model_config):
+    """The Bradley-Terry step on fsdp 4: what the devices all-reduce is the gradients (each a
+    parameter's shape) and the metrics' scalars. Jitted without the mesh set, the step split
+    the model's width over fsdp and all-reduced every pair's activations ([256, 64]: 8 rows
+    of 32 tokens)."""
+    import re
+
+    from grpo_jax.core import sharding
+    from grpo_jax.learner.optimizer import init_state, make_optimizer
+    from grpo_jax.reward_models.training import encode_pairs
+    from grpo_jax.train_reward_model import _placed, _step
+
+    mesh = sharding.make_mesh({"fsdp": -1}, jax.devices()[:4])
+    tx, _ = make_optimizer(OptimConfig(learning_rate=1e-3), 2)
+    graphdef, params = nnx.split(RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(0)))
+    state = init_state(_placed(params, mesh, 4), tx, mesh)
+    pairs = _pairs(np.random.default_rng(0).integers(0, 50, (4, 2)))
+    batch = jax.device_put(
+        encode_pairs(builtin_tokenizer, pairs, (32,)), sharding.batch_sharding(mesh)
+    )
+    text = _step(graphdef, tx, 0, state, mesh).lower(state, batch).compile().as_text()
+    sizes = {x.size for x in jax.tree.leaves(params)}  # a gradient may be reshaped
+    reduced = [
+        tuple(int(d) for d in dims.split(",") if d)
+        for line in text.splitlines()
+        if re.search(r" all-reduce(?:-start)?\(", line)
+        for dims in re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce")[0])
+    ]
+    assert reduced and not {d for d in reduced if d and math.prod(d) not in sizes}

@@ -266,7 +266,7 @@ class Builder:
             graphdef, params = self._checkpoint(rm.path, classifier=True)
             fn = jax.jit(scorer_lib._scores_fn, static_argnums=0)
             args = (graphdef, params, *self._rows(rm))
-            made.append(Program("reward_model", fn, args))
+            made.append(Program("reward_model", fn, args, self.mesh))
         if judge.path:
             if judge.path == judge_lib.REFERENCE:
                 graphdef, params = self.graphdef, self.params
@@ -275,7 +275,8 @@ class Builder:
             k = len(judge.score_tokens)
             score = (_sds((k,), jnp.int32, self.rep), _sds((k,), jnp.float32, self.rep))
             fn = jax.jit(judge_lib._judge_fn, static_argnums=0)
-            made.append(Program("judge", fn, (graphdef, params, *self._rows(judge), *score)))
+            args = (graphdef, params, *self._rows(judge), *score)
+            made.append(Program("judge", fn, args, self.mesh))
         return made
 
     def _checkpoint(self, path: str, *, classifier: bool):

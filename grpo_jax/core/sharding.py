@@ -151,6 +151,11 @@ class Placement:
     sampler_mesh: Mesh | None = None
 
 
+def on_mesh(jitted, mesh: Mesh | None):
+    """``jitted`` called under ``mesh`` (:class:`OnMesh`); as it is without one."""
+    return jitted if mesh is None else OnMesh(jitted, mesh)
+
+
 class OnMesh:
     """A jitted function traced, lowered and called under ``jax.set_mesh(mesh)``.
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from grpo_jax.core import integrity
 from grpo_jax.core.errors import ConfigError
-from grpo_jax.core.sharding import batch_shards
+from grpo_jax.core.sharding import batch_shards, on_mesh
 from grpo_jax.models import from_pretrained, load_tokenizer
 from grpo_jax.models.attention import Segments
 from grpo_jax.models.hf import open_checkpoint
@@ -102,8 +102,10 @@ class Judge:
                 f"config key 'judge.batch_size' = {self.section.batch_size} must be a multiple "
                 f"of the mesh's {shards} batch shards"
             )
-        self._jit = jax.jit(_judge_fn, static_argnums=0)
-        self._packed_jit = jax.jit(_packed_judge_fn, static_argnums=0)
+        # Under the mesh (``OnMesh``): the rows split over the batch axes, not every row on
+        # every device (as the update's passes, docs/pods.md).
+        self._jit = on_mesh(jax.jit(_judge_fn, static_argnums=0), self.mesh)
+        self._packed_jit = on_mesh(jax.jit(_packed_judge_fn, static_argnums=0), self.mesh)
         if self.tokenizer is not None:
             self._ids = jnp.asarray(self.score_ids(), jnp.int32)
         self._values = jnp.asarray(self.section.values, jnp.float32)

@@ -25,7 +25,7 @@ from flax import nnx
 from grpo_jax.core import distributed
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.packing import first_fit_decreasing, next_power_of_two, round_up
-from grpo_jax.core.sharding import batch_sharding, batch_shards
+from grpo_jax.core.sharding import batch_sharding, batch_shards, on_mesh
 from grpo_jax.models import CheckpointError, load_tokenizer
 from grpo_jax.models.attention import Segments
 from grpo_jax.reward_models.model import RewardModel, load_reward_model
@@ -242,8 +242,10 @@ class LearnedReward:
                 f"the mesh's {shards} batch shards"
             )
         self._graphdef, self._params = nnx.split(self.model)
-        self._jit = jax.jit(_scores_fn, static_argnums=0)
-        self._packed_jit = jax.jit(_packed_scores_fn, static_argnums=0)
+        # Under the mesh (``OnMesh``): the rows split over the batch axes, not every row on
+        # every device (as the update's passes, docs/pods.md).
+        self._jit = on_mesh(jax.jit(_scores_fn, static_argnums=0), self.mesh)
+        self._packed_jit = on_mesh(jax.jit(_packed_scores_fn, static_argnums=0), self.mesh)
 
     @classmethod
     def load(

@@ -200,3 +200,29 @@ def test_packed_rubrics_score_as_the_padded(tiny_policy, builtin_tokenizer):
     on_mesh = Judge(section, graphdef, placed, builtin_tokenizer, mesh, packing=True)
     got = on_mesh(questions, completions, questions, group_size=1)
     np.testing.assert_allclose(got[:-1], padded[:-1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sharded_judge_scores_its_rows_without_reducing_activations(tiny_policy):
+    """The judge's pass on data 4 x fsdp 2 with its weights in the fsdp layout: each device
+    scores its own rows with the weights gathered, so nothing is all-reduced. Jitted without
+    the mesh set, the pass split the model's width over fsdp and all-reduced every row's
+    activations (docs/pods.md)."""
+    import re
+
+    import jax.numpy as jnp
+
+    from grpo_jax.core.sharding import batch_sharding
+    from grpo_jax.models.partitioning import param_shardings
+
+    graphdef, params = tiny_policy
+    mesh = make_mesh({"data": 4, "fsdp": 2})
+    placed = jax.device_put(params, param_shardings(params, mesh, "fsdp"))
+    judge = Judge(_section(batch_size=8), graphdef, placed, None, mesh)
+    rows = jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=batch_sharding(mesh))
+    mask = jax.ShapeDtypeStruct((8, 32), jnp.bool_, sharding=batch_sharding(mesh))
+    ids = jax.ShapeDtypeStruct((3,), jnp.int32)
+    values = jax.ShapeDtypeStruct((3,), jnp.float32)
+    text = judge._jit.lower(graphdef, placed, rows, mask, ids, values).compile().as_text()
+    assert re.search(r" all-gather(?:-start)?\(", text)  # the weights are sharded
+    assert not re.search(r" all-reduce(?:-start)?\(", text)
