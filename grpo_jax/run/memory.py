@@ -937,15 +937,16 @@ def plan_learned(
     """A learned reward model's or LLM judge's scoring pass (``grpo_jax.aot.programs``'s
     ``reward_model`` and ``judge``: ``section.batch_size`` rows of its largest bucket over
     the batch axes): ``weights``, its parameters' bytes on a device; when they are sharded,
-    two layers gathered at a time (the judge's LM head too); one layer's activations over
-    this device's rows, as the prefill's; the rows themselves."""
+    two layers gathered at a time; one layer's activations over
+    this device's rows, as the prefill's; the rows themselves. The judge's LM head is not
+    gathered: its last position's logits are computed over the head's shards (XLA's pass on
+    a v5p-64 held no gathered head, docs/pods.md)."""
     cfg = as_model_config(model_cfg_like)
     sh = run_shapes(run, cfg, mesh_shape)
     _, body, _ = _sizes(cfg, mesh_shape, run.mesh.layout)
     shards = int(mesh_shape.get("data", 1)) * int(mesh_shape.get("fsdp", 1))
     rows, length = -(-section.batch_size // shards), max(section.buckets)
-    head = cfg.vocab_size * cfg.hidden_size * sh.c if name == "judge" else 0
-    layers = 2 * body // cfg.num_layers * sh.c + head if sh.sharded else 0
+    layers = 2 * body // cfg.num_layers * sh.c if sh.sharded else 0
     per_token = _layer_token_bytes(cfg, sh, mesh_shape, run.mesh.layout)
     acts = rows * (length * per_token + _attention_per_row(cfg, sh, length, length))
     return ProgramPlan(name, weights + layers + acts + rows * length * 5 + CODE_BYTES, resident)
