@@ -12,6 +12,9 @@ import math
 
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.sharding import EXPERT_AXIS
+from grpo_jax.models import CheckpointError
+from grpo_jax.models.hf import open_checkpoint
+from grpo_jax.reward_models import model as reward_model_lib
 from grpo_jax.run import memory
 
 GiB = 2**30
@@ -39,10 +42,6 @@ def needs(run, cfg, mesh_shape) -> dict[str, memory.ProgramPlan]:
 def _learned(run, cfg, mesh_shape) -> list:
     """[(program, its config section, its model's config, its weights' bytes per device)]:
     the reward model's and a judge's of their own checkpoint (0 bytes for the reference)."""
-    from grpo_jax.models import CheckpointError
-    from grpo_jax.models.hf import open_checkpoint
-    from grpo_jax.reward_models import model as reward_model_lib
-
     out, layout = [], run.mesh.layout
     for name, section, classifier in (
         ("reward_model", run.reward_model, True),

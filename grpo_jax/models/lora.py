@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.models import moe
+import grpo_jax.models.moe as moe
 from grpo_jax.models.config import ADAPTABLE, EXPERT_PROJECTIONS, LORA_PROJECTIONS, LoRAConfig
 from grpo_jax.models.hf_weights import weight_table
 from grpo_jax.models.partitioning import logical_sharding
