@@ -27,6 +27,23 @@ def train_killed_at(config, workdir, step: int, **train_kwargs) -> None:
         train(config, workdir, step_callback=kill, **train_kwargs)
 
 
+def resumes_exactly(config, root) -> list[dict]:
+    """Trains ``config`` (5 records: steps 0-4, checkpoints at 2 and 4) whole in
+    ``root/whole``, and in ``root/killed`` killed after step 3 and rerun; asserts the resumed
+    run's records equal the whole run's but for wall-clock fields, and returns the whole
+    run's records."""
+    from grpo_jax.run.writers import read_metrics
+
+    train(config, root / "whole")
+    train_killed_at(config, root / "killed", 3)  # between the checkpoints at 2 and 4
+    train(config, root / "killed")
+    whole = read_metrics(root / "whole" / "metrics.jsonl")
+    resumed = read_metrics(root / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert without_timings(resumed) == without_timings(whole)
+    return whole
+
+
 def without_timings(records: list[dict]) -> list[dict]:
     """metrics.jsonl records without their wall-clock fields (``TIMING_PREFIXES``): what
     a resumed run must reproduce exactly."""

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from helpers_config import SHORT_RUN, apply_overrides, smoke_config
-from helpers_resume import train_killed_at, without_timings
+from helpers_resume import resumes_exactly
 
 from grpo_jax.run.train import train
 from grpo_jax.run.writers import read_metrics
@@ -36,14 +36,7 @@ def _saved_opt_state(workdir, step=4):
 
 
 def test_a_killed_critic_run_resumes_exactly(tmp_path):
-    cfg = smoke_config(**CRITIC_RUN)
-    train(cfg, tmp_path / "whole")
-    train_killed_at(cfg, tmp_path / "killed", 3)  # between the checkpoints at 2 and 4
-    train(cfg, tmp_path / "killed")
-    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
-    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert without_timings(resumed) == without_timings(whole)
+    whole = resumes_exactly(smoke_config(**CRITIC_RUN), tmp_path)
     assert [r["critic/warmup"] for r in whole[1:]] == [1.0, 0.0, 0.0, 0.0]
     assert whole[1]["critic/value_mean"] == 0.0 and whole[-1]["critic/value_mean"] != 0.0
 

@@ -11,14 +11,12 @@ import pytest
 from flax import nnx
 from helpers_config import SHORT_RUN, smoke_config
 from helpers_jit import logits as jitted_logits
-from helpers_resume import train_killed_at, without_timings
+from helpers_resume import resumes_exactly
 
 from grpo_jax.models import lora
 from grpo_jax.run import builders, runlocal
 from grpo_jax.run import config as config_lib
 from grpo_jax.run.checkpoints import Checkpointer
-from grpo_jax.run.train import train
-from grpo_jax.run.writers import read_metrics
 
 pytestmark = pytest.mark.slow  # three short runs of the whole loop
 
@@ -52,13 +50,7 @@ def _config():
 
 def test_expert_adapters_train_resume_exactly_and_export_merged(tmp_path):
     cfg = _config()
-    train(cfg, tmp_path / "whole")
-    train_killed_at(cfg, tmp_path / "killed", 3)  # between the checkpoints at 2 and 4
-    train(cfg, tmp_path / "killed")
-    whole = read_metrics(tmp_path / "whole" / "metrics.jsonl")
-    resumed = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert without_timings(resumed) == without_timings(whole)
+    whole = resumes_exactly(cfg, tmp_path)
     assert whole[1]["train/kl"] == 0.0  # B starts at zero: the policy is the base
 
     run = runlocal.resolve(config_lib.parse_config(cfg))  # tiny:qwen3_moe's directory
