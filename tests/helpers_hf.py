@@ -239,3 +239,21 @@ def hf_classifier_scores(model, tokens_BxT, attention_mask=None, position_ids=No
     """float32 numpy [B, C] of a transformers sequence classifier (``load_hf_classifier``): its
     logits, read as :func:`hf_logits` reads a causal LM's."""
     return hf_logits(model, tokens_BxT, attention_mask, position_ids)
+
+
+def hf_routes(ref, tokens, mask, positions, k):
+    """transformers' chosen experts [B, T, R, K] as sets (sorted): the top k of each sparse
+    layer's router logits (the softmax keeps their order), from a pass of ``ref``."""
+    import torch
+
+    with torch.no_grad():
+        out = ref(
+            input_ids=torch.as_tensor(tokens, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            position_ids=torch.as_tensor(np.array(positions), dtype=torch.long),
+            output_router_logits=True,
+            use_cache=False,
+        )
+    B, T = tokens.shape
+    chosen = [torch.topk(r, k, -1).indices.numpy().reshape(B, T, k) for r in out.router_logits]
+    return np.sort(np.stack(chosen, axis=2), axis=-1)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers_hf import hf_logits, load_hf_model, make_tiny_hf_checkpoint
+from helpers_hf import hf_logits, hf_routes, load_hf_model, make_tiny_hf_checkpoint
 
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.models import (
@@ -62,23 +62,6 @@ def _ours(model, tokens, mask, routes=None):
     return np.asarray(logits), np.asarray(used)
 
 
-def _hf_routes(ref, tokens, mask, positions, k):
-    """transformers' chosen experts [B, T, L, K] as sets (sorted): the top k router logits."""
-    import torch
-
-    with torch.no_grad():
-        out = ref(
-            input_ids=torch.as_tensor(tokens, dtype=torch.long),
-            attention_mask=torch.as_tensor(mask, dtype=torch.long),
-            position_ids=torch.as_tensor(np.array(positions), dtype=torch.long),
-            output_router_logits=True,
-            use_cache=False,
-        )
-    B, T = tokens.shape
-    chosen = [torch.topk(r, k, -1).indices.numpy().reshape(B, T, k) for r in out.router_logits]
-    return np.sort(np.stack(chosen, axis=2), axis=-1)
-
-
 # ---------------------------------------------------------------------------
 # Against transformers.
 
@@ -103,8 +86,8 @@ def test_logits_and_routes_match_transformers(checkpoint, reference, padded, att
     np.testing.assert_allclose(ours[mask], theirs[mask], atol=ATOL, rtol=0)
     k = cfg.experts_per_token
     assert routes.shape == (3, 14, cfg.num_layers, k)
-    hf_routes = _hf_routes(reference, tokens, mask, positions, k)
-    np.testing.assert_array_equal(np.sort(routes, -1)[mask], hf_routes[mask])
+    want = hf_routes(reference, tokens, mask, positions, k)
+    np.testing.assert_array_equal(np.sort(routes, -1)[mask], want[mask])
     # The clamp binds: some expert pre-activation leaves [-limit, limit].
     x = model.layers[0].mlp_norm(model.embed[...][tokens])
     gu = jnp.einsum("btd,edf->btef", x, model.layers[0].mlp.gate_up_experts[...])

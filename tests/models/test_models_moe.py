@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers_hf import hf_logits, load_hf_model, make_tiny_hf_checkpoint
+from helpers_hf import hf_logits, hf_routes, load_hf_model, make_tiny_hf_checkpoint
 
 from grpo_jax.core.errors import ConfigError
 from grpo_jax.models import (
@@ -113,26 +113,6 @@ def test_route_flips_count_sets_not_order():
 # Against transformers.
 
 
-def _hf_routes(ref, tokens, mask, positions, k):
-    """transformers' chosen experts [B, T, R, K] (as sets: sorted), from its router logits."""
-    import torch
-
-    with torch.no_grad():
-        out = ref(
-            input_ids=torch.as_tensor(tokens, dtype=torch.long),
-            attention_mask=torch.as_tensor(mask, dtype=torch.long),
-            position_ids=torch.as_tensor(np.array(positions), dtype=torch.long),
-            output_router_logits=True,
-            use_cache=False,
-        )
-    B, T = tokens.shape
-    chosen = [
-        torch.topk(torch.softmax(r.float(), -1), k, -1).indices.numpy().reshape(B, T, k)
-        for r in out.router_logits
-    ]
-    return np.sort(np.stack(chosen, axis=2), axis=-1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_routes_match_transformers_with_left_padding(variant, tmp_path):
@@ -157,8 +137,8 @@ def test_logits_and_routes_match_transformers_with_left_padding(variant, tmp_pat
     np.testing.assert_allclose(ours[mask], theirs[mask], atol=MOE_ATOL, rtol=0)
     k = cfg.experts_per_token
     assert routes.shape == (3, 14, len(cfg.sparse_layers), k)
-    hf_routes = _hf_routes(ref, tokens, mask, positions, k)
-    np.testing.assert_array_equal(np.sort(np.asarray(routes), -1)[mask], hf_routes[mask])
+    want = hf_routes(ref, tokens, mask, positions, k)
+    np.testing.assert_array_equal(np.sort(np.asarray(routes), -1)[mask], want[mask])
 
 
 @pytest.mark.slow
