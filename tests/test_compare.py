@@ -64,6 +64,7 @@ def runs(tmp_path):
     return out
 
 
+@pytest.mark.slow  # about 1.7 s: the fast tier stays under 90 s cold
 def test_groups_pool_seeds_and_pair_by_seed(runs, tmp_path):
     groups, table, paired = compare.compare([str(p) for p in runs])
     assert [g.label for g in groups] == ["baseline", "optim.learning_rate=0.002"]

@@ -200,6 +200,7 @@ def test_fsdp_moments_are_sharded_like_their_parameters(axes, tiny_model_config,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # about 1.7 s: the fast tier stays under 90 s cold
 def test_lora_moments_are_sharded_like_their_adapters(tiny_model_config):
     """With LoRA the optimizer follows the adapters alone, each moment laid out as its adapter."""
     from flax import nnx

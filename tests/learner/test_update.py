@@ -124,6 +124,7 @@ def test_first_update_starts_at_ratio_one_and_moves_params(setup):
     assert not _leaves_equal(new.params, params)
 
 
+@pytest.mark.slow  # about 1.7 s: the fast tier stays under 90 s cold
 def test_nonfinite_update_is_skipped_and_counted(setup):
     _, params, _, batch = setup
     state, fn = _step(setup)

@@ -63,6 +63,7 @@ def test_the_copy_samples_as_a_model_built_in_bfloat16(tiny_policy, tiny_model_c
     assert w(copy) is copy
 
 
+@pytest.mark.slow  # about 1.7 s: the fast tier stays under 90 s cold
 def test_the_copy_keeps_shardings_and_leaves_integer_variables_alone(tiny_model_config):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4}, jax.devices()[:8])
     graphdef, params = nnx.split(create_model(tiny_model_config, seed=0, mesh=mesh))
