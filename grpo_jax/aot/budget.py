@@ -14,6 +14,7 @@ from grpo_jax.core.errors import ConfigError
 from grpo_jax.core.sharding import EXPERT_AXIS
 from grpo_jax.models import CheckpointError
 from grpo_jax.models.hf import open_checkpoint
+from grpo_jax.reward_models import REFERENCE
 from grpo_jax.reward_models import model as reward_model_lib
 from grpo_jax.run import memory
 
@@ -55,7 +56,7 @@ def _learned(run, cfg, mesh_shape) -> list:
                 f"config key '{name}.batch_size' = {section.batch_size} must be a multiple "
                 f"of the mesh's {shards} batch shards"
             )
-        if name == "judge" and section.path == "reference":
+        if name == "judge" and section.path == REFERENCE:
             out.append((name, section, cfg, 0))
             continue
         try:
