@@ -17,8 +17,12 @@ def read_wandb(run_dir: pathlib.Path) -> list:
     The file is ":W&B", two magic bytes and a version byte, then a LevelDB-style log: 32 KiB
     blocks of chunks, each a 7-byte header (checksum, little-endian length, kind: 1 whole,
     2 first, 3 middle, 4 last) and its bytes."""
+    import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
+    # teardown() waits for wandb's service process to end, so the file is closed and whole
+    # when it is read (a suite run once found no config in it, under load).
+    wandb.teardown()
     (path,) = run_dir.glob("run-*.wandb")
     data = path.read_bytes()
     assert data[:4] == b":W&B"
@@ -119,6 +123,8 @@ def test_offline_run_holds_config_record_metrics_samples_and_alarms(tmp_path, mo
     w.close()
     assert run_dir.parent == tmp_path / "wd" / "wandb" and run_dir.name.startswith("offline-run-")
     records = read_wandb(run_dir)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert kinds[:2] == ["header", "run"] and kinds[-1] == "exit", kinds
     cfg = config(records)
     assert cfg["seed"] == 3 and cfg["grpo"] == {"G": 8} and cfg["record"] == rec
     rows = history(records)
