@@ -68,7 +68,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.rewards = "exact_match(tag=None):1.0"
     c.correct_reward = "exact_match(tag=None)"
 
-    c.sampling.max_new_tokens = 16  # = env.max_tokens (memory plan, context check)
+    c.sampling.max_new_tokens = 16  # the warm start's targets; rows of episodes are env.max_tokens
     c.sampling.prompt_buckets = (16,)
 
     c.optim.learning_rate = 2e-3

@@ -144,7 +144,7 @@ def _params_line(cfg) -> str:
 def _run_line(run, cfg) -> str:
     line = (
         f"B {run.train.batch_size}, G {run.grpo.G}, P {max(run.sampling.prompt_buckets)}, "
-        f"T {run.sampling.max_new_tokens}, minibatch {run.train.minibatch_size or 'all'}, "
+        f"T {run.completion_slots[0]}, minibatch {run.train.minibatch_size or 'all'}, "
         f"grad_accum {run.optim.grad_accum}, logits_chunk {run.train.logits_chunk}, "
         f"{cfg.dtype} over {cfg.param_dtype}, remat {cfg.remat}, scan_layers {cfg.scan_layers}, "
         f"attention {cfg.attention}, engine {getattr(run.sampling, 'engine', 'static')}"

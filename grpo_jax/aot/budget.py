@@ -81,7 +81,7 @@ def model_flops(run, cfg, chips: int) -> dict[str, float]:
     A mixture of experts counts the parameters a token computes with
     (``ModelConfig.active_params``: K of each sparse layer's E experts)."""
     sh_tokens_prompt = run.train.batch_size * max(run.sampling.prompt_buckets)
-    N, T = run.train.batch_size * run.grpo.G, run.sampling.max_new_tokens
+    N, T = run.train.batch_size * run.grpo.G, run.completion_slots[0]
     embed = cfg.vocab_size * cfg.hidden_size
     body = cfg.active_params - embed * (1 if cfg.tie_embeddings else 2)
     tokens = sh_tokens_prompt + N * T

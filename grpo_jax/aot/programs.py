@@ -122,7 +122,7 @@ class Builder:
         self.rep = sharding_lib.replicated(self.mesh)
         self.B, self.G = run.train.batch_size, run.grpo.G
         self.N = self.B * self.G
-        self.P, self.T = max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
+        self.P, self.T = max(run.sampling.prompt_buckets), run.completion_slots[0]
         self.routes = route_spec(run, self.cfg)  # routing replay's recorded routes, or None
         self.bsh = batch_lib.rollout_batch_shardings(self.mesh, routes=self.routes is not None)
 

@@ -498,6 +498,16 @@ class RunConfig:
     judge: JudgeSection = JudgeSection()
     teacher: TeacherConfig = TeacherConfig()
 
+    @property
+    def completion_slots(self) -> tuple[int, str]:
+        """T, the completion slots a row holds, and the key that sets it: with an environment
+        the episode's transcript (``env.max_tokens``), else ``sampling.max_new_tokens``.
+        The update, the scoring passes, the memory plan and the compiled programs take their
+        rows' length from it."""
+        if self.env.name:
+            return self.env.max_tokens, "env.max_tokens"
+        return self.sampling.max_new_tokens, "sampling.max_new_tokens"
+
     def section(self, name: str) -> dict:
         """A section as plain data (fingerprints, logs)."""
         value = getattr(self, name)
@@ -557,17 +567,17 @@ def parse_config(config) -> RunConfig:
             f"(model.lora.rank = {run.model.lora.rank})"
         )
     _check_teacher(run)
-    chunk, t = run.train.logits_chunk, run.sampling.max_new_tokens
+    chunk, (t, t_key) = run.train.logits_chunk, run.completion_slots
     if chunk and t % chunk:
         raise ConfigError(
             f"config key 'train.logits_chunk' = {chunk} must divide "
-            f"sampling.max_new_tokens = {t} (or be 0: no chunking)"
+            f"{t_key} = {t} (or be 0: no chunking)"
         )
     row = run.train.pack_row_tokens
     if row and row < max(run.sampling.prompt_buckets) + t:
         raise ConfigError(
             f"config key 'train.pack_row_tokens' = {row} must hold the longest prompt and "
-            f"completion: at least max(sampling.prompt_buckets) + sampling.max_new_tokens = "
+            f"completion: at least max(sampling.prompt_buckets) + {t_key} = "
             f"{max(run.sampling.prompt_buckets) + t} (or be 0: that length)"
         )
     if run.train.dynamic_sampling and run.env.name:
@@ -657,11 +667,7 @@ def _check_engine(run: RunConfig) -> None:
     the sequences a row holds; partial rollouts need one that carries rows."""
     engine = get_engine(run.sampling.engine)
     # A row holds its completion after the prompt, or, with an environment, its transcript.
-    t, what = (
-        (run.env.max_tokens, "env.max_tokens")
-        if run.env.name
-        else (run.sampling.max_new_tokens, "sampling.max_new_tokens")
-    )
+    t, what = run.completion_slots
     engine.check(run.sampling, run.model, completion=t, completion_key=what)
     _check_partial_rollouts(run, engine)
 

@@ -472,7 +472,8 @@ def plan_run(
     ``(train.minibatch_size or B * G) / optim.grad_accum`` rows (or the warm
     start's batch, if bigger); the sampler decodes ``B * G`` rows (or
     ``eval.batch_size``, if bigger); prompts are at most the largest of
-    ``sampling.prompt_buckets`` long, completions ``sampling.max_new_tokens``.
+    ``sampling.prompt_buckets`` long, completions ``RunConfig.completion_slots``
+    (``sampling.max_new_tokens``, or ``env.max_tokens`` with an environment).
     With ``sampling.param_dtype`` the sampler's copy of the parameters is
     counted while sampling, and the rollouts' KV cache is in its dtype
     (evaluation's, in the model's). An engine that counts its own KV cache (the
@@ -538,7 +539,7 @@ def _teacher_bytes(run, est: MemoryEstimate, checkpoint_bytes: int) -> int:
 def _run_kwargs(run, mesh_shape) -> dict:
     """:func:`plan`'s arguments from a run, less ``sample_rows`` (the budget not checked)."""
     n = run.train.batch_size * run.grpo.G
-    T = run.sampling.max_new_tokens
+    T = run.completion_slots[0]
     rows = (run.train.minibatch_size or n) // run.optim.grad_accum
     rows = _packed_rows(run, mesh_shape) or rows
     head = packed_head_tokens(run, mesh_shape)
@@ -570,7 +571,7 @@ def _packed_rows(run, mesh_shape) -> int:
     rows, whose slots the default budget holds). docs/packing.md."""
     if run.train.packing != "on" or not run.train.microbatch_tokens:
         return 0
-    slots = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    slots = max(run.sampling.prompt_buckets) + run.completion_slots[0]
     row = run.train.pack_row_tokens or slots
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
     return shards * math.ceil(max(1, run.train.microbatch_tokens // row) * row / slots)
@@ -586,7 +587,7 @@ def packed_head_tokens(run, mesh_shape) -> int:
         return 0
     if run.train.logits_chunk:
         return run.train.logits_chunk
-    slots = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    slots = max(run.sampling.prompt_buckets) + run.completion_slots[0]
     row = run.train.pack_row_tokens or slots
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
     n = run.train.batch_size * run.grpo.G
@@ -767,7 +768,7 @@ def run_shapes(run, cfg, mesh_shape: Mapping[str, int]) -> RunShapes:
     mesh = {a: int(mesh_shape.get(a, 1)) for a in PLAN_AXES}
     s = mesh["data"] * mesh["fsdp"]
     B, G = run.train.batch_size, run.grpo.G
-    N, P, T = B * G, max(run.sampling.prompt_buckets), run.sampling.max_new_tokens
+    N, P, T = B * G, max(run.sampling.prompt_buckets), run.completion_slots[0]
     layout = run.mesh.layout
     split = mesh["fsdp"] * (mesh["tensor"] if layout == "fsdp_tp" else 1) * mesh[EXPERT_AXIS]
     return RunShapes(

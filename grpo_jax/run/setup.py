@@ -270,11 +270,12 @@ def _print_memory_plan(run: RunConfig, model_cfg, mesh, samp_mesh, stream, teach
     print(mem.table(), file=out, flush=True)
     if samp_mem is not None:
         print("sampler mesh: " + samp_mem.table(), file=out, flush=True)
-    longest = max(run.sampling.prompt_buckets) + run.sampling.max_new_tokens
+    t, t_key = run.completion_slots
+    longest = max(run.sampling.prompt_buckets) + t
     if longest > model_cfg.max_position_embeddings:
         print(
             f"WARNING: the longest prompt bucket ({max(run.sampling.prompt_buckets)}) plus "
-            f"sampling.max_new_tokens ({run.sampling.max_new_tokens}) is {longest} "
+            f"{t_key} ({t}) is {longest} "
             f"positions, past the model's context of {model_cfg.max_position_embeddings} "
             "(max_position_embeddings): positions beyond it were never trained",
             file=out,

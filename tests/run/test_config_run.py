@@ -547,3 +547,24 @@ def test_main_refuses_what_multi_turn_replay_cannot_run_in_one_line(tmp_path):
         "recorded routes; set grpo.router_replay = 'none'"
     ]
     assert not (tmp_path / "a" / "wd" / "metrics.jsonl").exists()
+
+
+def test_with_an_environment_the_chunk_and_packed_row_are_checked_against_the_transcript():
+    """logits_chunk must divide, and pack_row_tokens hold, env.max_tokens (the rows the update
+    scores), not sampling.max_new_tokens: the update would raise mid-run."""
+    env = {"env.name": "guess_number", "env.max_tokens": 20, "sampling.max_new_tokens": 16}
+    bad = smoke_config(plain=True, **env, **{"train.logits_chunk": 8})
+    with pytest.raises(
+        ConfigError, match=r"'train.logits_chunk' = 8 must divide env.max_tokens = 20"
+    ):
+        config_lib.parse_config(bad)
+    fine = config_lib.parse_config(smoke_config(plain=True, **env, **{"train.logits_chunk": 4}))
+    assert fine.completion_slots == (20, "env.max_tokens")
+    p = max(fine.sampling.prompt_buckets)
+    short = smoke_config(
+        plain=True, **env, **{"train.packing": "on", "train.pack_row_tokens": p + 16}
+    )
+    with pytest.raises(
+        ConfigError, match=rf"at least max\(sampling.prompt_buckets\) \+ env.max_tokens = {p + 20}"
+    ):
+        config_lib.parse_config(short)

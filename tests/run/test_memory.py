@@ -336,6 +336,24 @@ def test_plan_run_takes_rows_and_lengths_from_the_run():
         memory.plan_run(run, HAND, mesh, budget_bytes=1024)
 
 
+def test_with_an_environment_rows_are_as_long_as_the_transcript():
+    """An episode's row holds env.max_tokens transcript slots, not sampling.max_new_tokens:
+    the plan of an env run is the plan of a single-turn run with completions that long."""
+    common = {"sampling.prompt_buckets": (4,), "warm_start.enabled": False, "grpo.beta": 0.04}
+    env = run_config(**common, **{"env.name": "guess_number", "env.max_tokens": 24,
+                                  "sampling.max_new_tokens": 8})  # fmt: skip
+    plain = run_config(**common, **{"sampling.max_new_tokens": 24})
+    assert env.completion_slots == (24, "env.max_tokens")
+    assert plain.completion_slots == (24, "sampling.max_new_tokens")
+    mesh = {"fsdp": 2}
+    assert memory.plan_run(env, HAND, mesh) == memory.plan_run(plain, HAND, mesh)
+    shorter = run_config(**common, **{"sampling.max_new_tokens": 8})
+    assert (
+        memory.plan_run(env, HAND, mesh).activations
+        > memory.plan_run(shorter, HAND, mesh).activations
+    )
+
+
 def test_a_stated_budget_in_the_run_config_refuses_the_run_at_start_up(tmp_path):
     """--config.mesh.memory_budget_gb stops an oversized layout before anything trains."""
     from configs.default import get_config
