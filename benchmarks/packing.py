@@ -39,7 +39,7 @@ from flax import nnx
 
 from grpo_jax.core import sharding
 from grpo_jax.core.batch import RolloutBatch, rollout_batch_shardings
-from grpo_jax.learner import optimizer, packing
+from grpo_jax.learner import optimizer, packing, step
 from grpo_jax.learner import update as upd
 from grpo_jax.models import create_model, tiny_config
 from grpo_jax.objective.config import GRPOConfig
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     )  # fmt: skip
 
     def score_packed_fn(p, b, packs):
-        plan = upd._Plan(
+        plan = step.StepPlan(
             graphdef=graphdef, base_graphdef=None, tx=tx, schedule=schedule, objective=grpo,
             logits_chunk=0, grad_accum=1, batch_shards=1, g_full=G, g_micro=G, lora_dropout=0.0,
             packs=packs,

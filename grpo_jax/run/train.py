@@ -29,7 +29,7 @@ from grpo_jax.core import distributed, problems
 from grpo_jax.core.errors import WorkdirWriteError
 from grpo_jax.core.sharding import replicated
 from grpo_jax.data import DataIterator
-from grpo_jax.learner import update as update_lib
+from grpo_jax.learner import ahead as ahead_lib
 from grpo_jax.rollout import sources
 from grpo_jax.rollout.staleness import Staleness
 from grpo_jax.run import evaluation, record
@@ -189,7 +189,7 @@ def _stop(s: Setup, rs: RunState, step: int) -> dict:
 
 def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
     """The update compiled, in a background thread, for a batch of prompts ``prompt_width``
-    wide: a context manager (:class:`grpo_jax.learner.update.CompiledAhead`) whose value is the
+    wide: a context manager (:class:`grpo_jax.learner.ahead.CompiledAhead`) whose value is the
     update. A packed update's shapes follow the lengths the step draws (docs/packing.md):
     it compiles when the first batch is there."""
     run = s.run
@@ -203,7 +203,7 @@ def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
         run.sampling.max_new_tokens,
         routes=routes,
     )
-    return update_lib.CompiledAhead(s.trainer.update, state, spec, key, ref_params)
+    return ahead_lib.CompiledAhead(s.trainer.update, state, spec, key, ref_params)
 
 
 def _train_key(s: Setup, step: int):

@@ -219,22 +219,22 @@ def test_the_update_compiled_ahead_serves_every_step(tmp_path, monkeypatch):
     """The first step compiles the update in a thread from ``batch_spec``; that spec is the
     real batch's signature, so every step runs that executable and the jitted update itself
     never compiles. The run equals one whose update is the plain jitted function."""
-    from grpo_jax.learner import update as update_lib
+    from grpo_jax.learner import ahead as ahead_lib
     from grpo_jax.run import train as train_lib
 
     made, calls = [], []
-    real_init, real_call = update_lib.CompiledAhead.__init__, update_lib.CompiledAhead.__call__
+    real_init, real_call = ahead_lib.CompiledAhead.__init__, ahead_lib.CompiledAhead.__call__
 
     def init(self, jitted, *args):
         made.append((self, jitted))
         real_init(self, jitted, *args)
 
     def call(self, *args):
-        calls.append(update_lib._signature(args) == self._signature)
+        calls.append(ahead_lib._signature(args) == self._signature)
         return real_call(self, *args)
 
-    monkeypatch.setattr(update_lib.CompiledAhead, "__init__", init)
-    monkeypatch.setattr(update_lib.CompiledAhead, "__call__", call)
+    monkeypatch.setattr(ahead_lib.CompiledAhead, "__init__", init)
+    monkeypatch.setattr(ahead_lib.CompiledAhead, "__call__", call)
     cfg = smoke_config(**{**SHORT_RUN, "train.steps": 3, "checkpoint.every": 0})
     train(cfg, tmp_path / "ahead", stream=io.StringIO())
     assert len(made) == 1 and calls == [True, True, True]

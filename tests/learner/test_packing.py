@@ -12,7 +12,7 @@ from helpers_batches import grouped_batch, rollout_batch
 from helpers_jit import completion_logps
 
 from grpo_jax.core import sharding
-from grpo_jax.learner import optimizer, packing
+from grpo_jax.learner import accumulate, optimizer, packing, step, terms
 from grpo_jax.learner import update as upd
 from grpo_jax.run.config import GRPOConfig, OptimConfig
 
@@ -129,21 +129,21 @@ def _loss_and_grads(setup, grpo, packs):
 
         @jax.jit
         def fn(params, ref, batch, packs):
-            plan = upd._Plan(
+            plan = step.StepPlan(
                 graphdef=graphdef, base_graphdef=None, tx=None, schedule=None, objective=grpo,
                 logits_chunk=0, grad_accum=1, batch_shards=1, g_full=G, g_micro=G,
                 lora_dropout=0.0, packs=packs,
             )  # fmt: skip
-            prepared, _ = upd._prepare_batch(plan, None, batch, ref, grpo.old_logps)
+            prepared, _ = terms.prepare_batch(plan, None, batch, ref, grpo.old_logps)
             k = jax.random.key(0)
             if packs is None:
-                loss, _, grads = upd._accumulate(
-                    plan, upd._make_grad_fn(plan), params, None, prepared, k
+                loss, _, grads = accumulate.accumulate(
+                    plan, terms.make_grad_fn(plan), params, None, prepared, k
                 )
             else:
-                grad_fn = upd._make_grad_fn(plan, upd._packed_loss)
+                grad_fn = terms.make_grad_fn(plan, terms.packed_loss)
                 first = jax.tree.map(lambda x: x[0], packs)
-                loss, _, grads = upd._packed_accumulate(
+                loss, _, grads = accumulate.packed_accumulate(
                     plan, grad_fn, params, None, prepared, first, k
                 )
             return loss, grads
@@ -216,7 +216,7 @@ def test_packed_scoring_pass_equals_the_padded_log_probs(setup, shards, minibatc
     graphdef, params, ref, batch = setup
     s = _settings(tokens=2 * (P + T), shards=shards, minibatches=minibatches)
     packs, _ = _plan(batch, s)
-    plan = upd._Plan(
+    plan = step.StepPlan(
         graphdef=graphdef, base_graphdef=None, tx=None, schedule=None, objective=GRPOConfig(G=G),
         logits_chunk=0, grad_accum=1, batch_shards=shards, g_full=G, g_micro=G,
         lora_dropout=0.0, packs=packs,

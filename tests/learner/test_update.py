@@ -9,7 +9,8 @@ import pytest
 from helpers_batches import grouped_batch, rollout_batch
 
 from grpo_jax.core import sharding
-from grpo_jax.learner import optimizer
+from grpo_jax.learner import ahead as ahead_lib
+from grpo_jax.learner import optimizer, rows
 from grpo_jax.learner import update as upd
 from grpo_jax.rollout.rounds import RolloutBatch
 from grpo_jax.run.config import GRPOConfig, OptimConfig
@@ -236,11 +237,11 @@ def test_combine_weighs_token_means_by_tokens_and_skips_parts_without():
         "ratio_max": jnp.array([1.1, 1.0, 1.05]),
         "loss": jnp.array([0.3, 0.0, 0.6]),
     }
-    out = jax.device_get(upd._combine(m, jnp.array([30.0, 0.0, 10.0])))
+    out = jax.device_get(rows.combine(m, jnp.array([30.0, 0.0, 10.0])))
     # (30 * 4 + 10 * 2) / 40; the part without tokens (its 0 and 1.0 are no values) is left out.
     assert out["entropy"] == 3.5 and out["ratio_min"] == 0.9 and out["ratio_max"] == 1.1
     np.testing.assert_allclose(out["loss"], 0.3)  # per part, not per token
-    out = jax.device_get(upd._combine(m, jnp.zeros(3)))
+    out = jax.device_get(rows.combine(m, jnp.zeros(3)))
     assert np.isnan(out["entropy"]) and out["ratio_min"] == out["ratio_max"] == 1.0
 
 
@@ -271,7 +272,7 @@ def test_token_means_count_only_the_weighted_tokens(setup):
 
 def test_split_rows_takes_every_shard():
     x = jnp.arange(8)
-    parts = upd._split_rows(x, 2, 2)  # 2 shards of rows [0..3], [4..7]; 2 parts
+    parts = rows.split_rows(x, 2, 2)  # 2 shards of rows [0..3], [4..7]; 2 parts
     np.testing.assert_array_equal(np.asarray(parts), [[0, 1, 4, 5], [2, 3, 6, 7]])
 
 
@@ -328,7 +329,7 @@ def test_the_update_compiles_beside_the_caller():
         def compile(self):
             return lambda *args: "compiled"
 
-    ahead = upd.CompiledAhead(Slow(), jnp.zeros(2))
+    ahead = ahead_lib.CompiledAhead(Slow(), jnp.zeros(2))
     assert started.wait(5) and not ahead._future.done()  # compiling beside the caller
     release.set()
     assert ahead(jnp.zeros(2)) == "compiled"
