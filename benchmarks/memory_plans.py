@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/memory_plans.py
 
 Prints the two tables of README.md ("LoRA") and docs/lora.md ("Memory"):
-``grpo_jax.run.memory.estimate`` for each model, training mode and placement, in
+``grpo_jax.run.memory_model.estimate`` for each model, training mode and placement, in
 GiB. No model is built: the shapes are those of the public Qwen2.5 configs
 (hidden size, layers, heads, KV heads, head width, MLP width, vocabulary, tied
 embeddings), the workload 256 prompt + 512 completion tokens, remat, beta 0.04,
