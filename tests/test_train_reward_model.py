@@ -137,7 +137,7 @@ def test_command_trains_and_saves(tmp_path):
     )
     out = tmp_path / "rm"
     cmd = [sys.executable, "-m", "grpo_jax.train_reward_model", f"--pairs={pairs}", f"--out={out}"]
-    cmd += ["--steps=40", "--batch_size=8", "--learning_rate=1e-3", "--heldout_frac=0.2"]
+    cmd += ["--steps=15", "--batch_size=8", "--learning_rate=1e-3", "--heldout_frac=0.2"]
     # The texts ("12+34=<answer>46</answer>") fit 32 tokens: half the default smallest bucket.
     done = subprocess.run([*cmd, "--buckets=32"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

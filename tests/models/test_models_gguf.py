@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import random
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from helpers_jit import logits as jitted_logits
 from grpo_jax.models import CheckpointError, convert_gguf, from_gguf, from_pretrained
 from grpo_jax.models.gguf import GGUFFile, cached_conversion, hf_config
 from grpo_jax.models.gguf_quants import TYPES, dequantize
+from grpo_jax.run import runlocal
 
 gguf = pytest.importorskip("gguf")
 
@@ -382,12 +384,12 @@ def test_real_tokenizer_matches_transformers(gemma_file, gemma_tokenizer):
     theirs = transformers.AutoTokenizer.from_pretrained(
         str(gemma_file.parent), gguf_file=gemma_file.name
     )
-    gsm8k = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
-    strings = list(TOKENIZER_STRINGS)
-    if gsm8k.exists():
-        for line in gsm8k.read_text().splitlines()[:200]:
-            row = json.loads(line)
-            strings += [row["question"], row["answer"]]
+    # The GSM8K-format rows the recipes train on here (runlocal's word problems: names,
+    # numbers, "<<a+b=c>>" calculations, "#### n").
+    rng = random.Random(0)
+    rows = [runlocal.word_problem(rng) for _ in range(40)]
+    rows += [runlocal.one_step_problem(rng) for _ in range(40)]
+    strings = list(TOKENIZER_STRINGS) + [r[k] for r in rows for k in ("question", "answer")]
     for s in strings:
         a, b = gemma_tokenizer(s).input_ids, theirs(s).input_ids
         assert a == b, (s, a, b)
@@ -405,7 +407,6 @@ def test_real_grpo_step_checkpoint_export_reload(gemma_file, gemma_hf_dir, tmp_p
     import transformers
 
     from grpo_jax.export import export_hf
-    from grpo_jax.run import runlocal
     from grpo_jax.run.train import train
 
     spec = importlib.util.spec_from_file_location(
@@ -437,6 +438,7 @@ def test_real_grpo_step_checkpoint_export_reload(gemma_file, gemma_hf_dir, tmp_p
     c.optim.grad_accum = 1
     c.eval.num_problems = 1
     c.eval.batch_size = 1
+    c.eval.at_start = False  # the evaluation after the step is enough to cover it
     c.checkpoint.every = 1
     workdir = tmp_path / "run"
     summary = train(c, workdir)
