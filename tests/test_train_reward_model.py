@@ -76,6 +76,7 @@ def test_heldout_accuracy_well_above_chance(trained):
     assert all(h["finite"] for h in history)
 
 
+@pytest.mark.slow  # over 1.25 s on a 2-core CPU
 def test_pair_loss_is_bradley_terry_of_the_scores(builtin_tokenizer, tiny_model_config):
     # Any parameters will do (an untrained model): the loss is a function of the scores.
     model = RewardModel(tiny_model_config, 1, rngs=nnx.Rngs(1))

@@ -144,6 +144,7 @@ def test_both_right_needs_room_for_zeros():
         synthetic_pairs.biased_pairs(10, seed=0, taste=-0.1)
 
 
+@pytest.mark.slow  # over 1.25 s on a 2-core CPU
 def test_more_pairs_than_training_problems_are_refused_before_any_is_drawn():
     most = synthetic_pairs.training_problems()  # each pair is a distinct training problem
     assert 0.89 * 900**2 < most < 0.91 * 900**2  # the training split's 90% of 3-digit sums

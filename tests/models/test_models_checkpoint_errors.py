@@ -192,6 +192,7 @@ def test_llama_4x_config_file_gives_the_same_logits(checkpoints, tmp_path):
     )
 
 
+@pytest.mark.slow  # over 1.25 s on a 2-core CPU
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
 def test_gemma3_multimodal_checkpoint_loads_its_text_model(prefix, checkpoints, tmp_path):
     def nest(cfg):

@@ -222,6 +222,7 @@ def test_tool_use_chat_episode_is_the_whole_conversation_templated(chat_tok):
     _check_episodes(ep, script[len(prompt) :], model_mask[len(prompt) :])
 
 
+@pytest.mark.slow  # over 1.25 s on a 2-core CPU
 def test_tool_use_tag_format_episode():
     """Without a chat template: results come back as <tool_result> blocks, as text."""
     tok = build_tokenizer()

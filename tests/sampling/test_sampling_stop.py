@@ -106,6 +106,7 @@ def test_mixed_lengths_with_eos(reference):
     assert (lengths < eos_only).any()
 
 
+@pytest.mark.slow  # over 1.25 s on a 2-core CPU
 def test_stop_never_matches_into_the_prompt():
     # Greedy: row 0's prompt ends with 7 and its completion starts with g0, g1.
     # (7, g0) and (5, 7, g0) match only when the prompt is read as part of the
