@@ -439,6 +439,7 @@ def test_real_grpo_step_checkpoint_export_reload(gemma_file, gemma_hf_dir, tmp_p
     c.eval.num_problems = 1
     c.eval.batch_size = 1
     c.eval.at_start = False  # the evaluation after the step is enough to cover it
+    c.model.scan_layers = True  # one layer's program, not 18: compiles in a fraction
     c.checkpoint.every = 1
     workdir = tmp_path / "run"
     summary = train(c, workdir)
