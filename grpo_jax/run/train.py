@@ -200,7 +200,7 @@ def _update_compiled_ahead(s: Setup, state, prompt_width: int, key, ref_params):
         batch_lib.rollout_batch_shardings(s.placement.mesh, routes=routes is not None),
         run.train.batch_size * run.grpo.G,
         prompt_width,
-        run.sampling.max_new_tokens,
+        run.completion_slots[0],
         routes=routes,
     )
     return ahead_lib.CompiledAhead(s.trainer.update, state, spec, key, ref_params)
