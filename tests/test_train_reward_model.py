@@ -255,9 +255,15 @@ def test_a_checkpoint_with_flipped_bytes_is_set_aside_and_training_resumes_from_
     flip_bytes(ck / "6", "params")
     said.clear()
     _, resumed = train_pairs(fresh(), builtin_tokenizer, pairs, checkpoints=ck, **kw)
-    assert said[0].startswith(f"checkpoint step 6 in {ck} could not be restored (params")
+    assert said[0].startswith(f"checkpoint step 6 in {ck} could not be restored (")
     assert said[0].endswith(f"; set aside in {ck}.unrestorable, resuming from step 4")
-    assert "differs from the checksum saved with it (damaged on disk)" in said[0]
+    # The tiny model's arrays are small zstd frames: bytes flipped in a frame's header fail
+    # TensorStore's decompression, naming the file, before the array's checksum is compared
+    # (about one run in fifteen); elsewhere they decompress, and the checksum catches them.
+    by_checksum = said[0].startswith(f"checkpoint step 6 in {ck} could not be restored (params")
+    by_checksum &= "differs from the checksum saved with it (damaged on disk)" in said[0]
+    by_decoder = "Error reading" in said[0] and f'at local file "{ck}/6/params/"' in said[0]
+    assert by_checksum or by_decoder, said[0]
     assert said[1] == f"resumed from the checkpoint of step 4 in {ck}"
     assert resumed == whole  # the same losses, step for step
     assert (tmp_path / "checkpoints.unrestorable" / "6").is_dir()
